@@ -1,0 +1,102 @@
+"""``accelpact-run CONFIG``: run a training job on the embedded default or as one Slurm task.
+
+Outside Slurm the command launches the job itself: ``topology.nodes x
+topology.ranks_per_node`` local processes with an emulated Slurm environment.
+Inside an allocation (one task per rank via ``srun``) it joins as that task's
+rank; the allocation's sizes win over the job file's topology.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+from .. import settings
+from ..config import JobConfig, load_config, with_overrides
+from ..errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
+
+log = logging.getLogger("accelpact_slurm.cli.run")
+
+EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="accelpact-run",
+        description=__doc__.split("\n\n")[0] + ". " + " ".join(__doc__.split("\n\n")[1].split()),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/tiny.yaml)")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="where events.jsonl, summary.json and logs go "
+                        f"(default: ${settings.RUNS_ROOT} or ./runs, then the job id or name and time)")
+    p.add_argument("--steps", type=int, metavar="N", help="number of optimizer updates (overrides the file)")
+    p.add_argument("--seed", type=int, metavar="N", help="random seed (overrides the file)")
+    return p
+
+
+def effective_config(args: argparse.Namespace) -> JobConfig:
+    cfg = load_config(args.config)
+    overrides = {}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    cfg = with_overrides(cfg, overrides) if overrides else cfg
+    if cfg.faults:
+        raise ConfigError("faults", [str(f) for f in cfg.faults],
+                          "fault injection is not available in this version; remove the faults list")
+    return cfg
+
+
+def default_run_dir(cfg: JobConfig, job_id: str | None) -> str:
+    leaf = job_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return os.path.join(settings.runs_root(), leaf)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..slurm_env import SlurmContext, in_slurm
+
+    env = os.environ
+    try:
+        cfg = effective_config(args)
+        if in_slurm(env):
+            ctx = SlurmContext.from_environ(env)
+            cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes,
+                                       "topology.ranks_per_node": ctx.ranks_per_node})
+            run_dir = args.run_dir or default_run_dir(cfg, ctx.job_id)
+            os.makedirs(run_dir, exist_ok=True)
+            from ..job import run_rank
+
+            return run_rank(cfg, ctx, run_dir)
+        if env.get("SLURM_JOB_ID"):
+            raise ConfigError("SLURM_PROCID", None,
+                              "inside an allocation but not in a task: start one task per rank with "
+                              "srun (see sbatch_templates/hsdp.sbatch)")
+        run_dir = args.run_dir or default_run_dir(cfg, None)
+        os.makedirs(run_dir, exist_ok=True)
+        from ..launcher import launch_local
+
+        passthrough: list[str] = []
+        if args.steps is not None:
+            passthrough += ["--steps", str(args.steps)]
+        if args.seed is not None:
+            passthrough += ["--seed", str(args.seed)]
+        print(f"[accelpact] embedded default: {cfg.topology.nodes} emulated nodes x "
+              f"{cfg.topology.ranks_per_node} ranks on this machine; run dir {run_dir}", flush=True)
+        return launch_local(os.path.abspath(args.config), cfg, os.path.abspath(run_dir), passthrough)
+    except AccelpactError as exc:
+        print(f"accelpact-run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, (ConfigError, ValueError)) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

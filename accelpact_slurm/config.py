@@ -1,0 +1,323 @@
+"""Job configuration: frozen keyword-only dataclasses built from a YAML job file.
+
+One function, :func:`load_config`, turns YAML into a :class:`JobConfig`; every
+problem (malformed YAML, an unknown key, a wrong type, an impossible value,
+inconsistent timeouts) raises :class:`~accelpact_slurm.errors.ConfigError` whose
+one-line message names the field, the value and the fix.
+
+Precedence is flag > environment > file > default; flags and environment are
+applied by the caller through :func:`with_overrides` so that this module stays
+pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import ConfigError
+
+FAULT_PHASES = ("boundary", "forward", "backward")
+FSDP_VERSIONS = ("fsdp1", "fsdp2")
+MESH_MODES = ("device_mesh", "group_pair")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopologyConfig:
+    """Embedded-default topology; inside Slurm the allocation's sizes win."""
+
+    nodes: int = 2
+    ranks_per_node: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    layers: int = 4
+    width: int = 64
+    heads: int = 4
+    vocab: int = 256
+    seq_len: int = 32
+    dropout: float = 0.1
+    fsdp: str = "fsdp1"
+    mesh: str = "device_mesh"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    batch_per_rank: int = 4
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    log_every: int = 5
+    threads_per_rank: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0
+    keep_last: int = 2
+    milestone_every: int = 0
+    compress: bool = False
+    local_dir: str | None = None
+    shared_dir: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutConfig:
+    """Seconds.  ``collective_s`` detects a dead data-plane peer; it must be
+    shorter than ``control_s`` (the control-plane and repair deadline), or a
+    repair times out while its peers are still detecting the fault."""
+
+    collective_s: float = 5.0
+    control_s: float = 30.0
+    startup_s: float = 120.0
+    shutdown_s: float = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """``PHASE:STEP:RANK``: make RANK withhold its part of the replication
+    collective in PHASE of update STEP (``boundary``: right after update STEP)."""
+
+    phase: str
+    step: int
+    rank: int
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "faults") -> "FaultSpec":
+        parts = str(text).split(":")
+        if len(parts) != 3:
+            raise ConfigError(field_name, text, "write a fault as PHASE:STEP:RANK, e.g. boundary:15:1")
+        phase, step, rank = parts
+        if phase not in FAULT_PHASES:
+            raise ConfigError(field_name, text, f"PHASE must be one of {', '.join(FAULT_PHASES)}")
+        try:
+            step_i, rank_i = int(step), int(rank)
+        except ValueError:
+            raise ConfigError(field_name, text, "STEP and RANK must be integers, e.g. boundary:15:1") from None
+        if step_i < 1 or rank_i < 0:
+            raise ConfigError(field_name, text, "STEP must be >= 1 and RANK >= 0")
+        return cls(phase=phase, step=step_i, rank=rank_i)
+
+    def __str__(self) -> str:
+        return f"{self.phase}:{self.step}:{self.rank}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    name: str = "job"
+    seed: int = 0
+    steps: int = 25
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    faults: tuple[FaultSpec, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.nodes * self.topology.ranks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["faults"] = [str(f) for f in self.faults]
+        return out
+
+    def digest(self) -> str:
+        """SHA-256 of the effective configuration (stable key order)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike[str]) -> JobConfig:
+    """Read and validate a YAML job file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError("config", path, f"cannot read the job file ({exc.strerror}); pass an existing YAML file") from exc
+    return parse_config(text, source=path)
+
+
+def parse_config(text: str, source: str = "<string>") -> JobConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("config", source, f"malformed YAML at {where}: {problem}; fix the syntax there") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("config", type(data).__name__, f"the top level of {source} must be a mapping of sections")
+    cfg = _build(JobConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: Mapping[str, Any]) -> JobConfig:
+    cfg = _build(JobConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def with_overrides(cfg: JobConfig, overrides: Mapping[str, Any]) -> JobConfig:
+    """Return ``cfg`` with dotted-key overrides (``{"steps": 10, "topology.nodes": 1}``) applied and validated."""
+    data = cfg.to_dict()
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(dotted, value, "no such configuration section")
+            node = node[part]
+        if parts[-1] not in node:
+            raise ConfigError(dotted, value, "no such configuration key")
+        node[parts[-1]] = value
+    return from_dict(data)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}{key}"
+            raise ConfigError(where, data[key], f"unknown key; known keys here: {', '.join(sorted(names))}")
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if value is None:
+            return hint()
+        if not isinstance(value, Mapping):
+            raise ConfigError(where, value, "must be a mapping (a YAML section)")
+        return _build(hint, value, f"{where}.")
+    if origin is tuple and typing.get_args(hint)[:1] == (FaultSpec,):
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(where, value, "must be a list of PHASE:STEP:RANK strings")
+        return tuple(FaultSpec.parse(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(where, value, "must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(where, value, "must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(where, value, "must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(where, value, "must be a string")
+        return value
+    raise ConfigError(where, value, f"unsupported type {hint}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_timeouts(t: TimeoutConfig) -> tuple[bool, str]:
+    """Pure check of the timeout relation; returns ``(ok, reason)``."""
+    if t.collective_s >= t.control_s:
+        return False, (
+            f"must be shorter than timeouts.control_s ({t.control_s:g}): the control plane must outlive "
+            f"fault detection on the data plane; lower collective_s or raise control_s above collective_s "
+            f"plus the detection skew between ranks"
+        )
+    return True, "collective timeout is shorter than the control-plane timeout"
+
+
+def validate(cfg: JobConfig) -> None:
+    def positive(where: str, value: float, fix: str = "must be > 0") -> None:
+        if value <= 0:
+            raise ConfigError(where, value, fix)
+
+    if cfg.steps < 0:
+        raise ConfigError("steps", cfg.steps, "must be >= 0 (the number of optimizer updates to run)")
+    positive("topology.nodes", cfg.topology.nodes, "must be >= 1")
+    positive("topology.ranks_per_node", cfg.topology.ranks_per_node, "must be >= 1")
+    m = cfg.model
+    for name in ("layers", "width", "heads", "vocab", "seq_len"):
+        positive(f"model.{name}", getattr(m, name), "must be >= 1")
+    if m.width % m.heads:
+        raise ConfigError("model.width", m.width, f"must be divisible by model.heads ({m.heads})")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+    if m.fsdp not in FSDP_VERSIONS:
+        raise ConfigError("model.fsdp", m.fsdp, f"must be one of {', '.join(FSDP_VERSIONS)}")
+    if m.mesh not in MESH_MODES:
+        raise ConfigError("model.mesh", m.mesh, f"must be one of {', '.join(MESH_MODES)}")
+    if m.fsdp == "fsdp2" and m.mesh != "device_mesh":
+        raise ConfigError("model.mesh", m.mesh, "FSDP2 runs on a device mesh; set model.mesh: device_mesh")
+    t = cfg.train
+    positive("train.batch_per_rank", t.batch_per_rank, "must be >= 1")
+    positive("train.lr", t.lr)
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError("train.min_lr", t.min_lr, f"must be between 0 and train.lr ({t.lr:g})")
+    if t.warmup_steps < 0:
+        raise ConfigError("train.warmup_steps", t.warmup_steps, "must be >= 0")
+    if t.weight_decay < 0:
+        raise ConfigError("train.weight_decay", t.weight_decay, "must be >= 0")
+    for name in ("beta1", "beta2"):
+        v = getattr(t, name)
+        if not 0 <= v < 1:
+            raise ConfigError(f"train.{name}", v, "must be in [0, 1)")
+    positive("train.log_every", t.log_every, "must be >= 1")
+    positive("train.threads_per_rank", t.threads_per_rank, "must be >= 1")
+    c = cfg.checkpoint
+    if c.every_steps < 0:
+        raise ConfigError("checkpoint.every_steps", c.every_steps, "must be >= 0 (0 turns snapshots off)")
+    if c.keep_last < 2:
+        raise ConfigError(
+            "checkpoint.keep_last", c.keep_last,
+            "must be >= 2: with one kept snapshot a crash while writing the next leaves nothing verified to resume from",
+        )
+    if c.milestone_every < 0:
+        raise ConfigError("checkpoint.milestone_every", c.milestone_every, "must be >= 0 (0: no milestones)")
+    to = cfg.timeouts
+    for name in ("collective_s", "control_s", "startup_s", "shutdown_s"):
+        positive(f"timeouts.{name}", getattr(to, name), "must be a positive number of seconds")
+    ok, reason = check_timeouts(to)
+    if not ok:
+        raise ConfigError("timeouts.collective_s", to.collective_s, reason)
+    for i, f in enumerate(cfg.faults):
+        if f.step > cfg.steps:
+            raise ConfigError(f"faults[{i}]", str(f), f"STEP must be <= steps ({cfg.steps})")
+        if f.rank >= cfg.world_size:
+            raise ConfigError(f"faults[{i}]", str(f), f"RANK must be < the world size ({cfg.world_size})")

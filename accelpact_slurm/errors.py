@@ -1,0 +1,86 @@
+"""One exception hierarchy and the documented process exit codes.
+
+Every error the project raises derives from :class:`AccelpactError` and from the
+nearest builtin, so callers may catch either.  Exit codes are the contract with
+the launcher and with Slurm: :data:`EXIT_REQUEUE` asks for a requeue and a reload
+of the newest verified checkpoint; :data:`EXIT_NO_REQUEUE` asks the supervisor to
+stop (no progress across restarts, or an error a restart cannot fix).
+"""
+
+from __future__ import annotations
+
+#: The run finished all its steps.
+EXIT_OK = 0
+#: Bad input: a configuration, command-line or environment error.  Not requeued.
+EXIT_USAGE = 2
+#: Fail-stop: "requeue me".  The state on disk is the newest verified checkpoint.
+EXIT_REQUEUE = 75
+#: "Do not requeue": no progress across restarts, or a fatal error.
+EXIT_NO_REQUEUE = 76
+
+EXIT_CODES = {
+    EXIT_OK: "completed",
+    EXIT_USAGE: "usage or configuration error (not requeued)",
+    EXIT_REQUEUE: "fail-stop: requeue and reload the newest verified checkpoint",
+    EXIT_NO_REQUEUE: "do not requeue: no progress across restarts or a fatal error",
+}
+
+
+class AccelpactError(Exception):
+    """Root of every error raised by this project."""
+
+
+class ConfigError(AccelpactError, ValueError):
+    """A job file, flag or environment value is invalid.
+
+    The message names the field, the value and the fix, on one line.
+    """
+
+    def __init__(self, field: str, value: object, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.fix = fix
+        super().__init__(f"{field}: invalid value {value!r}: {fix}")
+
+    def __reduce__(self):  # errors must pickle across process boundaries
+        return (type(self), (self.field, self.value, self.fix))
+
+
+class SlurmEnvError(AccelpactError, ValueError):
+    """The Slurm environment of a task is missing a variable or is inconsistent."""
+
+
+class ControlPlaneError(AccelpactError, RuntimeError):
+    """An out-of-band agreement over the control plane failed."""
+
+
+class ControlPlaneTimeout(ControlPlaneError, TimeoutError):
+    """A control-plane wait passed its deadline."""
+
+
+class FailStop(AccelpactError, RuntimeError):
+    """The run must stop now; ``exit_code`` says whether to requeue."""
+
+    def __init__(self, reason: str, exit_code: int = EXIT_REQUEUE) -> None:
+        self.reason = reason
+        self.exit_code = exit_code
+        super().__init__(reason)
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.exit_code))
+
+
+class RepairError(AccelpactError, RuntimeError):
+    """An L1 repair phase failed; the engine turns it into a fail-stop."""
+
+
+class RepairTimeout(RepairError, TimeoutError):
+    """An L1 repair phase passed its deadline."""
+
+
+class CheckpointError(AccelpactError, RuntimeError):
+    """A checkpoint could not be written, verified or loaded."""
+
+
+class LaunchError(AccelpactError, RuntimeError):
+    """The local launcher could not start or supervise its ranks."""

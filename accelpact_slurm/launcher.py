@@ -1,0 +1,171 @@
+"""The embedded default: run a job's ranks as local processes with an emulated Slurm environment.
+
+Outside Slurm, ``accelpact-run`` calls :func:`launch_local`, which starts one
+process per rank (``nodes x ranks_per_node`` of the job file), each seeing the
+variables ``srun --nodes=N --ntasks-per-node=R`` would give it, and supervises
+them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on
+their own, then SIGTERM, then SIGKILL.  Rank 0's output goes to the terminal;
+every rank's output is also kept under ``RUN_DIR/logs/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence, TextIO
+
+from .config import JobConfig
+from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, LaunchError
+from .slurm_env import emulated_environ
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen
+    log_path: str
+    pump: threading.Thread | None = None
+
+
+def _pump(src, dst_file, echo: TextIO | None) -> None:
+    """Copy a rank's output to its log file and, for rank 0, to the terminal."""
+    with open(dst_file, "ab") as fh:
+        for line in iter(src.readline, b""):
+            fh.write(line)
+            fh.flush()
+            if echo is not None:
+                echo.write(line.decode(errors="replace"))
+                echo.flush()
+
+
+def combine_exit_codes(codes: Sequence[int | None]) -> int:
+    """The job's exit code from its ranks' codes (pure).
+
+    0 when every rank finished; otherwise "do not requeue" wins over "requeue me",
+    which wins over any other failure (reported as "requeue me": a crash is a fail-stop).
+    """
+    failed = [c for c in codes if c not in (0, None)]
+    if not failed:
+        return EXIT_OK
+    if EXIT_NO_REQUEUE in failed:
+        return EXIT_NO_REQUEUE
+    if 2 in failed:
+        return 2
+    return EXIT_REQUEUE
+
+
+def launch_local(
+    config_path: str,
+    cfg: JobConfig,
+    run_dir: str,
+    worker_args: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+    job_id: str | None = None,
+    restart_count: int = 0,
+) -> int:
+    """Start and supervise ``cfg.world_size`` local ranks; return the job's exit code."""
+    environ = dict(os.environ if environ is None else environ)
+    out = out or sys.stdout
+    nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
+    job_id = job_id or environ.get("ACCELPACT_LOCAL_JOB_ID") or f"local-{os.getpid()}"
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    data_port = free_port()
+    control_port = free_port()
+    while control_port == data_port:
+        control_port = free_port()
+    ranks: list[RankProcess] = []
+    cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config_path, "--run-dir", run_dir, *worker_args]
+    try:
+        for rank in range(nodes * rpn):
+            env = dict(environ)
+            env.update(emulated_environ(job_id, rank, nodes, rpn, restart_count=restart_count))
+            env.update({
+                "ACCELPACT_MASTER_ADDR": "127.0.0.1",
+                "ACCELPACT_MASTER_PORT": str(data_port),
+                "ACCELPACT_CONTROL_PORT": str(control_port),
+                "ACCELPACT_EMULATED": "1",
+                "PYTHONUNBUFFERED": "1",
+            })
+            log_path = os.path.join(logs, f"rank-{rank}.log")
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+            rp = RankProcess(rank, proc, log_path)
+            rp.pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, out if rank == 0 else None),
+                                       name=f"pump-rank-{rank}", daemon=True)
+            rp.pump.start()
+            ranks.append(rp)
+    except OSError as exc:
+        _terminate(ranks, grace_s=0)
+        raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
+    return _supervise(ranks, cfg.timeouts.shutdown_s, out)
+
+
+def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):  # handlers only set a flag
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        deadline: float | None = None
+        while True:
+            codes = [rp.proc.poll() for rp in ranks]
+            if all(c is not None for c in codes):
+                break
+            failed = [(rp.rank, c) for rp, c in zip(ranks, codes) if c not in (None, 0)]
+            if stop["signal"] is not None and deadline is None:
+                for rp in ranks:
+                    if rp.proc.poll() is None:
+                        rp.proc.send_signal(stop["signal"])
+                deadline = time.monotonic() + shutdown_s
+            if failed and deadline is None:
+                r, c = failed[0]
+                print(f"[accelpact] rank {r} exited with code {c}; stopping the other ranks "
+                      f"(grace {shutdown_s:g} s, log {ranks[r].log_path})", file=out, flush=True)
+                deadline = time.monotonic() + shutdown_s
+            if deadline is not None and time.monotonic() > deadline:
+                _terminate(ranks, grace_s=shutdown_s)
+                break
+            time.sleep(POLL_S)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    for rp in ranks:
+        if rp.pump is not None:
+            rp.pump.join(timeout=5)
+    return combine_exit_codes([rp.proc.returncode for rp in ranks])
+
+
+def _terminate(ranks: list[RankProcess], grace_s: float) -> None:
+    for rp in ranks:
+        if rp.proc.poll() is None:
+            rp.proc.terminate()
+    end = time.monotonic() + grace_s
+    for rp in ranks:
+        try:
+            rp.proc.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rp.proc.kill()
+            rp.proc.wait(timeout=5)

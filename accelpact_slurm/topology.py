@@ -1,0 +1,145 @@
+"""The HSDP layout and the process groups of the data plane.
+
+Replicate dimension = nodes, shard dimension = ranks of a node.  Rank ``r`` sits on
+node ``r // R`` at local rank ``r % R``; its shard group is the ranks of its node
+and its replication group is the ranks with the same local rank on every node.
+
+:func:`init_runtime` builds, for one rank: the data-plane store and Gloo world,
+the 2-D device mesh or the explicit (shard, replicate) group pair, and the
+control plane on its own store.  Library code passes groups explicitly and never
+issues a collective on the default group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import JobConfig
+from .control import ControlPlane
+from .errors import ConfigError, SlurmEnvError
+from .slurm_env import SlurmContext
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Pure arithmetic of the (replicate x shard) layout."""
+
+    num_nodes: int
+    ranks_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def shard_ranks(self, node: int) -> list[int]:
+        return [node * self.ranks_per_node + i for i in range(self.ranks_per_node)]
+
+    def replicate_ranks(self, local_rank: int) -> list[int]:
+        return [n * self.ranks_per_node + local_rank for n in range(self.num_nodes)]
+
+    def mesh(self) -> list[list[int]]:
+        return [self.shard_ranks(n) for n in range(self.num_nodes)]
+
+
+@dataclass
+class Runtime:
+    """Everything distributed that one rank holds."""
+
+    ctx: SlurmContext
+    layout: Layout
+    rank: int
+    node: int
+    local_rank: int
+    data_store: dist.Store
+    control: ControlPlane
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup
+    mesh: DeviceMesh | None
+    collective_timeout_s: float
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort at exit
+            log.debug("destroy_process_group failed at close", exc_info=True)
+
+
+def rendezvous_ports(ctx: SlurmContext, environ: Mapping[str, str]) -> tuple[int, int]:
+    """(data port, control port): explicit ``ACCELPACT_MASTER_PORT``, else derived from the job id."""
+    explicit = environ.get("ACCELPACT_MASTER_PORT")
+    if explicit:
+        try:
+            port = int(explicit)
+        except ValueError:
+            raise ConfigError("ACCELPACT_MASTER_PORT", explicit, "must be a TCP port number") from None
+        control = int(environ.get("ACCELPACT_CONTROL_PORT") or port + 1)
+        return port, control
+    digits = "".join(ch for ch in ctx.job_id if ch.isdigit()) or "0"
+    base = 20000 + (int(digits) % 10000) * 2
+    return base, base + 1
+
+
+def layout_from(ctx: SlurmContext) -> Layout:
+    try:
+        rpn = ctx.ranks_per_node
+    except SlurmEnvError:
+        raise
+    return Layout(num_nodes=ctx.num_nodes, ranks_per_node=rpn)
+
+
+def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] | None = None) -> Runtime:
+    """Join the job as ``ctx.rank``: stores, Gloo world, HSDP groups, control plane."""
+    environ = os.environ if environ is None else environ
+    layout = layout_from(ctx)
+    host = environ.get("ACCELPACT_MASTER_ADDR") or ctx.rendezvous_host
+    data_port, control_port = rendezvous_ports(ctx, environ)
+    startup = timedelta(seconds=cfg.timeouts.startup_s)
+    is_master = ctx.rank == 0
+    log.info("rendezvous at %s:%d (control %d), world %d", host, data_port, control_port, layout.world_size)
+    data_store = dist.TCPStore(host, data_port, layout.world_size, is_master, timeout=startup)
+    control_store = dist.TCPStore(host, control_port, layout.world_size, is_master, timeout=startup)
+    collective = timedelta(seconds=cfg.timeouts.collective_s)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("data", data_store), rank=ctx.rank,
+        world_size=layout.world_size, timeout=collective,
+    )
+    control = ControlPlane(control_store, ctx.rank, layout.world_size, cfg.timeouts.control_s)
+    node, local = layout.node_of(ctx.rank), layout.local_of(ctx.rank)
+    mesh: DeviceMesh | None = None
+    if cfg.model.mesh == "device_mesh":
+        mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
+        shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
+    else:
+        shard_pg = rep_pg = None
+        # new_group is collective over the world: every rank creates every group, in one order.
+        for n in range(layout.num_nodes):
+            g = dist.new_group(layout.shard_ranks(n), timeout=collective, use_local_synchronization=False)
+            if n == node:
+                shard_pg = g
+        for lr in range(layout.ranks_per_node):
+            g = dist.new_group(layout.replicate_ranks(lr), timeout=collective, use_local_synchronization=False)
+            if lr == local:
+                rep_pg = g
+    assert shard_pg is not None and rep_pg is not None
+    return Runtime(
+        ctx=ctx, layout=layout, rank=ctx.rank, node=node, local_rank=local, data_store=data_store,
+        control=control, shard_group=shard_pg, replicate_group=rep_pg, mesh=mesh,
+        collective_timeout_s=cfg.timeouts.collective_s,
+    )
