@@ -54,6 +54,11 @@ class ControlPlane:
         self._seq.clear()
 
     @property
+    def base_store(self) -> dist.Store:
+        """The control plane's own store, unprefixed (replacement groups take a fresh prefix of it)."""
+        return self._base
+
+    @property
     def store(self) -> dist.Store:
         """The current generation's prefixed store (for building replacement groups)."""
         return self._store

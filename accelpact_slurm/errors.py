@@ -61,13 +61,18 @@ class ControlPlaneTimeout(ControlPlaneError, TimeoutError):
 class FailStop(AccelpactError, RuntimeError):
     """The run must stop now; ``exit_code`` says whether to requeue."""
 
-    def __init__(self, reason: str, exit_code: int = EXIT_REQUEUE) -> None:
+    def __init__(self, reason: str, exit_code: int = EXIT_REQUEUE, **context: object) -> None:
         self.reason = reason
         self.exit_code = exit_code
+        self.context = context  # phase, frontier, decided_at (monotonic), key
         super().__init__(reason)
 
     def __reduce__(self):
-        return (type(self), (self.reason, self.exit_code))
+        return (_rebuild_fail_stop, (type(self), self.reason, self.exit_code, self.context))
+
+
+def _rebuild_fail_stop(cls, reason, exit_code, context):
+    return cls(reason, exit_code, **context)
 
 
 class RepairError(AccelpactError, RuntimeError):

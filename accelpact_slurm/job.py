@@ -16,7 +16,7 @@ import time
 from typing import Mapping, TextIO
 
 from .config import JobConfig
-from .errors import EXIT_OK
+from .errors import EXIT_OK, FailStop
 from .events import SUMMARY_FILE, EVENTS_FILE, EventLog
 from .slurm_env import SlurmContext
 
@@ -41,6 +41,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     from .topology import init_runtime
     from .workload.state import state_digest
     from .workload.trainer import Trainer
+    from .recovery import build_guard
 
     out = out or sys.stdout
     environ = os.environ if environ is None else environ
@@ -57,6 +58,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     trainer = Trainer(cfg, rt)
+    guard = build_guard(cfg, trainer, events)
     if lead:
         print(f"[accelpact] job {ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
               f"{cfg.model.fsdp} {cfg.model.mesh}, {cfg.steps} updates, run dir {run_dir}", file=out, flush=True)
@@ -64,10 +66,10 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     train_t0 = time.monotonic()
     while p.step < cfg.steps:
         t0 = time.monotonic()
-        loss = trainer.forward_backward(trainer.batch())
-        trainer.optimizer_step()
-        votes = rt.control.all_gather("vote", {"ok": True, "loss": float(loss.detach())})
-        mean_loss = sum(v["loss"] for v in votes) / len(votes)
+        try:
+            mean_loss = guard.run_update()
+        except FailStop as stop:
+            fail_stop(stop, events, out, lead)
         trainer.commit(mean_loss)
         dt = time.monotonic() - t0
         if lead:
@@ -104,3 +106,23 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     events.close()
     rt.close()
     return EXIT_OK
+
+
+def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool) -> None:
+    """Stop this rank now: write the event, flush, exit with the documented code.
+
+    ``os._exit`` skips interpreter teardown on purpose: destroying a process group
+    whose peers are gone can block, and nothing may be written after the decision.
+    """
+    ctx = stop.context
+    decided = ctx.get("decided_at")
+    decision_s = time.monotonic() - decided if isinstance(decided, float) else None
+    events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, phase=ctx.get("phase"),
+                frontier=ctx.get("frontier"), decision_s=decision_s, decision="restart", key=ctx.get("key"))
+    if lead:
+        print(f"[accelpact] fail-stop at F={ctx.get('frontier')}: {stop.reason} (exit {stop.exit_code})",
+              file=out, flush=True)
+    events.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stop.exit_code)

@@ -126,6 +126,10 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     if cfg.model.mesh == "device_mesh":
         mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
         shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
+        from .repair.torch_compat import set_group_timeout
+
+        for g in (shard_pg, rep_pg):  # DeviceMesh creates its groups with the backend's default timeout
+            set_group_timeout(g, cfg.timeouts.collective_s)
     else:
         shard_pg = rep_pg = None
         # new_group is collective over the world: every rank creates every group, in one order.

@@ -23,3 +23,6 @@ def run_cli(args, *, env=None, timeout=600, cwd=REPO):
 @pytest.fixture
 def repo_root():
     return REPO
+
+
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture for tests marked slurm)

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: ${settings.RUNS_ROOT} or ./runs, then the job id or name and time)")
     p.add_argument("--steps", type=int, metavar="N", help="number of optimizer updates (overrides the file)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (overrides the file)")
+    p.add_argument("--inject-fault", action="append", default=[], metavar="PHASE:STEP:RANK",
+                   help="make RANK withhold its part of the replication collective: PHASE boundary (at the "
+                        "committed boundary after update STEP), forward or backward (of update STEP); "
+                        "repeatable, added to the file's faults")
     return p
 
 
@@ -48,9 +52,8 @@ def effective_config(args: argparse.Namespace) -> JobConfig:
     if args.seed is not None:
         overrides["seed"] = args.seed
     cfg = with_overrides(cfg, overrides) if overrides else cfg
-    if cfg.faults:
-        raise ConfigError("faults", [str(f) for f in cfg.faults],
-                          "fault injection is not available in this version; remove the faults list")
+    if args.inject_fault:
+        cfg = with_overrides(cfg, {"faults": list(dict.fromkeys([*map(str, cfg.faults), *args.inject_fault]))})
     return cfg
 
 
@@ -90,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             passthrough += ["--steps", str(args.steps)]
         if args.seed is not None:
             passthrough += ["--seed", str(args.seed)]
+        for f in args.inject_fault:
+            passthrough += ["--inject-fault", f]
         print(f"[accelpact] embedded default: {cfg.topology.nodes} emulated nodes x "
               f"{cfg.topology.ranks_per_node} ranks on this machine; run dir {run_dir}", flush=True)
         return launch_local(os.path.abspath(args.config), cfg, os.path.abspath(run_dir), passthrough)

@@ -1,0 +1,133 @@
+"""The recovery envelope: which recovery action is qualified for which observation key.
+
+An observation key is ``<platform stack, resource profile, failure phase,
+continuation objective>``.  An entry lists the actions qualified for a key with
+their evidence (trials, successes, date, torch and backend versions); it is
+earned by ``accelpact-qualify`` on that platform.  No entry, or an entry
+without enough successful trials, means Restart.
+
+Pure: :func:`decide` takes the envelope and the key and returns
+``(action, reason)``.  This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+PRESERVE = "preserve"
+RESTART = "restart"
+ACTIONS = (PRESERVE, RESTART)
+MIN_TRIALS = 3
+DEFAULT_OBJECTIVE = "exact"
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "envelope.yaml")
+
+
+@dataclass(frozen=True)
+class Key:
+    platform: str
+    profile: str
+    phase: str
+    objective: str = DEFAULT_OBJECTIVE
+
+    def __str__(self) -> str:
+        return f"<{self.platform}, {self.profile}, {self.phase}, {self.objective}>"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"platform": self.platform, "profile": self.profile, "phase": self.phase, "objective": self.objective}
+
+
+@dataclass
+class Entry:
+    key: Key
+    actions: tuple[str, ...]
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key.as_dict(), "actions": list(self.actions), "evidence": dict(self.evidence)}
+
+
+@dataclass
+class Envelope:
+    entries: list[Entry] = field(default_factory=list)
+    path: str | None = None
+
+    def find(self, key: Key) -> Entry | None:
+        for e in self.entries:
+            if e.key == key:
+                return e
+        return None
+
+    def upsert(self, entry: Entry) -> None:
+        self.entries = [e for e in self.entries if e.key != entry.key] + [entry]
+
+
+def platform_key(torch_version: str, backend: str) -> str:
+    return f"torch-{torch_version}/{backend}"
+
+
+def profile_key(device: str, nodes: int, ranks_per_node: int, fsdp: str, mesh: str) -> str:
+    return f"{device}:{nodes}x{ranks_per_node}:{fsdp}-{mesh}"
+
+
+def decide(envelope: Envelope, key: Key, min_trials: int = MIN_TRIALS) -> tuple[str, str]:
+    """Preserve only where the key is qualified; everything else is Restart."""
+    if key.phase != "committed":
+        return RESTART, f"fault in uncommitted compute (phase {key.phase}): only a restart is safe"
+    entry = envelope.find(key)
+    if entry is None:
+        return RESTART, f"no envelope entry for {key}: unqualified, restart"
+    if PRESERVE not in entry.actions:
+        return RESTART, f"envelope entry for {key} does not qualify preserve"
+    trials = int(entry.evidence.get("trials", 0))
+    ok = int(entry.evidence.get("successes", 0))
+    if trials < min_trials or ok < trials:
+        return RESTART, f"envelope entry for {key} has {ok}/{trials} successful trials (need {min_trials}/{min_trials})"
+    return PRESERVE, f"qualified by {ok}/{trials} trials on {entry.evidence.get('date', '?')}"
+
+
+def load(path: str | None = None) -> Envelope:
+    path = path or SHIPPED
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        return Envelope([], path)
+    except yaml.YAMLError as exc:
+        raise ConfigError("envelope", path, f"malformed YAML ({exc.__class__.__name__}); fix or delete the file") from None
+    entries = []
+    for i, raw in enumerate(data.get("entries") or []):
+        try:
+            k = raw["key"]
+            key = Key(str(k["platform"]), str(k["profile"]), str(k["phase"]), str(k.get("objective", DEFAULT_OBJECTIVE)))
+            actions = tuple(str(a) for a in raw.get("actions", ()))
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"envelope.entries[{i}]", raw, f"needs key.platform/profile/phase and actions ({exc})") from None
+        for a in actions:
+            if a not in ACTIONS:
+                raise ConfigError(f"envelope.entries[{i}].actions", a, f"must be one of {', '.join(ACTIONS)}")
+        entries.append(Entry(key, actions, dict(raw.get("evidence") or {})))
+    return Envelope(entries, path)
+
+
+def save(envelope: Envelope, path: str) -> None:
+    data = {
+        "# about": "Recovery actions qualified per observation key; written by accelpact-qualify.",
+        "entries": [e.as_dict() for e in envelope.entries],
+    }
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(data, fh, sort_keys=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()

@@ -1,0 +1,35 @@
+"""Wiring of L1 for one rank: the envelope key of this job, the engine and the guard."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import envelope as env_mod
+from .config import JobConfig
+from .events import EventLog
+from .guard import BoundaryGuard
+from .repair.engine import RepairEngine
+
+#: Path of the envelope file (default: the one shipped in the package).
+ENVELOPE_VAR = "ACCELPACT_ENVELOPE"
+
+
+def key_factory(cfg: JobConfig, nodes: int, ranks_per_node: int):
+    platform = env_mod.platform_key(torch.__version__, "gloo")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = env_mod.profile_key(device, nodes, ranks_per_node, cfg.model.fsdp, cfg.model.mesh)
+
+    def key_for(phase: str) -> env_mod.Key:
+        return env_mod.Key(platform, profile, phase)
+
+    return key_for
+
+
+def build_guard(cfg: JobConfig, trainer, events: EventLog) -> BoundaryGuard:
+    rt = trainer.rt
+    envelope = env_mod.load(os.environ.get(ENVELOPE_VAR) or None)
+    engine = RepairEngine(trainer, events, cfg)
+    return BoundaryGuard(cfg, trainer, events, envelope,
+                         key_factory(cfg, rt.layout.num_nodes, rt.layout.ranks_per_node), engine)

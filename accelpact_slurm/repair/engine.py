@@ -1,0 +1,175 @@
+"""The six-phase L1 Preserve repair engine.
+
+One driver (:meth:`RepairEngine.repair`), one method per phase, one transition
+table.  Every rank of the world runs the driver at the same boundary (the vote
+made them agree); the ranks of the affected replication group(s) R replace and
+rebind, the others take part in the barriers only.
+
+    observe -> guard_sync -> control_barrier -> replace -> rebind -> validate -> done
+
+Any exception in a phase becomes a fail-stop (``FailStop``, "requeue me"):
+L1 never continues on a state it could not validate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import EXIT_REQUEUE, FailStop, RepairError
+from . import rebind as rb
+from . import torch_compat as tc
+
+log = logging.getLogger(__name__)
+
+#: Test-only switch: skip rebinding (and its invariant scan) to show that rebinding is needed.
+TEST_SKIP_REBIND = "ACCELPACT_TEST_SKIP_REBIND"
+
+PHASES = ("observe", "guard_sync", "control_barrier", "replace", "rebind", "validate")
+TRANSITIONS: dict[str, str] = {
+    "observe": "guard_sync",
+    "guard_sync": "control_barrier",
+    "control_barrier": "replace",
+    "replace": "rebind",
+    "rebind": "validate",
+    "validate": "done",
+}
+
+
+@dataclass
+class RepairContext:
+    frontier: int
+    ranks: list[int]
+    observed: float
+    key: str
+    reason: str
+    generation: int = 0
+    member: bool = False
+    members: list[int] = field(default_factory=list)
+    old: Any = None
+    new: Any = None
+    rebound: dict[str, int] = field(default_factory=dict)
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+class RepairEngine:
+    """Owns the repair of one rank.  ``trainer`` gives the model, the runtime and the FSDP flavour."""
+
+    def __init__(self, trainer, events, cfg) -> None:
+        self.trainer = trainer
+        self.rt = trainer.rt
+        self.events = events
+        self.cfg = cfg
+        self.generation = 0
+        self.repairs = 0
+
+    # ------------------------------------------------------------------ driver
+
+    def repair(self, *, frontier: int, ranks: list[int], observed: float, key: str, reason: str) -> RepairContext:
+        ctx = RepairContext(frontier=frontier, ranks=ranks, observed=observed, key=key, reason=reason)
+        phase = "observe"
+        t_start = time.monotonic()
+        while phase != "done":
+            t0 = time.monotonic()
+            try:
+                getattr(self, phase)(ctx)
+            except FailStop:
+                raise
+            except Exception as exc:
+                raise FailStop(f"L1 repair failed in phase {phase}: {type(exc).__name__}: {exc}", EXIT_REQUEUE,
+                               phase="committed", frontier=frontier, decided_at=time.monotonic(),
+                               key=key) from exc
+            ctx.durations[phase] = time.monotonic() - t0
+            phase = TRANSITIONS[phase]
+        total = time.monotonic() - t_start
+        self.repairs += 1
+        if self.rt.rank == min(ranks):
+            self.events.emit(
+                "repair", generation=ctx.generation, frontier=frontier, ranks=ranks,
+                rebound=sum(ctx.rebound.values()), rebound_by_kind=ctx.rebound, phases=ctx.durations,
+                total_s=total, fault_to_resume_s=time.monotonic() - observed, decision="preserve", key=key,
+                reason=reason,
+            )
+        log.warning("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
+                    total * 1000, ctx.rebound)
+        return ctx
+
+    # ------------------------------------------------------------------ phases
+
+    def observe(self, ctx: RepairContext) -> None:
+        """Record what failed and who is affected."""
+        self.generation += 1
+        ctx.generation = self.generation
+        layout = self.rt.layout
+        ctx.member = self.rt.rank in ctx.ranks
+        ctx.members = layout.replicate_ranks(self.rt.local_rank)
+        ctx.old = self.rt.replicate_group
+
+    def guard_sync(self, ctx: RepairContext) -> None:
+        """Drain the device and check that no FSDP unit is mid-step and no gradient is pending."""
+        if torch.cuda.is_available():  # pragma: no cover - GPU only
+            torch.cuda.synchronize()
+        ok, why = tc.fsdp_idle(self.trainer.model, self.cfg.model.fsdp)
+        if not ok:
+            raise RepairError(f"guard check failed: {why}")
+        pending = [n for n, p in self.trainer.model.named_parameters() if p.grad is not None]
+        if pending:
+            raise RepairError(f"guard check failed: {len(pending)} outstanding gradients (e.g. {pending[0]})")
+
+    def control_barrier(self, ctx: RepairContext) -> None:
+        """Rank 0's (F, generation) must equal every rank's; then all move to the new generation."""
+        control = self.rt.control
+        mine = {"F": ctx.frontier, "g": ctx.generation}
+        values = control.all_gather("repair-agree", mine)
+        lead = values[0]
+        for r, v in enumerate(values):
+            if v != lead:
+                raise FailStop(
+                    f"frontier/generation mismatch at repair: rank 0 has F={lead['F']} g={lead['g']}, "
+                    f"rank {r} has F={v['F']} g={v['g']}",
+                    EXIT_REQUEUE, phase="committed", frontier=min(x["F"] for x in values),
+                    decided_at=time.monotonic(), key=ctx.key,
+                )
+        control.set_generation(control.generation + 1)
+
+    def replace(self, ctx: RepairContext) -> None:
+        """Members of R build a group with identical membership under a fresh store prefix."""
+        if not ctx.member:
+            return
+        gen = self.rt.control.generation
+        store = dist.PrefixStore(f"accelpact/replicate/{self.rt.local_rank}/g{gen}", self.rt.control.base_store)
+        name = f"accelpact-replicate-{self.rt.local_rank}-g{gen}"
+        ctx.new = tc.build_gloo_group(ctx.members, store, name, self.rt.collective_timeout_s)
+
+    def rebind(self, ctx: RepairContext) -> None:
+        """Every cached reference to the retired group now names the new one; none remains."""
+        if not ctx.member:
+            return
+        old, new = ctx.old, ctx.new
+        if os.environ.get(TEST_SKIP_REBIND) == "1":
+            log.warning("rebinding skipped (test-only switch %s)", TEST_SKIP_REBIND)
+            self.rt.replicate_group = new
+            return
+        ctx.rebound = rb.rebind_all(self.trainer.model, self.cfg.model.fsdp, self.rt.mesh, 0, old, new)
+        self.rt.replicate_group = new
+        left = rb.find_references(tc.framework_roots(self.trainer.model, self.rt.mesh), old, self.rt.mesh)
+        if left:
+            raise FailStop(f"rebinding invariant violated: {len(left)} reference(s) to the retired group remain, "
+                           f"e.g. {left[:3]}", EXIT_REQUEUE, phase="committed", frontier=ctx.frontier,
+                           decided_at=time.monotonic(), key=ctx.key)
+        tc.retire_group(old)
+
+    def validate(self, ctx: RepairContext) -> None:
+        """Integer all-reduce on the new group, then the world's release barrier."""
+        if ctx.member:
+            t = torch.ones(1, dtype=torch.int64)
+            dist.all_reduce(t, group=ctx.new)
+            if int(t) != len(ctx.members):
+                raise RepairError(f"validation all-reduce gave {int(t)}, expected {len(ctx.members)}")
+        self.rt.control.barrier("repair-release")
