@@ -1,0 +1,228 @@
+"""``accelpact-status``: what a job is doing, from a login node, without torch.
+
+Usage::
+
+    accelpact-status                      # your recent jobs under $ACCELPACT_RUNS_ROOT (else ./runs)
+    accelpact-status 123456 runs/demo     # job ids (RUNS_ROOT/<jobid>) or run directories, in detail
+    accelpact-status 123456 --json        # the stable schema of docs/operator-tools.md
+    accelpact-status 123456 --watch 5     # refresh every 5 s until Ctrl-C
+
+Exit status: 0, or 1 when a named job has neither a run directory nor a Slurm record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from accelpact_slurm import settings
+from accelpact_slurm import status as st
+from accelpact_slurm.cadence import format_duration
+
+log = logging.getLogger(__name__)
+_SNAPSHOTS_SHOWN = 5
+_L2_SHOWN = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="accelpact-status",
+        description="Show AccelPact jobs: state, frontier, repairs, restarts, snapshots per node.",
+    )
+    p.add_argument("targets", nargs="*", metavar="RUN_DIR_OR_JOBID",
+                   help="run directories or job ids (resolved to RUNS_ROOT/<jobid>); none: your recent jobs")
+    p.add_argument("--json", action="store_true", help="print the accelpact-status/1 JSON document")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    p.add_argument("--iterations", type=int, metavar="N", help="with --watch: stop after N refreshes")
+    p.add_argument("--runs-root", metavar="DIR",
+                   help=f"where run directories live (default: ${st.RUNS_ROOT_ENV}, else ./runs)")
+    p.add_argument("--limit", type=int, default=10, help="jobs listed without arguments (default 10)")
+    p.add_argument("--all-users", action="store_true", help="list every user's run directories")
+    p.add_argument("--no-slurm", action="store_true", help="do not ask squeue/sacct; use the run directory only")
+    p.add_argument("--stale-after", type=float, metavar="SECONDS",
+                   help=f"stale when unchanged this long (default: max({st.STALE_MIN_S:.0f} s, 20 step times))")
+    return p
+
+
+def gather(args: argparse.Namespace, now: float) -> tuple[dict[str, Any], bool]:
+    """The JSON document for one refresh, and whether every named target was found."""
+    root = args.runs_root or st.runs_root()
+    if args.targets:
+        pairs = [st.resolve_target(t, root) for t in args.targets]
+    else:
+        pairs = [(d, None) for d in st.list_run_dirs(root, args.limit, args.all_users)]
+    # The run directory first: its events name the Slurm job id even when the directory has another name.
+    jobs = [st.collect(run_dir, now=now, job_id=job, stale_after_s=args.stale_after) for run_dir, job in pairs]
+    slurm = {} if args.no_slurm else st.query_slurm(j["job_id"] for j in jobs)
+    found = True
+    for info in jobs:
+        st.apply_slurm(info, slurm.get(info["job_id"]))
+        if not os.path.isdir(info["run_dir"]) and info["job_id"] not in slurm:
+            found = False
+    return {"schema": st.SCHEMA, "generated_ts": now, "runs_root": os.path.abspath(root), "jobs": jobs}, found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=settings.log_level(), format="%(name)s: %(message)s")
+    if args.watch is not None and args.watch <= 0:
+        print("accelpact-status: --watch SECONDS must be positive", file=sys.stderr)
+        return 2
+    iteration, ok = 0, True
+    try:
+        while True:
+            doc, ok = gather(args, time.time())
+            if args.json:
+                print(json.dumps(doc, sort_keys=True, default=str))
+            else:
+                if args.watch is not None and sys.stdout.isatty():
+                    print("\x1b[H\x1b[2J", end="")
+                print(render(doc, detailed=bool(args.targets)))
+            sys.stdout.flush()
+            iteration += 1
+            if args.watch is None or (args.iterations is not None and iteration >= args.iterations):
+                break
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        pass
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render(doc: dict[str, Any], detailed: bool) -> str:
+    if not doc["jobs"]:
+        return f"no run directories under {doc['runs_root']} (set ${st.RUNS_ROOT_ENV} or pass RUN_DIR_OR_JOBID)"
+    if not detailed:
+        return render_list(doc["jobs"])
+    return "\n\n".join(render_job(j) for j in doc["jobs"])
+
+
+def render_list(jobs: list[dict[str, Any]]) -> str:
+    head = ("JOB", "STATE", "RESTARTS", "FRONTIER", "AGE", "STEP/S", "L1", "VERIFIED", "WARNINGS")
+    rows = []
+    for j in jobs:
+        fr = j["frontier"]
+        best = j["snapshots"]["newest_verified"]
+        rate = j["step_rate"]["steps_per_s"]
+        rows.append((
+            j["job_id"], j["state"], str(j["restarts"]),
+            "-" if fr is None else str(fr["step"]), "-" if fr is None else _ago(fr["age_s"]),
+            "-" if rate is None else f"{rate:.3g}", str(j["l1"]["count"]),
+            "-" if best is None else f"{best['step']}@{best['node']}",
+            "; ".join(j["warnings"]) or "-",
+        ))
+    return _table(head, rows)
+
+
+def render_job(j: dict[str, Any]) -> str:
+    out = [f"job {j['job_id']}  {j['state']} ({j['state_source']})  {j['run_dir']}"]
+
+    def line(label: str, text: str) -> None:
+        out.append(f"  {label:<14}{text}")
+
+    line("restarts", str(j["restarts"]))
+    fr, rate = j["frontier"], j["step_rate"]
+    if fr is None:
+        line("frontier", "no step committed yet")
+    else:
+        speed = "" if rate["steps_per_s"] is None else f"; {rate['steps_per_s']:.3g} steps/s"
+        per = "" if rate["step_s"] is None else f", {rate['step_s']:.3g} s/step"
+        line("frontier", f"step {fr['step']} ({fr['source']}), {_ago(fr['age_s'])} ago{speed}{per}")
+    if j["checkpoint_every_steps"] is not None:
+        line("cadence", f"snapshot every {j['checkpoint_every_steps']} steps (job_start config)")
+    env = j["envelope"]
+    if env is None:
+        line("envelope", "no decision taken yet")
+    else:
+        key = f"  key {env['key']}" if env.get("key") else ""
+        line("envelope", f"{env['decision'] or '?'} (from {env['event']}, phase {env.get('phase') or '-'}){key}")
+    l1 = j["l1"]
+    if l1["count"] == 0:
+        line("L1 repairs", f"none ({l1['faults']} fault event(s))")
+    else:
+        last = l1["last"]
+        when = "" if last["age_s"] is None else f", last {_ago(last['age_s'])} ago"
+        total = "" if last["total_s"] is None else f" in {last['total_s']:.3g} s"
+        line("L1 repairs", f"{l1['count']}{when}: generation {last['generation']}, frontier {last['frontier']}{total}")
+        for name, p in l1["phases"].items():
+            line("", f"  {name:<18} last {p['last']:.3g} s  median {p['median']:.3g} s  max {p['max']:.3g} s")
+    l2 = j["l2"]
+    line("L2 restarts", str(l2["count"]))
+    for text in _l2_lines(l2)[-_L2_SHOWN:]:
+        line("", "  " + text)
+    snaps = j["snapshots"]
+    best = snaps["newest_verified"]
+    if best is None:
+        line("snapshots", f"no verified snapshot: {snaps['newest_verified_reason']}")
+    else:
+        line("snapshots", f"newest verified: step {best['step']} on {best['node']} "
+                          f"({_size(best['size_bytes'])}, {_ago(best['age_s'])} old)")
+    rows = []
+    for n in snaps["nodes"]:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(n["counts"].items()))
+        shown = min(_SNAPSHOTS_SHOWN, len(n["snapshots"]))
+        line("", f"  {n['node']}: {counts or 'no snapshots'}; index updated {_ago(n['age_s'])} ago"
+                 + (f" (newest {shown} of {len(n['snapshots'])} below)" if shown < len(n["snapshots"]) else ""))
+        for s in n["snapshots"][-_SNAPSHOTS_SHOWN:]:
+            rows.append((n["node"], str(s["step"]), str(s["state"]), _size(s["size_bytes"]),
+                         _ago(s["age_s"]), "yes" if s["milestone"] else "", s["reason"] or ""))
+    if rows:
+        out.extend("    " + r for r in _table(("NODE", "STEP", "STATE", "SIZE", "AGE", "MILESTONE", "REASON"),
+                                              rows).splitlines())
+    if j["final"] is not None:
+        f = j["final"]
+        line("final", f"step {f.get('final_step')}, loss {f.get('final_loss')}, exit {f.get('exit_code')}, "
+                      f"wall {f.get('wall_s')} s")
+    for w in j["warnings"]:
+        line("WARNING", w)
+    for b in j["bad_lines"][:10]:
+        line("skipped", b)
+    if len(j["bad_lines"]) > 10:
+        line("skipped", f"... and {len(j['bad_lines']) - 10} more")
+    return "\n".join(out)
+
+
+def _l2_lines(l2: dict[str, Any]) -> list[str]:
+    """One line per run that ended: why it stopped, how it was requeued, what the next run loaded."""
+    runs: dict[int, list[str]] = {}
+    for fs in l2["fail_stops"]:
+        runs.setdefault(fs["restart"], []).append(
+            f"fail-stop '{fs['reason']}' (exit {fs['exit_code']}, phase {fs['phase'] or '-'}, "
+            f"frontier {fs['frontier']})")
+    for rq in l2["requeues"]:
+        runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
+    for rl in l2["restart_loads"]:
+        if isinstance(rl["restart"], int) and rl["restart"] > 0:
+            runs.setdefault(rl["restart"] - 1, []).append(f"run {rl['restart']} loaded step {rl['step']}")
+    return [f"run {r}: " + "; ".join(parts) for r, parts in sorted(runs.items())]
+
+
+def _ago(seconds: float | None) -> str:
+    return "-" if seconds is None else format_duration(max(0.0, seconds))
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n}"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*r).rstrip() for r in (head, *rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
