@@ -92,6 +92,11 @@ def decide(envelope: Envelope, key: Key, min_trials: int = MIN_TRIALS) -> tuple[
     return PRESERVE, f"qualified by {ok}/{trials} trials on {entry.evidence.get('date', '?')}"
 
 
+def trial_envelope(key: Key) -> Envelope:
+    """The envelope a qualification trial runs under: Preserve is attempted for ``key`` only."""
+    return Envelope([Entry(key, (PRESERVE,), {"trials": MIN_TRIALS, "successes": MIN_TRIALS, "date": "trial"})])
+
+
 def load(path: str | None = None) -> Envelope:
     path = path or SHIPPED
     try:

@@ -56,6 +56,16 @@ class RepairContext:
     new: Any = None
     rebound: dict[str, int] = field(default_factory=dict)
     durations: dict[str, float] = field(default_factory=dict)
+    lead_view: dict[str, Any] = field(default_factory=dict)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class RepairEngine:
@@ -89,6 +99,8 @@ class RepairEngine:
             phase = TRANSITIONS[phase]
         total = time.monotonic() - t_start
         self.repairs += 1
+        self.events.emit("repair_rank", generation=ctx.generation, frontier=frontier, member=ctx.member,
+                         rebound=sum(ctx.rebound.values()), total_s=total, rss_bytes=rss_bytes())
         if self.rt.rank == min(ranks):
             self.events.emit(
                 "repair", generation=ctx.generation, frontier=frontier, ranks=ranks,
@@ -96,8 +108,14 @@ class RepairEngine:
                 total_s=total, fault_to_resume_s=time.monotonic() - observed, decision="preserve", key=key,
                 reason=reason,
             )
-        log.warning("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
-                    total * 1000, ctx.rebound)
+        log.info("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
+                 total * 1000, ctx.rebound)
+        if self.rt.rank == 0:
+            phases = {**ctx.lead_view.get("phases", {}), "validate": ctx.durations["validate"]}
+            detail = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items())
+            print(f"[accelpact] L1 repair (generation {ctx.generation}) at F={frontier}, ranks {ranks}: "
+                  f"{ctx.lead_view.get('rebound', 0)} references rebound; {detail}; total {total * 1000:.1f} ms, "
+                  f"fault to resume {time.monotonic() - observed:.2f} s", flush=True)
         return ctx
 
     # ------------------------------------------------------------------ phases
@@ -172,4 +190,6 @@ class RepairEngine:
             dist.all_reduce(t, group=ctx.new)
             if int(t) != len(ctx.members):
                 raise RepairError(f"validation all-reduce gave {int(t)}, expected {len(ctx.members)}")
-        self.rt.control.barrier("repair-release")
+        view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
+                                                             "rebound": sum(ctx.rebound.values())})
+        ctx.lead_view = view[min(ctx.ranks)]
