@@ -49,14 +49,17 @@ _UINT = re.compile(r"\d+")
 def in_slurm(environ: Mapping[str, str]) -> bool:
     """Tells whether ``environ`` is that of a task inside a Slurm job step.
 
-    True only when both ``SLURM_JOB_ID`` and ``SLURM_PROCID`` are set and not
-    empty: the batch shell of an ``sbatch`` job has the first but not the
-    second, and must launch the ranks with ``srun`` rather than train itself.
+    True only when ``SLURM_JOB_ID``, ``SLURM_PROCID`` and a step id
+    (``SLURM_STEP_ID`` or ``SLURM_STEPID``) are all set and not empty.  The
+    batch shell of an ``sbatch`` job has ``SLURM_PROCID=0`` too (recorded on
+    Slurm 22.05) but no step id: it must launch the ranks with ``srun`` rather
+    than train itself.
 
     Args:
         environ: The environment to inspect, e.g. ``os.environ``.
     """
-    return bool(environ.get("SLURM_JOB_ID")) and bool(environ.get("SLURM_PROCID"))
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    return bool(environ.get("SLURM_JOB_ID")) and bool(environ.get("SLURM_PROCID")) and bool(step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +123,7 @@ class SlurmContext:
         sources: dict[str, str] = {}
         job_id_var, job_id = _require(environ, JOB_ID_VARS)
         rank = _require_int(environ, ("SLURM_PROCID",))[1]
+        _require(environ, ("SLURM_STEP_ID", "SLURM_STEPID"))  # the batch shell has a PROCID but no step
         local_rank = _require_int(environ, ("SLURM_LOCALID",))[1]
         node_index = _require_int(environ, ("SLURM_NODEID",))[1]
         sources["num_nodes"], num_nodes = _require_int(environ, NUM_NODES_VARS)
@@ -135,7 +139,7 @@ class SlurmContext:
             job_id=job_id, rank=rank, local_rank=local_rank, node_index=node_index,
             num_nodes=num_nodes, world_size=world_size, tasks_per_node=tasks_per_node,
             nodelist=nodelist, restart_count=restart_count,
-            step_id=environ.get("SLURM_STEP_ID") or None,
+            step_id=environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or None,
             job_name=environ.get("SLURM_JOB_NAME") or None,
             array_job_id=environ.get("SLURM_ARRAY_JOB_ID") or None,
             array_task_id=array_task_id,

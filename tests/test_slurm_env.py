@@ -27,6 +27,11 @@ from accelpact_slurm.slurm_env import (
 DATA = Path(__file__).parent / "data" / "slurm_env"
 
 EXPECTED = {
+    # Recorded on the dev cluster (scripts/dev-cluster.sh, Slurm 22.05): srun task 3 of a 2 x 2 job.
+    "recorded_srun_2x2_rank3": dict(
+        job_id="20", rank=3, local_rank=1, node_index=1, num_nodes=2, world_size=4,
+        tasks_per_node=(2, 2), nodelist=("node1", "node2"), hostname="node2", restart_count=0, step_id="0",
+    ),
     "srun_2x2": dict(
         job_id="4817263", rank=3, local_rank=1, node_index=1, num_nodes=2, world_size=4,
         tasks_per_node=(2, 2), nodelist=("node1", "node2"), hostname="node2",
@@ -61,6 +66,7 @@ EXPECTED = {
 }
 
 RANKS_PER_NODE = {
+    "recorded_srun_2x2_rank3": 2,
     "srun_2x2": 2, "srun_2x3_dotted": 2, "srun_restart2": 4,
     "srun_zero_padded_array": 8, "srun_step_subset": 1,
 }
@@ -75,7 +81,7 @@ def load(name: str) -> dict[str, str]:
 
 def test_every_recording_is_covered() -> None:
     names = {p.stem for p in DATA.glob("*.json")}
-    assert names == set(EXPECTED) | {"sbatch_batch_shell"}
+    assert names == set(EXPECTED) | {"sbatch_batch_shell", "recorded_sbatch_batch_shell"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -106,12 +112,22 @@ def test_batch_shell_is_not_a_step() -> None:
         SlurmContext.from_environ(env)
 
 
+def test_recorded_batch_shell_has_procid_but_is_not_a_step() -> None:
+    env = load("recorded_sbatch_batch_shell")  # recorded on the dev cluster (Slurm 22.05)
+    assert env["SLURM_PROCID"] == "0"
+    assert not in_slurm(env)
+    with pytest.raises(SlurmEnvError, match="SLURM_STEP_ID is not set"):
+        SlurmContext.from_environ(env)
+
+
 def test_in_slurm() -> None:
     assert not in_slurm({})
     assert not in_slurm({"SLURM_JOB_ID": "1"})
     assert not in_slurm({"SLURM_PROCID": "0"})
-    assert not in_slurm({"SLURM_JOB_ID": "", "SLURM_PROCID": "0"})
-    assert in_slurm({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0"})
+    assert not in_slurm({"SLURM_JOB_ID": "", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
+    assert not in_slurm({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0"})
+    assert in_slurm({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
+    assert in_slurm({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_STEPID": "0"})
 
 
 def test_from_environ_never_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
