@@ -122,12 +122,11 @@ def load(path: str | None = None) -> Envelope:
 
 
 def save(envelope: Envelope, path: str) -> None:
-    data = {
-        "# about": "Recovery actions qualified per observation key; written by accelpact-qualify.",
-        "entries": [e.as_dict() for e in envelope.entries],
-    }
+    data = {"entries": [e.as_dict() for e in envelope.entries]}
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("# Recovery actions qualified per observation key <platform, profile, phase, objective>.\n"
+                 "# Written by accelpact-qualify from real fault-and-repair trials; no entry means Restart.\n")
         yaml.safe_dump(data, fh, sort_keys=False)
         fh.flush()
         os.fsync(fh.fileno())
