@@ -96,6 +96,23 @@ class ControlPlane:
     def barrier(self, name: str, ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> None:
         self.all_gather(name, 1, ranks=ranks, timeout_s=timeout_s)
 
+    def leave(self, name: str, timeout_s: float) -> list[int]:
+        """Announce that this rank is leaving; the store's host (rank 0) waits, up to ``timeout_s``, for the others.
+
+        Rank 0's process hosts the store: if it exited first, a peer still reading
+        the last agreement would fail.  Returns the ranks that did not announce
+        themselves in time (rank 0 only; they are probably dead).
+        """
+        self._store.set(f"leave/{name}/{self.rank}", "1")
+        if self.rank != 0:
+            return []
+        keys = [f"leave/{name}/{r}" for r in range(self.world_size)]
+        try:
+            self._store.wait(keys, timedelta(seconds=timeout_s))
+            return []
+        except Exception:
+            return [r for r, k in enumerate(keys) if not self._has(k)]
+
     def _wait(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None) -> None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:

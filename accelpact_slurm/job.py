@@ -58,6 +58,10 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     trainer = Trainer(cfg, rt)
+    from ckpt_service.client import SnapshotClient
+
+    snapshots = SnapshotClient(cfg, trainer, run_dir, events)
+    snapshots.restore()  # collective: resumes from the newest verified snapshot every rank can reach
     guard = build_guard(cfg, trainer, events)
     if lead:
         print(f"[accelpact] job {ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
@@ -69,8 +73,9 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         try:
             mean_loss = guard.run_update()
         except FailStop as stop:
-            fail_stop(stop, events, out, lead)
+            fail_stop(stop, events, out, lead, rt.control)
         trainer.commit(mean_loss)
+        snapshots.after_commit()
         dt = time.monotonic() - t0
         if lead:
             tps = trainer.tokens_per_update / dt if dt > 0 else 0.0
@@ -102,13 +107,15 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         print(f"[accelpact] done: {p.step} updates in {wall_s:.1f} s, final loss {summary['final_loss']:.4f}\n"
               f"[accelpact] final_state_digest {digest}\n"
               f"[accelpact] summary: {os.path.join(run_dir, SUMMARY_FILE)}", file=out, flush=True)
+    snapshots.close()
     rt.control.barrier("job-end")
+    rt.control.leave("job-end", cfg.timeouts.shutdown_s)
     events.close()
     rt.close()
     return EXIT_OK
 
 
-def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool) -> None:
+def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control=None) -> None:
     """Stop this rank now: write the event, flush, exit with the documented code.
 
     ``os._exit`` skips interpreter teardown on purpose: destroying a process group
@@ -116,6 +123,11 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool) -> None
     """
     ctx = stop.context
     decided = ctx.get("decided_at")
+    if control is not None:
+        try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
+            control.leave("fail-stop", 1.0)
+        except Exception:  # the store may be gone already: nothing left to protect
+            pass
     decision_s = time.monotonic() - decided if isinstance(decided, float) else None
     events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, phase=ctx.get("phase"),
                 frontier=ctx.get("frontier"), decision_s=decision_s, decision="restart", key=ctx.get("key"))

@@ -93,6 +93,9 @@ def launch_local(
     control_port = free_port()
     while control_port == data_port:
         control_port = free_port()
+    from .cli.ckptd import start_local_daemons, stop_daemons
+
+    daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ)  # one per emulated node
     ranks: list[RankProcess] = []
     cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config_path, "--run-dir", run_dir, *worker_args]
     try:
@@ -116,8 +119,12 @@ def launch_local(
             ranks.append(rp)
     except OSError as exc:
         _terminate(ranks, grace_s=0)
+        stop_daemons(daemons)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
-    return _supervise(ranks, cfg.timeouts.shutdown_s, out)
+    try:
+        return _supervise(ranks, cfg.timeouts.shutdown_s, out)
+    finally:
+        stop_daemons(daemons)  # SIGTERM: the daemons finish in-flight snapshots (bounded), then exit
 
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:

@@ -1,0 +1,22 @@
+"""The checkpoint service: one daemon per node per job and the client inside each rank.
+
+Modules, one concern each:
+
+- :mod:`.layout`     where things live (node directory, socket, shared-memory staging, step names)
+- :mod:`.protocol`   JSON-lines messages over the daemon's Unix socket, peer-credential check
+- :mod:`.staging`    the shared-memory format a rank stages its shards in
+- :mod:`.writer`     reassembly of the node's full tensors, DCP write, manifest, atomic commit
+- :mod:`.verify`     checksums, metadata coverage, replay in a fresh process
+- :mod:`.retention`  pure: which snapshots to delete
+- :mod:`.index`      pure selection + state records + the login-node index
+- :mod:`.tiers`      asynchronous, atomic copy of milestones to the shared tier
+- :mod:`.daemon`     ``accelpact-ckptd``
+- :mod:`.client`     the rank side: stage, hand over, restore
+- :mod:`.faults`     fault-injection points for the kill -9 tests
+
+The login-node modules (layout, protocol, retention, index) never import torch.
+"""
+
+from .layout import STEP_PREFIX, step_dirname, step_of
+
+__all__ = ["STEP_PREFIX", "step_dirname", "step_of"]

@@ -1,0 +1,329 @@
+"""``accelpact-ckptd``: one per node per job; writes, verifies, retains and publishes the node's snapshots.
+
+Threads (all named, each fed by a queue with a sentinel, joined with a deadline):
+
+- ``ckptd-accept``: the Unix socket; one short ``ckptd-conn`` thread per request;
+- ``ckptd-writer``: reassembles and commits a step once every rank of the node staged it;
+- ``ckptd-verifier``: checksums, coverage and replay -> verified | rejected;
+- ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal;
+- ``ckptd-tier``: milestone copies to the shared tier.
+
+A training rank that dies after staging does not stop its snapshot: the staged
+files belong to the daemon once every rank of the node has staged.  On SIGTERM
+the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from accelpact_slurm.errors import CheckpointError
+from accelpact_slurm.events import EVENTS_FILE, EventLog
+
+from . import faults, staging
+from .index import publish_index, read_record, record_state, scan
+from .layout import DEL_PREFIX, LOCK, private_dir, shared_dir as default_shared, socket_path, staging_root
+from .protocol import peer_allowed, peer_uid, recv_line, send_line
+from .retention import Snap, is_milestone, plan_retention
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = object()
+FINAL = ("verified", "rejected", "failed")
+
+
+class AlreadyRunning(CheckpointError):
+    """Another daemon holds this node directory's lock."""
+
+
+@dataclass
+class DaemonOptions:
+    node: str
+    node_dir: str
+    run_dir: str
+    shared_dir: str | None = None
+    node_index: int | None = None
+    job_id: str | None = None
+    keep_last: int = 2
+    milestone_every: int = 0
+    compress: bool = False
+    replay: bool = True
+    drain_s: float = 120.0
+    conn_timeout_s: float = 30.0
+
+
+@dataclass
+class _Pending:
+    nranks: int
+    paths: dict[int, str] = field(default_factory=dict)
+
+
+def acquire_lock(ndir: str) -> int:
+    """Take the node directory's lock (flock: released by the kernel when the holder dies, even by kill -9)."""
+    os.makedirs(ndir, exist_ok=True)
+    path = os.path.join(ndir, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 64, 0).decode().strip() or "?"
+        finally:
+            os.close(fd)
+        raise AlreadyRunning(f"another accelpact-ckptd (pid {holder}) already serves {ndir} "
+                             f"(lock {path}); one daemon per node per job") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class Daemon:
+    def __init__(self, opts: DaemonOptions) -> None:
+        self.o = opts
+        self.ndir = opts.node_dir
+        self.shared = default_shared(opts.run_dir, opts.shared_dir)
+        self.sock_path = socket_path(self.ndir)
+        self.stage_root = staging_root(self.ndir)
+        self.events = EventLog(os.path.join(opts.run_dir, EVENTS_FILE), job_id=opts.job_id, rank=None,
+                               node=opts.node_index, source="ckptd")
+        self._lock_fd: int | None = None
+        self._server: socket.socket | None = None
+        self._stop = threading.Event()
+        self._accepting = threading.Event()
+        self._mu = threading.Lock()
+        self._changed = threading.Condition(self._mu)
+        self._pending: dict[int, _Pending] = {}
+        self._states: dict[int, tuple[str, str | None]] = {}
+        self.q_write: queue.Queue = queue.Queue()
+        self.q_verify: queue.Queue = queue.Queue()
+        self.q_delete: queue.Queue = queue.Queue()
+        self.q_tier: queue.Queue = queue.Queue()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        from .writer import recover_node_dir
+
+        self._lock_fd = acquire_lock(self.ndir)
+        removed = recover_node_dir(self.ndir)
+        if removed:
+            log.warning("removed leftovers of an interrupted daemon: %s", removed)
+        staging.drop_all(self.stage_root)
+        for rec in scan(self.ndir, self.o.milestone_every):
+            self._states[rec.step] = (rec.state, rec.reason)
+            if rec.state == "committed":
+                self.q_verify.put(rec.step)
+        self._publish()
+        private_dir(os.path.dirname(self.sock_path))
+        try:
+            os.unlink(self.sock_path)  # stale: we hold the lock, so no live daemon owns it
+        except FileNotFoundError:
+            pass
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            srv.bind(self.sock_path)
+        finally:
+            os.umask(old)
+        os.chmod(self.sock_path, 0o600)
+        srv.listen(64)
+        srv.settimeout(0.2)
+        self._server = srv
+        self._accepting.set()
+        for name, target, q in (("ckptd-writer", self._write_loop, self.q_write),
+                                ("ckptd-verifier", self._verify_loop, self.q_verify),
+                                ("ckptd-deleter", self._delete_loop, self.q_delete),
+                                ("ckptd-tier", self._tier_loop, self.q_tier)):
+            t = threading.Thread(target=self._worker, args=(q, target), name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._accept_loop, name="ckptd-accept", daemon=True)
+        t.start()
+        self._accept_thread = t
+        log.info("serving %s at %s", self.ndir, self.sock_path)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        return self._stop.wait(timeout_s)
+
+    def drain_and_close(self) -> bool:
+        """Stop accepting, finish queued work up to ``drain_s``; True when everything finished."""
+        self._accepting.clear()
+        self._accept_thread.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
+            try:
+                os.unlink(self.sock_path)
+            except OSError:
+                pass
+        deadline = time.monotonic() + self.o.drain_s
+        done = True
+        # Order matters: the writer feeds the verifier, which feeds the deleter and the tier.
+        for t, q in zip(self._threads, (self.q_write, self.q_verify, self.q_delete, self.q_tier)):
+            q.put(_SENTINEL)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            done = done and not t.is_alive()
+        with self._mu:
+            abandoned = sorted(self._pending)
+        for step in abandoned:
+            staging.drop_step(self.stage_root, step)
+        if abandoned:
+            log.warning("abandoned incomplete staged steps %s (a rank never staged them)", abandoned)
+        if done:
+            staging.drop_all(self.stage_root)  # no shared memory left behind by a finished daemon
+        self.events.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        return done
+
+    # ------------------------------------------------------------------ socket
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while self._accepting.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            threading.Thread(target=self._serve, args=(conn,), name="ckptd-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.o.conn_timeout_s)
+            try:
+                ok, why = peer_allowed(peer_uid(conn))
+                if not ok:
+                    log.warning("refused a connection: %s", why)
+                    send_line(conn, {"ok": False, "error": f"refused: {why}"})
+                    return
+                msg = recv_line(conn)
+                send_line(conn, self.handle(msg))
+            except Exception as exc:  # a client that vanished must not take the daemon down
+                log.warning("request failed: %s", exc)
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid(), "node": self.o.node}
+        if op == "staged":
+            return self._on_staged(int(msg["step"]), int(msg["local_rank"]), int(msg["nranks"]), msg["path"])
+        if op == "status":
+            with self._mu:
+                return {"ok": True, "states": {str(k): list(v) for k, v in self._states.items()},
+                        "pending": sorted(self._pending)}
+        if op == "wait":
+            step, timeout = int(msg["step"]), float(msg.get("timeout", 60))
+            deadline = time.monotonic() + timeout
+            with self._changed:
+                while self._states.get(step, ("",))[0] not in FINAL:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                state, reason = self._states.get(step, (None, None))
+            return {"ok": True, "step": step, "state": state, "reason": reason}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _on_staged(self, step: int, local_rank: int, nranks: int, path: str) -> dict[str, Any]:
+        with self._mu:
+            pend = self._pending.setdefault(step, _Pending(nranks))
+            pend.paths[local_rank] = path
+            complete = len(pend.paths) >= pend.nranks
+            if complete:
+                del self._pending[step]
+        faults.pause_point("staging", self.ndir, step)
+        if complete:
+            self.q_write.put((step, dict(pend.paths)))
+        return {"ok": True, "step": step, "complete": complete}
+
+    # ------------------------------------------------------------------ workers
+
+    def _worker(self, q: queue.Queue, fn: Callable[[Any], None]) -> None:
+        while True:
+            item = q.get()
+            if item is _SENTINEL:
+                return
+            try:
+                fn(item)
+            except Exception:  # background failures are logged, never fatal
+                log.exception("%s failed on %r", threading.current_thread().name, item)
+
+    def _set_state(self, step: int, state: str, reason: str | None, path: str | None, size: int | None) -> None:
+        with self._changed:
+            self._states[step] = (state, reason)
+            self._changed.notify_all()
+        self.events.emit("checkpoint", step=step, state=state, size_bytes=size, path=path, reason=reason,
+                         hostname=self.o.node)
+        self._publish()
+
+    def _publish(self) -> None:
+        try:
+            publish_index(self.o.run_dir, self.o.node, scan(self.ndir, self.o.milestone_every))
+        except OSError:
+            log.warning("could not publish the checkpoint index", exc_info=True)
+
+    def _write_loop(self, item: tuple[int, dict[int, str]]) -> None:
+        from .writer import write_snapshot
+
+        step, paths = item
+        try:
+            payloads = [staging.read_payload(paths[lr]) for lr in sorted(paths)]
+            path, size = write_snapshot(self.ndir, step, payloads, compress=self.o.compress, node=self.o.node)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, CheckpointError) else f"{exc.__class__.__name__}: {exc}"
+            log.error("snapshot %d failed: %s", step, reason)
+            self._set_state(step, "failed", reason, None, None)
+            return
+        finally:
+            staging.drop_step(self.stage_root, step)
+        self._set_state(step, "committed", None, path, size)
+        self.q_verify.put(step)
+
+    def _verify_loop(self, step: int) -> None:
+        from .verify import verify_snapshot
+
+        rec = read_record(os.path.join(self.ndir, f"step-{step:010d}"), self.o.milestone_every)
+        if rec is None or not os.path.isdir(rec.path):
+            return
+        ok, reason = verify_snapshot(rec.path, do_replay=self.o.replay)
+        state = "verified" if ok else "rejected"
+        record_state(rec.path, state, None if ok else reason)
+        self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)
+        if ok and is_milestone(step, self.o.milestone_every):
+            self.q_tier.put(rec.path)
+        self.q_delete.put(None)
+
+    def _delete_loop(self, _item: Any) -> None:
+        snaps = [Snap(r.step, r.state) for r in scan(self.ndir, self.o.milestone_every)]
+        deletions, why = plan_retention(snaps, self.o.keep_last, self.o.milestone_every)
+        for step, reason in deletions:
+            src = os.path.join(self.ndir, f"step-{step:010d}")
+            aside = os.path.join(self.ndir, f"{DEL_PREFIX}step-{step:010d}-{os.getpid()}")
+            try:
+                os.rename(src, aside)  # never listed half-deleted
+                shutil.rmtree(aside)
+                log.info("deleted step %d: %s", step, reason)
+            except OSError:
+                log.warning("could not delete step %d", step, exc_info=True)
+        if deletions:
+            self._publish()
+
+    def _tier_loop(self, path: str) -> None:
+        from .tiers import copy_to_shared
+
+        dst, why = copy_to_shared(path, self.shared, self.o.node)
+        log.info("shared tier: %s", why)

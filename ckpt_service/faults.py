@@ -1,0 +1,55 @@
+"""Fault-injection points for the kill -9 tests (the one place this package reads ``ACCELPACT_CKPT*``).
+
+- ``ACCELPACT_CKPTD_PAUSE_AT=PHASE[:STEP]`` makes the daemon write ``<node dir>/.paused-PHASE`` and block
+  (up to 600 s) when it reaches PHASE, so that a test can SIGKILL it at exactly that point.  Phases:
+  ``staging`` (first rank's shards received, snapshot not complete), ``writing`` (shard files written,
+  no ``.metadata`` yet), ``written`` (complete and durable under the temporary name, not renamed),
+  ``renamed`` (renamed into ``step-N``, state not recorded).
+- ``ACCELPACT_CKPT_KILL_AFTER_STAGED=STEP:RANK``: that rank SIGKILLs itself once the daemon
+  acknowledged its staged step STEP.
+- ``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED=STEP``: every rank waits until its node's snapshot STEP is
+  verified, then the job exits with the "requeue me" code (used to stop a run after a verified snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Mapping
+
+log = logging.getLogger(__name__)
+
+PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
+KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
+EXIT_AFTER_VERIFIED = "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED"
+PHASES = ("staging", "writing", "written", "renamed")
+PAUSE_LIMIT_S = 600.0
+
+
+def pause_point(phase: str, ndir: str, step: int | None = None, environ: Mapping[str, str] | None = None) -> None:
+    """Block here when ``ACCELPACT_CKPTD_PAUSE_AT`` is ``PHASE`` or ``PHASE:STEP`` and matches."""
+    environ = os.environ if environ is None else environ
+    want = (environ.get(PAUSE_AT) or "").split(":")
+    if want[0] != phase or (len(want) > 1 and step is not None and int(want[1]) != step):
+        return
+    marker = os.path.join(ndir, f".paused-{phase}")
+    with open(marker, "w") as fh:
+        fh.write(f"{os.getpid()}\n")
+    log.warning("fault injection: paused at %s (marker %s)", phase, marker)
+    threading.Event().wait(PAUSE_LIMIT_S)
+
+
+def kill_after_staged(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    environ = os.environ if environ is None else environ
+    v = environ.get(KILL_AFTER_STAGED)
+    if not v:
+        return None
+    step, rank = v.split(":")
+    return int(step), int(rank)
+
+
+def exit_after_verified(environ: Mapping[str, str] | None = None) -> int | None:
+    environ = os.environ if environ is None else environ
+    v = environ.get(EXIT_AFTER_VERIFIED)
+    return int(v) if v else None

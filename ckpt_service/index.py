@@ -1,0 +1,173 @@
+"""Snapshot records on disk, pure selection, and the login-node index (no torch).
+
+A snapshot's state lives beside its data: ``step-N/state.json``.  The rename of
+the temporary directory to ``step-N`` is the commit point, so a ``step-N`` with
+a manifest but no state record (the writer died between rename and record) is
+*committed* and will be verified.  The index ``RUN_DIR/ckpt-index/<node>.json``
+is derived from the records and rewritten atomically after every transition;
+``accelpact-status`` reads exactly this file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+from .layout import INDEX_DIR, MANIFEST, STATE, step_of
+from .retention import is_milestone
+
+log = logging.getLogger(__name__)
+
+STATES = ("committed", "verified", "rejected")
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Temporary name, fsync, rename, fsync the directory: readers see the old or the new file, never half."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class SnapshotRecord:
+    step: int
+    state: str
+    size_bytes: int
+    created: float
+    path: str
+    milestone: bool = False
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def dir_size(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def read_record(path: str, milestone_every: int = 0) -> SnapshotRecord | None:
+    """The record of one committed directory, ``None`` when ``path`` is not a snapshot name."""
+    step = step_of(path)
+    if step is None:
+        return None
+    manifest = read_json(os.path.join(path, MANIFEST))
+    rec = read_json(os.path.join(path, STATE)) or {}
+    state = rec.get("state") if rec.get("state") in STATES else "committed"
+    reason = rec.get("reason")
+    created = (manifest or {}).get("created")
+    if manifest is None and state != "rejected":
+        state, reason = "rejected", "manifest.json missing or unreadable"
+    if not isinstance(created, (int, float)):
+        try:
+            created = os.path.getmtime(path)
+        except OSError:
+            created = 0.0
+    return SnapshotRecord(step=step, state=state, size_bytes=dir_size(path), created=float(created),
+                          path=os.path.abspath(path), milestone=is_milestone(step, milestone_every), reason=reason)
+
+
+def scan(ndir: str, milestone_every: int = 0) -> list[SnapshotRecord]:
+    """Every committed snapshot of a node directory, by step (temporary and deleted ones never appear)."""
+    try:
+        names = os.listdir(ndir)
+    except FileNotFoundError:
+        return []
+    out = [read_record(os.path.join(ndir, n), milestone_every) for n in names if step_of(n) is not None]
+    return sorted((r for r in out if r is not None), key=lambda r: r.step)
+
+
+def record_state(path: str, state: str, reason: str | None = None, **extra: Any) -> None:
+    """Write ``state.json`` beside the data (atomically), keeping the history of transitions."""
+    if state not in STATES:
+        raise ValueError(f"unknown snapshot state {state!r}")
+    spath = os.path.join(path, STATE)
+    old = read_json(spath) or {}
+    history = list(old.get("history", []))
+    now = time.time()
+    history.append({"state": state, "ts": now, "reason": reason})
+    write_json_atomic(spath, {"state": state, "reason": reason, "updated": now, "history": history, **extra})
+
+
+# --------------------------------------------------------------------------- pure selection
+
+
+def newest_verified(snaps: Iterable[Any]) -> tuple[Any | None, str]:
+    """The snapshot a restart loads: the highest step whose state is ``verified``.  Pure."""
+    best = None
+    seen = 0
+    for s in snaps:
+        seen += 1
+        state = s["state"] if isinstance(s, dict) else s.state
+        step = s["step"] if isinstance(s, dict) else s.step
+        if state != "verified":
+            continue
+        if best is None or step > (best["step"] if isinstance(best, dict) else best.step):
+            best = s
+    if best is None:
+        return None, ("no snapshot at all" if seen == 0 else f"none of {seen} snapshot(s) is verified")
+    step = best["step"] if isinstance(best, dict) else best.step
+    return best, f"step {step} is the newest of {seen} snapshot(s) in state verified"
+
+
+def common_step(available: Sequence[Iterable[int]]) -> tuple[int | None, str]:
+    """The newest step every rank can load (each rank lists the verified steps it can reach).  Pure."""
+    if not available:
+        return None, "no ranks"
+    sets = [set(a) for a in available]
+    common = set.intersection(*sets)
+    if not common:
+        empty = [i for i, s in enumerate(sets) if not s]
+        if empty:
+            return None, f"rank(s) {empty} can reach no verified snapshot"
+        return None, "no verified step is reachable by every rank"
+    best = max(common)
+    newer = max(max(s) for s in sets if s)
+    why = f"step {best} is the newest verified step every rank can load"
+    if newer > best:
+        why += f" (step {newer} is verified on some nodes only)"
+    return best, why
+
+
+# --------------------------------------------------------------------------- login-node index
+
+
+def publish_index(run_dir: str, node: str, records: Sequence[SnapshotRecord]) -> str:
+    """Rewrite ``RUN_DIR/ckpt-index/<node>.json`` atomically and return its path."""
+    d = os.path.join(run_dir, INDEX_DIR)
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"{node}.json")
+    write_json_atomic(path, {"node": node, "updated": time.time(), "snapshots": [r.to_json() for r in records]})
+    return path
