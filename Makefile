@@ -17,7 +17,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[train,test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[train,test,plot]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -86,20 +86,36 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """L2: how many starts without progress before giving up, and the embedded default's relaunch budget."""
+
+    max_stalled_restarts: int = 3
+    max_restarts: int = 20
+
+
+@dataclass(frozen=True, kw_only=True)
 class FaultSpec:
-    """``PHASE:STEP:RANK``: make RANK withhold its part of the replication
-    collective in PHASE of update STEP (``boundary``: right after update STEP)."""
+    """``PHASE:STEP:RANK[:always]``: make RANK withhold its part of the replication
+    collective in PHASE of update STEP (``boundary``: right after update STEP).
+
+    A fault fires on the job's first start only (a restart replays the update and
+    must get past it); ``:always`` makes it fire on every start (a fault that
+    recurs, as a broken node would)."""
 
     phase: str
     step: int
     rank: int
+    always: bool = False
 
     @classmethod
     def parse(cls, text: str, field_name: str = "faults") -> "FaultSpec":
         parts = str(text).split(":")
-        if len(parts) != 3:
+        always = len(parts) == 4 and parts[3] == "always"
+        if len(parts) == 4 and not always:
+            raise ConfigError(field_name, text, "the optional 4th field must be 'always', e.g. backward:3:1:always")
+        if len(parts) not in (3, 4):
             raise ConfigError(field_name, text, "write a fault as PHASE:STEP:RANK, e.g. boundary:15:1")
-        phase, step, rank = parts
+        phase, step, rank = parts[:3]
         if phase not in FAULT_PHASES:
             raise ConfigError(field_name, text, f"PHASE must be one of {', '.join(FAULT_PHASES)}")
         try:
@@ -108,10 +124,10 @@ class FaultSpec:
             raise ConfigError(field_name, text, "STEP and RANK must be integers, e.g. boundary:15:1") from None
         if step_i < 1 or rank_i < 0:
             raise ConfigError(field_name, text, "STEP must be >= 1 and RANK >= 0")
-        return cls(phase=phase, step=step_i, rank=rank_i)
+        return cls(phase=phase, step=step_i, rank=rank_i, always=always)
 
     def __str__(self) -> str:
-        return f"{self.phase}:{self.step}:{self.rank}"
+        return f"{self.phase}:{self.step}:{self.rank}" + (":always" if self.always else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +140,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     faults: tuple[FaultSpec, ...] = ()
 
     @property
@@ -316,6 +333,11 @@ def validate(cfg: JobConfig) -> None:
     ok, reason = check_timeouts(to)
     if not ok:
         raise ConfigError("timeouts.collective_s", to.collective_s, reason)
+    if cfg.recovery.max_stalled_restarts < 1:
+        raise ConfigError("recovery.max_stalled_restarts", cfg.recovery.max_stalled_restarts,
+                          "must be >= 1 (restarts allowed without progress before the job stops for good)")
+    if cfg.recovery.max_restarts < 0:
+        raise ConfigError("recovery.max_restarts", cfg.recovery.max_restarts, "must be >= 0")
     for i, f in enumerate(cfg.faults):
         if f.step > cfg.steps:
             raise ConfigError(f"faults[{i}]", str(f), f"STEP must be <= steps ({cfg.steps})")

@@ -38,8 +38,9 @@ TEST_FRONTIER_SKEW = "ACCELPACT_TEST_FRONTIER_SKEW"
 class FaultInjector:
     """Real fault injection: the chosen rank withholds its part of a collective."""
 
-    def __init__(self, faults: tuple[FaultSpec, ...], rank: int) -> None:
-        self._pending = {(f.phase, f.step) for f in faults if f.rank == rank}
+    def __init__(self, faults: tuple[FaultSpec, ...], rank: int, restart_count: int = 0) -> None:
+        self._pending = {(f.phase, f.step) for f in faults
+                         if f.rank == rank and (f.always or restart_count == 0)}
 
     def fires(self, phase: str, step: int) -> bool:
         key = (phase, step)
@@ -109,7 +110,8 @@ class BoundaryGuard:
         self.key_for = key_for
         self.engine = engine
         self.phase = COMMITTED
-        self.injector = FaultInjector(cfg.faults, self.rt.rank)
+        self.stop_requested = False
+        self.injector = FaultInjector(cfg.faults, self.rt.rank, self.rt.ctx.restart_count)
         skew = os.environ.get(TEST_FRONTIER_SKEW, "")
         self._skew = tuple(int(x) for x in skew.split(":")) if skew else None
 
@@ -159,7 +161,12 @@ class BoundaryGuard:
         if fault:
             log.warning("rank %d saw a fault in %s at update %d: %s", rt.rank, fault, step, error)
             self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
-        raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss_value})
+        from . import signals
+
+        raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss_value,
+                                             "stop": signals.requested()})
+        # A pre-timeout signal seen by any rank stops every rank at this same boundary.
+        self.stop_requested = any(d.get("stop") for d in raw)
         votes = [Vote.from_json(r, d) for r, d in enumerate(raw)]
         action, reason = decide_votes(votes, self.lookup)
         decided = time.monotonic()

@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
 from typing import Mapping, TextIO
 
 from .config import JobConfig
-from .errors import EXIT_OK, FailStop
-from .events import SUMMARY_FILE, EVENTS_FILE, EventLog
+from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, FailStop
+from .restart import frontier_history, request_requeue, stalled
+from .events import SUMMARY_FILE, EVENTS_FILE, EventLog, read_events
 from .slurm_env import SlurmContext
 
 log = logging.getLogger(__name__)
@@ -57,11 +59,15 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     events.emit("membership", local_rank=rt.local_rank, hostname=ctx.hostname or socket.gethostname(),
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
+    check_progress(cfg, ctx, rt, run_dir, events, out)
     trainer = Trainer(cfg, rt)
     from ckpt_service.client import SnapshotClient
 
     snapshots = SnapshotClient(cfg, trainer, run_dir, events)
-    snapshots.restore()  # collective: resumes from the newest verified snapshot every rank can reach
+    try:
+        snapshots.restore()  # collective: resumes from the newest verified snapshot every rank can reach
+    except FailStop as stop:  # no usable snapshot left after a failed replay check: start again
+        fail_stop(stop, events, out, lead, rt.control, ctx, environ)
     guard = build_guard(cfg, trainer, events)
     if lead:
         print(f"[accelpact] job {ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
@@ -73,7 +79,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         try:
             mean_loss = guard.run_update()
         except FailStop as stop:
-            fail_stop(stop, events, out, lead, rt.control)
+            fail_stop(stop, events, out, lead, rt.control, ctx, environ)
         trainer.commit(mean_loss)
         snapshots.after_commit()
         dt = time.monotonic() - t0
@@ -83,6 +89,8 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
             if p.step % cfg.train.log_every == 0 or p.step == cfg.steps:
                 print(f"[accelpact] step {p.step:>5}/{cfg.steps}  loss {mean_loss:.4f}  "
                       f"tokens/s {tps:,.0f}  ({dt * 1000:.0f} ms/update)", file=out, flush=True)
+        if guard.stop_requested and p.step < cfg.steps:
+            stop_for_requeue(cfg, ctx, trainer, snapshots, events, out, lead)
     train_s = time.monotonic() - train_t0
     digest = state_digest(trainer)
     wall_s = time.monotonic() - wall0
@@ -115,13 +123,14 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     return EXIT_OK
 
 
-def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control=None) -> None:
+def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control=None,
+              ctx: SlurmContext | None = None, environ: Mapping[str, str] | None = None) -> None:
     """Stop this rank now: write the event, flush, exit with the documented code.
 
     ``os._exit`` skips interpreter teardown on purpose: destroying a process group
     whose peers are gone can block, and nothing may be written after the decision.
     """
-    ctx = stop.context
+    slurm, ctx = ctx, stop.context
     decided = ctx.get("decided_at")
     if control is not None:
         try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
@@ -130,11 +139,53 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
             pass
     decision_s = time.monotonic() - decided if isinstance(decided, float) else None
     events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, phase=ctx.get("phase"),
-                frontier=ctx.get("frontier"), decision_s=decision_s, decision="restart", key=ctx.get("key"))
+                frontier=ctx.get("frontier"), decision_s=decision_s,
+                decision="restart" if stop.exit_code == EXIT_REQUEUE else "stop", key=ctx.get("key"))
     if lead:
         print(f"[accelpact] fail-stop at F={ctx.get('frontier')}: {stop.reason} (exit {stop.exit_code})",
               file=out, flush=True)
+        if stop.exit_code == EXIT_REQUEUE and slurm is not None:
+            # srun --kill-on-bad-exit may TERM this rank when a peer exits first: finish the request.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, emulated(environ))
     events.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(stop.exit_code)
+
+
+def emulated(environ: Mapping[str, str] | None) -> bool:
+    """True on the embedded default, where the local launcher plays Slurm's part."""
+    return (environ or os.environ).get("ACCELPACT_EMULATED") == "1"
+
+
+def check_progress(cfg: JobConfig, ctx: SlurmContext, rt, run_dir: str, events: EventLog, out: TextIO) -> None:
+    """On a restart, stop for good when the last restarts did not advance the committed frontier."""
+    if ctx.restart_count == 0:
+        return
+    verdict = None
+    if rt.rank == 0:
+        history = [a for a in frontier_history(read_events(os.path.join(run_dir, EVENTS_FILE)))
+                   if a.restart < ctx.restart_count]
+        stop, why = stalled(history, cfg.recovery.max_stalled_restarts)
+        verdict = {"stop": stop, "why": why}
+    verdict = rt.control.broadcast("progress-check", verdict)
+    if verdict["stop"]:
+        reason = (f"no progress: {verdict['why']}; not requeueing. Look at the fail_stop and fault events in "
+                  f"{os.path.join(run_dir, EVENTS_FILE)} (accelpact-status {run_dir}) for the fault that recurs")
+        fail_stop(FailStop(reason, EXIT_NO_REQUEUE, phase="start", frontier=None, decided_at=time.monotonic()),
+                  events, out, rt.rank == 0, rt.control)
+
+
+def stop_for_requeue(cfg: JobConfig, ctx: SlurmContext, trainer, snapshots, events: EventLog, out: TextIO,
+                     lead: bool) -> None:
+    """Pre-timeout or preemption: snapshot this committed boundary, wait until it is committed, requeue."""
+    from . import signals
+
+    step = trainer.progress.step
+    state = snapshots.snapshot_and_wait(cfg.timeouts.startup_s)
+    reason = f"{signals.reason()} received: snapshot of step {step} is {state}; requeueing"
+    if lead:
+        print(f"[accelpact] {reason}", file=out, flush=True)
+    fail_stop(FailStop(reason, EXIT_REQUEUE, phase="committed", frontier=step, decided_at=time.monotonic()),
+              events, out, lead, trainer.rt.control, ctx)

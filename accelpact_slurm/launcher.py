@@ -72,6 +72,31 @@ def combine_exit_codes(codes: Sequence[int | None]) -> int:
     return EXIT_REQUEUE
 
 
+def run_local(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Sequence[str] = (),
+              environ: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
+    """The embedded default's whole job: launch, and relaunch on "requeue me" as Slurm would.
+
+    Each relaunch is a new start with the next restart count (``SLURM_RESTART_COUNT``);
+    the ranks reload the newest verified snapshot themselves.  Stops on success, on
+    "do not requeue", or after ``recovery.max_restarts`` relaunches.
+    """
+    out = out or sys.stdout
+    environ = dict(os.environ if environ is None else environ)
+    job_id = environ.get("ACCELPACT_LOCAL_JOB_ID") or f"local-{os.getpid()}"
+    restart = 0
+    while True:
+        code = launch_local(config_path, cfg, run_dir, worker_args, environ, out, job_id, restart)
+        if code != EXIT_REQUEUE:
+            return code
+        if restart >= cfg.recovery.max_restarts:
+            print(f"[accelpact] requeue requested but recovery.max_restarts ({cfg.recovery.max_restarts}) "
+                  f"relaunches are spent", file=out, flush=True)
+            return code
+        restart += 1
+        print(f"[accelpact] fail-stop: relaunching the job (restart {restart}); it reloads the newest verified "
+              f"snapshot", file=out, flush=True)
+
+
 def launch_local(
     config_path: str,
     cfg: JobConfig,
@@ -95,7 +120,7 @@ def launch_local(
         control_port = free_port()
     from .cli.ckptd import start_local_daemons, stop_daemons
 
-    daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ)  # one per emulated node
+    daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
     ranks: list[RankProcess] = []
     cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config_path, "--run-dir", run_dir, *worker_args]
     try:
@@ -131,9 +156,12 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
     stop = {"signal": None}
 
     def on_signal(signum, _frame):  # handlers only set a flag
-        stop["signal"] = signum
+        if signum == signal.SIGUSR2:
+            stop["usr2"] = True
+        else:
+            stop["signal"] = signum
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)} \
         if threading.current_thread() is threading.main_thread() else {}
     try:
         deadline: float | None = None
@@ -142,6 +170,11 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
             if all(c is not None for c in codes):
                 break
             failed = [(rp.rank, c) for rp, c in zip(ranks, codes) if c not in (None, 0)]
+            if stop.get("usr2"):  # pre-timeout warning: every rank snapshots at its next boundary and requeues
+                stop["usr2"] = False
+                for rp in ranks:
+                    if rp.proc.poll() is None:
+                        rp.proc.send_signal(signal.SIGUSR2)
             if stop["signal"] is not None and deadline is None:
                 for rp in ranks:
                     if rp.proc.poll() is None:

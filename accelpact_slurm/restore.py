@@ -1,24 +1,74 @@
-"""Restart from the newest verified snapshot every rank can reach (the L2 path builds on this).
+"""L2 reload: on every start, load the newest snapshot that every rank can reach and that still checks out.
 
-Selection is pure (:func:`ckpt_service.index.common_step`); the I/O here lists
-what this rank can reach (its node's directory, then the shared tier) and loads
-it with :func:`accelpact_slurm.workload.appstate.load`.
+Who calls: every rank, before the training loop, at the same point (collective):
+``job.run_rank`` -> ``SnapshotClient.restore`` -> :func:`restore_trainer`.
 
-Who calls: every rank, before the training loop, at the same point (collective).
+The steps, in this order on every rank (each round is one control-plane ``all_gather``):
+
+1. **offer**: every rank lists the snapshots it can reach, its node directory first, then the
+   shared tier (:func:`reachable_verified`), with the state of those it cannot use
+   (``rejected``, ``committed``); pure :func:`plan` orders the candidates (steps verified and
+   reachable on every rank, newest first) and says why each newer step is not one;
+2. **re-check** (cheap but real, before anything is loaded): for the candidate, one rank per
+   copy (the lowest rank that reaches that directory) re-reads every file the manifest lists
+   and compares size and SHA-256 (:func:`ckpt_service.verify.check_checksums`: a bit flip, a
+   truncation, a missing shard or ``.metadata`` all fail); pure :func:`agree` combines the
+   answers.  When one copy fails, every rank moves to the next older candidate;
+3. **load + replay**: every rank loads its copy (:func:`accelpact_slurm.workload.appstate.load`)
+   and computes the loss on the fixed batch the manifest records (collective: FSDP forward);
+   every rank compares it bitwise with the recorded loss.  A mismatch rejects the copies that
+   disagree; the next older candidate is loaded over it (a load replaces the whole
+   application state: weights, both AdamW moments, scheduler, frontier, cursor, losses, RNG).
+   When no older candidate is left after a load, the trainer is not fresh any more, so the
+   start ends with :class:`~accelpact_slurm.errors.FailStop` (``EXIT_REQUEUE``): the next start
+   finds no usable snapshot and begins from step 0 with a freshly built model;
+4. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
+   ``path`` and ``skipped`` (``[{step, reason}]`` for every newer snapshot that was not taken).
+   Nothing is written when there was no snapshot at all.
+
+Rejections are recorded the way the daemon records them: ``state.json`` beside the data
+(:func:`ckpt_service.index.record_state`, the source of truth), a ``checkpoint`` event
+(``state: rejected``, ``source: restore``) and, for a node-local copy, a republished
+``ckpt-index/<node>.json``.  The node's daemon may be running meanwhile (it starts before the
+ranks); :func:`ckpt_service.index.publish_index` re-reads every state under a lock, so neither
+writer can leave an index older than the state files.  The daemon's in-memory state of that
+step stays ``verified`` until its next start; nothing selects from it (selection reads
+``state.json``), and a new snapshot of the same step replaces the rejected directory.
+
+A load that raises after the checksums passed (an environment error, not the snapshot's) is not
+recorded as a rejection: the exception ends the start and the no-progress rule bounds the retries.
+
+Test-only switch: ``ACCELPACT_TEST_SKIP_RELOAD_CHECK=1`` skips the re-check and the replay (the
+negative control of the corruption test).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
 
-from ckpt_service.index import common_step, newest_verified, scan
-from ckpt_service.layout import node_dir, shared_dir
+from ckpt_service.index import common_step, newest_verified, publish_index, read_json, record_state, scan
+from ckpt_service.layout import MANIFEST, node_dir, shared_dir
+
+from .errors import EXIT_REQUEUE, FailStop
 
 log = logging.getLogger(__name__)
 
-__all__ = ["reachable_verified", "restore_trainer", "newest_verified", "common_step"]
+__all__ = ["reachable_verified", "restore_trainer", "newest_verified", "common_step", "plan", "agree",
+           "reload", "ReloadOutcome", "TEST_SKIP_RELOAD_CHECK"]
+
+#: Test-only: skip the re-check and the replay at reload (negative controls).
+TEST_SKIP_RELOAD_CHECK = "ACCELPACT_TEST_SKIP_RELOAD_CHECK"
+#: Default batch size of the replay check when a manifest does not record one (the client's).
+DEFAULT_EVAL_BATCH = 4
+_MAX_HOSTS_NAMED = 4
+
+
+# --------------------------------------------------------------------------- what this rank can reach
 
 
 def reachable_verified(ndir: str, sdir: str) -> dict[int, str]:
@@ -31,26 +81,308 @@ def reachable_verified(ndir: str, sdir: str) -> dict[int, str]:
     return out
 
 
-def restore_trainer(trainer: Any, run_dir: str, events: Any = None) -> tuple[int | None, str]:
-    """Collective: load the newest verified step every rank can reach; return ``(step or None, reason)``."""
-    from .workload import appstate
+def make_offer(host: str, ndir: str, sdir: str) -> dict[str, Any]:
+    """This rank's contribution to the offer round (JSON): its verified copies and why others are unusable."""
+    verified = reachable_verified(ndir, sdir)
+    other: dict[int, tuple[str, str | None]] = {}
+    for d in (sdir, ndir):  # the node's record wins, as for verified copies
+        for rec in scan(d):
+            if rec.step not in verified:
+                other[rec.step] = (rec.state, rec.reason)
+    return {"host": host, "verified": sorted([s, p] for s, p in verified.items()),
+            "other": sorted([s, st, why] for s, (st, why) in other.items())}
 
+
+# --------------------------------------------------------------------------- pure decisions
+
+
+def plan(offers: Sequence[Mapping[str, Any]]) -> tuple[list[int], dict[int, str], str]:
+    """Candidates newest first (verified and reachable on every rank), why every other step is not one, a summary.
+
+    Pure.  ``offers[r]`` is rank r's :func:`make_offer`.  The reasons name hosts, not
+    ranks: the ranks of one node see the same directories.
+    """
+    if not offers:
+        return [], {}, "no ranks"
+    verified = [{int(s): p for s, p in o.get("verified", [])} for o in offers]
+    other = [{int(s): (st, why) for s, st, why in o.get("other", [])} for o in offers]
+    hosts = [str(o.get("host", f"rank {r}")) for r, o in enumerate(offers)]
+    steps = sorted(set().union(*(v.keys() for v in verified)), reverse=True)
+    order, unusable = [], {}
+    for s in steps:
+        lacking = [r for r, v in enumerate(verified) if s not in v]
+        if not lacking:
+            order.append(s)
+            continue
+        having = _names(hosts[r] for r, v in enumerate(verified) if s in v)
+        parts = []
+        for h in _names(hosts[r] for r in lacking)[:_MAX_HOSTS_NAMED]:
+            r = next(r for r in lacking if hosts[r] == h)
+            st, why = other[r].get(s, ("absent", None))
+            parts.append(f"{h}: {st}" + (f" ({why})" if why else ""))
+        more = len(_names(hosts[r] for r in lacking)) - _MAX_HOSTS_NAMED
+        if more > 0:
+            parts.append(f"and {more} more host(s)")
+        unusable[s] = f"verified on {', '.join(having)} only; " + "; ".join(parts)
+    if order:
+        why = f"{len(order)} step(s) verified and reachable on every rank, newest {order[0]}"
+    elif steps:
+        why = f"none of the verified step(s) {sorted(steps)} is reachable on every rank"
+    else:
+        why = "no verified snapshot on any rank"
+    return order, unusable, why
+
+
+def _names(hosts: Any) -> list[str]:
+    """Distinct host names in first-seen order."""
+    return list(dict.fromkeys(hosts))
+
+
+def agree(results: Sequence[Any], hosts: Sequence[str]) -> tuple[bool, str, list[tuple[int, str, str]]]:
+    """Combine one round's per-rank answers ``[ok, reason, path]`` (``None``: this rank did not check).  Pure.
+
+    Returns ``(every answer ok, reason, [(rank, path, reason) of every failed answer])``.
+    """
+    bad = [(r, str(res[2]), str(res[1])) for r, res in enumerate(results) if res is not None and not res[0]]
+    if not bad:
+        n = sum(res is not None for res in results)
+        return True, f"{n} answer(s), all pass", []
+    seen, parts = set(), []
+    for r, _path, why in bad:
+        key = (hosts[r], why)
+        if key not in seen:
+            seen.add(key)
+            parts.append(f"{hosts[r]}: {why}")
+    return False, "; ".join(parts), bad
+
+
+def checker_ranks(paths: Sequence[str]) -> dict[str, int]:
+    """``{path: the lowest rank that reaches it}``: one rank re-reads each copy.  Pure."""
+    out: dict[str, int] = {}
+    for r, p in enumerate(paths):
+        out.setdefault(p, r)
+    return out
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Bitwise float equality (``-0.0`` differs from ``0.0``; NaN never matches a recorded NaN either)."""
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return False
+    a, b = float(a), float(b)
+    return a == a and a.hex() == b.hex()
+
+
+# --------------------------------------------------------------------------- the agreement loop
+
+
+class ReloadIO(Protocol):
+    """What :func:`reload` does to this rank's files and trainer (a fake in the unit tests)."""
+
+    def check(self, path: str) -> tuple[bool, str]:
+        """Re-read the copy at ``path`` (no loading); ``(ok, reason)``."""
+
+    def load(self, path: str) -> None:
+        """Load the copy into the trainer (collective)."""
+
+    def replay(self, path: str) -> tuple[float, Any]:
+        """``(loss now, loss recorded)`` on the recorded fixed batch (collective)."""
+
+    def reject(self, step: int, path: str, reason: str) -> None:
+        """Record ``rejected`` for the copy (called by one rank per copy)."""
+
+
+@dataclass
+class ReloadOutcome:
+    step: int | None
+    path: str | None
+    reason: str
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    offered: bool = False  # some rank could reach a verified snapshot
+    dirty: bool = False  # something was loaded, then rejected, and nothing older is left
+
+
+def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, check: bool = True,
+           timeout_s: float | None = None) -> ReloadOutcome:
+    """Collective (every rank, same order): agree on, check, load and replay-check the newest usable snapshot.
+
+    ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``);
+    ``timeout_s`` bounds each round (re-reading or loading a large snapshot takes a while).
+    The loop is bounded by the candidates of the offer round: each is tried at most once.
+    """
+    offers = control.all_gather("reload-offer", dict(offer), timeout_s=timeout_s)
+    hosts = [str(o.get("host")) for o in offers]
+    order, unusable, summary = plan(offers)
+    mine = {int(s): p for s, p in offer.get("verified", [])}
+    skipped: dict[int, str] = {}
+    loaded = False
+    for step in order:
+        path = mine[step]
+        paths = [dict((int(s), p) for s, p in o["verified"])[step] for o in offers]
+        if check:
+            checker = checker_ranks(paths)
+            res = None
+            if checker[path] == rank:
+                ok, why = io.check(path)
+                res = [ok, why, path]
+            ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
+            if not ok:
+                _reject_once(rank, step, bad, io, "re-check at restart failed: ")
+                skipped[step] = f"re-check at restart failed: {why}"
+                log.warning("step %d rejected at restart: %s", step, why)
+                continue
+        io.load(path)
+        loaded = True
+        if not check:
+            return _done(step, path, f"step {step} loaded without re-check or replay (test-only switch)",
+                         unusable, skipped)
+        got, recorded = io.replay(path)
+        match = same_bits(got, recorded)
+        res = [match, f"replay mismatch: recorded {recorded!r}, got {got!r}", path]
+        ok, why, bad = agree(control.all_gather("reload-replay", res, timeout_s=timeout_s), hosts)
+        if ok:
+            why = (f"step {step} is the newest snapshot verified on every node (or in the shared tier), "
+                   f"its checksums re-read and its replay loss {got!r} matched bitwise")
+            return _done(step, path, why, unusable, skipped)
+        _reject_once(rank, step, bad, io, "")
+        skipped[step] = why
+        log.warning("step %d rejected after loading it: %s", step, why)
+    offered = bool(order or unusable)
+    if loaded:
+        why = "every candidate was rejected after one had been loaded; restart from scratch on the next start"
+        return ReloadOutcome(None, None, why, _skipped(None, unusable, skipped), offered, dirty=True)
+    why = summary if not skipped else f"every candidate was rejected ({summary})"
+    return ReloadOutcome(None, None, why, _skipped(None, unusable, skipped), offered)
+
+
+def _reject_once(rank: int, step: int, bad: list[tuple[int, str, str]], io: ReloadIO, prefix: str) -> None:
+    """The lowest failing rank of each copy records the rejection (no two ranks write one state file)."""
+    first: dict[str, tuple[int, str]] = {}
+    for r, path, why in bad:
+        first.setdefault(path, (r, why))
+    for path, (r, why) in first.items():
+        if r == rank:
+            try:
+                io.reject(step, path, prefix + why)
+            except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
+                log.warning("could not record the rejection of %s: %s", path, exc)
+
+
+def _skipped(loaded: int | None, unusable: Mapping[int, str], skipped: Mapping[int, str]) -> list[dict[str, Any]]:
+    steps = {**unusable, **skipped}
+    return [{"step": s, "reason": steps[s]} for s in sorted(steps, reverse=True) if loaded is None or s > loaded]
+
+
+def _done(step: int, path: str, why: str, unusable: Mapping[int, str], skipped: Mapping[int, str]) -> ReloadOutcome:
+    return ReloadOutcome(step, path, why, _skipped(step, unusable, skipped), True)
+
+
+# --------------------------------------------------------------------------- the real I/O
+
+
+class TrainerIO:
+    """:class:`ReloadIO` on a real trainer and this rank's node directory."""
+
+    def __init__(self, trainer: Any, run_dir: str, ndir: str, events: Any = None) -> None:
+        self.trainer = trainer
+        self.run_dir = run_dir
+        self.ndir = ndir
+        self.events = events
+        self.host = trainer.rt.ctx.hostname
+        self.milestone_every = trainer.cfg.checkpoint.milestone_every
+
+    def check(self, path: str) -> tuple[bool, str]:
+        from ckpt_service.verify import check_checksums
+
+        try:
+            return check_checksums(path)
+        except OSError as exc:  # unreadable: as bad as corrupted
+            return False, f"cannot re-read: {exc}"
+
+    def load(self, path: str) -> None:
+        from .workload import appstate
+
+        meta = appstate.load(self.trainer, path, self.trainer.rt.rank)
+        manifest = read_json(os.path.join(path, MANIFEST)) or {}
+        if manifest.get("step") is not None and meta.get("step") != manifest.get("step"):
+            log.warning("snapshot %s records step %s, its manifest %s", path, meta.get("step"), manifest.get("step"))
+
+    def replay(self, path: str) -> tuple[float, Any]:
+        manifest = read_json(os.path.join(path, MANIFEST)) or {}
+        ev = manifest.get("eval") or {}
+        batch = int(ev.get("batch_size") or DEFAULT_EVAL_BATCH)
+        tr = self.trainer
+        return tr.eval_loss(tr.stream.fixed_batch(batch)), ev.get("loss")
+
+    def reject(self, step: int, path: str, reason: str) -> None:
+        record_state(path, "rejected", reason)
+        size = None
+        try:
+            size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+        except OSError:
+            pass
+        if self.events is not None:
+            self.events.emit("checkpoint", step=step, state="rejected", size_bytes=size, path=path, reason=reason,
+                             hostname=self.host, source="restore")
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ndir):
+            try:
+                publish_index(self.run_dir, self.host, scan(self.ndir, self.milestone_every))
+            except OSError:
+                log.warning("could not publish the checkpoint index of %s", self.host, exc_info=True)
+
+
+def check_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(TEST_SKIP_RELOAD_CHECK) == "1"
+
+
+def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int]:
+    """Wait (bounded) until the node's daemon has verified or rejected every snapshot newer than the newest verified.
+
+    A snapshot committed just before a requeue is verified by the node's daemon when
+    it starts again; without this wait the ranks of a faster node would see it
+    verified and the others not, and an older step would be chosen.  Returns the
+    steps still unsettled at the deadline (then they are simply not candidates).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = scan(ndir)
+        newest = max((r.step for r in records if r.state == "verified"), default=-1)
+        pending = sorted(r.step for r in records if r.state == "committed" and r.step > newest)
+        if not pending or time.monotonic() >= deadline:
+            if pending:
+                log.warning("snapshots %s of %s still unverified after %g s", pending, ndir, timeout_s)
+            return pending
+        threading.Event().wait(poll_s)
+
+
+def restore_trainer(trainer: Any, run_dir: str, events: Any = None,
+                    environ: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    """Collective: load the newest usable snapshot (see the module docstring); return ``(step or None, reason)``.
+
+    Raises:
+        FailStop: (``EXIT_REQUEUE``) a candidate was loaded, then rejected by the replay check, and no
+            older one is left: the trainer's state is no longer fresh; the next start begins from scratch.
+    """
     cfg, rt = trainer.cfg, trainer.rt
+    t0 = time.monotonic()
     ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
     sdir = shared_dir(run_dir, cfg.checkpoint.shared_dir)
-    mine = reachable_verified(ndir, sdir)
-    everyone = rt.control.all_gather("ckpt-restore", sorted(mine))
-    step, why = common_step(everyone)
-    if step is None:
-        if any(everyone):
-            log.warning("not resuming: %s", why)
-        return None, why
-    path = mine[step]
-    meta = appstate.load(trainer, path, rt.rank)
-    skipped = sorted({s for steps in everyone for s in steps if s > step})
-    if rt.rank == 0 and events is not None:
-        events.emit("restart_load", step=step, reason=why, skipped=skipped, path=path)
-    if meta.get("step") != step:
-        log.warning("snapshot %s records step %s", path, meta.get("step"))
-    log.info("resumed from %s: %s", path, why)
-    return step, why
+    check = not check_disabled(environ)
+    if not check:
+        log.warning("reload re-check and replay disabled (test-only switch %s)", TEST_SKIP_RELOAD_CHECK)
+    timeout = max(cfg.timeouts.control_s, cfg.timeouts.startup_s)
+    settle_pending(ndir, timeout)
+    offer = make_offer(rt.ctx.hostname, ndir, sdir)
+    out = reload(rt.rank, offer, rt.control, TrainerIO(trainer, run_dir, ndir, events), check=check,
+                 timeout_s=timeout)
+    if rt.rank == 0 and events is not None and out.offered:
+        events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
+                    checked=check, load_s=time.monotonic() - t0)
+    if out.dirty:
+        raise FailStop(out.reason, EXIT_REQUEUE, phase="restore", frontier=None, decided_at=time.monotonic())
+    if out.step is None:
+        if out.offered:
+            log.warning("not resuming: %s", out.reason)
+        return None, out.reason
+    log.info("resumed from %s: %s", out.path, out.reason)
+    return out.step, out.reason

@@ -135,6 +135,19 @@ class SnapshotClient:
             return None
         return reply.get("state")
 
+    def snapshot_and_wait(self, timeout_s: float) -> str | None:
+        """Collective: make sure a snapshot of the current step exists and wait until the daemon settles it.
+
+        Used before a requeue (pre-timeout signal, preemption).  Returns the daemon's
+        final state for the step (``committed``/``verified``/``rejected``/``failed``)
+        or None when no daemon answered.
+        """
+        step = self.trainer.progress.step
+        if self.every <= 0 or step % self.every:
+            self.snapshot()
+        self._join(timeout_s)
+        return self.wait(step, timeout_s)
+
     def _join(self, timeout_s: float) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=timeout_s)

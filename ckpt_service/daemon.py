@@ -53,6 +53,7 @@ class DaemonOptions:
     shared_dir: str | None = None
     node_index: int | None = None
     job_id: str | None = None
+    restart: int = 0
     keep_last: int = 2
     milestone_every: int = 0
     compress: bool = False
@@ -93,7 +94,7 @@ class Daemon:
         self.shared = default_shared(opts.run_dir, opts.shared_dir)
         self.sock_path = socket_path(self.ndir)
         self.stage_root = staging_root(self.ndir)
-        self.events = EventLog(os.path.join(opts.run_dir, EVENTS_FILE), job_id=opts.job_id, rank=None,
+        self.events = EventLog(os.path.join(opts.run_dir, EVENTS_FILE), job_id=opts.job_id, rank=None, restart=opts.restart,
                                node=opts.node_index, source="ckptd")
         self._lock_fd: int | None = None
         self._server: socket.socket | None = None

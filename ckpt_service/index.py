@@ -164,10 +164,76 @@ def common_step(available: Sequence[Iterable[int]]) -> tuple[int | None, str]:
 # --------------------------------------------------------------------------- login-node index
 
 
+INDEX_LOCK_TIMEOUT_S = 10.0
+
+
 def publish_index(run_dir: str, node: str, records: Sequence[SnapshotRecord]) -> str:
-    """Rewrite ``RUN_DIR/ckpt-index/<node>.json`` atomically and return its path."""
+    """Rewrite ``RUN_DIR/ckpt-index/<node>.json`` atomically and return its path.
+
+    Two writers publish a node's index: its daemon after every transition, and the
+    restorer after it rejects a snapshot at restart (while the daemon may be running).
+    Each scans before it publishes, so a slower writer could overwrite a newer index
+    with an older scan.  Under an ``flock`` on ``ckpt-index/.<node>.lock`` every
+    record's state is re-read from its ``state.json`` (the source of truth beside
+    the data) just before the rename, so the file written last is never older than
+    the states on disk.  Without the lock (it timed out) the index is written anyway:
+    it is derived data, and the next transition rewrites it.
+    """
     d = os.path.join(run_dir, INDEX_DIR)
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"{node}.json")
-    write_json_atomic(path, {"node": node, "updated": time.time(), "snapshots": [r.to_json() for r in records]})
+    with _index_lock(os.path.join(d, f".{node}.lock")):
+        fresh = [refresh_state(r) for r in records]
+        write_json_atomic(path, {"node": node, "updated": time.time(), "snapshots": [r.to_json() for r in fresh]})
     return path
+
+
+def refresh_state(rec: SnapshotRecord) -> SnapshotRecord:
+    """``rec`` with the state and reason its directory records now (as :func:`scan` would read them).
+
+    A directory that is gone (deleted meanwhile) or a record of no real directory is returned unchanged.
+    """
+    if not os.path.isdir(rec.path):
+        return rec
+    cur = read_record(rec.path)
+    if cur is None or (cur.state, cur.reason) == (rec.state, rec.reason):
+        return rec
+    return SnapshotRecord(**{**asdict(rec), "state": cur.state, "reason": cur.reason})
+
+
+class _index_lock:
+    """``flock`` with a deadline (a stuck writer must not stop the other one for good)."""
+
+    def __init__(self, path: str, timeout_s: float = INDEX_LOCK_TIMEOUT_S) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.fd: int | None = None
+
+    def __enter__(self) -> "_index_lock":
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            log.warning("cannot open %s; publishing the index unlocked", self.path)
+            return self
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.fd = fd
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    log.warning("index lock %s still held after %g s; publishing unlocked", self.path, self.timeout_s)
+                    return self
+                time.sleep(0.01)  # polling interval against the deadline above
+            except OSError:  # a file system without flock
+                os.close(fd)
+                return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None

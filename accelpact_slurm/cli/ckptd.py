@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", help="this node's name (default: $SLURMD_NODENAME or the hostname)")
     p.add_argument("--node-index", type=int, help="this node's index in the job (for events)")
     p.add_argument("--job-id", help="job id for events (default: $SLURM_JOB_ID)")
+    p.add_argument("--restart", type=int, help="the job's restart count, for events (default: $SLURM_RESTART_COUNT or 0)")
     p.add_argument("--drain-s", type=float, default=120.0, help="on SIGTERM, finish queued work for at most S s")
     p.add_argument("--no-replay", action="store_true", help="verify by checksums and coverage only")
     return p
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts = DaemonOptions(
             node=node, node_dir=node_dir(args.run_dir, node, c.local_dir), run_dir=os.path.abspath(args.run_dir),
             shared_dir=c.shared_dir, node_index=args.node_index, job_id=args.job_id or os.environ.get("SLURM_JOB_ID"),
+            restart=args.restart if args.restart is not None else int(os.environ.get("SLURM_RESTART_COUNT") or 0),
             keep_last=c.keep_last, milestone_every=c.milestone_every, compress=c.compress,
             replay=not args.no_replay, drain_s=args.drain_s,
         )
@@ -91,7 +93,7 @@ class LocalDaemon:
 
 
 def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, environ: Mapping[str, str],
-                        drain_s: float = 120.0) -> list[LocalDaemon]:
+                        drain_s: float = 120.0, restart: int = 0) -> list[LocalDaemon]:
     """Start one daemon per emulated node (none when snapshots are off)."""
     if cfg.checkpoint.every_steps <= 0:
         return []
@@ -102,7 +104,7 @@ def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, enviro
         node = f"node{i + 1}"
         log_path = os.path.join(logs, f"ckptd-{node}.log")
         cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir,
-               "--node", node, "--node-index", str(i), "--job-id", job_id, "--drain-s", str(drain_s)]
+               "--node", node, "--node-index", str(i), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
         with open(log_path, "ab") as fh:
             proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)

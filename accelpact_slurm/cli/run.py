@@ -72,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = effective_config(args)
         if in_slurm(env):
+            from .. import signals
+
+            signals.install()  # first thing: an unhandled USR2 would kill the task
             ctx = SlurmContext.from_environ(env)
             cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes,
                                        "topology.ranks_per_node": ctx.ranks_per_node})
@@ -86,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "srun (see sbatch_templates/hsdp.sbatch)")
         run_dir = args.run_dir or default_run_dir(cfg, None)
         os.makedirs(run_dir, exist_ok=True)
-        from ..launcher import launch_local
+        from ..launcher import run_local
 
         passthrough: list[str] = []
         if args.steps is not None:
@@ -97,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             passthrough += ["--inject-fault", f]
         print(f"[accelpact] embedded default: {cfg.topology.nodes} emulated nodes x "
               f"{cfg.topology.ranks_per_node} ranks on this machine; run dir {run_dir}", flush=True)
-        return launch_local(os.path.abspath(args.config), cfg, os.path.abspath(run_dir), passthrough)
+        return run_local(os.path.abspath(args.config), cfg, os.path.abspath(run_dir), passthrough)
     except AccelpactError as exc:
         print(f"accelpact-run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, (ConfigError, ValueError)) else 1

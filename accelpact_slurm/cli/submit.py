@@ -1,0 +1,233 @@
+"""``accelpact-submit CONFIG``: submit the job through submitit, on Slurm or on submitit's local executor.
+
+One submitit task per rank (``nodes x ranks_per_node``, defaults from the job file's topology); each task joins as
+its rank exactly as ``accelpact-run`` does inside an allocation.  Slurm is used when ``sbatch`` is on the PATH,
+else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.  With
+``--wait`` the command waits (with a deadline) and prints the summary's ``final_state_digest``.  The mapping of
+submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.submission`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+from typing import Callable, Sequence
+
+from .. import settings
+from ..config import JobConfig, load_config, with_overrides
+from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
+
+log = logging.getLogger("accelpact_slurm.cli.submit")
+
+PROG = "accelpact-submit"
+#: Exit code when the job failed, ended without completing, or the wait's deadline passed.
+EXIT_NOT_COMPLETED = 1
+EPILOG = ("exit codes:\n  " + f"{EXIT_OK:>3}  submitted (with --wait: completed)\n  "
+          f"{EXIT_NOT_COMPLETED:>3}  with --wait: failed, stopped without completing, or still running at the "
+          f"deadline\n  {EXIT_USAGE:>3}  {EXIT_CODES[EXIT_USAGE]}")
+
+
+class SubmitUsageError(AccelpactError, ValueError):
+    """A submission that cannot be made as asked (e.g. --slurm without Slurm)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()),
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/tiny.yaml)")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help=f"the run directory shared by every node (default: ${settings.RUNS_ROOT} or ./runs, "
+                        "then the job id)")
+    p.add_argument("--nodes", type=_positive, metavar="N", help="nodes (default: the file's topology.nodes)")
+    p.add_argument("--ranks-per-node", type=_positive, metavar="R",
+                   help="ranks (tasks) per node (default: the file's topology.ranks_per_node)")
+    p.add_argument("--partition", metavar="P", help="Slurm partition (default: the cluster's)")
+    p.add_argument("--time-min", type=_positive, default=60, metavar="M",
+                   help="time limit in minutes (default: %(default)s); USR2 comes before it and the job "
+                        "snapshots and requeues")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--local", dest="backend", action="store_const", const="local",
+                       help="submitit's local executor on this machine, emulated Slurm environment")
+    where.add_argument("--slurm", dest="backend", action="store_const", const="slurm",
+                       help="Slurm (an error when sbatch is not on the PATH)")
+    p.add_argument("--folder", metavar="DIR",
+                   help="submitit's folder for pickles and task logs (default: RUN_DIR/submitit, or "
+                        "RUNS_ROOT/submitit/<job id>)")
+    p.add_argument("--wait", action="store_true", help="wait until the job ends and print its final_state_digest")
+    p.add_argument("--wait-timeout", type=_positive, metavar="S",
+                   help="with --wait: give up waiting after S seconds (default: time limit + 600)")
+    return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def detect_backend(forced: str | None, which: Callable[[str], str | None] = shutil.which) -> tuple[str, str]:
+    """``(backend, why)``: Slurm when ``sbatch`` is on the PATH, else the local executor; ``forced`` wins.
+
+    Raises:
+        SubmitUsageError: ``--slurm`` forced but no ``sbatch`` (nor ``srun``) on the PATH.
+    """
+    if forced == "local":
+        return "local", "--local"
+    found = which("sbatch")
+    if forced == "slurm":
+        if not found or not which("srun"):
+            raise SubmitUsageError("--slurm: sbatch/srun not found on the PATH: run on a Slurm login node, or "
+                                   "use --local for submitit's local executor")
+        return "slurm", "--slurm"
+    if found and which("srun"):
+        return "slurm", f"sbatch found at {found}"
+    return "local", "no sbatch on the PATH: submitit's local executor"
+
+
+def effective_config(args: argparse.Namespace) -> JobConfig:
+    cfg = load_config(args.config)
+    overrides = {}
+    if args.nodes is not None:
+        overrides["topology.nodes"] = args.nodes
+    if args.ranks_per_node is not None:
+        overrides["topology.ranks_per_node"] = args.ranks_per_node
+    return with_overrides(cfg, overrides) if overrides else cfg
+
+
+def make_executor(backend: str, folder: str, cfg: JobConfig, args: argparse.Namespace):
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=folder, cluster=backend)
+    nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
+    params = {"name": f"accelpact-{cfg.name}", "timeout_min": args.time_min}
+    if backend == "slurm":
+        params.update(nodes=nodes, tasks_per_node=rpn,
+                      # --requeue: our rank 0's scontrol requeue (fail-stop 75, USR2) must be allowed
+                      slurm_additional_parameters={"requeue": True})
+        if args.partition:
+            params["slurm_partition"] = args.partition
+    else:  # submitit's local executor knows one node: every emulated node's ranks run here
+        params.update(nodes=1, tasks_per_node=nodes * rpn)
+    ex.update_parameters(**params)
+    return ex
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = effective_config(args)
+        backend, why = detect_backend(args.backend)
+        return submit_and_report(args, cfg, backend, why)
+    except AccelpactError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, (ConfigError, ValueError)) else EXIT_NOT_COMPLETED
+
+
+def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, why: str) -> int:
+    from ..submission import TaskSpec, local_job_id, relaunch_decision, run_dir_for, wait_for_job
+
+    if args.partition and backend == "local":
+        print(f"{PROG}: note: --partition applies to Slurm only; ignored on the local executor", file=sys.stderr)
+    runs_root = os.path.abspath(settings.runs_root())
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else None
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+    folder = os.path.abspath(args.folder) if args.folder else (
+        os.path.join(run_dir, "submitit") if run_dir else os.path.join(runs_root, "submitit", "%j"))
+    spec = TaskSpec(backend=backend, config_path=os.path.abspath(args.config), runs_root=runs_root,
+                    run_dir=run_dir, nodes=cfg.topology.nodes, ranks_per_node=cfg.topology.ranks_per_node)
+    executor = make_executor(backend, folder, cfg, args)
+    deadline_s = args.wait_timeout or args.time_min * 60 + 600
+    restart = 0
+    while True:
+        job = _submit(executor, spec)
+        ranks_job_id = job.job_id if backend == "slurm" else (spec.job_id or local_job_id(job.job_id))
+        spec = dataclasses.replace(spec, job_id=ranks_job_id if backend == "local" else None,
+                                   run_dir=run_dir_for(spec, ranks_job_id))
+        print(f"[accelpact] submitted job {job.job_id} ({backend}: {why}; {spec.nodes} nodes x "
+              f"{spec.ranks_per_node} ranks{f', restart {restart}' if restart else ''})\n"
+              f"[accelpact] run dir {spec.run_dir}\n"
+              f"[accelpact] submitit logs {job.paths.folder} (rank 0: {job.task(0).paths.stdout})", flush=True)
+        if not args.wait:
+            return EXIT_OK
+        outcome = wait_for_job(job, backend, deadline_s)
+        if outcome.state == "completed":
+            return report_completed(spec.run_dir, job.job_id)
+        if backend == "local" and outcome.state == "ended":
+            from ..events import EVENTS_FILE, read_events
+
+            again, reason = relaunch_decision(read_events(os.path.join(spec.run_dir, EVENTS_FILE)), restart,
+                                              cfg.recovery.max_restarts)
+            if again:
+                restart += 1
+                print(f"[accelpact] {reason}: relaunching (restart {restart}); the ranks reload the newest "
+                      f"verified snapshot", flush=True)
+                spec = dataclasses.replace(spec, restart_count=restart)
+                continue
+            outcome = dataclasses.replace(outcome, detail=f"{outcome.detail}; not relaunched: {reason}")
+        print(f"{PROG}: job {job.job_id} {outcome.state}: {outcome.detail} (accelpact-status {spec.run_dir}; "
+              f"logs {job.paths.folder})", file=sys.stderr)
+        return EXIT_NOT_COMPLETED
+
+
+def _submit(executor, spec):
+    """``executor.submit`` with submitit's and sbatch's failures as one-line errors."""
+    import subprocess
+
+    from submitit.core.utils import FailedSubmissionError
+
+    try:
+        return executor.submit(_task(spec))
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or exc.output or b"")
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
+        raise LaunchError(f"submission failed ({' '.join(map(str, exc.cmd))} exited {exc.returncode}): "
+                          f"{' '.join(detail.split()) or 'no output'}") from exc
+    except (FailedSubmissionError, OSError) as exc:
+        raise LaunchError(f"submission failed: {' '.join(str(exc).split())}") from exc
+
+
+def _task(spec):
+    """The task for one launch; fresh rendezvous ports on the local executor (the last ones may linger)."""
+    from ..launcher import free_port
+    from ..submission import RankTask
+
+    if spec.backend == "local":
+        data_port = free_port()
+        control_port = free_port()
+        while control_port == data_port:
+            control_port = free_port()
+        spec = dataclasses.replace(spec, master_port=data_port, control_port=control_port)
+    return RankTask(spec)
+
+
+def report_completed(run_dir: str, job_id: str) -> int:
+    from ..events import SUMMARY_FILE
+
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except (OSError, ValueError) as exc:
+        print(f"{PROG}: job {job_id}: every task finished but {path} is unreadable ({exc})", file=sys.stderr)
+        return EXIT_NOT_COMPLETED
+    print(f"[accelpact] job {job_id} completed: {summary.get('final_step')} updates, final loss "
+          f"{summary.get('final_loss')}\n"
+          f"[accelpact] final_state_digest {summary.get('final_state_digest')}\n"
+          f"[accelpact] summary: {path}", flush=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

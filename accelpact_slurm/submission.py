@@ -1,0 +1,389 @@
+"""The submitit-facing side of ``accelpact-submit``: one :class:`RankTask` per rank, and waiting for it.
+
+Who calls what, in which order:
+
+* the submitting process (``accelpact-submit``) builds a :class:`TaskSpec`, submits ``RankTask(spec)`` through a
+  ``submitit.AutoExecutor`` with ``nodes x ranks_per_node`` tasks, then (``--wait``) calls :func:`wait_for_job`
+  and, on submitit's local executor, :func:`relaunch_decision` after a run that ended in a fail-stop;
+* submitit starts one process per task (``python -u -m submitit.core._submit FOLDER``, with the submitting
+  interpreter), unpickles ``RankTask`` and calls it: the task joins as its rank exactly as ``accelpact-run`` does
+  inside an allocation (``signals.install()``, ``SlurmContext.from_environ``, topology from the step,
+  ``job.run_rank``).  Local rank 0 of each node first starts that node's checkpoint daemon as its child.
+
+On submitit's local executor there is no ``SLURM_*`` environment: :func:`task_environ` builds the one ``srun``
+would give (:func:`~accelpact_slurm.slurm_env.emulated_environ`) from ``submitit.JobEnvironment()``'s global rank,
+with ``ACCELPACT_EMULATED=1`` and the rendezvous ports the submitting process picked.  The local executor knows
+one node only (its ``JobEnvironment`` says ``num_nodes=1``); the emulated nodes come from the spec, and rank ``r``
+sits on emulated node ``r // ranks_per_node``, as under ``srun --ntasks-per-node``.
+
+How submitit's Checkpointable mechanism maps onto our snapshot-then-requeue path (submitit 1.5.4):
+
+* submitit's ``process_job`` installs ``SignalHandler.checkpoint_and_try_requeue`` on USR2 just before it calls
+  the task.  That handler runs *inside the signal handler*, on global rank 0 only: it calls ``checkpoint()``,
+  pickles what it returns, runs ``scontrol requeue`` and ``sys.exit(-1)`` -- mid-update, with no committed
+  snapshot, and it spends ``max_num_timeout`` on every USR2 when ``timeout_min <= 50``.
+* So the first thing :meth:`RankTask.__call__` does is ``signals.install()``, which replaces that handler on every
+  rank with ours (it only sets a flag).  From then on a USR2 -- ``#SBATCH --signal=USR2@N`` as submitit writes it
+  (no ``B:``: every task gets it), a preemption's ``scancel --signal=USR2``, or the local executor's pre-timeout
+  signal -- takes our path: every rank sees the flag in the vote at the next committed boundary, takes a snapshot,
+  waits until the daemon has committed it, rank 0 runs ``scontrol requeue`` (``restart.request_requeue``) and every
+  rank exits 75.  Slurm starts the job again; submitit reruns the *same* pickled ``RankTask`` (nothing was
+  re-dumped), and the ranks reload the newest verified snapshot from the run directory, with
+  ``SLURM_RESTART_COUNT`` telling them the attempt.  submitit's timeout countdown is never touched: the cluster's
+  requeue policy and ``recovery.max_stalled_restarts`` bound the restarts, not ``max_num_timeout``.
+* :meth:`RankTask.checkpoint` only *requests* (``signals.request()``) and returns the same callable with the same
+  arguments: our state lives in snapshots, not in the pickle.  submitit calls it only when its own handler still
+  runs, i.e. a USR2 in the microseconds between submitit installing its handler and ``__call__`` replacing it, when
+  no update has run yet: requeueing the unchanged task is then exactly right.
+* Fail-stops (exit 75) are requeued on Slurm by our rank 0 (``scontrol requeue``; the job is submitted with
+  ``--requeue``).  On the local executor nothing requeues an exit 75 (submitit's local controller reruns tasks only
+  on its own code 144): ``accelpact-submit --wait`` relaunches the job with the next restart count, up to
+  ``recovery.max_restarts`` (see :func:`relaunch_decision`); without ``--wait``, use ``accelpact-run`` to get
+  relaunches locally.
+
+The node's daemon is a child of local rank 0: it ignores USR2 (Slurm signals every process of the step, and the
+daemon must stay up for the snapshot the signal asks for) and gets SIGTERM when its parent dies (``os._exit`` on a
+fail-stop skips every ``finally``), so a daemon never outlives its task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import submitit
+
+from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, SlurmEnvError
+from .slurm_env import emulated_environ
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("slurm", "local")
+#: Seconds between two looks at a job or a lock.
+POLL_S = 0.25
+#: After Slurm says a job ended, how long its result files may take to appear (shared file systems lag).
+RESULT_GRACE_S = 15.0
+SCONTROL_TIMEOUT_S = 30.0
+#: States a Slurm job does not leave by itself (a requeued job goes back to PENDING instead).
+SLURM_FINAL_STATES = frozenset({
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+    "TIMEOUT", "REQUEUE_HOLD", "SPECIAL_EXIT",
+})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """What every task of one submission needs; pickled with the task, so plain values only.
+
+    Attributes:
+        backend: ``"slurm"`` (a real allocation) or ``"local"`` (submitit's local executor, emulated Slurm).
+        config_path: Absolute path of the job file, read by every task and by the node daemons.
+        runs_root: Absolute runs root; the run directory is ``runs_root/<job id>`` when ``run_dir`` is None.
+        run_dir: Absolute run directory, or None for the default above.
+        nodes: Nodes of the job (emulated ones on the local executor).
+        ranks_per_node: Ranks on each node.
+        job_id: Local executor only: the emulated ``SLURM_JOB_ID`` (kept across relaunches); None: derived.
+        restart_count: Local executor only: the emulated ``SLURM_RESTART_COUNT``.
+        master_port: Local executor only: data-plane store port picked by the submitting process.
+        control_port: Local executor only: control-plane store port.
+        drain_s: How long a node daemon may finish queued snapshots when stopped.
+    """
+
+    backend: str
+    config_path: str
+    runs_root: str
+    run_dir: str | None = None
+    nodes: int
+    ranks_per_node: int
+    job_id: str | None = None
+    restart_count: int = 0
+    master_port: int | None = None
+    control_port: int | None = None
+    drain_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"nodes and ranks_per_node must be >= 1, got {self.nodes} x {self.ranks_per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def local_job_id(submitit_job_id: str) -> str:
+    """The emulated ``SLURM_JOB_ID`` of a local-executor job (submitit's id is its controller's pid)."""
+    return f"local-{submitit_job_id}"
+
+
+def run_dir_for(spec: TaskSpec, job_id: str) -> str:
+    """Where the run of ``spec`` writes, once its job id (as the ranks see it) is known."""
+    return spec.run_dir or os.path.join(spec.runs_root, job_id)
+
+
+def task_environ(spec: TaskSpec, base: Mapping[str, str], submitit_job_id: str, global_rank: int,
+                 num_tasks: int) -> dict[str, str]:
+    """The environment of one local-executor task: ``base`` without ``SLURM_*``, plus the emulated step (pure).
+
+    Raises:
+        SlurmEnvError: If submitit started a different number of tasks than the spec describes.
+    """
+    if num_tasks != spec.world_size:
+        raise SlurmEnvError(f"submitit started {num_tasks} tasks but the job needs {spec.nodes} x "
+                            f"{spec.ranks_per_node} = {spec.world_size}: submit with tasks_per_node={spec.world_size}")
+    if spec.master_port is None or spec.control_port is None:
+        raise SlurmEnvError("a local-executor task needs master_port and control_port in its spec: "
+                            "submit through accelpact-submit, which picks them")
+    env = {k: v for k, v in base.items() if not k.startswith("SLURM_")}  # an enclosing allocation is not ours
+    env.update(emulated_environ(spec.job_id or local_job_id(submitit_job_id), global_rank, spec.nodes,
+                                spec.ranks_per_node, restart_count=spec.restart_count))
+    env.update({
+        "ACCELPACT_EMULATED": "1",  # fail_stop leaves the requeue to the submitting side instead of scontrol
+        "ACCELPACT_MASTER_ADDR": "127.0.0.1",
+        "ACCELPACT_MASTER_PORT": str(spec.master_port),
+        "ACCELPACT_CONTROL_PORT": str(spec.control_port),
+    })
+    return env
+
+
+class RankTask(submitit.helpers.Checkpointable):
+    """One rank of the job, as submitit runs it (one task per rank).  See the module docstring for the mapping."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.spec = spec
+
+    def __call__(self) -> dict[str, Any]:
+        from . import signals
+
+        signals.install()  # first thing: replaces submitit's USR2 handler, which would requeue mid-update
+        from .config import load_config, with_overrides
+        from .slurm_env import SlurmContext, in_slurm
+
+        spec = self.spec
+        if spec.backend == "local":
+            job_env = submitit.JobEnvironment()
+            env = task_environ(spec, os.environ, job_env.job_id, job_env.global_rank, job_env.num_tasks)
+            os.environ.clear()  # this process is the task: later readers of os.environ must see the emulation
+            os.environ.update(env)
+        else:
+            os.environ.pop("ACCELPACT_EMULATED", None)  # a real allocation: rank 0 must run scontrol requeue
+            if not in_slurm(os.environ):
+                raise SlurmEnvError("a Slurm task has no SLURM_PROCID/SLURM_STEP_ID: submitit must start the "
+                                    "tasks with srun (use_srun=True)")
+        ctx = SlurmContext.from_environ(os.environ)
+        cfg = with_overrides(load_config(spec.config_path),
+                             {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
+        run_dir = run_dir_for(spec, ctx.job_id)
+        os.makedirs(run_dir, exist_ok=True)
+        from .job import run_rank
+
+        daemon = start_node_daemon(spec, cfg, run_dir, ctx) if ctx.local_rank == 0 else None
+        try:
+            code = run_rank(cfg, ctx, run_dir)  # a fail-stop never returns: it exits 75/76 via os._exit
+        finally:
+            if daemon is not None:
+                from .cli.ckptd import stop_daemons
+
+                stop_daemons([daemon], drain_s=spec.drain_s)
+        return {"rank": ctx.rank, "exit_code": code, "job_id": ctx.job_id, "restart": ctx.restart_count,
+                "run_dir": run_dir}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit's USR2 handler (rank 0): only ask for our snapshot-then-requeue, never snapshot here.
+
+        Returns the same task with the same arguments: the state to resume from lives in the run directory's
+        snapshots, not in the pickle.
+        """
+        from . import signals
+
+        signals.request()
+        return super().checkpoint(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the node's checkpoint daemon
+
+
+def _child_setup(parent_pid: int):
+    """preexec_fn of the daemon: ignore USR2 (inherited across exec) and die with the parent (Linux)."""
+    prctl = None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: nothing to load in the child
+    except (OSError, AttributeError):  # not Linux: the daemon is stopped by run's end or by Slurm
+        pass
+
+    def setup() -> None:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm signals every process of the step
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: os._exit on a fail-stop must not orphan the daemon
+        if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
+            os._exit(0)
+
+    return setup
+
+
+def wait_lock_free(lock_path: str, deadline_s: float) -> bool:
+    """Poll until nobody holds ``lock_path`` (a daemon of an earlier attempt still draining); False at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
+    """Start this node's ``accelpact-ckptd`` as a child of local rank 0 (None when snapshots are off)."""
+    if cfg.checkpoint.every_steps <= 0:
+        return None
+    from ckpt_service.layout import LOCK, node_dir
+
+    from .cli.ckptd import LocalDaemon
+
+    node = ctx.hostname
+    ndir = node_dir(run_dir, node, cfg.checkpoint.local_dir)
+    if not wait_lock_free(os.path.join(ndir, LOCK), cfg.timeouts.startup_s):
+        log.warning("a daemon of an earlier attempt still holds %s; the ranks go on without a new one", ndir)
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    log_path = os.path.join(logs, f"ckptd-{node}.log")
+    cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", spec.config_path, "--run-dir", run_dir,
+           "--node", node, "--node-index", str(ctx.node_index), "--job-id", ctx.job_id,
+           "--drain-s", str(spec.drain_s)]
+    with open(log_path, "ab") as fh:
+        proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=_child_setup(os.getpid()))
+    return LocalDaemon(node, proc, log_path)
+
+
+# --------------------------------------------------------------------------- the submitting side
+
+
+def relaunch_decision(events: Iterable[dict], restart: int, max_restarts: int) -> tuple[bool, str]:
+    """Whether the local executor's job, which ended without results at ``restart``, is relaunched (pure).
+
+    Plays Slurm's part for exit 75: relaunch when some rank fail-stopped with "requeue me" at this restart
+    and none with "do not requeue", while fewer than ``max_restarts`` relaunches are spent.
+    """
+    codes = {e.get("exit_code") for e in events if e.get("event") == "fail_stop" and e.get("restart") == restart}
+    if EXIT_NO_REQUEUE in codes:
+        return False, f"a rank fail-stopped with {EXIT_NO_REQUEUE} (do not requeue)"
+    if EXIT_REQUEUE not in codes:
+        return False, "the ranks ended without a fail-stop (crash or kill): not a requeue request"
+    if restart >= max_restarts:
+        return False, f"requeue requested but recovery.max_restarts ({max_restarts}) relaunches are spent"
+    return True, f"fail-stop {EXIT_REQUEUE} (requeue me) at restart {restart}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a submitted job ended, as far as the submitting side can tell.
+
+    ``state``: ``completed`` (every task returned exit 0), ``failed`` (a task raised: ``errors`` holds the
+    last line of each traceback), ``ended`` (some task left no result: fail-stop, crash or kill),
+    or ``timeout`` (the wait's deadline passed; the job may still run).
+    """
+
+    state: str
+    detail: str
+    results: tuple[Any, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+def slurm_state(job_id: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The job's state from the controller (``scontrol show job``); None when it no longer knows the job."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT_S, env=dict(os.environ if environ is None else environ))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s: %s", job_id, exc)
+        return "UNKNOWN"
+    if proc.returncode != 0:
+        return None if "Invalid job id" in proc.stderr else "UNKNOWN"
+    for word in proc.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    return "UNKNOWN"
+
+
+def _read_results(job) -> list[tuple[str, Any] | None]:
+    from submitit.core.utils import pickle_load
+
+    out: list[tuple[str, Any] | None] = []
+    for k in range(job.num_tasks):
+        path = job.task(k).paths.result_pickle
+        try:
+            out.append(pickle_load(path) if path.exists() else None)
+        except (EOFError, OSError):  # being renamed into place: read on the next look
+            out.append(None)
+    return out
+
+
+def judge(results: Sequence[tuple[str, Any] | None]) -> Outcome:
+    """The outcome from every task's (outcome, value) pair; call once all are present or the job ended (pure)."""
+    errors = tuple(_last_line(r[1]) for r in results if r is not None and r[0] == "error")
+    values = tuple(r[1] if r is not None and r[0] == "success" else None for r in results)
+    missing = [k for k, r in enumerate(results) if r is None]
+    if errors:
+        return Outcome("failed", f"{len(errors)} task(s) raised: {errors[0]}", values, errors)
+    if missing:
+        return Outcome("ended", f"task(s) {missing} left no result (fail-stop, crash or kill)", values)
+    bad = [v for v in values if not isinstance(v, dict) or v.get("exit_code") != EXIT_OK]
+    if bad:
+        return Outcome("failed", f"task(s) returned {bad}", values)
+    return Outcome("completed", "every task finished", values)
+
+
+def _last_line(trace: Any) -> str:
+    lines = str(trace).strip().splitlines()
+    return lines[-1] if lines else "?"
+
+
+def wait_for_job(job, backend: str, deadline_s: float, environ: Mapping[str, str] | None = None) -> Outcome:
+    """Poll until every task left its result, or the job ended without, or ``deadline_s`` passed.
+
+    Never ``job.result()``: without slurmdbd submitit cannot see a job that died and would wait forever.
+    On Slurm a requeued job goes back to PENDING and the wait goes on.
+    """
+    deadline = time.monotonic() + deadline_s
+    ended_at: float | None = None
+    state = "?"
+    while True:
+        now = time.monotonic()
+        if ended_at is None:  # looked at before the results: a task writes its result before it exits
+            if backend == "local":
+                state = "ended" if job.done() else "RUNNING"  # done: the local controller process exited
+            else:
+                state = slurm_state(job.job_id, environ) or "gone"
+            if state == "ended" or state in SLURM_FINAL_STATES or state == "gone":
+                ended_at = now
+        results = _read_results(job)
+        if all(r is not None for r in results):
+            return judge(results)
+        if ended_at is not None and (backend == "local" or now - ended_at >= RESULT_GRACE_S):
+            out = judge(results)
+            return dataclasses.replace(out, detail=f"{out.detail}; job state {state}")
+        if now >= deadline:
+            return Outcome("timeout", f"not finished after {deadline_s:g} s (state {state}); it keeps running")
+        time.sleep(POLL_S)
