@@ -7,7 +7,6 @@ progress and writes ``summary.json``; every rank writes its membership.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ import sys
 import time
 from typing import Mapping, TextIO
 
+from .atomic import write_json_atomic
 from .config import JobConfig
 from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, FailStop
 from .restart import frontier_history, request_requeue, stalled
@@ -23,17 +23,6 @@ from .events import SUMMARY_FILE, EVENTS_FILE, EventLog, read_events
 from .slurm_env import SlurmContext
 
 log = logging.getLogger(__name__)
-
-
-def write_json_atomic(path: str, data: object) -> None:
-    """Write JSON under a temporary name, fsync, then rename: readers never see half a file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None = None,
@@ -132,6 +121,9 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     """
     slurm, ctx = ctx, stop.context
     decided = ctx.get("decided_at")
+    # srun --kill-on-bad-exit TERMs the remaining ranks as soon as one exits: finish the event and, on rank 0,
+    # the requeue request first (SIGKILL follows after Slurm's KillWait, far longer than this takes).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if control is not None:
         try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
             control.leave("fail-stop", 1.0)
@@ -145,8 +137,6 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
         print(f"[accelpact] fail-stop at F={ctx.get('frontier')}: {stop.reason} (exit {stop.exit_code})",
               file=out, flush=True)
         if stop.exit_code == EXIT_REQUEUE and slurm is not None:
-            # srun --kill-on-bad-exit may TERM this rank when a peer exits first: finish the request.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, emulated(environ))
     events.close()
     sys.stdout.flush()

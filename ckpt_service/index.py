@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
+from accelpact_slurm.atomic import fsync_dir, write_json_atomic  # noqa: F401  (re-exported)
+
 from .layout import INDEX_DIR, MANIFEST, STATE, step_of
 from .retention import is_milestone
 
@@ -25,24 +27,6 @@ log = logging.getLogger(__name__)
 STATES = ("committed", "verified", "rejected")
 
 
-def write_json_atomic(path: str, data: Any) -> None:
-    """Temporary name, fsync, rename, fsync the directory: readers see the old or the new file, never half."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_json(path: str) -> Any:

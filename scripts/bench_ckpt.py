@@ -18,9 +18,11 @@ mode, in an order rotated from round to round:
     dcp_stager     dcp.async_save + DefaultStager(StagingOptions(False, False, True, False))
     dcp_stager_shm dcp.async_save + DefaultStager(StagingOptions(False, True, True, False))
 
-A segment is ``windows x K`` updates with a snapshot after every K-th; after its last update the
-segment is drained *outside* the timed steps (async futures, our daemons' write + verification), so the
-next segment starts clean.  Step time = time between the ends of two consecutive ``after_commit``
+A segment is ``--windows`` windows of K updates; the first update of each window takes a snapshot
+(``S x x`` for K=3: one period of "a snapshot every K updates", with the K-1 updates that run while the
+snapshot is written in the background).  After its last update the segment is drained *outside* the
+timed updates (async futures, our daemons' write + verification, ``malloc_trim``), so the next segment
+starts clean; how long that drain took is reported as the background work left over.  Step time = time between the ends of two consecutive ``after_commit``
 calls on rank 0 (the ranks are in lock step), so it includes the blocking part of the snapshot.
 DefaultStager stages in a background thread while training goes on: for a consistent snapshot the
 next ``optimizer.step`` first waits for staging to finish (counted in that step).
@@ -36,7 +38,7 @@ median of the paired ratios with min-max; absolute times are printed beside them
 Output: ``benchmarks/results/<date>-ckpt.json`` and the block between ``<!-- ckpt-bench -->`` markers in
 ``docs/benchmarks.md`` (other blocks are kept).
 
-Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 2] [--bw-pairs 4]
+Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 4]
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ MODEL = {"layers": 12, "width": 768, "heads": 12, "vocab": 16384, "seq_len": 16,
 def build_schedule(plan: dict[str, Any]) -> dict[int, tuple[int, str, int]]:
     """``{update: (round, mode, position 1..L)}`` for the timed updates (pure); warm-up updates are absent."""
     sched: dict[int, tuple[int, str, int]] = {}
-    length = plan["every"] * plan["windows"]
+    length = segment_length(plan)
     step = plan["warmup"]
     for r, order in enumerate(plan["orders"]):
         for mode in order:
@@ -94,8 +96,17 @@ def build_schedule(plan: dict[str, Any]) -> dict[int, tuple[int, str, int]]:
     return sched
 
 
+def segment_length(plan: dict[str, Any]) -> int:
+    """A segment: ``windows`` windows of K updates, each starting with a snapshot (``S x x`` for K=3)."""
+    return plan["every"] * plan["windows"]
+
+
+def is_snapshot(plan: dict[str, Any], mode: str, pos: int) -> bool:
+    return mode != "none" and (pos - 1) % plan["every"] == 0
+
+
 def total_steps(plan: dict[str, Any]) -> int:
-    return plan["warmup"] + sum(len(o) for o in plan["orders"]) * plan["every"] * plan["windows"]
+    return plan["warmup"] + sum(len(o) for o in plan["orders"]) * segment_length(plan)
 
 
 def rotated_orders(modes: tuple[str, ...] | list[str], rounds: int) -> list[list[str]]:
@@ -105,19 +116,26 @@ def rotated_orders(modes: tuple[str, ...] | list[str], rounds: int) -> list[list
 
 
 def _timed(fn, sink: dict[str, float], key: str):
+    """Wrap ``fn`` so that its outermost calls add their duration to ``sink[key]`` (recursion counted once)."""
+    depth = threading.local()
+
     def wrapper(*a, **kw):
+        level = getattr(depth, "n", 0)
+        depth.n = level + 1
         t = time.monotonic()
         try:
             return fn(*a, **kw)
         finally:
-            sink[key] = sink.get(key, 0.0) + time.monotonic() - t
+            depth.n = level
+            if level == 0:
+                sink[key] = sink.get(key, 0.0) + time.monotonic() - t
     return wrapper
 
 
 def make_bench_client():
     """The SnapshotClient subclass the hook installs (built lazily: the module stays import-light)."""
-    from ckpt_service.client import SnapshotClient
     from accelpact_slurm.workload import appstate
+    from ckpt_service.client import SnapshotClient
 
     parts: dict[str, float] = {}
     appstate.capture = _timed(appstate.capture, parts, "capture")  # what SnapshotClient.snapshot calls
@@ -127,7 +145,7 @@ def make_bench_client():
             super().__init__(*a, **kw)
             self.plan = json.loads(os.environ[PLAN_VAR])
             self.sched = build_schedule(self.plan)
-            self.length = self.plan["every"] * self.plan["windows"]
+            self.length = segment_length(self.plan)
             self.records: list[dict[str, Any]] = []
             self.segments: list[dict[str, Any]] = []
             self.extra: dict[str, Any] = {}
@@ -178,7 +196,7 @@ def make_bench_client():
                 self.t_prev = time.monotonic()
                 return
             rnd, mode, pos = entry
-            snap = pos % self.plan["every"] == 0 and mode != "none"
+            snap = is_snapshot(self.plan, mode, pos)
             self.parts.clear()
             info: dict[str, Any] = {}
             block = 0.0
@@ -232,7 +250,9 @@ def make_bench_client():
             if mode == "dcp_thread":
                 fut = dcp.async_save(sd, checkpoint_id=self._path(mode, step))
             elif mode == "dcp_process":
-                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+                from torch.distributed.checkpoint.state_dict_saver import (
+                    AsyncCheckpointerType,
+                )
 
                 fut = dcp.async_save(sd, checkpoint_id=self._path(mode, step),
                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
@@ -246,7 +266,10 @@ def make_bench_client():
             self.futures.append((step, fut, rec))
 
         def _stager(self, mode: str):
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import (
+                DefaultStager,
+                StagingOptions,
+            )
 
             if mode not in self.stagers:
                 self.stagers[mode] = DefaultStager(StagingOptions(
@@ -260,7 +283,9 @@ def make_bench_client():
                 return
             import torch
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            from torch.distributed.checkpoint.state_dict_saver import (
+                AsyncCheckpointerType,
+            )
 
             t = time.monotonic()
             fut = dcp.async_save({"x": torch.zeros(4)}, checkpoint_id=os.path.join(self.plan["dcp_dir"], "warm-up"),
@@ -292,6 +317,8 @@ def make_bench_client():
                 "dcp_bg": {str(s): rec for s, _f, rec in self.futures},
             })
             self.futures, self.ours_steps = [], []
+            release_free_memory()
+            self.rt.control.barrier("bench-trimmed", timeout_s=600)
             self._dump()
             if self.rt.rank == 0:
                 print(f"[bench] {time.strftime('%H:%M:%S')} round {rnd + 1} {mode:<15} done at update {step}; "
@@ -311,6 +338,22 @@ def make_bench_client():
             self._dump()
 
     return BenchClient
+
+
+def release_free_memory() -> None:
+    """``malloc_trim(0)``: hand freed heap pages back to the kernel between segments (outside the timed updates).
+
+    glibc keeps freed buffers below its mmap threshold (up to 32 MiB) in its heaps, so every rank would keep
+    the high-water mark of all the modes' copies resident and 4 ranks + 2 daemons run out of 24 GiB
+    (seen: OOM kill during the first round).  A fixed ``MALLOC_MMAP_THRESHOLD_`` avoids that too but made
+    every update 20-50% slower (page faults), so it is not used.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def worker_main(config: str, run_dir: str) -> int:
@@ -340,6 +383,46 @@ def write_config(path: Path, plan: dict[str, Any], model: dict[str, Any], batch:
         "timeouts": {"collective_s": 300, "control_s": 900, "startup_s": 900, "shutdown_s": 30},
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+class MachineWatch:
+    """Samples MemAvailable and the 1-minute load average every ``period_s`` on a daemon thread."""
+
+    def __init__(self, period_s: float = 2.0) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, float | None, float]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="bench-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            avail = None
+            try:
+                with open("/proc/meminfo", encoding="utf-8") as fh:
+                    for line in fh:
+                        if line.startswith("MemAvailable"):
+                            avail = int(line.split()[1]) / 1024 / 1024
+                            break
+            except OSError:
+                pass
+            self.samples.append((time.time(), avail, os.getloadavg()[0]))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> MachineWatch:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+
+    def summary(self) -> dict[str, Any]:
+        avail = [a for _t, a, _l in self.samples if a is not None]
+        load = [l for _t, _a, l in self.samples]
+        return {"min_mem_available_gib": min(avail) if avail else None,
+                "load1_median": _med(load), "load1_max": max(load) if load else None,
+                "samples": [[round(t, 1), None if a is None else round(a, 2), round(l, 2)]
+                            for t, a, l in self.samples]}
 
 
 def launch(config: Path, run_dir: Path, plan: dict[str, Any]) -> int:
@@ -396,8 +479,10 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def summarize_steps(records: list[dict[str, Any]], every: int) -> dict[str, Any]:
+def summarize_steps(records: list[dict[str, Any]], segments: list[dict[str, Any]],
+                    plan: dict[str, Any]) -> dict[str, Any]:
     """Per mode: paired (by round) step-time ratios vs none and added time per snapshot (pure)."""
+    drains = {(s["round"], s["mode"]): s["drain_s"] for s in segments}
     timed = [r for r in records if r.get("mode") not in (None, "warmup")]
     by: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in timed:
@@ -412,8 +497,6 @@ def summarize_steps(records: list[dict[str, Any]], every: int) -> dict[str, Any]
             if not seg or not base:
                 continue
             base_all = _mean([r["step_s"] for r in base])
-            steady = [r for r in seg if r["pos"] > every]
-            base_steady = [r for r in base if r["pos"] > every]
             snaps = [r for r in seg if r["snap"]]
             # a DefaultStager snapshot also costs the wait it causes before the next optimizer step
             nxt = {r["step"]: r for r in seg}
@@ -423,9 +506,11 @@ def summarize_steps(records: list[dict[str, Any]], every: int) -> dict[str, Any]
                 "round": rnd,
                 "baseline_step_s": base_all,
                 "mean_step_s": _mean([r["step_s"] for r in seg]),
-                "ratio_all": _mean([r["step_s"] for r in seg]) / base_all,
-                "ratio_steady": (_mean([r["step_s"] for r in steady]) / _mean([r["step_s"] for r in base_steady])
-                                 if steady and base_steady else None),
+                "ratio": _mean([r["step_s"] for r in seg]) / base_all,
+                "others_ratio": (_mean([r["step_s"] for r in seg if not r["snap"]])
+                                 / _mean([r["step_s"] for r in base if not is_snapshot(plan, m, r["pos"])])
+                                 if m != "none" else 1.0),
+                "drain_s": drains.get((rnd, m)),
                 "snapshot_step_s": _mean([r["step_s"] for r in snaps]),
                 "added_per_snapshot_s": (_mean(charges) - base_all) if snaps else None,
                 "blocking_s": _mean([r["block_s"] + (nxt[r["step"] + 1]["staging_wait_s"]
@@ -443,7 +528,7 @@ def _mean_parts(parts: list[dict[str, float]]) -> dict[str, float]:
 
 def _spread(per_round: list[dict[str, Any]]) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    for key in ("ratio_steady", "ratio_all", "added_per_snapshot_s", "blocking_s", "snapshot_step_s",
+    for key in ("ratio", "others_ratio", "drain_s", "added_per_snapshot_s", "blocking_s", "snapshot_step_s",
                 "baseline_step_s", "mean_step_s"):
         xs = [p[key] for p in per_round if p.get(key) is not None]
         res[key] = {"median": _med(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None, "n": len(xs)}
@@ -580,7 +665,7 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
                     t = time.monotonic()
                     payloads = [staging.read_payload(p) for p in paths]
                     t_read = time.monotonic() - t
-                    path, size = writer.write_snapshot(str(ndir), step, payloads, node="bench")
+                    _path, size = writer.write_snapshot(str(ndir), step, payloads, node="bench")
                     total = time.monotonic() - t
                     del payloads
                     gc.collect()
@@ -644,10 +729,10 @@ def _snapshot_bytes(states: list[dict[str, Any]]) -> int:
 
 def _fs_type(path: str) -> str:
     try:
-        out = subprocess.run(["df", "-T", path], capture_output=True, text=True, timeout=10).stdout.splitlines()
+        out = subprocess.run(["df", "-T", path], check=False, capture_output=True, text=True, timeout=10).stdout.splitlines()
         f = out[-1].split()
         return f"{f[1]} ({f[0]}, mounted on {f[-1]})"
-    except Exception:
+    except (OSError, IndexError, subprocess.SubprocessError):
         return "unknown"
 
 
@@ -659,17 +744,16 @@ def machine() -> dict[str, Any]:
 
     cpu = "unknown"
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
     except OSError:
         pass
     mem = None
     try:
-        for line in open("/proc/meminfo", encoding="utf-8"):
-            if line.startswith("MemTotal"):
-                mem = round(int(line.split()[1]) / 1024 / 1024, 1)
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemTotal"):
+                    mem = round(int(line.split()[1]) / 1024 / 1024, 1)
     except OSError:
         pass
     return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory_gib": mem, "python": platform.python_version(),
@@ -711,30 +795,36 @@ def markdown(res: dict[str, Any]) -> str:
         f"= {res['state_bytes'] / 2**30:.2f} GiB per node copy), batch {res['batch']} per rank. The ranks run the "
         f"real `accelpact-run` rank path and the per-node daemons; a benchmark-only `SnapshotClient` subclass "
         f"picks the mode. {res['plan']['warmup']} warm-up updates, then {res['plan']['rounds']} round(s); each round "
-        f"runs every mode for {res['plan']['every'] * res['plan']['windows']} updates with a snapshot every "
-        f"K={res['plan']['every']} (order rotated per round), then drains outside the timed updates. Ratios are "
+        f"runs every mode for {res['plan']['every'] * res['plan']['windows']} updates, a snapshot in the first of "
+        f"every K={res['plan']['every']} (order rotated per round), then drains outside the timed updates "
+        f"(async writes, the daemons' write + verification). Ratios are "
         f"paired with the `none` segment of the same round; figures are the median over rounds (min–max).",
         "",
-        "- *step-time ratio* = mean update time of the mode's steady-state windows (the K updates after a "
-        "snapshot, including the next snapshot) / the same updates of `none`;",
+        "- *step-time ratio* = mean update time over the mode's windows (a snapshot update and the K−1 updates "
+        "that run while it is written) / mean `none` update time of the same round; *others* = the same for "
+        "the updates without a snapshot only (background interference);",
         "- *added per snapshot* = mean time of the updates that took a snapshot (blocking part included; for "
         "DefaultStager plus the wait for staging before the next `optimizer.step`) − the round's mean `none` "
         "update time;",
         "- *blocking* = time the training loop spent inside the checkpoint call (plus that staging wait), measured "
         "directly — less noisy than the difference of update times.",
         "",
-        "| mode | step-time ratio vs none | added per snapshot (s) | blocking (s) | mean update (s) |",
-        "|---|---|---|---|---|",
+        "- *left over* = background work still running after the window's K updates (the drain), seconds.",
+        "",
+        "| mode | step-time ratio vs none | others | added per snapshot (s) | blocking (s) | left over (s) "
+        "| mean update (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
         s = st.get(mode)
         if not s:
             continue
         if mode == "none":
-            lines.append(f"| none — {MODE_TEXT[mode]} | 1 | — | — | {_rng(s['mean_step_s'])} |")
+            lines.append(f"| none — {MODE_TEXT[mode]} | 1 | 1 | — | — | — | {_rng(s['mean_step_s'])} |")
             continue
-        lines.append(f"| {mode} — {MODE_TEXT[mode]} | {_rng(s['ratio_steady'])} | {_rng(s['added_per_snapshot_s'])} "
-                     f"| {_rng(s['blocking_s'])} | {_rng(s['mean_step_s'])} |")
+        lines.append(f"| {mode} — {MODE_TEXT[mode]} | {_rng(s['ratio'])} | {_rng(s['others_ratio'])} "
+                     f"| {_rng(s['added_per_snapshot_s'])} | {_rng(s['blocking_s'])} | {_rng(s['drain_s'], '{:.1f}')} "
+                     f"| {_rng(s['mean_step_s'])} |")
     ours = st.get("ours", {})
     parts = _mean_parts([r["parts"] for r in ours.get("rounds", [])])
     if parts:
@@ -828,8 +918,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--every", type=int, default=3, help="K: snapshot every K updates")
-    ap.add_argument("--windows", type=int, default=2, help="snapshot windows per segment (segment = K x windows updates)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=1,
+                    help="K-update windows per segment, each starting with a snapshot")
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset (none is always run)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=MODEL["layers"])
@@ -873,13 +964,15 @@ def main(argv: list[str] | None = None) -> int:
             config = work / "bench.yaml"
             write_config(config, plan, model, args.batch)
             t = time.monotonic()
-            code = launch(config, work / "run", plan)
+            with MachineWatch() as watch:
+                code = launch(config, work / "run", plan)
             res["steps_wall_s"] = time.monotonic() - t
+            res["machine_during_steps"] = watch.summary()
             rank0 = json.loads((Path(plan["out"]) / "rank-0.json").read_text())
             res["raw"] = {"records": rank0["records"], "segments": rank0["segments"]}
             res["exit_code"] = code
             res["dcp_process_first_call"] = rank0["extra"].get("dcp_process_first_call")
-            res["steps"] = summarize_steps(rank0["records"], args.every)
+            res["steps"] = summarize_steps(rank0["records"], rank0["segments"], plan)
             res["daemon_latency"] = daemon_latencies(work / "run" / "events.jsonl", rank0["records"])
             if code != 0:
                 print(f"[bench] the job exited with code {code}; logs under {work / 'run' / 'logs'}", flush=True)

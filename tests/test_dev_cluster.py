@@ -22,7 +22,6 @@ from tests.slurm_cluster import (  # noqa: F401,F811  (slurm_cluster is a fixtur
     Cluster,
     completion_records,
     job_info,
-    slurm_cluster,
     submit,
     wait_job,
 )

@@ -69,6 +69,23 @@ def test_boundary_fault_is_repaired_with_zero_replay(baseline, tmp_path, fsdp, m
     assert summary["losses"] == baseline["losses"]
     assert summary["final_state_digest"] == baseline["final_state_digest"]
     assert not [e for e in events if e["event"] == "fail_stop"]
+    if (fsdp, mesh) == ("fsdp1", "device_mesh"):
+        operator_tools_read(tmp_path / "run")
+
+
+def operator_tools_read(run_dir: Path) -> None:
+    """accelpact-status and accelpact-cadence on the run directory this test produced."""
+    proc = run_cli(["accelpact_slurm.cli.status", "--json", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr
+    (job,) = json.loads(proc.stdout)["jobs"]
+    assert job["state"] == "COMPLETED" and job["frontier"]["step"] == STEPS
+    assert job["l1"]["count"] == 1 and set(job["l1"]["last"]["phases"]) >= {"replace", "rebind", "validate"}
+    assert job["restarts"] == 0 and job["l2"]["count"] == 0
+    proc = run_cli(["accelpact_slurm.cli.cadence", "--events", str(run_dir), "--json", "--checkpoint-cost-s", "1",
+                    "--restart-cost-s", "30"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report
 
 
 def test_ten_successive_faults_all_repaired_without_memory_growth(baseline, tmp_path):

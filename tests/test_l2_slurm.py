@@ -162,3 +162,32 @@ def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster
     assert loads and loads[0]["step"] == snap
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
+
+
+def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=16, every=4, **{"faults: []": 'faults: ["backward:14:2"]'})
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=16, every=0))
+    # Hold the restart until the snapshot is corrupted: the job is requeued held, released after the damage.
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while int(job_info(job_id, env).get("Restarts", 0)) < 1:
+        assert time.monotonic() < deadline, "the job was never requeued"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "hold", job_id], env=env, check=True, timeout=30)
+    node1 = run_dir / "node-local" / "node1"
+    newest = max(node1.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one bit flipped in the middle of the shard
+    shard.write_bytes(bytes(data))
+    subprocess.run(["scontrol", "release", job_id], env=env, check=True, timeout=30)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED"
+    bad = int(newest.name.split("-")[1])
+    rejected = [e for e in events if e["event"] == "checkpoint" and e.get("step") == bad
+                and e.get("state") == "rejected" and e.get("hostname", "node1") == "node1"]
+    assert rejected, f"step {bad} was not rejected"
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    assert loads and loads[0]["step"] is not None and loads[0]["step"] < bad
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]

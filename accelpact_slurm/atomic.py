@@ -1,0 +1,28 @@
+"""Durable, atomic small-file writes: readers see the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in ``path`` durable (the directory's own metadata)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, data: Any, indent: int = 1) -> None:
+    """Temporary name, fsync, rename, fsync the directory."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=indent, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
