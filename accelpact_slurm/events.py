@@ -38,6 +38,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "requeue": ("reason", "by"),
     "restart_load": ("step", "reason", "skipped"),
     "checkpoint": ("step", "state", "size_bytes", "path", "reason"),
+    "snapshot": ("step", "blocking_s"),
     "job_end": ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code"),
 }
 

@@ -282,7 +282,7 @@ def _scan_one(scan: EventScan, rec: dict[str, Any], path: str) -> None:
             run.resume_ts = ts
     elif kind == "restart_load":
         run.resume_ts = ts if run.resume_ts is None else min(run.resume_ts, ts)
-    elif kind == "checkpoint":
+    elif kind in ("checkpoint", "snapshot"):
         if (cost := next((c for f in CHECKPOINT_COST_FIELDS if (c := _num(rec.get(f))) is not None), None)) is not None:
             scan.checkpoint_s.append(cost)
         step = _int(rec.get("step"))

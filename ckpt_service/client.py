@@ -91,7 +91,10 @@ class SnapshotClient:
         self._thread = threading.Thread(target=self._stage, args=(step, meta, state),
                                         name=f"ckpt-stage-{step}", daemon=True)
         self._thread.start()
-        log.debug("snapshot %d captured in %.3f s", step, time.monotonic() - t0)
+        blocking = time.monotonic() - t0
+        log.debug("snapshot %d captured in %.3f s", step, blocking)
+        if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
+            self.events.emit("snapshot", step=step, blocking_s=blocking)
 
     def _stage(self, step: int, meta: dict[str, Any], state: Any) -> None:
         rt = self.rt

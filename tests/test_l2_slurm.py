@@ -165,15 +165,25 @@ def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster
 
 
 def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: Cluster, tmp_path: Path):
-    config = job_file(tmp_path, "job", steps=16, every=4, **{"faults: []": 'faults: ["backward:14:2"]'})
-    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=16, every=0))
-    # Hold the restart until the snapshot is corrupted: the job is requeued held, released after the damage.
+    config = job_file(tmp_path, "job", steps=240, every=30)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=240, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
     deadline = time.monotonic() + JOB_DEADLINE_S
-    while int(job_info(job_id, env).get("Restarts", 0)) < 1:
-        assert time.monotonic() < deadline, "the job was never requeued"
+    while True:  # two snapshots verified on both nodes: there is a previous one to fall back to
+        events = list(read_events(run_dir / "events.jsonl")) if (run_dir / "events.jsonl").exists() else []
+        both = {e["step"] for e in events if e["event"] == "checkpoint" and e.get("state") == "verified"
+                and e.get("hostname") == "node1"} & {e["step"] for e in events if e["event"] == "checkpoint"
+                                                     and e.get("state") == "verified" and e.get("hostname") == "node2"}
+        if len(both) >= 2:
+            break
+        assert "job_end" not in {e["event"] for e in events}, "the job ended before two snapshots were verified"
+        assert time.monotonic() < deadline, "two snapshots were never verified on both nodes"
         time.sleep(0.2)
-    subprocess.run(["scontrol", "hold", job_id], env=env, check=True, timeout=30)
+    # Requeue and hold in one step; damage the newest snapshot of node1 while the job waits; then release it.
+    subprocess.run(["scontrol", "requeuehold", job_id], env=env, check=True, timeout=30)
+    while job_info(job_id, env).get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, "the requeued job never became pending"
+        time.sleep(0.2)
     node1 = run_dir / "node-local" / "node1"
     newest = max(node1.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     shard = next(newest.glob("*.distcp"))
