@@ -50,6 +50,9 @@ def kill_after_staged(environ: Mapping[str, str] | None = None) -> tuple[int, in
 
 
 def exit_after_verified(environ: Mapping[str, str] | None = None) -> int | None:
+    """The step after whose verification the ranks exit 75 (first start only, like every injected fault)."""
     environ = os.environ if environ is None else environ
     v = environ.get(EXIT_AFTER_VERIFIED)
-    return int(v) if v else None
+    if not v or int(environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        return None
+    return int(v)
