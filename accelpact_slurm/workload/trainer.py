@@ -116,12 +116,6 @@ class Trainer:
         p, t = self.progress, self.cfg.train
         return self.stream.rank_batch(p.cursor, self.rt.rank, self.rt.layout.world_size, t.batch_per_rank)
 
-    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.model.train()
-        loss = lm_loss(self.model, tokens)
-        loss.backward()
-        return loss
-
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
