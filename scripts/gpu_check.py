@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""GPU check for a machine with one NVIDIA GPU (run through ``scripts/gpu-check.sh``; never needed by the tests).
+
+Two questions the CPU machines cannot answer:
+
+1. **Staging bandwidth.** How fast a rank can copy its shards from the GPU into host memory for a
+   snapshot: device-to-host into a preallocated *pinned* buffer (``copy_(non_blocking=True)`` on a side
+   stream) against the plain copy a framework does by default (``tensor.cpu()`` into new pageable memory)
+   and against a preallocated pageable buffer. Paired and interleaved, median of the paired ratios.
+   Also: how much a side-stream copy slows compute running at the same time (matrix products alone vs
+   with the copy in flight), the part of staging training would feel.
+2. **Communicator create/destroy (NCCL).** What replacing a communicator costs: create a new group with
+   the same members (``new_group``, eager and lazy), its first all-reduce, ``abort``/destroy, and
+   ``split_group`` where torch has it, each against one all-reduce on the live communicator of the same
+   size (the floor the repair engine is measured against on CPU). One GPU allows world size 1; a
+   second process on the same GPU is tried and its outcome recorded (NCCL refuses duplicate devices).
+
+Output: JSON (``--json``, default ``$OUT/gpu-check.json`` or ``benchmarks/results/gpu-check.json``) with
+``"rows"`` in the format of ``scripts/benchlib.py`` and the raw medians. Runs in well under 5 minutes.
+Standalone: imports only torch (the device machine's torch, not the project's pin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MiB = 1 << 20
+
+
+def _spread(xs: list[float]) -> dict[str, Any]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _row(what: str, baseline: str, ratio: dict[str, Any], note: str = "") -> dict[str, Any]:
+    sp = None if ratio.get("median") is None else f"{ratio['min']:.2f}–{ratio['max']:.2f}"
+    return {"what": what, "baseline": baseline, "ratio": ratio.get("median"), "spread": sp,
+            "n": ratio.get("n", 0), "unit": "x", "note": note}
+
+
+def _log(msg: str) -> None:
+    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ 1. staging bandwidth
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def staging(sizes_mib: list[int], pairs: int) -> dict[str, Any]:
+    dev = torch.device("cuda", 0)
+    side = torch.cuda.Stream()
+    out: dict[str, Any] = {"sizes": {}}
+    for size in sizes_mib:
+        n = size * MiB // 4
+        src = torch.randn(n, device=dev)
+        t0 = time.perf_counter()
+        pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        pin_alloc_s = time.perf_counter() - t0
+        pageable = torch.empty(n, dtype=torch.float32)
+        pageable.fill_(0)  # touch the pages once: a preallocated buffer, as a staging pool would be
+
+        def to_pinned(src=src, pinned=pinned) -> None:
+            with torch.cuda.stream(side):
+                pinned.copy_(src, non_blocking=True)
+            side.synchronize()
+
+        def plain_cpu(src=src) -> None:
+            src.cpu()
+
+        def to_pageable(src=src, pageable=pageable) -> None:
+            pageable.copy_(src)
+
+        for fn in (to_pinned, plain_cpu, to_pageable):  # warm-up
+            fn()
+        rec: dict[str, list[float]] = {"pinned_s": [], "cpu_s": [], "pageable_s": []}
+        for i in range(pairs):
+            order = [("pinned_s", to_pinned), ("cpu_s", plain_cpu), ("pageable_s", to_pageable)]
+            if i % 2:
+                order.reverse()
+            for key, fn in order:
+                rec[key].append(_timed(fn))
+        assert torch.equal(pinned[:1024], src[:1024].cpu()), "pinned copy differs from the source"
+        nbytes = n * 4
+        out["sizes"][str(size)] = {
+            "bytes": nbytes, "pin_alloc_s": pin_alloc_s,
+            "pinned_GBps": _spread([nbytes / t / 1e9 for t in rec["pinned_s"]]),
+            "cpu_GBps": _spread([nbytes / t / 1e9 for t in rec["cpu_s"]]),
+            "pageable_GBps": _spread([nbytes / t / 1e9 for t in rec["pageable_s"]]),
+            "speedup_vs_cpu": _spread([c / p for p, c in zip(rec["pinned_s"], rec["cpu_s"])]),
+            "speedup_vs_pageable": _spread([c / p for p, c in zip(rec["pinned_s"], rec["pageable_s"])]),
+        }
+        _log(f"staging {size} MiB: pinned {out['sizes'][str(size)]['pinned_GBps']['median']:.1f} GB/s, "
+             f".cpu() {out['sizes'][str(size)]['cpu_GBps']['median']:.1f} GB/s")
+        del src, pinned, pageable
+        torch.cuda.empty_cache()
+
+    # Interference: matrix products on the default stream, alone vs with a pinned D2H copy on a side stream.
+    size = max(sizes_mib)
+    n = size * MiB // 4
+    src = torch.randn(n, device=dev)
+    pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def compute() -> float:
+        """Seconds of the matmuls on the default stream, timed with CUDA events (not the copy's wait)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(100):
+            a @ b
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def compute_with_copy() -> float:
+        with torch.cuda.stream(side):
+            pinned.copy_(src, non_blocking=True)
+        s_ = compute()
+        side.synchronize()
+        return s_
+
+    compute()
+    compute_with_copy()
+    alone, mixed, copy_alone = [], [], []
+    for i in range(pairs):
+        pair = [(alone, compute), (mixed, compute_with_copy)]
+        if i % 2:
+            pair.reverse()
+        for sink, fn in pair:
+            torch.cuda.synchronize()
+            sink.append(fn())
+        copy_alone.append(_timed(lambda: (pinned.copy_(src, non_blocking=True), torch.cuda.synchronize())))
+    out["interference"] = {"copy_mib": size, "compute_alone_s": _spread(alone), "compute_with_copy_s": _spread(mixed),
+                           "copy_alone_s": _spread(copy_alone),
+                           "slowdown": _spread([m / a_ for a_, m in zip(alone, mixed)])}
+    _log(f"interference: compute with a side-stream copy / alone = {out['interference']['slowdown']['median']:.3f}")
+    return out
+
+
+# ------------------------------------------------------------------ 2. NCCL communicators
+
+
+def _comm_worker(rank: int, world: int, port: int, reps: int, nbytes: int, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    res: dict[str, Any] = {"world": world}
+    try:
+        t = time.perf_counter()
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        res["init_eager_s"] = time.perf_counter() - t
+        x = torch.ones(nbytes // 4, device=dev)
+        for _ in range(3):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        rec: dict[str, list[float]] = {k: [] for k in (
+            "allreduce_s", "new_group_eager_s", "first_allreduce_eager_s", "destroy_s",
+            "abort_s", "split_s", "first_allreduce_split_s")}
+        members = list(range(world))
+        has_split = hasattr(dist, "split_group")
+        res["split_group_available"] = has_split
+        for _ in range(reps):
+            rec["allreduce_s"].append(_timed(lambda: dist.all_reduce(x)))
+            # eager: the communicator is created inside new_group (device_id bound on the default group)
+            t = time.perf_counter()
+            g = dist.new_group(members, use_local_synchronization=True)
+            torch.cuda.synchronize()
+            rec["new_group_eager_s"].append(time.perf_counter() - t)
+            rec["first_allreduce_eager_s"].append(_timed(lambda g=g: dist.all_reduce(x, group=g)))
+            t = time.perf_counter()
+            dist.destroy_process_group(g)
+            torch.cuda.synchronize()
+            rec["destroy_s"].append(time.perf_counter() - t)
+            if has_split:
+                try:
+                    t = time.perf_counter()
+                    sg = dist.split_group(split_ranks=[members])
+                    torch.cuda.synchronize()
+                    rec["split_s"].append(time.perf_counter() - t)
+                    rec["first_allreduce_split_s"].append(_timed(lambda sg=sg: dist.all_reduce(x, group=sg)))
+                    dist.destroy_process_group(sg)
+                except Exception as exc:  # noqa: BLE001
+                    res["split_error"] = repr(exc)
+                    has_split = False
+        _dump(res, rec, rank, result_path)
+        # abort instead of a clean destroy: what a repair does to a communicator that may be wedged.
+        # Last, and the aborted groups are left for process exit: a destroy after abort may block.
+        for _ in range(reps):
+            g = dist.new_group(members, use_local_synchronization=True)
+            dist.all_reduce(x, group=g)
+            torch.cuda.synchronize()
+            try:
+                backend = g._get_backend(dev)
+                t = time.perf_counter()
+                backend.abort()
+                rec["abort_s"].append(time.perf_counter() - t)
+            except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+                res["abort_error"] = repr(exc)
+                break
+        _dump(res, rec, rank, result_path)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc()[-2000:]
+        if rank == 0:
+            with open(result_path, "w", encoding="utf-8") as fh:
+                json.dump(res, fh)
+    os._exit(0)
+
+
+def _dump(res: dict[str, Any], rec: dict[str, list[float]], rank: int, result_path: str) -> None:
+    res.update({k: _spread(v) for k, v in rec.items() if v})
+    res["ratios"] = {
+        "eager_create_plus_first_vs_allreduce": _spread(
+            [(c + f) / a for c, f, a in zip(rec["new_group_eager_s"], rec["first_allreduce_eager_s"],
+                                            rec["allreduce_s"])]),
+        "destroy_vs_allreduce": _spread([d / a for d, a in zip(rec["destroy_s"], rec["allreduce_s"])]),
+    }
+    if rec["abort_s"]:
+        res["ratios"]["abort_vs_allreduce"] = _spread([d / a for d, a in zip(rec["abort_s"], rec["allreduce_s"])])
+    if rec["split_s"]:
+        res["ratios"]["split_plus_first_vs_allreduce"] = _spread(
+            [(c + f) / a for c, f, a in zip(rec["split_s"], rec["first_allreduce_split_s"], rec["allreduce_s"])])
+    if rank == 0:
+        tmp = result_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(res, fh)
+        os.replace(tmp, result_path)
+
+
+def communicators(world: int, reps: int, nbytes: int, work: str, port: int, deadline_s: float) -> dict[str, Any]:
+    path = os.path.join(work, f"comm-{world}.json")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_comm_worker, args=(r, world, port, reps, nbytes, path)) for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    timed_out = any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            res = json.load(fh)
+    else:
+        res = {"world": world, "error": "no result (exit codes %s)" % [p.exitcode for p in procs]}
+    if timed_out:
+        res["error"] = (res.get("error", "") + f" timed out after {deadline_s:.0f} s").strip()
+    return res
+
+
+# ------------------------------------------------------------------ main
+
+
+def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    st = res.get("staging", {})
+    for size, s in st.get("sizes", {}).items():
+        out.append(_row(f"D2H staging of {size} MiB into a preallocated pinned buffer (side stream), GPU",
+                        "`tensor.cpu()` (new pageable memory)", s["speedup_vs_cpu"],
+                        note=f"pinned {s['pinned_GBps']['median']:.1f} GB/s, .cpu() {s['cpu_GBps']['median']:.1f} GB/s"))
+        out.append(_row(f"D2H staging of {size} MiB into pinned memory, GPU",
+                        "copy into a preallocated pageable buffer", s["speedup_vs_pageable"],
+                        note=f"pageable {s['pageable_GBps']['median']:.1f} GB/s"))
+    if "interference" in st:
+        i = st["interference"]
+        out.append(_row(f"100 bf16 8192^3 matmuls (CUDA events) with a {i['copy_mib']} MiB pinned D2H copy on a side stream",
+                        "the same matmuls alone", i["slowdown"],
+                        note=f"alone {i['compute_alone_s']['median'] * 1e3:.1f} ms, copy alone "
+                             f"{i['copy_alone_s']['median'] * 1e3:.1f} ms"))
+    for key in ("comm_world1", "comm_world2"):
+        c = res.get(key)
+        if not c:
+            continue
+        w = c.get("world")
+        if c.get("error"):
+            out.append({"what": f"NCCL communicator, world size {w} on one GPU", "baseline": "—", "ratio": None,
+                        "spread": None, "n": 0, "unit": "x", "note": f"not possible: {c['error'][:160]}"})
+            continue
+        ar_ms = c["allreduce_s"]["median"] * 1e3
+        r = c["ratios"]
+        out.append(_row(f"NCCL new_group (eager) + first all-reduce, world {w}", f"one all-reduce of "
+                        f"{res['allreduce_bytes'] // MiB} MiB on the live communicator ({ar_ms:.3f} ms)",
+                        r["eager_create_plus_first_vs_allreduce"],
+                        note=f"create {c['new_group_eager_s']['median'] * 1e3:.1f} ms"))
+        out.append(_row(f"NCCL destroy_process_group(new group), world {w}", "the same all-reduce",
+                        r["destroy_vs_allreduce"], note=f"{c['destroy_s']['median'] * 1e3:.1f} ms"))
+        if "abort_vs_allreduce" in r:
+            out.append(_row(f"NCCL abort() of a group's backend, world {w}", "the same all-reduce",
+                            r["abort_vs_allreduce"], note=f"{c['abort_s']['median'] * 1e3:.1f} ms"))
+        if "split_plus_first_vs_allreduce" in r:
+            out.append(_row(f"NCCL split_group + first all-reduce, world {w}", "the same all-reduce",
+                            r["split_plus_first_vs_allreduce"], note=f"split {c['split_s']['median'] * 1e3:.1f} ms"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_json = (os.path.join(os.environ["OUT"], "gpu-check.json") if os.environ.get("OUT")
+                    else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                      "benchmarks", "results", "gpu-check.json"))
+    ap.add_argument("--json", default=default_json)
+    ap.add_argument("--sizes-mib", default="256,1024,4096", help="staging sizes (MiB)")
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--comm-reps", type=int, default=10)
+    ap.add_argument("--allreduce-mib", type=int, default=64)
+    ap.add_argument("--work", default="/tmp/accelpact-gpu-check")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device visible to torch; nothing to measure", file=sys.stderr)
+        return 2
+    os.makedirs(args.work, exist_ok=True)
+    t_all = time.monotonic()
+    props = torch.cuda.get_device_properties(0)
+    res: dict[str, Any] = {
+        "part": "gpu-check", "date": _dt.date.today().isoformat(),
+        "machine": {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+                    "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "nccl": ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None,
+                    "platform": platform.platform()},
+        "allreduce_bytes": args.allreduce_mib * MiB,
+    }
+    _log(f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    try:
+        res["staging"] = staging([int(s) for s in args.sizes_mib.split(",")], args.pairs)
+    except Exception as exc:  # noqa: BLE001
+        res["staging"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        _log(f"staging failed: {exc}")
+    torch.cuda.empty_cache()
+    for world, port in ((1, 29611), (2, 29621)):
+        _log(f"NCCL communicators, world size {world}")
+        res[f"comm_world{world}"] = communicators(world, args.comm_reps, args.allreduce_mib * MiB, args.work,
+                                                  port, deadline_s=90 if world == 1 else 60)
+        _log(json.dumps({k: v for k, v in res[f"comm_world{world}"].items() if k != "traceback"})[:600])
+    res["rows"] = rows(res)
+    res["total_wall_s"] = time.monotonic() - t_all
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1)
+    for r in res["rows"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        print(f"- {r['what']} vs {r['baseline']}: {ratio} ({r['spread']}) {r['note']}")
+    _log(f"wrote {args.json} in {res['total_wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
