@@ -71,6 +71,7 @@ class CheckpointConfig:
     compress: bool = False
     local_dir: str | None = None
     shared_dir: str | None = None
+    daemon_nice: int = 10  # the node daemon's CPU niceness: its writes yield to training on a busy CPU
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +328,9 @@ def validate(cfg: JobConfig) -> None:
         )
     if c.milestone_every < 0:
         raise ConfigError("checkpoint.milestone_every", c.milestone_every, "must be >= 0 (0: no milestones)")
+    if not 0 <= c.daemon_nice <= 19:
+        raise ConfigError("checkpoint.daemon_nice", c.daemon_nice,
+                          "must be a niceness from 0 (same CPU priority as training) to 19 (lowest)")
     to = cfg.timeouts
     for name in ("collective_s", "control_s", "startup_s", "shutdown_s"):
         positive(f"timeouts.{name}", getattr(to, name), "must be a positive number of seconds")

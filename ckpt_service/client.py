@@ -1,16 +1,24 @@
-"""The rank side: every K steps capture this rank's shards, stage them in shared memory, hand them over.
+"""The rank side: every K steps copy this rank's shards into shared memory, hand them over, go on.
 
 Who calls (every rank, same order, from ``job.run_rank``):
 
 1. ``SnapshotClient(cfg, trainer, run_dir, events)`` then ``restore()`` before the loop (collective);
-2. ``after_commit()`` right after ``trainer.commit`` (collective on snapshot steps: the fixed-batch
-   loss and ``get_state_dict`` are FSDP collectives, the RNG exchange goes over the control plane);
-3. ``close()`` at the end (waits for the last staging, bounded).
+2. ``after_commit()`` right after ``trainer.commit`` (collective on snapshot steps: the RNG exchange
+   goes over the control plane; on the first snapshot of a start also the fixed-batch loss, an FSDP
+   collective);
+3. ``close()`` at the end.
 
-The capture is synchronous (clones); writing the payload to ``/dev/shm`` and
-telling the daemon happen on a named background thread, so training goes on.
-The next snapshot waits only for the previous staging thread.  A missing or
-dead daemon costs a warning, never the run.
+A snapshot (:meth:`SnapshotClient.snapshot`) plans which boxes of which tensors this rank holds
+(:mod:`.capture`: FSDP1's flat-parameter shards directly, no ``get_state_dict``), copies them into
+a preallocated shared-memory slot (:mod:`.staging`), writes a small descriptor and tells the
+daemon; that is all training waits for.  The daemon writes the boxes as DCP chunks from the slot.
+Two slots alternate: a slot is reused only after the daemon has finished writing the snapshot that
+used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
+event and training goes on).  A missing or dead daemon costs a warning, never the run.
+
+The replay check's reference loss is computed by the daemon from the staged weights
+(:mod:`.reference`); the ranks compute the live model's fixed-batch loss only until one snapshot
+carrying it was committed, which proves that the staged state equals the live model.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from .protocol import DaemonUnavailable, request
 log = logging.getLogger(__name__)
 
 EVAL_BATCH = 4
+SLOTS = 2
 
 
 class SnapshotClient:
@@ -44,9 +53,13 @@ class SnapshotClient:
         self.ndir = node_dir(run_dir, self.rt.ctx.hostname, cfg.checkpoint.local_dir)
         self.sock = socket_path(self.ndir)
         self.stage_root = staging_root(self.ndir)
-        self._thread: threading.Thread | None = None
+        self.slots = [staging.Slot(staging.slot_path(self.stage_root, self.rt.local_rank, i)) for i in range(SLOTS)]
+        self._slot_step: list[int | None] = [None] * SLOTS
+        self._proved = False  # a committed snapshot reproduced the live model's fixed-batch loss
+        self._proving: int | None = None
         self._contacted = False
         self.last_error: str | None = None
+        self.last_parts: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ restore
 
@@ -66,51 +79,135 @@ class SnapshotClient:
         self.snapshot()
         stop_at = faults.exit_after_verified()
         if stop_at == step:
-            self._join(self.cfg.timeouts.startup_s)
             state = self.wait(step, self.cfg.timeouts.startup_s)
             self.rt.control.barrier("ckpt-exit-after-verified", timeout_s=self.cfg.timeouts.startup_s)
             log.warning("fault injection: exiting after snapshot %d (%s)", step, state)
             raise SystemExit(EXIT_REQUEUE)
 
-    def snapshot(self) -> None:
-        """Collective: capture this rank's state at the current step and stage it in the background."""
+    def snapshot(self, *, live_loss: bool = False) -> bool:
+        """Collective: stage this rank's state at the current step; False when it was skipped.
+
+        ``live_loss`` forces the live fixed-batch forward (a snapshot taken before a requeue).
+        """
         from accelpact_slurm.workload import appstate
+
+        from .capture import plan_for
 
         tr, rt, cfg = self.trainer, self.rt, self.cfg
         step = tr.progress.step
-        self._join(cfg.timeouts.control_s)  # the next snapshot waits only for the previous staging
         t0 = time.monotonic()
-        loss = tr.eval_loss(tr.stream.fixed_batch(EVAL_BATCH))
-        state = appstate.capture(tr)
-        rngs = rt.control.all_gather("ckpt-rng", appstate.rng_b64())
+        parts: dict[str, float] = {}
+        if self._proving is not None:  # did the snapshot that carried the live loss commit? (no waiting)
+            try:
+                self._note_proof(self._proving, self._request({"op": "released", "step": self._proving,
+                                                               "timeout": 0}, cfg.timeouts.control_s))
+            except DaemonUnavailable:
+                pass
+        slot = self._free_slot(cfg.timeouts.control_s)
+        parts["wait_slot"] = time.monotonic() - t0
+        # every rank takes part in the exchange, even one whose slot is busy: all decide alike
+        t = time.monotonic()
+        rngs = rt.control.all_gather("ckpt-rng", {"rng": appstate.rng_b64(), "slot_ok": slot is not None,
+                                                  "proved": self._proved})
+        parts["rng"] = time.monotonic() - t
+        if not all(r["slot_ok"] for r in rngs):
+            busy = [i for i, r in enumerate(rngs) if not r["slot_ok"]]
+            log.warning("snapshot %d skipped: the daemon has not finished an earlier snapshot of rank(s) %s "
+                        "within %g s", step, busy, cfg.timeouts.control_s)
+            if rt.rank == 0 and self.events is not None:
+                self.events.emit("snapshot", step=step, skipped=True, blocking_s=time.monotonic() - t0,
+                                 reason=f"daemon busy with an earlier snapshot of rank(s) {busy}")
+            return False
+        t = time.monotonic()
+        need_live = live_loss or not all(r["proved"] for r in rngs)  # the same on every rank
+        loss = tr.eval_loss(tr.stream.fixed_batch(EVAL_BATCH)) if need_live else None
+        parts["eval_loss"] = time.monotonic() - t
+        t = time.monotonic()
+        plan = plan_for(tr.model, tr.optimizer)  # FSDP1: no collective; otherwise get_state_dict (collective)
+        nbytes = plan.layout()
+        created = self.slots[slot].ensure(nbytes)
+        parts["plan"] = time.monotonic() - t
+        t = time.monotonic()
+        plan.copy_into(self.slots[slot].buf)
+        parts["copy"] = time.monotonic() - t
+        if faults.corrupt_capture() == (step, rt.rank):
+            self._corrupt(plan, slot)
         meta = {
             "job_id": rt.ctx.job_id, "config_digest": cfg.digest(), "config": cfg.to_dict(),
-            "world_size": rt.layout.world_size, "eval": {"loss": loss, "batch_size": EVAL_BATCH},
-            "extra": appstate.extra_state(tr, rngs),
+            "world_size": rt.layout.world_size, "eval": {"batch_size": EVAL_BATCH, "live_loss": loss},
+            "extra": appstate.extra_state(tr, [r["rng"] for r in rngs]),
         }
-        self._thread = threading.Thread(target=self._stage, args=(step, meta, state),
-                                        name=f"ckpt-stage-{step}", daemon=True)
-        self._thread.start()
-        blocking = time.monotonic() - t0
-        log.debug("snapshot %d captured in %.3f s", step, blocking)
-        if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
-            self.events.emit("snapshot", step=step, blocking_s=blocking)
-
-    def _stage(self, step: int, meta: dict[str, Any], state: Any) -> None:
-        rt = self.rt
+        t = time.monotonic()
         try:
-            path = staging.write_payload(self.stage_root, step, rt.rank, rt.local_rank, meta, state)
-            msg = {"op": "staged", "step": step, "rank": rt.rank, "local_rank": rt.local_rank,
-                   "nranks": rt.layout.ranks_per_node, "path": path}
-            self._request(msg)
+            desc = staging.write_descriptor(self.stage_root, step, rt.local_rank, {
+                "step": step, "rank": rt.rank, "local_rank": rt.local_rank, "meta": meta,
+                "slot": self.slots[slot].path, "slot_ino": self.slots[slot].ino, "nbytes": nbytes,
+                "entries": plan.describe(), "plain": plan.plain, "source": plan.source})
+            self._slot_step[slot] = step
+            self._request({"op": "staged", "step": step, "rank": rt.rank, "local_rank": rt.local_rank,
+                           "nranks": rt.layout.ranks_per_node, "path": desc})
+            if need_live:
+                self._proving = step
         except Exception as exc:  # never fatal to training
             self.last_error = f"snapshot {step}: {exc}"
             log.warning("snapshot %d not handed to the daemon: %s", step, exc)
-            return
+        parts["hand_over"] = time.monotonic() - t
+        blocking = time.monotonic() - t0
+        self.last_parts = dict(parts, total=blocking, bytes=nbytes, new_slot=created, source=plan.source)
+        log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
+        if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
+            self.events.emit("snapshot", step=step, blocking_s=blocking)
         kill = faults.kill_after_staged()
         if kill == (step, rt.rank):
             log.warning("fault injection: rank %d kills itself after staging step %d", rt.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
+        return True
+
+    def _corrupt(self, plan: Any, slot: int) -> None:
+        """Fault injection: change this rank's staged weights (as a wrong capture mapping would)."""
+        import math
+
+        buf = self.slots[slot].buf
+        for e in plan.entries:
+            if e.key[0] == "model":
+                item = buf.new_empty((), dtype=e.dtype).element_size()
+                for b in e.boxes:
+                    buf[b.byte_offset:b.byte_offset + math.prod(b.sizes) * item].view(e.dtype).add_(1.0)
+        log.warning("fault injection: staged weights of rank %d changed", self.rt.rank)
+
+    def _free_slot(self, timeout_s: float) -> int | None:
+        """A slot the daemon no longer reads; None when none became free within ``timeout_s``.
+
+        Prefers reusing a released slot (its pages are already touched) over creating the second one,
+        so a daemon that keeps up costs one slot; waits (bounded) only when both are busy.
+        """
+        used = sorted((s for s in range(SLOTS) if self._slot_step[s] is not None), key=lambda s: self._slot_step[s])
+        unused = [s for s in range(SLOTS) if self._slot_step[s] is None]
+        for s in used:
+            if self._released(s, 0.0, timeout_s):
+                return s
+        if unused:
+            return unused[0]
+        return used[0] if self._released(used[0], timeout_s, timeout_s + 10) else None
+
+    def _released(self, slot: int, wait_s: float, timeout_s: float) -> bool:
+        prev = self._slot_step[slot]
+        try:
+            reply = self._request({"op": "released", "step": prev, "timeout": wait_s}, timeout_s)
+        except DaemonUnavailable:
+            return True  # no daemon: nothing reads the slot
+        self._note_proof(prev, reply)
+        return bool(reply.get("released"))
+
+    def _note_proof(self, step: int, reply: dict[str, Any]) -> None:
+        """The snapshot that carried the live loss left the writer: committed means the capture is proved."""
+        if step != self._proving or not reply.get("released"):
+            return
+        self._proving = None
+        if reply.get("state") in ("committed", "verified"):
+            self._proved = True
+        elif reply.get("state") in ("failed", "rejected"):
+            log.error("snapshot %d did not reproduce the live model: %s", step, reply.get("reason"))
 
     def _request(self, msg: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """One request; the first contact waits (bounded) for a daemon that is still starting."""
@@ -143,19 +240,12 @@ class SnapshotClient:
 
         Used before a requeue (pre-timeout signal, preemption).  Returns the daemon's
         final state for the step (``committed``/``verified``/``rejected``/``failed``)
-        or None when no daemon answered.
+        or None when no daemon answered or the snapshot could not be staged.
         """
         step = self.trainer.progress.step
-        if self.every <= 0 or step % self.every:
-            self.snapshot()
-        self._join(timeout_s)
+        if step not in self._slot_step and not self.snapshot(live_loss=True):
+            return None
         return self.wait(step, timeout_s)
 
-    def _join(self, timeout_s: float) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
-            if self._thread.is_alive():
-                log.warning("previous staging still running after %g s", timeout_s)
-
     def close(self) -> None:
-        self._join(self.cfg.timeouts.control_s)
+        """Nothing to join: staging is synchronous.  The slots stay for the daemon until it is done."""

@@ -1,4 +1,5 @@
-"""The one shim around private torch APIs this package uses (tests/test_ckpt_unit.py notices if they move)."""
+"""The one shim around private torch APIs this package uses (tests/test_ckpt_unit.py and
+tests/test_ckpt_capture.py notice if they move)."""
 
 from __future__ import annotations
 
@@ -10,3 +11,29 @@ def zstd_extensions(compress: bool) -> list:
     from torch.distributed.checkpoint._extension import ZStandard
 
     return [ZStandard()]
+
+
+def fsdp1_flat_params(model) -> list:
+    """Every FSDP1 ``FlatParameter`` under ``model`` (each unit's handle), in module order; [] when none."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return []
+    out, seen = [], set()
+    for unit in FSDP.fsdp_modules(model):
+        handle = getattr(unit, "_handle", None)
+        fp = getattr(handle, "flat_param", None)
+        if fp is not None and id(fp) not in seen:
+            seen.add(id(fp))
+            out.append(fp)
+    return out
+
+
+def canonical_fqn(model, name: str) -> str:
+    """The name ``get_state_dict`` gives the parameter ``name`` of ``model`` (wrapper prefixes removed)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    fqns = _get_fqns(model, name)
+    if len(fqns) != 1:
+        raise ValueError(f"parameter {name!r} maps to {len(fqns)} names: {sorted(fqns)}")
+    return next(iter(fqns))

@@ -3,13 +3,15 @@
 Threads (all named, each fed by a queue with a sentinel, joined with a deadline):
 
 - ``ckptd-accept``: the Unix socket; one short ``ckptd-conn`` thread per request;
-- ``ckptd-writer``: reassembles and commits a step once every rank of the node staged it;
+- ``ckptd-writer``: writes a step straight from the ranks' shared-memory slots (boxes as DCP chunks,
+  no reassembly) and commits it once every rank of the node staged it;
 - ``ckptd-verifier``: checksums, coverage and replay -> verified | rejected;
 - ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal;
 - ``ckptd-tier``: milestone copies to the shared tier.
 
 A training rank that dies after staging does not stop its snapshot: the staged
-files belong to the daemon once every rank of the node has staged.  On SIGTERM
+slots and descriptors belong to the daemon once every rank of the node has staged.
+A rank reuses a slot only after ``released`` says the step that used it has left the writer.  On SIGTERM
 the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
 """
 
@@ -104,6 +106,8 @@ class Daemon:
         self._changed = threading.Condition(self._mu)
         self._pending: dict[int, _Pending] = {}
         self._states: dict[int, tuple[str, str | None]] = {}
+        self._inflight: set[int] = set()  # complete steps queued for, or inside, the writer
+        self._reference = None  # ReferenceModel, built on the first snapshot
         self.q_write: queue.Queue = queue.Queue()
         self.q_verify: queue.Queue = queue.Queue()
         self.q_delete: queue.Queue = queue.Queue()
@@ -222,6 +226,19 @@ class Daemon:
             return {"ok": True, "pid": os.getpid(), "node": self.o.node}
         if op == "staged":
             return self._on_staged(int(msg["step"]), int(msg["local_rank"]), int(msg["nranks"]), msg["path"])
+        if op == "released":
+            # a rank asks before reusing the slot that held ``step``: block until the writer is done with it
+            step, timeout = int(msg["step"]), float(msg.get("timeout", 60))
+            deadline = time.monotonic() + timeout
+            with self._changed:
+                while step in self._inflight or step in self._pending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                busy = step in self._inflight or step in self._pending
+                state, reason = self._states.get(step, (None, None))
+            return {"ok": True, "step": step, "released": not busy, "state": state, "reason": reason}
         if op == "status":
             with self._mu:
                 return {"ok": True, "states": {str(k): list(v) for k, v in self._states.items()},
@@ -246,6 +263,7 @@ class Daemon:
             complete = len(pend.paths) >= pend.nranks
             if complete:
                 del self._pending[step]
+                self._inflight.add(step)
         faults.pause_point("staging", self.ndir, step)
         if complete:
             self.q_write.put((step, dict(pend.paths)))
@@ -263,12 +281,14 @@ class Daemon:
             except Exception:  # background failures are logged, never fatal
                 log.exception("%s failed on %r", threading.current_thread().name, item)
 
-    def _set_state(self, step: int, state: str, reason: str | None, path: str | None, size: int | None) -> None:
+    def _set_state(self, step: int, state: str, reason: str | None, path: str | None, size: int | None,
+                   timings: dict[str, float] | None = None) -> None:
         with self._changed:
             self._states[step] = (state, reason)
             self._changed.notify_all()
+        extra = {f"{k}_s": round(v, 3) for k, v in (timings or {}).items()}
         self.events.emit("checkpoint", step=step, state=state, size_bytes=size, path=path, reason=reason,
-                         hostname=self.o.node)
+                         hostname=self.o.node, **extra)
         self._publish()
 
     def _publish(self) -> None:
@@ -278,21 +298,41 @@ class Daemon:
             log.warning("could not publish the checkpoint index", exc_info=True)
 
     def _write_loop(self, item: tuple[int, dict[int, str]]) -> None:
+        from .reference import ReferenceModel
         from .writer import write_snapshot
 
         step, paths = item
         try:
-            payloads = [staging.read_payload(paths[lr]) for lr in sorted(paths)]
-            path, size = write_snapshot(self.ndir, step, payloads, compress=self.o.compress, node=self.o.node)
+            descs = []
+            for lr in sorted(paths):
+                d = staging.read_descriptor(paths[lr])
+                d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
+                descs.append(d)
+            if self._reference is None:
+                self._reference = ReferenceModel()
+            timings: dict[str, float] = {}
+            t0 = time.monotonic()
+            path, size = write_snapshot(self.ndir, step, descs, compress=self.o.compress, node=self.o.node,
+                                        reference=self._reference, timings=timings)
+            log.info("step %d committed in %.2f s (%s)", step, time.monotonic() - t0,
+                     ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
         except Exception as exc:
             reason = str(exc) if isinstance(exc, CheckpointError) else f"{exc.__class__.__name__}: {exc}"
             log.error("snapshot %d failed: %s", step, reason)
             self._set_state(step, "failed", reason, None, None)
+            self._release(step)
             return
         finally:
+            descs = []  # drop the slot mappings before the rank may reuse them
             staging.drop_step(self.stage_root, step)
-        self._set_state(step, "committed", None, path, size)
+        self._set_state(step, "committed", None, path, size, timings)
+        self._release(step)
         self.q_verify.put(step)
+
+    def _release(self, step: int) -> None:
+        with self._changed:
+            self._inflight.discard(step)
+            self._changed.notify_all()
 
     def _verify_loop(self, step: int) -> None:
         from .verify import verify_snapshot

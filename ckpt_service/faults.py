@@ -7,6 +7,8 @@
   ``renamed`` (renamed into ``step-N``, state not recorded).
 - ``ACCELPACT_CKPT_KILL_AFTER_STAGED=STEP:RANK``: that rank SIGKILLs itself once the daemon
   acknowledged its staged step STEP.
+- ``ACCELPACT_CKPT_CORRUPT_CAPTURE=STEP:RANK``: that rank flips one element of its first weight box in
+  the slot after copying snapshot STEP (a wrong capture: what the live-loss proof must catch).
 - ``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED=STEP``: every rank waits until its node's snapshot STEP is
   verified, then the job exits with the "requeue me" code (used to stop a run after a verified snapshot).
 """
@@ -23,6 +25,7 @@ log = logging.getLogger(__name__)
 PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
 KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
 EXIT_AFTER_VERIFIED = "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED"
+CORRUPT_CAPTURE = "ACCELPACT_CKPT_CORRUPT_CAPTURE"
 PHASES = ("staging", "writing", "written", "renamed")
 PAUSE_LIMIT_S = 600.0
 
@@ -43,6 +46,15 @@ def pause_point(phase: str, ndir: str, step: int | None = None, environ: Mapping
 def kill_after_staged(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     environ = os.environ if environ is None else environ
     v = environ.get(KILL_AFTER_STAGED)
+    if not v:
+        return None
+    step, rank = v.split(":")
+    return int(step), int(rank)
+
+
+def corrupt_capture(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    environ = os.environ if environ is None else environ
+    v = environ.get(CORRUPT_CAPTURE)
     if not v:
         return None
     step, rank = v.split(":")

@@ -1,18 +1,26 @@
-"""The shared-memory staging format: one file per rank per step under ``/dev/shm``.
+"""Shared-memory staging between a rank and its node's daemon: reusable slots plus one descriptor per step.
 
-A rank writes ``rank-L.pt`` under a temporary name and renames it, so the daemon
-never reads half a payload; the payload is a plain ``torch.save`` of dicts,
-lists and tensors (loadable with ``weights_only=True``)::
+Layout under the node's staging root (``/dev/shm/accelpact-<uid>/<key>/``, mode 0700)::
 
-    {"step": N, "rank": r, "local_rank": l, "meta": "<json>", "state": <appstate.capture()>}
+    rank-L.slot-S            a preallocated, memory-mapped file (S = 0, 1): the rank's boxes, raw bytes
+    step-N/rank-L.desc       which slot, where every box lies in it, the plain state and the metadata
 
-Who calls: :mod:`.client` writes (in the rank's staging thread), :mod:`.daemon`
-reads and removes once the snapshot is committed or abandoned.
+A rank copies its boxes into a free slot (a memcpy into pages touched once, no serialisation), then
+writes the descriptor under a temporary name and renames it, so the daemon never reads half of one.
+The daemon maps the slot read-only and hands the boxes to DCP as views (no copy, no reassembly).
+A slot is reused only after the daemon has finished writing the snapshot that used it
+(:meth:`ckpt_service.client.SnapshotClient` asks); a second slot is created only when the first
+one is still busy.  The descriptor records the slot file's inode: a slot replaced in between
+(a restarted daemon clears the staging root) is detected, never read as the wrong data.
+
+Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` and :mod:`.writer`
+(``read_descriptor``, ``map_slot``), which also remove a step's descriptors once it is settled.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 from typing import Any
@@ -24,26 +32,89 @@ def step_stage_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:010d}")
 
 
-def write_payload(root: str, step: int, rank: int, local_rank: int, meta: dict[str, Any], state: Any) -> str:
+def slot_path(root: str, local_rank: int, slot: int) -> str:
+    return os.path.join(root, f"rank-{local_rank}.slot-{slot}")
+
+
+class Slot:
+    """One rank's reusable staging buffer: a file in shared memory, mapped once, grown when needed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = 0
+        self.ino: int | None = None
+        self._mm: mmap.mmap | None = None
+        self.buf = None  # torch.uint8 tensor over the mapping
+
+    def ensure(self, nbytes: int) -> bool:
+        """Map a slot of at least ``nbytes``; (re)create it when missing, replaced or too small.
+
+        Returns True when a new file was created (its pages are touched by the first copy).
+        """
+        import torch
+
+        try:
+            st = os.stat(self.path)
+            same = self.ino is not None and st.st_ino == self.ino and self.size >= nbytes
+        except FileNotFoundError:
+            same = False
+        if same:
+            return False
+        self.buf = None
+        self._mm = None  # dropped, not closed: a tensor may still view it until collected
+        private_dir(os.path.dirname(self.path))
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        self.size = nbytes
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return True
+
+
+def write_descriptor(root: str, step: int, local_rank: int, desc: dict[str, Any]) -> str:
+    """Write ``step-N/rank-L.desc`` atomically (``torch.save``: small; loads with ``weights_only=True``)."""
     import torch
 
     d = step_stage_dir(root, step)
     private_dir(root)
     os.makedirs(d, mode=0o700, exist_ok=True)
-    path = os.path.join(d, f"rank-{local_rank}.pt")
+    path = os.path.join(d, f"rank-{local_rank}.desc")
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({"step": step, "rank": rank, "local_rank": local_rank, "meta": json.dumps(meta),
-                "state": state}, tmp)
+    body = dict(desc)
+    body["meta"] = json.dumps(desc["meta"])
+    torch.save(body, tmp)
     os.replace(tmp, path)
     return path
 
 
-def read_payload(path: str) -> dict[str, Any]:
+def read_descriptor(path: str) -> dict[str, Any]:
     import torch
 
     data = torch.load(path, weights_only=True)
     data["meta"] = json.loads(data["meta"])
     return data
+
+
+def map_slot(path: str, ino: int, nbytes: int) -> memoryview:
+    """A read-only view of a rank's slot; raises OSError when it is gone, replaced or too short."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != ino:
+            raise OSError(f"{path} was replaced after staging (inode {st.st_ino}, staged {ino})")
+        if st.st_size < nbytes:
+            raise OSError(f"{path} holds {st.st_size} bytes, the descriptor needs {nbytes}")
+        if not st.st_size:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ))
+    finally:
+        os.close(fd)
 
 
 def drop_step(root: str, step: int) -> None:

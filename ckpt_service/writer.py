@@ -1,16 +1,21 @@
-"""Reassemble the node's full tensors, write them as one standard DCP directory, commit atomically.
+"""Write a node's staged boxes as one standard DCP directory (no reassembly) and commit it atomically.
 
 Steps of :func:`write_snapshot` (each names the failure it prevents):
 
-1. reassemble every sharded tensor from the node's ranks' local chunks and check that the chunks
-   cover it completely (a missing rank never yields a silently zero-filled tensor);
-2. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
+1. :func:`build_state`: map every rank's slot read-only, turn each tensor's boxes from all of the
+   node's ranks into one :class:`ChunkedTensor` (DCP's checkpointable protocol: every box becomes a
+   DCP chunk, saved straight from shared memory), and check that the boxes cover every tensor
+   exactly (a missing rank never yields a silently zero-filled tensor);
+2. the reference loss on the fixed batch, computed from the staged state (:mod:`.reference`); when
+   the rank sent the live model's loss too (the first snapshot of every start), the two must be
+   equal bitwise, which proves the capture's mapping;
+3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
    (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads);
-3. ``manifest.json`` with the SHA-256 and size of every file, the step, config digest and the
-   loss on the fixed batch; every file and the directory fsynced (DCP writes only ``.metadata``
-   atomically, shard files land in place);
-4. rename to ``step-NNNNNNNNNN`` (the commit point), fsync the node directory;
-5. record ``committed`` in ``state.json``.
+4. every file fsynced while it is hashed (SHA-256, read back from the page cache) on a second
+   thread; ``manifest.json`` with the checksums, the step, config digest and the reference loss;
+   the directory fsynced;
+5. rename to ``step-NNNNNNNNNN`` (the commit point), fsync the node directory;
+6. record ``committed`` in ``state.json``.
 
 Any ``OSError`` (a full disk) removes the temporary directory and raises
 :class:`~accelpact_slurm.errors.CheckpointError` with the reason.
@@ -20,10 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
+import threading
 import time
-from typing import Any, Mapping, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Sequence
 
 from accelpact_slurm.errors import CheckpointError
 
@@ -34,40 +42,122 @@ from .layout import DEL_PREFIX, MANIFEST, STATE, TMP_PREFIX, step_dirname
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-SHARD = "__shard__"
+FORMAT_VERSION = 2
 
 
-def _is_shard(v: Any) -> bool:
-    return isinstance(v, dict) and v.get(SHARD) is True
+class ChunkedTensor:
+    """A tensor known only by its chunks: DCP saves each chunk as it is (``_Checkpointable`` protocol).
+
+    ``chunks`` are ``(offsets, tensor)`` with ``tensor`` contiguous and owning exactly its bytes
+    (a ``torch.frombuffer`` view of a slot region), so DCP's writer copies nothing before writing.
+    """
+
+    def __init__(self, shape: Sequence[int], dtype: Any) -> None:
+        import torch
+
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.chunks: list[tuple[Any, Any]] = []
+
+    def add(self, offsets: Sequence[int], tensor: Any) -> None:
+        import torch
+
+        self.chunks.append((torch.Size(offsets), tensor))
+
+    def covered(self) -> int:
+        return sum(t.numel() for _o, t in self.chunks)
+
+    def __create_write_items__(self, fqn: str, _obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=t.shape),
+                                                      properties=props, size=self.shape))
+                for off, t in self.chunks]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=off, sizes=t.shape) for off, t in self.chunks]
+
+    def __get_tensor_shard__(self, index: Any) -> Any:
+        for off, t in self.chunks:
+            if off == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: no chunk at {list(index.offset)}")
 
 
-def assemble(states: Sequence[Any], where: str = "") -> Any:
-    """Merge the ranks' nested states: shard nodes become full tensors, the rest is taken from rank 0."""
+def _planner():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _Planner(DefaultSavePlanner):
+        """DefaultSavePlanner that finds a :class:`ChunkedTensor`'s chunks by their offsets."""
+
+        def lookup_object(self, index):  # noqa: D401 - DCP interface
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, ChunkedTensor):
+                return obj.__get_tensor_shard__(index)
+            return super().lookup_object(index)
+
+    return _Planner()
+
+
+def _merge_plain(plains: Sequence[Any]) -> Any:
+    """The node's plain state: the first rank's, with keys only a later rank holds filled in."""
+    first = plains[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        for p in plains[1:]:
+            if isinstance(p, dict):
+                keys += [k for k in p if k not in first and k not in keys]
+        return {k: _merge_plain([p[k] for p in plains if isinstance(p, dict) and k in p]) for k in keys}
+    return first
+
+
+def _put(state: dict[str, Any], key: Sequence[str], value: Any) -> None:
+    d = state
+    for k in key[:-1]:
+        d = d.setdefault(k, {})
+    d[key[-1]] = value
+
+
+def build_state(descs: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[tuple[str, ...], ChunkedTensor]]:
+    """The node's DCP state dict from its ranks' descriptors (each with ``"buf"``: the mapped slot, a memoryview)."""
     import torch
 
-    first = states[0]
-    if _is_shard(first):
-        shape = list(first["global"])
-        chunks = [c for s in states for c in s["chunks"]]
-        dtype = chunks[0][1].dtype if chunks else torch.float32
-        full = torch.zeros(shape, dtype=dtype)
-        covered = 0
-        for offsets, t in chunks:
-            if t.numel() == 0:
-                continue
-            idx = tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))
-            full[idx].copy_(t)
-            covered += t.numel()
-        if covered != full.numel():
-            raise CheckpointError(f"{where}: the node's shards cover {covered} of {full.numel()} elements "
-                                  f"(a rank's shard is missing)")
-        return full
-    if isinstance(first, dict):
-        return {k: assemble([s[k] for s in states], f"{where}.{k}" if where else str(k)) for k in first}
-    if isinstance(first, list):
-        return [assemble([s[i] for s in states], f"{where}.{i}") for i in range(len(first))]
-    return first
+    descs = sorted(descs, key=lambda d: d["local_rank"])
+    state = _merge_plain([d["plain"] for d in descs])
+    tensors: dict[tuple[str, ...], ChunkedTensor] = {}
+    for d in descs:
+        buf = d["buf"]
+        for e in d["entries"]:
+            key = tuple(e["key"])
+            dtype = getattr(torch, e["dtype"])
+            ct = tensors.get(key)
+            if ct is None:
+                ct = tensors[key] = ChunkedTensor(e["shape"], dtype)
+            elif list(ct.shape) != list(e["shape"]) or ct.dtype != dtype:
+                raise CheckpointError(f"{'.'.join(key)}: ranks disagree on its shape or dtype")
+            item = torch.empty((), dtype=dtype).element_size()
+            for offsets, sizes, byte_offset in e["boxes"]:
+                n = math.prod(sizes)
+                if n == 0:
+                    continue
+                region = buf[byte_offset:byte_offset + n * item]
+                if len(region) != n * item:
+                    raise CheckpointError(f"{'.'.join(key)}: a box lies outside rank {d['rank']}'s slot")
+                # a tensor whose storage is exactly this region: DCP writes it without a defensive copy
+                with warnings.catch_warnings():  # a read-only mapping by design: nothing writes through it
+                    warnings.simplefilter("ignore", UserWarning)
+                    ct.add(offsets, torch.frombuffer(region, dtype=dtype).view(sizes))
+    for key, ct in tensors.items():
+        if ct.covered() != math.prod(ct.shape):
+            raise CheckpointError(f"{'.'.join(key)}: the node's shards cover {ct.covered()} of "
+                                  f"{math.prod(ct.shape)} elements (a rank's shard is missing)")
+        _put(state, key, ct)
+    return state, tensors
 
 
 def sha256_file(path: str, bufsize: int = 1 << 20) -> str:
@@ -89,6 +179,26 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def fsync_and_hash(paths: Sequence[str]) -> dict[str, str]:
+    """fsync every file on one thread while hashing them on this one; ``{path: sha256}``."""
+    errors: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            for p in paths:
+                _fsync_file(p)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    t = threading.Thread(target=sync, name="ckptd-fsync", daemon=True)
+    t.start()
+    sums = {p: sha256_file(p) for p in paths}
+    t.join()
+    if errors:
+        raise errors[0]
+    return sums
+
+
 def _writer(path: str, compress: bool, ndir: str, step: int):
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -99,37 +209,62 @@ def _writer(path: str, compress: bool, ndir: str, step: int):
             faults.pause_point("writing", ndir, step)
             return super().finish(metadata, results)
 
-    return _Writer(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False,
+    # sync_files=False: the files are fsynced together, overlapped with hashing (fsync_and_hash)
+    return _Writer(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False,
                    _extensions=zstd_extensions(compress))
 
 
-def write_snapshot(ndir: str, step: int, payloads: Sequence[Mapping[str, Any]], *, compress: bool = False,
-                   node: str = "") -> tuple[str, int]:
-    """Write and commit one snapshot from the node's staged payloads; return ``(path, size_bytes)``."""
+def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, compress: bool = False,
+                   node: str = "", reference: Callable[[dict, dict], float] | None = None,
+                   timings: dict[str, float] | None = None) -> tuple[str, int]:
+    """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
+
+    ``reference(meta, tensors)`` computes the fixed-batch loss from the staged state; it is recorded in
+    the manifest (and must equal a live loss the ranks sent, bitwise).  ``timings`` (if given) receives
+    the seconds spent in ``reference``, ``dcp_save`` and ``fsync_hash``.
+    """
+    timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp
 
     from accelpact_slurm.workload.appstate import extra_to_dcp
 
-    payloads = sorted(payloads, key=lambda p: p["local_rank"])
-    meta = payloads[0]["meta"]
-    state = assemble([p["state"] for p in payloads])
+    descs = sorted(descs, key=lambda d: d["local_rank"])
+    meta = descs[0]["meta"]
+    state, tensors = build_state(descs)
+    ev = dict(meta.get("eval") or {})
+    if reference is not None:
+        t = time.monotonic()
+        loss = reference(meta, tensors)
+        timings["reference"] = time.monotonic() - t
+        live = ev.get("live_loss")
+        if live is not None and live != loss:
+            raise CheckpointError(f"step {step}: the staged state gives loss {loss!r} on the fixed batch, the live "
+                                  f"model gave {live!r}: the capture is wrong, snapshot not written")
+        ev.update(loss=loss, source="staged" if live is None else "staged, equal to the live model")
+    elif ev.get("live_loss") is not None:
+        ev.update(loss=ev["live_loss"], source="live model")
+    if ev.get("loss") is None:
+        raise CheckpointError(f"step {step}: no reference loss for the replay check")
     state["extra"] = extra_to_dcp(meta["extra"])
     final = os.path.join(ndir, step_dirname(step))
     tmp = os.path.join(ndir, f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step), no_dist=True)
-        files = {}
-        for name in sorted(os.listdir(tmp)):
-            p = os.path.join(tmp, name)
-            _fsync_file(p)
-            files[name] = {"size": os.path.getsize(p), "sha256": sha256_file(p)}
+        t = time.monotonic()
+        dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step), planner=_planner(), no_dist=True)
+        timings["dcp_save"] = time.monotonic() - t
+        names = sorted(os.listdir(tmp))
+        t = time.monotonic()
+        sums = fsync_and_hash([os.path.join(tmp, n) for n in names])
+        timings["fsync_hash"] = time.monotonic() - t
+        files = {n: {"size": os.path.getsize(os.path.join(tmp, n)), "sha256": sums[os.path.join(tmp, n)]}
+                 for n in names}
         manifest = {
             "format": FORMAT_VERSION, "step": step, "node": node, "created": time.time(),
             "job_id": meta.get("job_id"), "config_digest": meta.get("config_digest"), "config": meta.get("config"),
-            "eval": meta.get("eval"), "compressed": compress, "world_size": meta.get("world_size"),
-            "node_ranks": [p["rank"] for p in payloads], "files": files,
+            "eval": ev, "compressed": compress, "world_size": meta.get("world_size"),
+            "node_ranks": [d["rank"] for d in descs], "files": files,
         }
         write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
         fsync_dir(tmp)

@@ -287,3 +287,33 @@ def test_full_disk_training_goes_on(tmp_path):
         assert not [n for n in os.listdir(mnt / "node1") if n.startswith(".tmp-")]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], timeout=30)
+
+
+def test_lost_node_storage_restores_from_the_shared_tier(runs, tmp_path):
+    """Milestone 4 reaches the shared tier; both nodes lose their NVMe; the resume loads the shared copy and
+    ends exactly where the uninterrupted run does."""
+    cfg = write_config(tmp_path / "m.yaml", extra=", milestone_every: 4")
+    run(cfg, tmp_path / "c", env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "4"}, expect=75)
+    shared = tmp_path / "c" / "shared-ckpt"
+    assert (shared / "step-0000000004" / "manifest.json").is_file(), sorted(os.listdir(shared))
+    shutil.rmtree(tmp_path / "c" / "node-local")  # the NVMe of both nodes is gone
+    run(cfg, tmp_path / "c")
+    assert summary(tmp_path / "c")["final_state_digest"] == summary(runs["a"])["final_state_digest"]
+    loads = [json.loads(ln) for ln in open(tmp_path / "c" / "events.jsonl") if '"restart_load"' in ln]
+    assert loads[-1]["step"] == 4 and "/shared-ckpt/" in loads[-1]["path"], loads[-1]
+
+
+def test_a_wrong_capture_is_refused_by_the_live_loss_proof(tmp_path):
+    """Rank 0 stages a changed weight at step 4: the daemon's reference loss from the staged state differs from
+    the live model's, so step 4 is never written; the next snapshot still carries the live loss (nothing was
+    proved yet) and commits.  Negative control: without the proof a wrong capture would be written, pass its
+    checksums and its replay (both compare the snapshot with itself)."""
+    cfg = write_config(tmp_path / "c.yaml")
+    run(cfg, tmp_path / "r", env={"ACCELPACT_CKPT_CORRUPT_CAPTURE": "4:0"})
+    evs = [(e["step"], e["state"], e.get("reason") or "") for e in ckpt_events(tmp_path / "r") if e["node"] == 0]
+    failed = [e for e in evs if e[0] == 4]
+    assert failed and failed[0][1] == "failed" and "live model" in failed[0][2], evs
+    assert not os.path.exists(tmp_path / "r" / "node-local" / "node1" / "step-0000000004")
+    assert (8, "verified", "") in evs, evs
+    with open(tmp_path / "r" / "node-local" / "node1" / "step-0000000008" / "manifest.json") as fh:
+        assert json.load(fh)["eval"]["source"] == "staged, equal to the live model"

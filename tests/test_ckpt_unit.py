@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -108,18 +109,51 @@ def test_records_and_scan(tmp_path):
     assert len(json.loads((d / "state.json").read_text())["history"]) == 2
 
 
-def test_assemble_detects_a_missing_shard():
-    torch = pytest.importorskip("torch")
-    from accelpact_slurm.errors import CheckpointError
-    from ckpt_service.writer import assemble
+def _stage_rows(root, t, rows, local_rank, step=7):
+    """Stage rows [lo, hi) of ``t`` (cut at an element inside a row) the way a rank does."""
+    from ckpt_service import staging
+    from ckpt_service.capture import Box, Entry, Plan, range_boxes
 
-    t = torch.arange(6.0).reshape(3, 2)
-    a = {"w": {"__shard__": True, "global": [3, 2], "chunks": [[[0, 0], t[:2].clone()]]}, "lr": 1}
-    b = {"w": {"__shard__": True, "global": [3, 2], "chunks": [[[2, 0], t[2:].clone()]]}, "lr": 1}
-    out = assemble([a, b])
-    assert torch.equal(out["w"], t) and out["lr"] == 1
-    with pytest.raises(CheckpointError, match="cover 4 of 6"):
-        assemble([a])
+    flat = t.reshape(-1)
+    lo, hi = rows
+    cuts = range_boxes(list(t.shape), lo, hi)
+    boxes = [Box(o, s, flat[f:f + math.prod(s)]) for o, s, f in cuts]
+    plan = Plan([Entry(("model", "w"), list(t.shape), t.dtype, boxes)], {"model": {}, "lr": 1}, "test")
+    slot = staging.Slot(staging.slot_path(str(root), local_rank, 0))
+    nbytes = plan.layout()
+    slot.ensure(nbytes)
+    plan.copy_into(slot.buf)
+    return {"step": step, "rank": local_rank, "local_rank": local_rank, "slot": slot.path, "slot_ino": slot.ino,
+            "nbytes": nbytes, "entries": plan.describe(), "plain": plan.plain, "_slot": slot}
+
+
+def test_boxes_are_written_as_dcp_chunks_and_a_missing_rank_is_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from accelpact_slurm.errors import CheckpointError
+    from ckpt_service import staging
+    from ckpt_service.writer import build_state
+
+    t = torch.arange(35.0).reshape(5, 7)
+    descs = [_stage_rows(tmp_path / "shm", t, (0, 17), 0), _stage_rows(tmp_path / "shm", t, (17, 35), 1)]
+    for d in descs:
+        d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
+    state, tensors = build_state(descs)
+    assert len(tensors[("model", "w")].chunks) == 4  # 17 = 2 rows + 3: two boxes per rank
+    from ckpt_service.writer import _planner
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ck")), planner=_planner(), no_dist=True)
+    back = {"model": {"w": torch.zeros(5, 7)}, "lr": 0}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "ck")), no_dist=True)  # stock load
+    assert torch.equal(back["model"]["w"], t) and back["lr"] == 1
+    with pytest.raises(CheckpointError, match="cover 17 of 35"):
+        build_state(descs[:1])
+    # a slot replaced after staging (a restarted daemon cleared the staging root) is never read
+    os.unlink(descs[1]["slot"])
+    staging.Slot(descs[1]["slot"]).ensure(descs[1]["nbytes"])
+    with pytest.raises(OSError, match="replaced"):
+        staging.map_slot(descs[1]["slot"], descs[1]["slot_ino"], descs[1]["nbytes"])
 
 
 def test_private_torch_shim_still_resolves():

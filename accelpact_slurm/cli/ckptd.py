@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_last=c.keep_last, milestone_every=c.milestone_every, compress=c.compress,
             replay=not args.no_replay, drain_s=args.drain_s,
         )
+        if c.daemon_nice:  # background writes and verification yield the CPU to training ranks
+            os.nice(c.daemon_nice)
         d = Daemon(opts)
         d.start()
     except AlreadyRunning as exc:

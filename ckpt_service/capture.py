@@ -1,0 +1,260 @@
+"""The rank side of a snapshot: which boxes of which tensors this rank holds, copied into a staging slot.
+
+A *plan* lists, for every tensor of the rank's application state in the nested layout of
+``torch.distributed.checkpoint.state_dict.get_state_dict`` (``{"model": {fqn: ...}, "optim":
+{"state": {fqn: {...}}, "param_groups": [...]}}``), its key path, global shape, dtype and the
+rectangular *boxes* (offsets + sizes) this rank holds, each with a live source view (no copy).
+Everything else (AdamW's ``step`` scalars, ``param_groups``) is *plain*: small, the same on every
+rank of a node, taken from the node's first rank.
+
+Two ways to build it:
+
+- **FSDP1** (``use_orig_params=True``, the default wrapping): read FSDP's flat-parameter shard
+  info directly. A rank holds a 1-D range of every original parameter's flattened elements (and
+  AdamW holds its moments in the same range); :func:`range_boxes` cuts that range into at most
+  ``2 * ndim - 1`` rectangular boxes, which is what DCP stores as chunks. No ``get_state_dict``, no
+  collective, no copy until :meth:`Plan.copy_into`.
+- **anything else** (FSDP2, a plain module): ``get_state_dict`` and the local chunks of its
+  DTensors/ShardedTensors.
+
+Who calls: :class:`ckpt_service.client.SnapshotClient` (build + copy into its slot); the daemon
+reads the boxes back through :mod:`.staging` and writes them as DCP chunks (:mod:`.writer`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+ALIGN = 64  # byte alignment of every box in a slot
+
+
+@dataclass
+class Box:
+    offsets: list[int]
+    sizes: list[int]
+    src: torch.Tensor | None = None  # rank side: a contiguous view with numel == prod(sizes)
+    byte_offset: int = 0  # position in the slot
+
+
+@dataclass
+class Entry:
+    key: tuple[str, ...]
+    shape: list[int]
+    dtype: torch.dtype
+    boxes: list[Box] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    entries: list[Entry]
+    plain: dict[str, Any]
+    source: str  # "fsdp1" or "state_dict"
+
+    @property
+    def nbytes(self) -> int:
+        """Slot bytes needed (boxes laid out in order, each aligned to ``ALIGN``)."""
+        end = 0
+        for e in self.entries:
+            item = torch.empty((), dtype=e.dtype).element_size()
+            for b in e.boxes:
+                end = _align(end) + math.prod(b.sizes) * item
+        return _align(end)
+
+    def layout(self) -> int:
+        """Assign every box its byte offset in the slot; return the bytes needed."""
+        end = 0
+        for e in self.entries:
+            item = torch.empty((), dtype=e.dtype).element_size()
+            for b in e.boxes:
+                b.byte_offset = _align(end)
+                end = b.byte_offset + math.prod(b.sizes) * item
+        return _align(end)
+
+    def copy_into(self, buf: torch.Tensor) -> int:
+        """Copy every box's source into the uint8 slot ``buf`` at its offset; returns bytes copied."""
+        n = 0
+        for e in self.entries:
+            item = torch.empty((), dtype=e.dtype).element_size()
+            for b in e.boxes:
+                nbytes = math.prod(b.sizes) * item
+                if nbytes == 0:
+                    continue
+                dst = buf[b.byte_offset:b.byte_offset + nbytes].view(e.dtype)
+                dst.copy_(b.src.reshape(-1))
+                n += nbytes
+        return n
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The plan without its tensors (what the daemon needs to find the boxes in the slot)."""
+        return [{"key": list(e.key), "shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch."),
+                 "boxes": [[list(b.offsets), list(b.sizes), b.byte_offset] for b in e.boxes]}
+                for e in self.entries]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def range_boxes(shape: list[int] | tuple[int, ...], start: int, end: int) -> list[tuple[list[int], list[int], int]]:
+    """Cut the row-major element range ``[start, end)`` of a tensor of ``shape`` into rectangular boxes.
+
+    Returns ``[(offsets, sizes, flat_start)]`` in element order; each box is contiguous in the
+    flattened tensor, so ``flat[flat_start : flat_start + prod(sizes)].view(sizes)`` is its data.
+    """
+    shape = list(shape)
+    total = math.prod(shape)
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"range [{start}, {end}) outside a tensor of {total} elements (shape {shape})")
+    if start == end:
+        return []
+    if not shape:
+        return [([], [], 0)]
+    return _cut(shape, start, end)
+
+
+def _cut(shape: list[int], start: int, end: int) -> list[tuple[list[int], list[int], int]]:
+    if len(shape) == 1:
+        return [([start], [end - start], start)]
+    row = math.prod(shape[1:])
+    r0, c0 = divmod(start, row)
+    r1, c1 = divmod(end, row)
+    if r0 == r1:  # inside one row
+        return _row(shape, r0, c0, c1)
+    out = []
+    if c0:  # partial first row
+        out += _row(shape, r0, c0, row)
+        r0 += 1
+    if r1 > r0:  # whole rows
+        out.append(([r0] + [0] * (len(shape) - 1), [r1 - r0] + shape[1:], r0 * row))
+    if c1:  # partial last row
+        out += _row(shape, r1, 0, c1)
+    return out
+
+
+def _row(shape: list[int], r: int, c0: int, c1: int) -> list[tuple[list[int], list[int], int]]:
+    row = math.prod(shape[1:])
+    return [([r] + o, [1] + s, r * row + f) for o, s, f in _cut(shape[1:], c0, c1)]
+
+
+# ------------------------------------------------------------------ plans
+
+
+def plan_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
+    """This rank's plan: the FSDP1 fast path where it applies, else through ``get_state_dict``."""
+    plan = fsdp1_plan(model, optimizer)
+    return plan if plan is not None else state_dict_plan(model, optimizer)
+
+
+def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
+    """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
+    from .compat import canonical_fqn, fsdp1_flat_params
+
+    flats = fsdp1_flat_params(model)
+    if not flats or any(getattr(fp, "_params", None) is None for fp in flats):
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    entries: list[Entry] = []
+    optim_state: dict[str, Any] = {}
+    fqn_of: dict[int, str] = {}
+    for fp in flats:
+        for p, info, shape in zip(fp._params, fp._shard_param_infos, fp._shapes):
+            fqn = canonical_fqn(model, names[id(p)])
+            fqn_of[id(p)] = fqn
+            shape = list(shape)
+            if info.in_shard:
+                start, end = info.intra_param_start_idx, info.intra_param_end_idx + 1
+            else:
+                start = end = 0
+            local = p.detach()
+            if local.numel() != end - start:
+                return None  # not the sharded view FSDP leaves between updates: use the generic path
+            cuts = range_boxes(shape, start, end)
+            entries.append(_entry(("model", fqn), shape, p.dtype, cuts, local.reshape(-1), start))
+            st = optimizer.state.get(p, {})
+            per: dict[str, Any] = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == local.numel() and v.dim() <= 1:
+                    entries.append(_entry(("optim", "state", fqn, k), shape, v.dtype, cuts, v.detach().reshape(-1),
+                                          start))
+                elif isinstance(v, torch.Tensor):
+                    per[k] = v.detach().clone()
+                else:
+                    per[k] = v
+            optim_state[fqn] = per
+    groups = []
+    for g in optimizer.param_groups:
+        d = {k: v for k, v in g.items() if k != "params"}
+        d["params"] = [fqn_of[id(p)] for p in g["params"] if id(p) in fqn_of]
+        groups.append(d)
+    return Plan(entries, {"model": {}, "optim": {"state": optim_state, "param_groups": groups}}, "fsdp1")
+
+
+def _entry(key: tuple[str, ...], shape: list[int], dtype: torch.dtype, cuts: list, flat: torch.Tensor,
+           start: int) -> Entry:
+    boxes = [Box(list(o), list(s), flat[f - start:f - start + math.prod(s)]) for o, s, f in cuts]
+    return Entry(key, shape, dtype, boxes)
+
+
+def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
+    """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    entries: list[Entry] = []
+    plain = {"model": _split(("model",), msd, entries), "optim": _split(("optim",), osd, entries)}
+    return Plan(entries, plain, "state_dict")
+
+
+def _split(key: tuple[str, ...], value: Any, entries: list[Entry]) -> Any:
+    chunks = _local_chunks(value)
+    if chunks is not None:
+        boxes = [Box(list(o), list(t.shape), t.detach().contiguous()) for o, t in chunks if t.numel()]
+        entries.append(Entry(key, list(value.shape), value.dtype, boxes))
+        return _SKIP
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            r = _split(key + (str(k),), v, entries)
+            if r is not _SKIP:
+                out[k] = r
+        return out
+    if isinstance(value, (list, tuple)):
+        out_l = [_split(key + (str(i),), v, entries) for i, v in enumerate(value)]
+        if any(x is _SKIP for x in out_l):
+            raise ValueError(f"{'.'.join(key)}: sharded tensors inside a list are not supported")
+        return out_l if isinstance(value, list) else tuple(out_l)
+    return value
+
+
+_SKIP = object()
+
+
+def _local_chunks(value: Any) -> list[tuple[list[int], torch.Tensor]] | None:
+    """``[(global offsets, local tensor)]`` for a DTensor or ShardedTensor, ``None`` for anything else."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        DTensor = ()  # type: ignore[assignment]
+    if DTensor and isinstance(value, DTensor):
+        chunks = value.__create_chunk_list__()
+        return [(list(chunks[0].offsets), value.to_local())] if chunks else []
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return [(list(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+    return None
+
+
+def iter_tensors(plain: Any, key: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """``(key path, value)`` of every leaf of a nested plain structure (dicts only)."""
+    if isinstance(plain, dict):
+        for k, v in plain.items():
+            yield from iter_tensors(v, key + (str(k),))
+    else:
+        yield key, plain
