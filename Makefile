@@ -1,6 +1,7 @@
-# The two commands of the README quick start; both set up everything themselves.
+# The two commands of the README quick start, and the benchmarks; all set up everything themselves.
 #   make demo   run the reference job on the embedded default (2 emulated nodes x 2 ranks, CPU)
 #   make test   run the whole test suite (installs Slurm for the end-to-end tests)
+#   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b")
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.accelpact-installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: demo test venv clean
+.PHONY: demo test bench venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +26,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) scripts/bench_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,525 @@
+#!/usr/bin/env python3
+"""Run every benchmark on this machine and regenerate ``docs/benchmarks.md`` (``make bench``).
+
+Each part is ``scripts/bench_<part>.py`` (the paper's experiment is ``scripts/paper_experiment.py``), run in
+turn as a subprocess of the project's Python with ``--json benchmarks/results/<date>/<part>.json
+--markdown ''`` under a wall-clock deadline (never two at once: the machine has 2 cores).  A part that fails,
+passes its deadline or has no script is recorded with the tail of its output; the others still run.  The
+results are merged into ``benchmarks/results/<date>.json``::
+
+    {"date", "started", "machine", "total_wall_s", "parts": {part: result | {"error", "tail", ...}},
+     "runs": {part: {"status", "wall_s", "rc", "json"}}, "warnings"}
+
+and ``docs/benchmarks.md`` is written from that file alone: a header with the machine, an overview table of
+every part's summary ``rows`` (what / baseline / ratio / spread / n / note), then each part's own block
+(``markdown(res)`` of its script) in a fixed order: repair, peers, ckpt, paper, status, and the GPU check
+when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps the block it
+has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
+
+Parts that are not selected with ``--parts`` are carried over from an earlier merged file of the same date
+when there is one.  The part contract is stated in ``scripts/benchlib.py``; each part receives its deadline
+in ``ACCELPACT_BENCH_DEADLINE_S`` and gets SIGTERM when it passes it (SIGKILL 45 s later).
+
+Usage::
+
+    make bench                                            # every part, about 25 minutes
+    make bench BENCH_ARGS="--parts paper,status"          # some parts only
+    .venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json   # only rewrite the docs
+
+Exit status: 0 when every part that ran succeeded, 1 otherwise (the docs are regenerated in both cases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import benchlib as bl
+
+RESULTS = REPO / "benchmarks" / "results"
+DOCS = REPO / "docs" / "benchmarks.md"
+
+
+class Part:
+    def __init__(self, name: str, script: str, mark: str, deadline_s: float, title: str) -> None:
+        self.name, self.script, self.mark, self.deadline_s, self.title = name, script, mark, deadline_s, title
+
+
+# In the order of docs/benchmarks.md. Deadlines are hard limits; the parts' own budgets are smaller.
+PARTS = {p.name: p for p in (
+    Part("repair", "bench_repair.py", "<!-- repair-bench -->", 360, "L1 repair"),
+    Part("peers", "bench_peers.py", "<!-- peers-bench -->", 480, "Against other recovery systems"),
+    Part("ckpt", "bench_ckpt.py", "<!-- ckpt-bench -->", 780, "Checkpoint service"),
+    Part("paper", "paper_experiment.py", "<!-- paper-experiment -->", 360,
+         "L1 against L2: the paper's whole-run experiment"),
+    Part("status", "bench_status.py", "<!-- status-bench -->", 120, "accelpact-status"),
+)}
+# Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) last.
+RUN_ORDER = ["status", "repair", "paper", "peers", "ckpt"]
+GPU_MARK = "<!-- gpu-check -->"
+GPU_JSON = RESULTS / "gpu-check.json"
+TOTAL_BUDGET_S = 1710  # 28.5 min: with one kill grace period still under 30 min
+KILL_GRACE_S = 45
+MIN_START_S = 60  # a part is skipped when less time than this is left
+BIG_JSON = 1 << 20
+
+
+def log(msg: str, t0: float | None = None) -> None:
+    stamp = "" if t0 is None else f" {_mmss(time.monotonic() - t0)}"
+    print(f"[bench{stamp}] {msg}", flush=True)
+
+
+def _mmss(s: float) -> str:
+    return f"{int(s // 60):02d}:{int(s % 60):02d}"
+
+
+def part_of(name: str) -> Part:
+    return PARTS.get(name) or Part(name, f"bench_{name}.py", f"<!-- {name}-bench -->", 300, name)
+
+
+# ====================================================================== running
+
+
+def run_part(part: Part, json_rel: str, deadline_s: float, t0: float) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Run one part; returns (its result or None, the run record: status, wall_s, rc, error, tail)."""
+    script = REPO / "scripts" / part.script
+    run: dict[str, Any] = {"json": json_rel, "deadline_s": round(deadline_s)}
+    if not script.exists():
+        run.update(status="skipped", error=f"no script scripts/{part.script}", wall_s=0.0, rc=None, tail="")
+        return None, run
+    json_path = REPO / json_rel
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ACCELPACT_BENCH_DEADLINE_S=str(int(deadline_s)))
+    argv = [sys.executable, str(script), "--json", json_rel, "--markdown", ""]
+    start_wall, start = time.time(), time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+                            start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            print(f"  {part.name}| {line}", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out, next_beat = False, start + 60
+    while True:
+        try:
+            proc.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now - start > deadline_s and not timed_out:
+            timed_out = True
+            log(f"{part.name}: deadline {deadline_s:.0f} s passed: SIGTERM (SIGKILL in {KILL_GRACE_S} s)", t0)
+            _signal(proc, signal.SIGTERM, group=False)
+        elif timed_out and now - start > deadline_s + KILL_GRACE_S:
+            _signal(proc, signal.SIGKILL, group=True)
+        elif now >= next_beat:
+            log(f"{part.name}: running, {_mmss(now - start)} elapsed (deadline {_mmss(deadline_s)})", t0)
+            next_beat = now + 60
+    _signal(proc, signal.SIGKILL, group=True)  # whatever the part left behind in its process group
+    reader.join(timeout=10)
+    run.update(wall_s=round(time.monotonic() - start, 1), rc=proc.returncode, tail="\n".join(tail))
+
+    res, problem = None, None
+    fresh = json_path.exists() and json_path.stat().st_mtime >= start_wall - 1
+    failed_file = json_path.with_name(json_path.stem + "-failed.json")
+    if timed_out:
+        problem = f"deadline {deadline_s:.0f} s passed"
+    elif proc.returncode != 0:
+        problem = f"exit status {proc.returncode}"
+    elif not fresh:
+        problem = (f"its run failed (it wrote {failed_file.relative_to(REPO)})" if failed_file.exists()
+                   and failed_file.stat().st_mtime >= start_wall - 1 else f"exit status 0 but no {json_rel}")
+    else:
+        try:
+            res = json.loads(json_path.read_text())
+        except (OSError, ValueError) as exc:
+            res, problem = None, f"unreadable {json_rel}: {exc}"
+        if res is not None and not isinstance(res, dict):
+            res, problem = None, f"{json_rel} is not a JSON object"
+    if res is not None and (res.get("error") or res.get("exit_code") not in (None, 0)):
+        problem = f"the part reports a failure: {res.get('error') or 'exit_code ' + str(res.get('exit_code'))}"
+        res = None
+    if problem:
+        run.update(status="failed", error=problem)
+        return None, run
+    size = json_path.stat().st_size
+    run["json_bytes"] = size
+    if size > BIG_JSON:
+        run["warning"] = f"{json_rel} is {size / 2**20:.1f} MiB (over 1 MiB): keep raw data out of the result"
+    res.setdefault("part", part.name)
+    if not isinstance(res.get("rows"), list):
+        run["warning"] = (run.get("warning", "") + "; " if run.get("warning") else "") + "no summary rows"
+    run["status"] = "ok"
+    return res, run
+
+
+def _signal(proc: subprocess.Popen[str], sig: int, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(proc.pid, sig)  # the part's own session: start_new_session=True
+        elif proc.poll() is None:
+            proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_all(names: list[str], budget_s: float, deadlines: dict[str, float], results: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    date = time.strftime("%Y-%m-%d")
+    merged: dict[str, Any] = {"date": date, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "machine": bl.machine(), "parts": {}, "runs": {}, "warnings": []}
+    log(f"{len(names)} part(s): {', '.join(names)}; budget {_mmss(budget_s)}; machine: "
+        f"{bl.machine_line(merged['machine'])}")
+    for i, name in enumerate(names, 1):
+        part = part_of(name)
+        left = budget_s - (time.monotonic() - t0)
+        json_rel = str((results / date / f"{name}.json").relative_to(REPO)) if results.is_relative_to(REPO) \
+            else str(results / date / f"{name}.json")
+        if left < MIN_START_S:
+            run = {"status": "skipped", "error": f"only {left:.0f} s of the {budget_s:.0f} s budget left",
+                   "wall_s": 0.0, "rc": None, "tail": "", "json": json_rel}
+            res = None
+        else:
+            deadline = min(deadlines.get(name, part.deadline_s), left)
+            log(f"part {i}/{len(names)} {name}: start (deadline {_mmss(deadline)})", t0)
+            res, run = run_part(part, json_rel, deadline, t0)
+        tail = run.pop("tail", "")
+        merged["runs"][name] = run
+        if res is not None:
+            merged["parts"][name] = res
+        else:
+            merged["parts"][name] = {"part": name, "error": run["error"], "tail": tail[-4000:]}
+        if run.get("warning"):
+            merged["warnings"].append(f"{name}: {run['warning']}")
+            log(f"{name}: warning: {run['warning']}", t0)
+        log(f"{name}: {run['status']} in {run['wall_s']:.0f} s" + (f" ({run['error']})" if run.get("error") else ""), t0)
+        if run["status"] != "ok" and tail:
+            print("\n".join(f"  {name}! {ln}" for ln in tail.splitlines()[-15:]), flush=True)
+    merged["total_wall_s"] = round(time.monotonic() - t0, 1)
+    merged["machine"]["loadavg_end"] = list(os.getloadavg())
+    return merged
+
+
+def carry_over(merged: dict[str, Any], path: Path) -> None:
+    """Parts not run now but in an earlier merged file of the same date are kept (marked carried)."""
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    for name, res in (old.get("parts") or {}).items():
+        if name in merged["parts"] or not isinstance(res, dict) or "error" in res:
+            continue
+        merged["parts"][name] = res
+        run = dict((old.get("runs") or {}).get(name) or {})
+        run.update(status="carried", carried_from=old.get("started") or old.get("date"))
+        merged["runs"][name] = run
+
+
+# ====================================================================== rendering
+
+
+def _load_module(name: str, script: str) -> Any:
+    path = REPO / "scripts" / script
+    spec = importlib.util.spec_from_file_location(f"_bench_part_{name.replace('-', '_')}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_modules: dict[str, Any] = {}
+
+
+def part_markdown(part: Part, res: dict[str, Any]) -> str:
+    """The part's own block (``markdown(res)`` of its script); a generic one when that is missing or fails."""
+    try:
+        if part.name not in _modules:
+            _modules[part.name] = _load_module(part.name, part.script)
+        block = _modules[part.name].markdown(res).strip()
+        if block.count(part.mark) < 2:
+            block = f"{part.mark}\n{block}\n{part.mark}"
+        return block
+    except Exception as exc:  # noqa: BLE001 - any renderer failure falls back to the rows
+        why = f"`scripts/{part.script}` could not render its block ({type(exc).__name__}: {exc})"
+        return generic_block(part.mark, f"{part.title} ({part.name})", res, why)
+
+
+def machine_desc(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "machine not recorded"
+    if "cpu_model" in m:
+        return bl.machine_line(m)
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in m.items() if v is not None and k != "loadavg_end")
+
+
+def _cell(x: Any) -> str:
+    return "" if x is None else str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def _ratio(r: dict[str, Any]) -> str:
+    if r.get("ratio") is None:
+        return "n/a"
+    unit = r.get("unit")
+    val = bl.fmt(r["ratio"])
+    return val + ("x" if unit in (None, "", "x") else f" {unit}")
+
+
+def rows_table(rows: list[dict[str, Any]], part_col: str | None = None) -> list[str]:
+    head = "| what | baseline | ratio | spread (min–max) | n | note |"
+    sep = "|---|---|---:|---:|---:|---|"
+    if part_col is not None:
+        head, sep = "| part " + head, "|---" + sep
+    out = [head, sep]
+    for r in rows:
+        cells = [_cell(r.get("what")), _cell(r.get("baseline")), _ratio(r), _cell(r.get("spread") or "n/a"),
+                 _cell(r.get("n")), _cell(r.get("note"))]
+        out.append("| " + " | ".join(([part_col] if part_col is not None else []) + cells) + " |")
+    return out
+
+
+def generic_block(mark: str, title: str, res: dict[str, Any], why: str = "") -> str:
+    lines = [mark, f"## {title}", ""]
+    src = f" (raw data: `{res['json']}`)" if res.get("json") else ""
+    lines.append(f"Run on {res.get('date', 'an unknown date')}{src}; machine: {machine_desc(res.get('machine'))}.")
+    if why:
+        lines += ["", why + "; its summary rows:"]
+    lines.append("")
+    rows = res.get("rows") or []
+    lines += rows_table(rows) if rows else ["No summary rows in the result."]
+    lines += ["", mark]
+    return "\n".join(lines)
+
+
+def gpu_block(res: dict[str, Any]) -> str:
+    intro = (f"Written by `scripts/gpu_check.py` (through `scripts/gpu-check.sh`) on {res.get('date', '?')} on a "
+             f"separate machine with a GPU, not by `make bench` (raw data: `{GPU_JSON.relative_to(REPO)}`). "
+             f"Machine: {machine_desc(res.get('machine'))}. Ratios against a baseline measured in the same run, "
+             "medians with min–max.")
+    lines = [GPU_MARK, "## GPU check", "", intro, ""]
+    rows = res.get("rows") or []
+    lines += rows_table(rows) if rows else ["No summary rows in the result."]
+    lines += ["", GPU_MARK]
+    return "\n".join(lines)
+
+
+def blocks_in(text: str, marks: list[str]) -> dict[str, str]:
+    """Each mark's block (both mark lines included) in ``text``."""
+    out = {}
+    for mark in marks:
+        if text.count(mark) >= 2:
+            a = text.index(mark)
+            b = text.index(mark, a + len(mark)) + len(mark)
+            out[mark] = text[a:b].strip()
+    return out
+
+
+def earlier_result(part: Part, block: str, results: Path) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """Date and rows of the stored result whose rendering is ``block``; else the block's first date, no rows."""
+    cands: list[tuple[str, dict[str, Any]]] = []
+    for path in sorted(glob.glob(str(results / "*.json")), reverse=True):
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        res = (doc.get("parts") or {}).get(part.name) if "parts" in doc else None
+        if res is None and Path(path).name.endswith(f"-{part.name}.json"):
+            res = doc
+        if isinstance(res, dict) and "error" not in res:
+            cands.append((path, res))
+    for path in sorted(glob.glob(str(results / "*" / f"{part.name}.json")), reverse=True):
+        try:
+            cands.append((path, json.loads(Path(path).read_text())))
+        except (OSError, ValueError):
+            continue
+    for _path, res in cands:
+        try:
+            if part_markdown(part, res).strip() == block.strip():
+                return res.get("date"), res.get("rows") if isinstance(res.get("rows"), list) else None
+        except Exception:  # noqa: BLE001, S112 - a candidate that does not render is no match
+            continue
+    m = re.search(r"\b(20\d\d-\d\d-\d\d)\b", block)
+    return (m.group(1) if m else None), None
+
+
+def render(merged: dict[str, Any], current: str, results: Path) -> str:
+    parts = merged.get("parts") or {}
+    runs = merged.get("runs") or {}
+    names = list(PARTS) + [n for n in parts if n not in PARTS]
+    known = [part_of(n) for n in names]
+    earlier = blocks_in(current, [p.mark for p in known] + [GPU_MARK])
+    overview: list[str] = []
+    sections: list[str] = []
+    for part in known:
+        res = parts.get(part.name)
+        run = runs.get(part.name) or {}
+        ok = isinstance(res, dict) and "error" not in res
+        if ok:
+            when = "" if run.get("status") != "carried" else f"earlier run the same day ({run.get('carried_from')})"
+            sections.append(part_markdown(part, res))
+            rows = res.get("rows") if isinstance(res.get("rows"), list) else []
+            if rows:
+                for r in rows:
+                    r = dict(r)
+                    if when:
+                        r["note"] = f"{when}; {r.get('note') or ''}".rstrip("; ")
+                    overview.append(rows_table([r], part_col=f"`{part.name}`")[-1])
+            else:
+                overview.append(f"| `{part.name}` | (no summary rows in the result; see its section) | | | | | "
+                                f"{_cell(when)} |")
+            continue
+        why = (res or {}).get("error") if isinstance(res, dict) else None
+        this_run = f"not measured in this run ({why})" if why else "not run this time"
+        if part.mark in earlier:
+            block = earlier[part.mark]
+            date, rows = earlier_result(part, block, results)
+            tag = f"from an earlier run ({date or 'date unknown'}); {this_run}"
+            if not re.search(r"^## ", block, re.MULTILINE):  # an older block that had its heading outside
+                block = block.replace(part.mark, f"{part.mark}\n## {part.title}", 1)
+            sections.append(block)
+            if rows:
+                for r in rows:
+                    r = dict(r, note=f"{tag}; {r.get('note') or ''}".rstrip("; "))
+                    overview.append(rows_table([r], part_col=f"`{part.name}`")[-1])
+            else:
+                overview.append(f"| `{part.name}` | section kept {_cell(tag)} | | | | | |")
+        elif why:
+            title = part.title if part.title == part.name else f"{part.title} ({part.name})"
+            sections.append(f"## {title}\n\nNot measured: {_cell(why)}. No earlier result.")
+            overview.append(f"| `{part.name}` | not measured: {_cell(why)}; no earlier result | | | | | |")
+        else:
+            overview.append(f"| `{part.name}` | not run yet: no result | | | | | |")
+    gpu = None
+    if GPU_JSON.exists():
+        try:
+            gpu = json.loads(GPU_JSON.read_text())
+        except (OSError, ValueError):
+            gpu = None
+    if isinstance(gpu, dict):
+        sections.append(gpu_block(gpu))
+        for r in gpu.get("rows") or []:
+            r = dict(r, note=f"GPU machine, {gpu.get('date', '?')}; {r.get('note') or ''}".rstrip("; "))
+            overview.append(rows_table([r], part_col="`gpu-check`")[-1])
+    elif GPU_MARK in earlier:
+        sections.append(earlier[GPU_MARK])
+        overview.append("| `gpu-check` | section kept from an earlier GPU run | | | | | |")
+
+    m = merged.get("machine") or {}
+    end = m.get("loadavg_end")
+    total = merged.get("total_wall_s")
+    ran = [n for n, r in runs.items() if r.get("status") not in ("carried",)]
+    status_line = ", ".join(f"{n} {r.get('status')} ({r.get('wall_s', 0):.0f} s)" for n, r in runs.items())
+    how = ("`make bench` runs every benchmark below on this machine, one part after the other (under 30 minutes), "
+           "writes `benchmarks/results/<date>.json` (each part's own result under `benchmarks/results/<date>/`) and "
+           "regenerates this file from it. `make bench BENCH_ARGS=\"--parts paper,status\"` runs some parts only; "
+           "`.venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json` only rewrites this file.")
+    noise = ("The machine is shared and noisy. Every figure is therefore a ratio against a baseline measured in the "
+             "same run, side by side (or the median of paired ratios, with min–max as the spread); absolute seconds "
+             "are printed beside them for reference only and are never compared across runs.")
+    last = (f"**Last run.** {merged.get('date')} (`benchmarks/results/{merged.get('date')}.json`), "
+            f"{'n/a' if total is None else f'{total / 60:.1f} min'} for {len(ran)} part(s): {status_line or 'none'}.")
+    load_end = f"; load average at the end {', '.join(f'{x:.1f}' for x in end)}" if end else ""
+    legend = ("Each part's summary rows: what ran, the baseline it is divided by, the ratio (median) and its spread "
+              "(min–max over n pairs or repeats). Details, absolute times and raw data in each part's section.")
+    head = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by scripts/bench_all.py from benchmarks/results/<date>.json: edit the scripts, not this file. -->",
+        "",
+        how,
+        "",
+        noise,
+        "",
+        last,
+        "",
+        f"**Machine.** {machine_desc(m)}{load_end}.",
+        "",
+        "## Overview",
+        "",
+        legend,
+        "",
+        *rows_table([], part_col="")[:2],
+        *overview,
+    ]
+    return "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def write_docs(merged: dict[str, Any], docs: Path, results: Path) -> None:
+    current = docs.read_text() if docs.exists() else ""
+    text = render(merged, current, results)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    tmp = docs.with_name(docs.name + ".tmp.new")
+    tmp.write_text(text)
+    tmp.replace(docs)
+
+
+# ====================================================================== main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", help=f"comma-separated parts to run, in this order (default: {','.join(RUN_ORDER)})")
+    ap.add_argument("--render", metavar="JSON", help="only regenerate the docs from a merged result file")
+    ap.add_argument("--docs", default=str(DOCS), help="the markdown file to regenerate (default docs/benchmarks.md)")
+    ap.add_argument("--results", default=str(RESULTS), help="results directory (default benchmarks/results)")
+    ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S,
+                    help=f"no part starts or runs past this many seconds from the start (default {TOTAL_BUDGET_S})")
+    ap.add_argument("--deadline", action="append", default=[], metavar="PART=S",
+                    help="override one part's deadline in seconds (repeatable)")
+    args = ap.parse_args(argv)
+    results, docs = Path(args.results).resolve(), Path(args.docs)
+    if args.render:
+        merged = json.loads(Path(args.render).read_text())
+        write_docs(merged, docs, results)
+        log(f"regenerated {docs} from {args.render}")
+        return 0
+    names = [n.strip() for n in (args.parts or ",".join(RUN_ORDER)).split(",") if n.strip()]
+    deadlines = {}
+    for spec in args.deadline:
+        name, _, secs = spec.partition("=")
+        deadlines[name.strip()] = float(secs)
+    merged = run_all(names, args.budget_s, deadlines, results)
+    out = results / f"{merged['date']}.json"
+    carry_over(merged, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    size = out.stat().st_size
+    if size > BIG_JSON:
+        log(f"warning: {out} is {size / 2**20:.1f} MiB (over 1 MiB)")
+    write_docs(merged, docs, results)
+    log(f"wrote {out} and regenerated {docs} in {_mmss(merged['total_wall_s'])}")
+    bad = {n: r for n, r in merged["runs"].items() if r.get("status") not in ("ok", "carried")}
+    for name, run in merged["runs"].items():
+        log(f"  {name:8s} {run.get('status'):8s} {run.get('wall_s', 0):6.0f} s  {run.get('error', '')}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
