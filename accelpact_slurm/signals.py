@@ -9,6 +9,7 @@ waits until it is committed, and requeues.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -44,6 +45,30 @@ def reason() -> str:
         return signal.Signals(_signum[-1]).name
     except ValueError:
         return str(_signum[-1])
+
+
+READY_DIR = ".ready"
+
+
+def request_file(run_dir: str, restart: int) -> str:
+    """Where the batch script records a pre-timeout USR2 that arrived before every task could take it."""
+    return os.path.join(run_dir, f".stop-requested-{restart}")
+
+
+def mark_ready(run_dir: str, restart: int, rank: int) -> None:
+    """After :func:`install`: tell the batch script this task takes USR2 now, then pick up a request it
+    recorded meanwhile.
+
+    The batch script writes the request file first and forwards the signal only once every task is
+    ready; a task writes its marker first and reads the request file after, so a USR2 reaches every
+    start either as a signal or through the file (one rank's flag stops all of them: the vote).
+    """
+    d = os.path.join(run_dir, READY_DIR)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, f"{restart}-{rank}"), "w", encoding="utf-8") as fh:
+        fh.write(f"{os.getpid()}\n")
+    if os.path.exists(request_file(run_dir, restart)):
+        request(signal.SIGUSR2)
 
 
 def clear() -> None:

@@ -10,7 +10,8 @@ Steps of :func:`write_snapshot` (each names the failure it prevents):
    the rank sent the live model's loss too (the first snapshot of every start), the two must be
    equal bitwise, which proves the capture's mapping;
 3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
-   (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads);
+   (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads), without
+   ``torch.save``'s per-record CRC-32 (the SHA-256 of step 4 covers every byte);
 4. every file fsynced while it is hashed (SHA-256, read back from the page cache) on a second
    thread; ``manifest.json`` with the checksums, the step, config digest and the reference loss;
    the directory fsynced;
@@ -23,6 +24,7 @@ Any ``OSError`` (a full disk) removes the temporary directory and raises
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -199,6 +201,27 @@ def fsync_and_hash(paths: Sequence[str]) -> dict[str, str]:
     return sums
 
 
+@contextlib.contextmanager
+def _no_zip_crc():
+    """``torch.save`` without its per-record CRC-32 (a second pass over every byte) while DCP writes: every
+    file is covered by the manifest's SHA-256 instead, and stock ``torch.load``/``dcp.load`` read it as is."""
+    import torch.serialization as ser
+
+    if not hasattr(ser, "set_crc32_options"):  # pragma: no cover - older torch: keep the CRC
+        yield
+        return
+    with _CRC_LOCK:
+        before = ser.get_crc32_options()
+        ser.set_crc32_options(False)
+        try:
+            yield
+        finally:
+            ser.set_crc32_options(before)
+
+
+_CRC_LOCK = threading.Lock()
+
+
 def _writer(path: str, compress: bool, ndir: str, step: int):
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -252,7 +275,8 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
     try:
         os.makedirs(tmp)
         t = time.monotonic()
-        dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step), planner=_planner(), no_dist=True)
+        with _no_zip_crc():
+            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step), planner=_planner(), no_dist=True)
         timings["dcp_save"] = time.monotonic() - t
         names = sorted(os.listdir(tmp))
         t = time.monotonic()

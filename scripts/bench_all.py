@@ -324,6 +324,8 @@ def gpu_block(res: dict[str, Any]) -> str:
     lines = [GPU_MARK, "## GPU check", "", intro, ""]
     rows = res.get("rows") or []
     lines += rows_table(rows) if rows else ["No summary rows in the result."]
+    if res.get("reading"):
+        lines += ["", "**Reading.**", "", *[f"- {x}" for x in res["reading"]]]
     lines += ["", GPU_MARK]
     return "\n".join(lines)
 

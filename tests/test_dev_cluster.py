@@ -33,7 +33,8 @@ SIZES = ["--nodes=2", "--ntasks-per-node=2"]
 STANDIN_MODULE = "accelpact_standin_run"
 
 # Stands in for accelpact_slurm.cli.run: same command line, writes rank-<SLURM_PROCID>.json into the run dir.
-# With STANDIN_WAIT_USR2=SECONDS it first writes ready-<rank> and waits (bounded) for SIGUSR2.
+# With STANDIN_WAIT_USR2=SECONDS it first writes its ready marker (as accelpact_slurm.signals.mark_ready does)
+# and waits (bounded) for SIGUSR2; STANDIN_LATE_S=SECONDS delays installing its handler (a slow import).
 STANDIN_SOURCE = '''\
 import argparse, json, os, signal, socket, sys, time
 
@@ -41,12 +42,17 @@ parser = argparse.ArgumentParser()
 parser.add_argument("config")
 parser.add_argument("--run-dir", required=True)
 args = parser.parse_args()
+rank = os.environ["SLURM_PROCID"]
+restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+time.sleep(float(os.environ.get("STANDIN_LATE_S", "0")))  # still without a USR2 handler: the default kills
 got_usr2 = []
 signal.signal(signal.SIGUSR2, lambda *_: got_usr2.append(time.monotonic()))
-rank = os.environ["SLURM_PROCID"]
 wait_s = float(os.environ.get("STANDIN_WAIT_USR2", "0"))
-if wait_s:
-    open(os.path.join(args.run_dir, f"ready-{rank}"), "w").close()
+if wait_s:  # the accelpact_slurm.signals.mark_ready protocol: marker first, then the request file
+    os.makedirs(os.path.join(args.run_dir, ".ready"), exist_ok=True)
+    open(os.path.join(args.run_dir, ".ready", f"{restart}-{rank}"), "w").close()
+    if os.path.exists(os.path.join(args.run_dir, f".stop-requested-{restart}")):
+        got_usr2.append(-1.0)
     deadline = time.monotonic() + wait_s
     while not got_usr2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -59,6 +65,7 @@ record = {
     "argv": sys.argv[1:],
     "config_text": open(args.config).read(),
     "usr2": bool(got_usr2),
+    "usr2_by_file": got_usr2[:1] == [-1.0],
 }
 with open(os.path.join(args.run_dir, f"rank-{rank}.json"), "w") as f:
     json.dump(record, f)
@@ -154,7 +161,7 @@ def test_hsdp_template_forwards_usr2_to_every_task(slurm_cluster: Cluster, stand
 
     job_id = submit(HSDP_TEMPLATE, [str(config), str(run_dir)], env, SIZES, cwd=submit_dir)
     deadline = time.monotonic() + JOB_DEADLINE_S
-    while len(list(run_dir.glob("ready-*"))) < 4:  # every task has its handler installed
+    while len(list(run_dir.glob(".ready/0-*"))) < 4:  # every task has its handler installed
         assert time.monotonic() < deadline, f"tasks not ready: {_job_log(submit_dir, job_id)}"
         time.sleep(POLL_S)
     subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], env=env, check=True, timeout=30)
@@ -163,8 +170,33 @@ def test_hsdp_template_forwards_usr2_to_every_task(slurm_cluster: Cluster, stand
     assert state == "COMPLETED", _job_log(submit_dir, job_id)
     ranks = _ranks(run_dir)
     assert sorted(ranks) == [0, 1, 2, 3]
+    assert all(r["usr2"] and not r["usr2_by_file"] for r in ranks.values()), ranks
+    assert "USR2 (time limit near): forwarding" in _job_log(submit_dir, job_id)
+
+
+def test_hsdp_template_holds_an_early_usr2_until_the_tasks_take_it(slurm_cluster: Cluster, standin_env,
+                                                                   tmp_path: Path):
+    """A USR2 that reaches the batch shell while the tasks are still starting (no handler yet: the default action
+    would kill them) is recorded in the run directory instead of forwarded; every task picks it up.
+    Negative control: forwarding it at once kills the tasks and fails the job."""
+    submit_dir = tmp_path / "submit"
+    config = _write_config(submit_dir)
+    run_dir = tmp_path / "run"
+    env = {**standin_env, "STANDIN_WAIT_USR2": "30", "STANDIN_LATE_S": "8"}
+
+    job_id = submit(HSDP_TEMPLATE, [str(config), str(run_dir)], env, SIZES, cwd=submit_dir)
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while not run_dir.exists():  # the batch script has started (it creates the run directory)
+        assert time.monotonic() < deadline, f"job never started: {_job_log(submit_dir, job_id)}"
+        time.sleep(POLL_S)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], env=env, check=True, timeout=30)
+    state = wait_job(job_id, JOB_DEADLINE_S, env)
+
+    assert state == "COMPLETED", _job_log(submit_dir, job_id)
+    ranks = _ranks(run_dir)
+    assert sorted(ranks) == [0, 1, 2, 3]
     assert all(r["usr2"] for r in ranks.values()), ranks
-    assert "USR2 (time limit near)" in _job_log(submit_dir, job_id)
+    assert "recorded in the run directory" in _job_log(submit_dir, job_id)
 
 
 def _daemon_pids(status_output: str) -> dict[str, str]:

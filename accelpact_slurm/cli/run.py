@@ -80,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "topology.ranks_per_node": ctx.ranks_per_node})
             run_dir = args.run_dir or default_run_dir(cfg, ctx.job_id)
             os.makedirs(run_dir, exist_ok=True)
+            signals.mark_ready(run_dir, ctx.restart_count, ctx.rank)  # the batch script may forward USR2 from now on
             from ..job import run_rank
 
             return run_rank(cfg, ctx, run_dir)
