@@ -54,16 +54,6 @@ class Plan:
     plain: dict[str, Any]
     source: str  # "fsdp1" or "state_dict"
 
-    @property
-    def nbytes(self) -> int:
-        """Slot bytes needed (boxes laid out in order, each aligned to ``ALIGN``)."""
-        end = 0
-        for e in self.entries:
-            item = torch.empty((), dtype=e.dtype).element_size()
-            for b in e.boxes:
-                end = _align(end) + math.prod(b.sizes) * item
-        return _align(end)
-
     def layout(self) -> int:
         """Assign every box its byte offset in the slot; return the bytes needed."""
         end = 0
@@ -74,18 +64,21 @@ class Plan:
                 end = b.byte_offset + math.prod(b.sizes) * item
         return _align(end)
 
-    def copy_into(self, buf: torch.Tensor) -> int:
-        """Copy every box's source into the uint8 slot ``buf`` at its offset; returns bytes copied."""
-        n = 0
+    def regions(self, buf: torch.Tensor) -> Iterator[tuple[Entry, Box, torch.Tensor]]:
+        """``(entry, box, view)``: each non-empty box's place in the uint8 slot ``buf``, viewed as its dtype."""
         for e in self.entries:
             item = torch.empty((), dtype=e.dtype).element_size()
             for b in e.boxes:
                 nbytes = math.prod(b.sizes) * item
-                if nbytes == 0:
-                    continue
-                dst = buf[b.byte_offset:b.byte_offset + nbytes].view(e.dtype)
-                dst.copy_(b.src.reshape(-1))
-                n += nbytes
+                if nbytes:
+                    yield e, b, buf[b.byte_offset:b.byte_offset + nbytes].view(e.dtype)
+
+    def copy_into(self, buf: torch.Tensor) -> int:
+        """Copy every box's source into the uint8 slot ``buf`` at its offset; returns bytes copied."""
+        n = 0
+        for _e, b, dst in self.regions(buf):
+            dst.copy_(b.src.reshape(-1))
+            n += dst.numel() * dst.element_size()
         return n
 
     def describe(self) -> list[dict[str, Any]]:
@@ -199,6 +192,9 @@ def _entry(key: tuple[str, ...], shape: list[int], dtype: torch.dtype, cuts: lis
     return Entry(key, shape, dtype, boxes)
 
 
+_SKIP = object()  # a sharded value moved into the entries
+
+
 def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
     """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -232,8 +228,6 @@ def _split(key: tuple[str, ...], value: Any, entries: list[Entry]) -> Any:
     return value
 
 
-_SKIP = object()
-
 
 def _local_chunks(value: Any) -> list[tuple[list[int], torch.Tensor]] | None:
     """``[(global offsets, local tensor)]`` for a DTensor or ShardedTensor, ``None`` for anything else."""
@@ -249,12 +243,3 @@ def _local_chunks(value: Any) -> list[tuple[list[int], torch.Tensor]] | None:
     if isinstance(value, ShardedTensor):
         return [(list(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
     return None
-
-
-def iter_tensors(plain: Any, key: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """``(key path, value)`` of every leaf of a nested plain structure (dicts only)."""
-    if isinstance(plain, dict):
-        for k, v in plain.items():
-            yield from iter_tensors(v, key + (str(k),))
-    else:
-        yield key, plain

@@ -165,14 +165,9 @@ class SnapshotClient:
 
     def _corrupt(self, plan: Any, slot: int) -> None:
         """Fault injection: change this rank's staged weights (as a wrong capture mapping would)."""
-        import math
-
-        buf = self.slots[slot].buf
-        for e in plan.entries:
+        for e, _b, view in plan.regions(self.slots[slot].buf):
             if e.key[0] == "model":
-                item = buf.new_empty((), dtype=e.dtype).element_size()
-                for b in e.boxes:
-                    buf[b.byte_offset:b.byte_offset + math.prod(b.sizes) * item].view(e.dtype).add_(1.0)
+                view.add_(1.0)
         log.warning("fault injection: staged weights of rank %d changed", self.rt.rank)
 
     def _free_slot(self, timeout_s: float) -> int | None:
