@@ -11,7 +11,7 @@ here, not in job.py): the ``SnapshotClient`` that ``run_rank`` builds is replace
 mode (``none`` twice, half a round apart), in an order rotated from round to round:
 
     none           no snapshots (the baseline)
-    ours           SnapshotClient.snapshot() (capture + /dev/shm staging thread + daemon write/verify)
+    ours           SnapshotClient.snapshot() (boxes copied into a /dev/shm slot + daemon write/verify)
     dcp_sync       dcp.save, every rank its shards, into a per-run directory
     dcp_thread     dcp.async_save, thread executor
     dcp_process    dcp.async_save, async_checkpointer_type=PROCESS
@@ -30,8 +30,8 @@ DefaultStager stages in a background thread while training goes on: for a consis
 next ``optimizer.step`` first waits for staging to finish (counted in that step).
 
 Part 2 (write bandwidth).  One node's snapshot (the same model + AdamW, two ranks' shards) staged as
-the client stages it, then the daemon's write path (``staging.read_payload`` x2 + ``writer.write_snapshot``:
-reassemble, DCP save, fsync, checksums, manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of
+the client stages it, then the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 +
+``writer.write_snapshot``: boxes as DCP chunks, fsync overlapped with checksums, manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of
 the same size on the same filesystem, paired and interleaved.
 
 Every figure is a ratio against a baseline measured in the same run (paired by round), reported as the
@@ -43,7 +43,8 @@ Output: ``benchmarks/results/<date>-ckpt.json`` and the block between ``<!-- ckp
 Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 6]
        .venv/bin/python scripts/bench_ckpt.py --render benchmarks/results/<date>-ckpt.json   (markdown only)
 
-About 11-13 minutes here (110M parameters, 3 rounds; longer when the machine is busy).
+About 7 minutes here (110M parameters, 3 rounds, every mode but dcp_stager_shm; longer when the machine
+is busy).
 """
 
 from __future__ import annotations
