@@ -174,6 +174,17 @@ def stop_for_requeue(cfg: JobConfig, ctx: SlurmContext, trainer, snapshots, even
 
     step = trainer.progress.step
     state = snapshots.snapshot_and_wait(cfg.timeouts.startup_s)
+    # Nodes settle at different times. Once one rank exits 75, srun --kill-on-bad-exit TERMs the others: a rank
+    # still waiting for its node's daemon (rank 0 among them) would die before the requeue request. So every rank
+    # ignores SIGTERM from here and waits for all the others before any of them stops.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        states = trainer.rt.control.all_gather("requeue-stop", state,
+                                               timeout_s=cfg.timeouts.startup_s + cfg.timeouts.control_s)
+    except Exception as exc:  # a rank died meanwhile: stop anyway, rank 0 still asks for the requeue
+        log.warning("not every rank reached the requeue stop: %s", exc)
+        states = [state]
+    state = states[0] if len(set(states)) == 1 else "/".join(sorted({str(s) for s in states}))
     reason = f"{signals.reason()} received: snapshot of step {step} is {state}; requeueing"
     if lead:
         print(f"[accelpact] {reason}", file=out, flush=True)

@@ -340,6 +340,7 @@ class Daemon:
         rec = read_record(os.path.join(self.ndir, f"step-{step:010d}"), self.o.milestone_every)
         if rec is None or not os.path.isdir(rec.path):
             return
+        faults.slow_verify(self.o.node)
         ok, reason = verify_snapshot(rec.path, do_replay=self.o.replay)
         state = "verified" if ok else "rejected"
         record_state(rec.path, state, None if ok else reason)

@@ -11,6 +11,8 @@
   the slot after copying snapshot STEP (a wrong capture: what the live-loss proof must catch).
 - ``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED=STEP``: every rank waits until its node's snapshot STEP is
   verified, then the job exits with the "requeue me" code (used to stop a run after a verified snapshot).
+- ``ACCELPACT_CKPTD_SLOW_VERIFY=NODE:SECONDS``: the daemon of node NODE holds every verification SECONDS
+  longer (first start only), so that one node settles a snapshot well after the others.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
 KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
 EXIT_AFTER_VERIFIED = "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED"
 CORRUPT_CAPTURE = "ACCELPACT_CKPT_CORRUPT_CAPTURE"
+SLOW_VERIFY = "ACCELPACT_CKPTD_SLOW_VERIFY"
 PHASES = ("staging", "writing", "written", "renamed")
 PAUSE_LIMIT_S = 600.0
 
@@ -68,3 +71,15 @@ def exit_after_verified(environ: Mapping[str, str] | None = None) -> int | None:
     if not v or int(environ.get("SLURM_RESTART_COUNT") or 0) > 0:
         return None
     return int(v)
+
+
+def slow_verify(node: str, environ: Mapping[str, str] | None = None) -> None:
+    """Hold this verification when ``ACCELPACT_CKPTD_SLOW_VERIFY`` names this node (first start only)."""
+    environ = os.environ if environ is None else environ
+    v = environ.get(SLOW_VERIFY)
+    if not v or int(environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        return
+    host, seconds = v.rsplit(":", 1)
+    if host == node:
+        log.warning("fault injection: verification on %s held %s s", node, seconds)
+        threading.Event().wait(float(seconds))

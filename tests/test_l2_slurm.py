@@ -141,7 +141,10 @@ def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster
     config = job_file(tmp_path, "job", steps=2500, every=0, **small)
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=2500, every=0, **small))
     # One minute, and the template's --signal=B:USR2@60: the warning comes at the controller's first check.
-    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, "--time=1")
+    # node1 settles the snapshot 3 s after node2: node2's ranks must not stop (and have srun --kill-on-bad-exit
+    # kill node1's, rank 0 before its requeue request) until every rank has its node's answer.
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, "--time=1",
+                                  extra_env={"ACCELPACT_CKPTD_SLOW_VERIFY": "node1:3"})
     deadline = time.monotonic() + JOB_DEADLINE_S
     while True:  # after the requeue, give the second start room to finish
         info = job_info(job_id, env)
@@ -149,7 +152,11 @@ def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=15"], env=env, check=True,
                            timeout=30)
             break
-        assert info.get("JobState") not in ("COMPLETED", "FAILED", "TIMEOUT"), info.get("JobState")
+        if info.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT"):
+            log = tmp_path / f"accelpact-hsdp-{job_id}.out"
+            events = (run_dir / "events.jsonl").read_text() if (run_dir / "events.jsonl").exists() else ""
+            pytest.fail(f"{info.get('JobState')} before any requeue ({info.get('ExitCode')});\n"
+                        f"log: {log.read_text()[-4000:] if log.exists() else ''}\nevents: {events[-4000:]}")
         assert time.monotonic() < deadline, "the job was never requeued"
         time.sleep(0.5)
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
