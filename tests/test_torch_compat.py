@@ -72,3 +72,12 @@ def test_scan_finds_hidden_references_and_ignores_names():
     old = PG.__new__(PG)
     assert rb.find_references([{"1": 1, "a": [Holder(Holder((0, old)))]}], old) == ["root0['a'][0].x.x[1]"]
     assert rb.find_references([{"1": "1", "k": Holder(3)}], old) == []
+
+    class Slotted:
+        __slots__ = ("s", "unset")
+
+    slotted = Slotted()
+    slotted.s = {old: 1}
+    shared = [old]
+    assert sorted(rb.find_references([old, slotted, (shared, shared), {3: {frozenset([old])}}], old)) == \
+        ["root0", "root1.s[key]", "root2[1][0]", "root3[3][0][0]"]

@@ -22,6 +22,7 @@ from . import torch_compat as tc
 log = logging.getLogger(__name__)
 
 MAX_SCAN_NODES = 200_000
+_MISSING = object()
 
 
 def rebind_fsdp1(model: nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
@@ -59,29 +60,55 @@ def rebind_all(model: nn.Module, fsdp: str, mesh: Any, replicate_dim: int,
     return counts
 
 
+#: Values the scan never enters: no group can hide inside them (a group other than the retired one included).
+_LEAF_TYPES = (str, int, float, bool, bytes, type(None), torch.Tensor, torch.device, torch.dtype, type,
+               types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType,
+               dist.ProcessGroup)
+_leaf_by_type: dict[type, bool] = {}
+
+
+def _is_leaf(t: type) -> bool:
+    leaf = _leaf_by_type.get(t)
+    if leaf is None:
+        leaf = _leaf_by_type[t] = issubclass(t, _LEAF_TYPES)
+    return leaf
+
+
+_SPELL = {"[]": "[{!r}]", "key": "[key]", ".": ".{}", "root": "root{}"}
+
+
+def _path(trail: list[tuple[int, str, Any]], at: int, kind: str, key: Any) -> str:
+    """Spell the path to a find from the parent links (only ever done for a find)."""
+    parts: list[str] = []
+    while True:
+        parts.append(_SPELL[kind].format(key))
+        if at < 0:
+            return "".join(reversed(parts))
+        at, kind, key = trail[at]
+
+
 def find_references(roots: Iterable[Any], old: dist.ProcessGroup, mesh: Any = None) -> list[str]:
     """Paths from ``roots`` to any reference to ``old``, plus any mesh dimension still resolving to it by name.
 
     (Group names are short strings such as ``"3"``; only the mesh's own name slots
     are compared, since the same string is a legitimate module key elsewhere.)
+
+    Every object is entered once; a value's type decides in one dictionary lookup whether
+    it can hold anything (tensors, strings, numbers and other groups cannot), and the
+    path is spelt only for a find, from parent links kept per entered object.
     """
     found: list[str] = []
     seen: set[int] = set()
-    stack: list[tuple[Any, str]] = [(r, f"root{i}") for i, r in enumerate(roots)]
+    trail: list[tuple[int, str, Any]] = []  # per entered object: (parent's index, how reached, key)
+    stack: list[tuple[Any, int, str, Any]] = []
+    for i, r in enumerate(roots):
+        if r is old:
+            found.append(f"root{i}")
+        elif not _is_leaf(type(r)):
+            stack.append((r, -1, "root", i))
     visited = 0
     while stack:
-        obj, path = stack.pop()
-        if obj is old:
-            found.append(path)
-            continue
-        if isinstance(obj, str):
-            continue
-        if isinstance(obj, (int, float, bool, bytes, type(None), torch.Tensor, torch.device, torch.dtype,
-                            type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
-                            types.MethodType)):
-            continue
-        if isinstance(obj, dist.ProcessGroup):
-            continue  # a different group: nothing to follow inside it
+        obj, parent, kind, key = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
@@ -89,23 +116,30 @@ def find_references(roots: Iterable[Any], old: dist.ProcessGroup, mesh: Any = No
         if visited > MAX_SCAN_NODES:
             log.warning("reference scan stopped after %d objects", visited)
             break
+        trail.append((parent, kind, key))
+        me = len(trail) - 1
         if isinstance(obj, dict):
-            for k, v in obj.items():
-                stack.append((k, f"{path}[key]"))
-                stack.append((v, f"{path}[{k!r}]"))
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            for i, v in enumerate(obj):
-                stack.append((v, f"{path}[{i}]"))
+            children: Iterable[tuple[Any, str, Any]] = (
+                pair for k, v in obj.items() for pair in ((k, "key", None), (v, "[]", k)))
+        elif isinstance(obj, (list, tuple)):
+            children = ((v, "[]", i) for i, v in enumerate(obj))
+        elif isinstance(obj, (set, frozenset)):
+            children = ((v, "[]", i) for i, v in enumerate(obj))
         else:
             d = getattr(obj, "__dict__", None)
-            if isinstance(d, dict):
-                for k, v in d.items():
-                    if k in ("_parameters", "_buffers"):
-                        continue
-                    stack.append((v, f"{path}.{k}"))
+            attrs = [(v, ".", k) for k, v in d.items() if k not in ("_parameters", "_buffers")] \
+                if isinstance(d, dict) else []
             for slot in getattr(type(obj), "__slots__", ()) or ():
-                if isinstance(slot, str) and hasattr(obj, slot):
-                    stack.append((getattr(obj, slot), f"{path}.{slot}"))
+                if isinstance(slot, str):
+                    v = getattr(obj, slot, _MISSING)
+                    if v is not _MISSING:
+                        attrs.append((v, ".", slot))
+            children = attrs
+        for v, how, k in children:
+            if v is old:
+                found.append(_path(trail, me, how, k))
+            elif not _is_leaf(type(v)) and id(v) not in seen:
+                stack.append((v, me, how, k))
     if mesh is not None:
         for m in (mesh, mesh._get_root_mesh()):
             for dim, name in enumerate(tc.mesh_dim_group_names(m)):
