@@ -54,6 +54,11 @@ class Plan:
     plain: dict[str, Any]
     source: str  # "fsdp1" or "state_dict"
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether any box lives on a GPU (the slot is then worth page-locking)."""
+        return any(b.src is not None and b.src.is_cuda for e in self.entries for b in e.boxes)
+
     def layout(self) -> int:
         """Assign every box its byte offset in the slot; return the bytes needed."""
         end = 0
@@ -74,11 +79,28 @@ class Plan:
                     yield e, b, buf[b.byte_offset:b.byte_offset + nbytes].view(e.dtype)
 
     def copy_into(self, buf: torch.Tensor) -> int:
-        """Copy every box's source into the uint8 slot ``buf`` at its offset; returns bytes copied."""
+        """Copy every box's source into the uint8 slot ``buf`` at its offset; returns bytes copied.
+
+        Boxes on a GPU are copied on a side stream that first waits for the work already queued
+        (so it reads the committed values), as non-blocking copies (one DMA each when the slot is
+        page-locked, :meth:`ckpt_service.staging.Slot.pin`), then waited for once: on return the
+        slot holds every byte, whatever the device.
+        """
         n = 0
+        side = None
         for _e, b, dst in self.regions(buf):
-            dst.copy_(b.src.reshape(-1))
+            src = b.src.reshape(-1)
+            if src.is_cuda:
+                if side is None:
+                    side = _side_stream(src.device)
+                    side.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(side):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
             n += dst.numel() * dst.element_size()
+        if side is not None:
+            side.synchronize()
         return n
 
     def describe(self) -> list[dict[str, Any]]:
@@ -86,6 +108,16 @@ class Plan:
         return [{"key": list(e.key), "shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch."),
                  "boxes": [[list(b.offsets), list(b.sizes), b.byte_offset] for b in e.boxes]}
                 for e in self.entries]
+
+
+_side_streams: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One staging stream per device, made once (creating streams is not free)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def _align(n: int) -> int:

@@ -126,6 +126,8 @@ class SnapshotClient:
         plan = plan_for(tr.model, tr.optimizer)  # FSDP1: no collective; otherwise get_state_dict (collective)
         nbytes = plan.layout()
         created = self.slots[slot].ensure(nbytes)
+        if plan.on_gpu:
+            self.slots[slot].pin()  # once per mapping: D2H at DMA speed
         parts["plan"] = time.monotonic() - t
         t = time.monotonic()
         plan.copy_into(self.slots[slot].buf)

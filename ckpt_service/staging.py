@@ -20,12 +20,15 @@ Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` and :
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import shutil
 from typing import Any
 
 from .layout import private_dir
+
+log = logging.getLogger(__name__)
 
 
 def step_stage_dir(root: str, step: int) -> str:
@@ -45,6 +48,7 @@ class Slot:
         self.ino: int | None = None
         self._mm: mmap.mmap | None = None
         self.buf = None  # torch.uint8 tensor over the mapping
+        self.pinned = False  # page-locked for the CUDA driver (cudaHostRegister)
 
     def ensure(self, nbytes: int) -> bool:
         """Map a slot of at least ``nbytes``; (re)create it when missing, replaced or too small.
@@ -60,6 +64,7 @@ class Slot:
             same = False
         if same:
             return False
+        self.unpin()
         self.buf = None
         self._mm = None  # dropped, not closed: a tensor may still view it until collected
         private_dir(os.path.dirname(self.path))
@@ -75,6 +80,38 @@ class Slot:
         self.size = nbytes
         self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         return True
+
+    def pin(self) -> bool:
+        """Page-lock the mapping for the CUDA driver (``cudaHostRegister``), once per mapping.
+
+        A device-to-host copy into pageable memory goes through the driver's bounce buffer at a
+        fraction of the link's speed (1.7 against 55 GB/s on an H200, ``benchmarks/results/gpu-check.json``);
+        into registered memory it is one DMA and may be asynchronous.  Returns whether the slot is
+        pinned: False without CUDA, or when the driver refuses (the copy then still works, pageable).
+        """
+        if self.pinned or self.buf is None or not self.size:
+            return self.pinned
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        rc = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.size, 0))
+        if rc != 0:
+            log.warning("cannot page-lock staging slot %s (%d bytes): cudaHostRegister returned %d; "
+                        "device-to-host copies into it stay pageable", self.path, self.size, rc)
+            return False
+        self.pinned = True
+        return True
+
+    def unpin(self) -> None:
+        """Undo :meth:`pin` (before the mapping is dropped)."""
+        if self.pinned and self.buf is not None:
+            import torch
+
+            rc = int(torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr()))
+            if rc != 0:
+                log.warning("cudaHostUnregister of staging slot %s returned %d", self.path, rc)
+        self.pinned = False
 
 
 def write_descriptor(root: str, step: int, local_rank: int, desc: dict[str, Any]) -> str:

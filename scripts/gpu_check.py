@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU check for a machine with one NVIDIA GPU (run through ``scripts/gpu-check.sh``; never needed by the tests).
 
-Two questions the CPU machines cannot answer:
+Three questions the CPU machines cannot answer:
 
 1. **Staging bandwidth.** How fast a rank can copy its shards from the GPU into host memory for a
    snapshot: device-to-host into a preallocated *pinned* buffer (``copy_(non_blocking=True)`` on a side
@@ -9,7 +9,10 @@ Two questions the CPU machines cannot answer:
    and against a preallocated pageable buffer. Paired and interleaved, median of the paired ratios.
    Also: how much a side-stream copy slows compute running at the same time (matrix products alone vs
    with the copy in flight), the part of staging training would feel.
-2. **Communicator create/destroy (NCCL).** What replacing a communicator costs: create a new group with
+2. **The client's own staging path.** ``Plan.copy_into`` of GPU tensors into a page-locked ``/dev/shm``
+   slot (``Slot.pin``) against the same slot left pageable, every byte checked (section ``slot``; it
+   imports ``ckpt_service`` from this checkout, the rest imports only torch).
+3. **Communicator create/destroy (NCCL).** What replacing a communicator costs: create a new group with
    the same members (``new_group``, eager and lazy), its first all-reduce, ``abort``/destroy, and
    ``split_group`` where torch has it, each against one all-reduce on the live communicator of the same
    size (the floor the repair engine is measured against on CPU). One GPU allows world size 1; a
@@ -17,7 +20,7 @@ Two questions the CPU machines cannot answer:
 
 Output: JSON (``--json``, default ``$OUT/gpu-check.json`` or ``benchmarks/results/gpu-check.json``) with
 ``"rows"`` in the format of ``scripts/benchlib.py`` and the raw medians. Runs in well under 5 minutes.
-Standalone: imports only torch (the device machine's torch, not the project's pin).
+Runs on the device machine's own torch (not the project's pin).
 """
 
 from __future__ import annotations
@@ -159,7 +162,79 @@ def staging(sizes_mib: list[int], pairs: int) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------ 2. NCCL communicators
+# ------------------------------------------------------------------ 2. the project's staging slot
+
+
+def slot_staging(total_mib: int, pairs: int, work: str) -> dict[str, Any]:
+    """The checkpoint client's own path: ``Plan.copy_into`` of GPU tensors into a ``/dev/shm`` slot.
+
+    A rank's state as the capture sees it (16 MiB weights, each with a 64 KiB bias), copied into a
+    page-locked slot (``Slot.pin``) and into an identical slot left pageable, alternated. Every byte of
+    both slots is compared with ``tensor.cpu()``; and a copy issued right behind queued work that
+    rewrites a weight must see the rewritten values (the side stream waits for the default stream).
+    """
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from ckpt_service.capture import Box, Entry, Plan
+    from ckpt_service.staging import Slot
+
+    dev = torch.device("cuda", 0)
+    tensors: list[torch.Tensor] = []
+    while sum(t.numel() * 4 for t in tensors) < total_mib * MiB:
+        tensors += [torch.randn(4 * MiB, device=dev), torch.randn(16 * 1024, device=dev)]
+    plan = Plan([Entry(("model", f"p{i}"), [t.numel()], t.dtype, [Box([0], [t.numel()], src=t)])
+                 for i, t in enumerate(tensors)], {}, "state_dict")
+    nbytes = plan.layout()
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else work
+    paths = [os.path.join(root, f"accelpact-gpu-check-{os.getpid()}.slot-{k}") for k in ("pinned", "plain")]
+    pinned_slot, plain_slot = Slot(paths[0]), Slot(paths[1])
+    try:
+        for sl in (pinned_slot, plain_slot):
+            sl.ensure(nbytes)
+            sl.buf.fill_(0)  # pages touched once, as a reused slot's are
+        pinned = pinned_slot.pin()
+        for sl in (pinned_slot, plain_slot):
+            plan.copy_into(sl.buf)  # warm-up
+        rec: dict[str, list[float]] = {"pinned_s": [], "plain_s": []}
+        for i in range(pairs):
+            order = [("pinned_s", pinned_slot), ("plain_s", plain_slot)]
+            if i % 2:
+                order.reverse()
+            for key, sl in order:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                plan.copy_into(sl.buf)  # returns with every byte in the slot
+                rec[key].append(time.perf_counter() - t)
+        mismatched = 0
+        for sl in (pinned_slot, plain_slot):
+            for _e, b, view in plan.regions(sl.buf):
+                mismatched += int(not torch.equal(view, b.src.reshape(-1).cpu()))
+        # Ordering: rewrite the first weight on the default stream (queued behind matmuls), then copy at once.
+        a = torch.randn(4096, 4096, device=dev)
+        for _ in range(20):
+            a = torch.tanh(a @ a / 64.0)  # bounded: no inf/NaN to spoil the comparison
+        tensors[0].copy_(a.reshape(-1)[: tensors[0].numel()])
+        plan.copy_into(pinned_slot.buf)
+        first = next(plan.regions(pinned_slot.buf))[2]
+        ordered = bool(torch.equal(first, tensors[0].cpu()))
+    finally:
+        pinned_slot.unpin()
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    gbps = {k: _spread([nbytes / t / 1e9 for t in v]) for k, v in rec.items()}
+    out = {"bytes": nbytes, "tensors": len(tensors), "slot_dir": root, "pinned": pinned,
+           "pinned_GBps": gbps["pinned_s"], "plain_GBps": gbps["plain_s"],
+           "speedup": _spread([p_ / q for q, p_ in zip(rec["pinned_s"], rec["plain_s"])]),
+           "mismatched_boxes": mismatched, "copy_sees_queued_writes": ordered}
+    _log(f"slot staging {nbytes / MiB:.0f} MiB in {len(tensors)} tensors: page-locked "
+         f"{gbps['pinned_s']['median']:.1f} GB/s, pageable {gbps['plain_s']['median']:.1f} GB/s; "
+         f"mismatched boxes {mismatched}, copy sees queued writes: {ordered}")
+    return out
+
+
+# ------------------------------------------------------------------ 3. NCCL communicators
 
 
 def _comm_worker(rank: int, world: int, port: int, reps: int, nbytes: int, result_path: str) -> None:
@@ -292,6 +367,15 @@ def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                         "the same matmuls alone", i["slowdown"],
                         note=f"alone {i['compute_alone_s']['median'] * 1e3:.1f} ms, copy alone "
                              f"{i['copy_alone_s']['median'] * 1e3:.1f} ms"))
+    sl = res.get("slot")
+    if sl and not sl.get("error"):
+        out.append(_row(f"checkpoint client `Plan.copy_into` of {sl['bytes'] // MiB} MiB in {sl['tensors']} GPU tensors "
+                        f"into its page-locked {sl['slot_dir']} slot (`Slot.pin`), GPU",
+                        "the same copy into an identical slot left pageable", sl["speedup"],
+                        note=f"page-locked {sl['pinned_GBps']['median']:.1f} GB/s, pageable "
+                             f"{sl['plain_GBps']['median']:.1f} GB/s; every byte equal to `tensor.cpu()`: "
+                             f"{'yes' if sl['mismatched_boxes'] == 0 else 'NO'}; sees queued writes: "
+                             f"{'yes' if sl['copy_sees_queued_writes'] else 'NO'}"))
     for key in ("comm_world1", "comm_world2"):
         c = res.get(key)
         if not c:
@@ -326,10 +410,20 @@ def reading(res: dict[str, Any]) -> list[str]:
         big = sizes[max(sizes, key=int)]
         out.append(f"Staging a rank's shards from GPU memory: into pinned memory {big['pinned_GBps']['median']:.0f} GB/s, "
                    f"{big['speedup_vs_cpu']['median']:.0f}x `tensor.cpu()` and {big['speedup_vs_pageable']['median']:.1f}x a "
-                   f"copy into preallocated pageable memory. On a GPU node the rank's shared-memory slot should be "
-                   f"page-locked (`cudaHostRegister` on the mapping) and filled with `copy_(non_blocking=True)` on a side "
-                   f"stream: a 4 GiB shard then costs about {4 / big['pinned_GBps']['median'] * 1.074:.2f} s instead of "
-                   f"{4 / big['cpu_GBps']['median'] * 1.074:.1f} s.")
+                   f"copy into preallocated pageable memory: a 4 GiB shard costs about "
+                   f"{4 / big['pinned_GBps']['median'] * 1.074:.2f} s instead of {4 / big['cpu_GBps']['median'] * 1.074:.1f} s. "
+                   f"Hence the checkpoint client page-locks its shared-memory slot (`cudaHostRegister` on the mapping, "
+                   f"`Slot.pin`) and fills it with `copy_(non_blocking=True)` on a side stream.")
+    sl = res.get("slot") or {}
+    if sl and not sl.get("error"):
+        out.append(f"The client's own path (`Plan.copy_into`, {sl['tensors']} tensors, {sl['bytes'] / 2**30:.1f} GiB): "
+                   f"{sl['pinned_GBps']['median']:.0f} GB/s into the page-locked slot against "
+                   f"{sl['plain_GBps']['median']:.1f} GB/s into the same slot left pageable "
+                   f"({sl['speedup']['median']:.1f}x); both slots equal `tensor.cpu()` byte for byte"
+                   f"{'' if sl['mismatched_boxes'] == 0 else ' -- NOT: ' + str(sl['mismatched_boxes']) + ' boxes differ'}, "
+                   f"and a copy issued behind queued writes {'saw them' if sl['copy_sees_queued_writes'] else 'DID NOT see them'}.")
+    elif sl.get("error"):
+        out.append(f"The client's slot check failed: {sl['error'][:200]}")
     inter = res.get("staging", {}).get("interference")
     if inter:
         out.append(f"That copy, running on a side stream while bf16 matrix products run, changed their time by "
@@ -361,7 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--comm-reps", type=int, default=10)
     ap.add_argument("--allreduce-mib", type=int, default=64)
     ap.add_argument("--work", default="/tmp/accelpact-gpu-check")
+    ap.add_argument("--slot-mib", type=int, default=1024, help="size of the client slot copy (MiB)")
+    ap.add_argument("--parts", default="staging,slot,comm",
+                    help="comma-separated sections to run (default: %(default)s)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the sections of an existing --json file that this run does not redo")
     args = ap.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = parts - {"staging", "slot", "comm"}
+    if unknown:
+        ap.error(f"--parts: unknown section(s) {sorted(unknown)}; choose from staging, slot, comm")
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible to torch; nothing to measure", file=sys.stderr)
         return 2
@@ -378,13 +481,21 @@ def main(argv: list[str] | None = None) -> int:
         "allreduce_bytes": args.allreduce_mib * MiB,
     }
     _log(f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    try:
-        res["staging"] = staging([int(s) for s in args.sizes_mib.split(",")], args.pairs)
-    except Exception as exc:  # noqa: BLE001
-        res["staging"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
-        _log(f"staging failed: {exc}")
-    torch.cuda.empty_cache()
-    for world, port in ((1, 29611), (2, 29621)):
+    if args.merge and os.path.exists(args.json):
+        with open(args.json, encoding="utf-8") as fh:
+            old = json.load(fh)
+        res.update({k: v for k, v in old.items() if k in ("staging", "slot", "comm_world1", "comm_world2")})
+    for name, fn in (("staging", lambda: staging([int(s) for s in args.sizes_mib.split(",")], args.pairs)),
+                     ("slot", lambda: slot_staging(args.slot_mib, args.pairs, args.work))):
+        if name not in parts:
+            continue
+        try:
+            res[name] = fn()
+        except Exception as exc:  # noqa: BLE001
+            res[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+            _log(f"{name} failed: {exc}")
+        torch.cuda.empty_cache()
+    for world, port in ((1, 29611), (2, 29621)) if "comm" in parts else ():
         _log(f"NCCL communicators, world size {world}")
         res[f"comm_world{world}"] = communicators(world, args.comm_reps, args.allreduce_mib * MiB, args.work,
                                                   port, deadline_s=90 if world == 1 else 60)

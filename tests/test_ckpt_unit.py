@@ -188,3 +188,22 @@ def test_restore_prefers_the_node_copy_over_the_shared_tier(tmp_path):
         record_state(str(d), "verified")
     got = reachable_verified(str(tmp_path / "node"), str(tmp_path / "shared"))
     assert got == {4: str(tmp_path / "node" / step_dirname(4)), 8: str(tmp_path / "shared" / step_dirname(8))}
+
+
+def test_slot_pinning_is_for_gpu_plans_only(tmp_path):
+    """On a CPU-only host a plan is not on a GPU and the slot stays pageable; the copy is the same either way
+    (the GPU side, page-locked slot and side stream, is measured by scripts/gpu-check.sh --parts slot)."""
+    torch = pytest.importorskip("torch")
+    from ckpt_service import staging
+    from ckpt_service.capture import Box, Entry, Plan
+
+    t = torch.arange(10, dtype=torch.float32)
+    plan = Plan([Entry(("model", "w"), [10], t.dtype, [Box([0], [10], t)])], {}, "test")
+    slot = staging.Slot(str(tmp_path / "rank-0.slot-0"))
+    slot.ensure(plan.layout())
+    assert plan.on_gpu is False
+    assert slot.pin() is torch.cuda.is_available() and slot.pinned is torch.cuda.is_available()
+    assert plan.copy_into(slot.buf) == 40
+    assert torch.equal(next(plan.regions(slot.buf))[2], t)
+    slot.unpin()
+    assert slot.pinned is False
