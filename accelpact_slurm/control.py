@@ -113,6 +113,18 @@ class ControlPlane:
         except Exception:
             return [r for r, k in enumerate(keys) if not self._has(k)]
 
+    def post(self, name: str) -> None:
+        """Raise the flag ``name`` in this generation's store, once, for any rank to see (:meth:`wait_posted`)."""
+        self._store.set(f"post/{name}", "1")
+
+    def wait_posted(self, name: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the flag ``name``; False on the deadline or when the store is gone."""
+        try:
+            self._store.wait([f"post/{name}"], timedelta(seconds=timeout_s))
+            return True
+        except Exception:  # DistStoreError on the deadline, or the host (rank 0) has exited
+            return self._has(f"post/{name}")
+
     def _wait(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None) -> None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:

@@ -18,7 +18,7 @@ from typing import Mapping, TextIO
 from .atomic import write_json_atomic
 from .config import JobConfig
 from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, FailStop
-from .restart import frontier_history, request_requeue, stalled
+from .restart import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
 from .events import SUMMARY_FILE, EVENTS_FILE, EventLog, read_events
 from .slurm_env import SlurmContext
 
@@ -138,6 +138,15 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
               file=out, flush=True)
         if stop.exit_code == EXIT_REQUEUE and slurm is not None:
             request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, emulated(environ))
+        if control is not None:
+            try:
+                control.post("fail-stop-requeue-asked")
+            except Exception:  # nobody left to tell
+                pass
+    elif stop.exit_code == EXIT_REQUEUE and control is not None:
+        # The first task to exit makes srun --kill-on-bad-exit TERM the rest: leave only once rank 0 has asked
+        # Slurm for the requeue (bounded; False when rank 0 is gone, and then nobody can ask anyway).
+        control.wait_posted("fail-stop-requeue-asked", SCONTROL_TIMEOUT_S + 5)
     events.close()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -67,3 +67,55 @@ def test_requeue_failure_is_recorded(tmp_path):
     log.close()
     (e,) = read_events(tmp_path / "e.jsonl")
     assert not ok and e["by"] == "scontrol" and e["accepted"] is False and e["detail"]
+
+
+def _non_lead_fail_stop(port: int, events_path: str) -> None:
+    """Rank 1 of 2 stopping for a requeue (runs in a spawned process; fail_stop ends it with os._exit)."""
+    import datetime
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from accelpact_slurm.control import ControlPlane
+    from accelpact_slurm.errors import FailStop
+    from accelpact_slurm.events import EventLog
+    from accelpact_slurm.job import fail_stop
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
+    control = ControlPlane(store, rank=1, world_size=2, timeout_s=30)
+    stop = FailStop("test", EXIT_REQUEUE, phase="committed", frontier=3, decided_at=time.monotonic())
+    fail_stop(stop, EventLog(events_path, rank=1), sys.stdout, lead=False, control=control)
+
+
+def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
+    """srun --kill-on-bad-exit TERMs every task once one exits: a non-lead rank that exited first would have rank 0
+    (still on its way into fail_stop) killed before it ran scontrol requeue. Negative control: without the wait in
+    fail_stop the child exits as soon as it has announced its leave, and the first assertion fails."""
+    import datetime
+    import multiprocessing as mp
+    import socket
+
+    import torch.distributed as dist
+
+    from accelpact_slurm.control import ControlPlane
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    lead = ControlPlane(store, rank=0, world_size=2, timeout_s=30)
+    child = mp.get_context("spawn").Process(target=_non_lead_fail_stop, args=(port, str(tmp_path / "e.jsonl")))
+    child.start()
+    try:
+        lead._store.wait(["leave/fail-stop/1"], datetime.timedelta(seconds=60))  # rank 1 is inside fail_stop
+        child.join(timeout=2.0)  # it must still be there: rank 0 has not asked yet
+        assert child.exitcode is None, f"rank 1 left (exit {child.exitcode}) before rank 0 asked for the requeue"
+        lead.post("fail-stop-requeue-asked")
+        child.join(timeout=60)
+        assert child.exitcode == EXIT_REQUEUE
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
