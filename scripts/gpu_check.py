@@ -414,6 +414,11 @@ def reading(res: dict[str, Any]) -> list[str]:
                    f"{4 / big['pinned_GBps']['median'] * 1.074:.2f} s instead of {4 / big['cpu_GBps']['median'] * 1.074:.1f} s. "
                    f"Hence the checkpoint client page-locks its shared-memory slot (`cudaHostRegister` on the mapping, "
                    f"`Slot.pin`) and fills it with `copy_(non_blocking=True)` on a side stream.")
+    inter = res.get("staging", {}).get("interference")
+    if inter:
+        out.append(f"That copy, running on a side stream while bf16 matrix products run, changed their time by "
+                   f"{inter['slowdown']['median']:.2f}x (median; spread {inter['slowdown']['min']:.2f}–"
+                   f"{inter['slowdown']['max']:.2f}x): the copy engine overlaps compute.")
     sl = res.get("slot") or {}
     if sl and not sl.get("error"):
         out.append(f"The client's own path (`Plan.copy_into`, {sl['tensors']} tensors, {sl['bytes'] / 2**30:.1f} GiB): "
@@ -424,11 +429,6 @@ def reading(res: dict[str, Any]) -> list[str]:
                    f"and a copy issued behind queued writes {'saw them' if sl['copy_sees_queued_writes'] else 'DID NOT see them'}.")
     elif sl.get("error"):
         out.append(f"The client's slot check failed: {sl['error'][:200]}")
-    inter = res.get("staging", {}).get("interference")
-    if inter:
-        out.append(f"That copy, running on a side stream while bf16 matrix products run, changed their time by "
-                   f"{inter['slowdown']['median']:.2f}x (median; spread {inter['slowdown']['min']:.2f}–"
-                   f"{inter['slowdown']['max']:.2f}x): the copy engine overlaps compute.")
     c = res.get("comm_world1") or {}
     if c and not c.get("error"):
         out.append(f"Replacing a communicator with NCCL (one GPU, world size 1): a new group with the same members plus "
