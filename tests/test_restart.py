@@ -94,22 +94,18 @@ def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
     fail_stop the child exits as soon as it has announced its leave, and the first assertion fails."""
     import datetime
     import multiprocessing as mp
-    import socket
 
     import torch.distributed as dist
 
     from accelpact_slurm.control import ControlPlane
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     lead = ControlPlane(store, rank=0, world_size=2, timeout_s=30)
-    child = mp.get_context("spawn").Process(target=_non_lead_fail_stop, args=(port, str(tmp_path / "e.jsonl")))
+    child = mp.get_context("spawn").Process(target=_non_lead_fail_stop, args=(store.port, str(tmp_path / "e.jsonl")))
     child.start()
     try:
-        lead._store.wait(["leave/fail-stop/1"], datetime.timedelta(seconds=60))  # rank 1 is inside fail_stop
+        lead.store.wait(["leave/fail-stop/1"], datetime.timedelta(seconds=60))  # rank 1 is inside fail_stop
         child.join(timeout=2.0)  # it must still be there: rank 0 has not asked yet
         assert child.exitcode is None, f"rank 1 left (exit {child.exitcode}) before rank 0 asked for the requeue"
         lead.post("fail-stop-requeue-asked")

@@ -121,9 +121,7 @@ def find_references(roots: Iterable[Any], old: dist.ProcessGroup, mesh: Any = No
         if isinstance(obj, dict):
             children: Iterable[tuple[Any, str, Any]] = (
                 pair for k, v in obj.items() for pair in ((k, "key", None), (v, "[]", k)))
-        elif isinstance(obj, (list, tuple)):
-            children = ((v, "[]", i) for i, v in enumerate(obj))
-        elif isinstance(obj, (set, frozenset)):
+        elif isinstance(obj, (list, tuple, set, frozenset)):
             children = ((v, "[]", i) for i, v in enumerate(obj))
         else:
             d = getattr(obj, "__dict__", None)
