@@ -17,6 +17,6 @@ Modules, one concern each:
 The login-node modules (layout, protocol, retention, index) never import torch.
 """
 
-from .layout import STEP_PREFIX, step_dirname, step_of
+from ckpt_service.layout import STEP_PREFIX, step_dirname, step_of
 
 __all__ = ["STEP_PREFIX", "step_dirname", "step_of"]

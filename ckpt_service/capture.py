@@ -176,7 +176,7 @@ def plan_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
 
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
-    from .compat import canonical_fqn, fsdp1_flat_params
+    from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
 
     flats = fsdp1_flat_params(model)
     if not flats or any(getattr(fp, "_params", None) is None for fp in flats):

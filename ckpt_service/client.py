@@ -30,11 +30,11 @@ import threading
 import time
 from typing import Any
 
-from accelpact_slurm.errors import EXIT_REQUEUE
+from accelpact_slurm.core.errors import EXIT_REQUEUE
 
-from . import faults, staging
-from .layout import node_dir, socket_path, staging_root
-from .protocol import DaemonUnavailable, request
+from ckpt_service import faults, staging
+from ckpt_service.layout import node_dir, socket_path, staging_root
+from ckpt_service.protocol import DaemonUnavailable, request
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SnapshotClient:
 
     def restore(self) -> int | None:
         """Collective: resume from the newest verified snapshot every rank can reach (if any)."""
-        from accelpact_slurm.restore import restore_trainer
+        from accelpact_slurm.runtime.restore import restore_trainer
 
         step, _why = restore_trainer(self.trainer, self.run_dir, self.events)
         return step
@@ -89,9 +89,9 @@ class SnapshotClient:
 
         ``live_loss`` forces the live fixed-batch forward (a snapshot taken before a requeue).
         """
-        from accelpact_slurm.workload import appstate
+        from accelpact_slurm.runtime import appstate
 
-        from .capture import plan_for
+        from ckpt_service.capture import plan_for
 
         tr, rt, cfg = self.trainer, self.rt, self.cfg
         step = tr.progress.step

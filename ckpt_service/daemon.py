@@ -28,14 +28,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from accelpact_slurm.errors import CheckpointError
-from accelpact_slurm.events import EVENTS_FILE, EventLog
+from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 
-from . import faults, staging
-from .index import publish_index, read_record, record_state, scan
-from .layout import DEL_PREFIX, LOCK, private_dir, shared_dir as default_shared, socket_path, staging_root
-from .protocol import peer_allowed, peer_uid, recv_line, send_line
-from .retention import Snap, is_milestone, plan_retention
+from ckpt_service import faults, staging
+from ckpt_service.index import publish_index, read_record, record_state, scan
+from ckpt_service.layout import DEL_PREFIX, LOCK, private_dir, shared_dir as default_shared, socket_path, staging_root
+from ckpt_service.protocol import peer_allowed, peer_uid, recv_line, send_line
+from ckpt_service.retention import Snap, is_milestone, plan_retention
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        from .writer import recover_node_dir
+        from ckpt_service.writer import recover_node_dir
 
         self._lock_fd = acquire_lock(self.ndir)
         removed = recover_node_dir(self.ndir)
@@ -298,8 +298,8 @@ class Daemon:
             log.warning("could not publish the checkpoint index", exc_info=True)
 
     def _write_loop(self, item: tuple[int, dict[int, str]]) -> None:
-        from .reference import ReferenceModel
-        from .writer import write_snapshot
+        from ckpt_service.reference import ReferenceModel
+        from ckpt_service.writer import write_snapshot
 
         step, paths = item
         try:
@@ -335,7 +335,7 @@ class Daemon:
             self._changed.notify_all()
 
     def _verify_loop(self, step: int) -> None:
-        from .verify import verify_snapshot
+        from ckpt_service.verify import verify_snapshot
 
         rec = read_record(os.path.join(self.ndir, f"step-{step:010d}"), self.o.milestone_every)
         if rec is None or not os.path.isdir(rec.path):
@@ -365,7 +365,7 @@ class Daemon:
             self._publish()
 
     def _tier_loop(self, path: str) -> None:
-        from .tiers import copy_to_shared
+        from ckpt_service.tiers import copy_to_shared
 
         dst, why = copy_to_shared(path, self.shared, self.o.node)
         log.info("shared tier: %s", why)

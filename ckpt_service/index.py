@@ -17,10 +17,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from accelpact_slurm.atomic import fsync_dir, write_json_atomic  # noqa: F401  (re-exported)
+from accelpact_slurm.core.atomic import fsync_dir, write_json_atomic  # noqa: F401  (re-exported)
 
-from .layout import INDEX_DIR, MANIFEST, STATE, step_of
-from .retention import is_milestone
+from ckpt_service.layout import INDEX_DIR, MANIFEST, STATE, step_of
+from ckpt_service.retention import is_milestone
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import socket
 import struct
 from typing import Any
 
-from accelpact_slurm.errors import CheckpointError
+from accelpact_slurm.core.errors import CheckpointError
 
 MAX_LINE = 1 << 20
 

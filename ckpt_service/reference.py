@@ -25,7 +25,7 @@ class ReferenceModel:
     def __call__(self, meta: dict[str, Any], tensors: dict[tuple[str, ...], Any]) -> float:
         import torch
 
-        from accelpact_slurm.config import from_dict
+        from accelpact_slurm.core.config import from_dict
         from accelpact_slurm.workload.data import TokenStream
         from accelpact_slurm.workload.model import build_model
         from accelpact_slurm.workload.trainer import lm_loss

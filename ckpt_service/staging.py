@@ -26,7 +26,7 @@ import os
 import shutil
 from typing import Any
 
-from .layout import private_dir
+from ckpt_service.layout import private_dir
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from .index import fsync_dir
-from .layout import TMP_PREFIX
+from ckpt_service.index import fsync_dir
+from ckpt_service.layout import TMP_PREFIX
 
 
 def copy_to_shared(src: str, shared: str, node: str) -> tuple[str | None, str]:

@@ -15,9 +15,9 @@ import os
 import subprocess
 import sys
 
-from .layout import MANIFEST, STATE
-from .index import read_json
-from .writer import sha256_file
+from ckpt_service.layout import MANIFEST, STATE
+from ckpt_service.index import read_json
+from ckpt_service.writer import sha256_file
 
 REPLAY_TIMEOUT_S = 300.0
 

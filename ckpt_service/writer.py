@@ -19,7 +19,7 @@ Steps of :func:`write_snapshot` (each names the failure it prevents):
 6. record ``committed`` in ``state.json``.
 
 Any ``OSError`` (a full disk) removes the temporary directory and raises
-:class:`~accelpact_slurm.errors.CheckpointError` with the reason.
+:class:`~accelpact_slurm.core.errors.CheckpointError` with the reason.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import time
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
-from accelpact_slurm.errors import CheckpointError
+from accelpact_slurm.core.errors import CheckpointError
 
-from . import faults
-from .compat import zstd_extensions
-from .index import fsync_dir, read_json, record_state, write_json_atomic
-from .layout import DEL_PREFIX, MANIFEST, STATE, TMP_PREFIX, step_dirname
+from ckpt_service import faults
+from ckpt_service.compat import zstd_extensions
+from ckpt_service.index import fsync_dir, read_json, record_state, write_json_atomic
+from ckpt_service.layout import DEL_PREFIX, MANIFEST, STATE, TMP_PREFIX, step_dirname
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
     timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp
 
-    from accelpact_slurm.workload.appstate import extra_to_dcp
+    from accelpact_slurm.runtime.appstate import extra_to_dcp
 
     descs = sorted(descs, key=lambda d: d["local_rank"])
     meta = descs[0]["meta"]

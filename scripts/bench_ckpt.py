@@ -502,10 +502,10 @@ def process_rss_gib(tag: str) -> dict[str, float]:
 
 def launch(config: Path, run_dir: Path, plan: dict[str, Any]) -> int:
     """``launcher.launch_local`` with the benchmark worker as the rank command (same env, daemons, supervision)."""
-    from accelpact_slurm import launcher
-    from accelpact_slurm.cli.ckptd import start_local_daemons, stop_daemons
-    from accelpact_slurm.config import load_config
-    from accelpact_slurm.slurm_env import emulated_environ
+    from accelpact_slurm.launch import local as launcher
+    from accelpact_slurm.launch.daemons import start_local_daemons, stop_daemons
+    from accelpact_slurm.core.config import load_config
+    from accelpact_slurm.slurm.env import emulated_environ
 
     cfg = load_config(config)
     job_id = f"bench-{os.getpid()}"
@@ -685,7 +685,7 @@ def node_descs(model_cfg: dict[str, Any], stage_root: str, step: int, ranks: int
 
     import torch
 
-    from accelpact_slurm.config import ModelConfig
+    from accelpact_slurm.core.config import ModelConfig
     from accelpact_slurm.workload.model import CausalDecoder
     from ckpt_service import staging
     from ckpt_service.capture import Box, Entry, Plan, range_boxes
@@ -838,7 +838,7 @@ def machine() -> dict[str, Any]:
 
 
 def param_count(model_cfg: dict[str, Any]) -> int:
-    from accelpact_slurm.config import ModelConfig
+    from accelpact_slurm.core.config import ModelConfig
     from accelpact_slurm.workload.model import CausalDecoder
 
     return sum(p.numel() for p in CausalDecoder(ModelConfig(**model_cfg)).parameters())

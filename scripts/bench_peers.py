@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
-    from accelpact_slurm.config import load_config
+    from accelpact_slurm.core.config import load_config
     from accelpact_slurm.workload.model import build_model
 
     base = load_config(CONFIG)

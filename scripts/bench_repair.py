@@ -155,7 +155,7 @@ def _watch_parent() -> None:
 
 
 def _config(plan: dict[str, Any], layers: int | None = None, width: int | None = None, faults=()):
-    from accelpact_slurm.config import load_config, with_overrides
+    from accelpact_slurm.core.config import load_config, with_overrides
 
     cfg = load_config(REPO / "examples" / "tiny.yaml")
     o: dict[str, Any] = {
@@ -175,11 +175,11 @@ def rank_main(plan_path: str, rank: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from accelpact_slurm.events import EventLog
-    from accelpact_slurm.recovery import build_guard
+    from accelpact_slurm.core.events import EventLog
+    from accelpact_slurm.runtime.recovery import build_guard
     from accelpact_slurm.repair import torch_compat as tc
-    from accelpact_slurm.slurm_env import SlurmContext
-    from accelpact_slurm.topology import init_runtime
+    from accelpact_slurm.slurm.env import SlurmContext
+    from accelpact_slurm.runtime.topology import init_runtime
     from accelpact_slurm.workload.trainer import Trainer, lm_loss
 
     plan = json.loads(Path(plan_path).read_text())
@@ -247,7 +247,7 @@ def rank_main(plan_path: str, rank: int) -> int:
         """(update, faulting rank) for ``n`` faults from update ``start``, one every ``stride`` updates."""
         return [(start + stride * k, FAULT_RANKS[(k + offset) % len(FAULT_RANKS)]) for k in range(n)]
 
-    from accelpact_slurm.config import FaultSpec
+    from accelpact_slurm.core.config import FaultSpec
 
     def specs(faults: list[tuple[int, int]]):
         return [FaultSpec(phase="boundary", step=s, rank=r) for s, r in faults]
@@ -399,7 +399,7 @@ def rank_main(plan_path: str, rank: int) -> int:
 
 
 def _rank_env(job_id: str, rank: int, ports: tuple[int, int]) -> dict[str, str]:
-    from accelpact_slurm.slurm_env import emulated_environ
+    from accelpact_slurm.slurm.env import emulated_environ
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM") and k not in SCRUB_ENV}
     env.update(emulated_environ(job_id, rank, NODES, RPN))
@@ -436,7 +436,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
 
 def run_job(plan: dict[str, Any], workdir: Path, deadline_s: float) -> list[dict[str, Any]]:
     """Spawn the four ranks, echo rank 0's progress, enforce the deadline; the ranks' results."""
-    from accelpact_slurm.launcher import free_port
+    from accelpact_slurm.launch.local import free_port
 
     plan["dir"] = str(workdir)
     plan_path = workdir / "plan.json"

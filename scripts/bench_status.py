@@ -123,7 +123,7 @@ def _timed_cmd(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.
 
 def measure(run_dir: str, repeat: int, cmd_repeat: int) -> dict[str, Any]:
     """Paired timings, order alternated per pair; one untimed warm-up of each first (page cache, imports)."""
-    from accelpact_slurm import status as st
+    from accelpact_slurm.ops import status as st
 
     plain_parse(run_dir)
     info = st.collect(run_dir, now=time.time())

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import benchlib as bl
 
-from accelpact_slurm.events import read_events
+from accelpact_slurm.core.events import read_events
 
 JOB_DEADLINE_S = 180
 MARK = "<!-- paper-experiment -->"

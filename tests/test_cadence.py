@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from accelpact_slurm import cadence as cd
+from accelpact_slurm.ops import cadence as cd
 
 MIN = 60.0
 HOUR = 3600.0
@@ -255,7 +255,7 @@ def test_format_duration(seconds, text):
 
 
 def test_terminal_chart_draws_series_axes_and_legend():
-    from accelpact_slurm.termchart import line_chart
+    from accelpact_slurm.ops.termchart import line_chart
 
     xs = cd.interval_grid(100.0, points=21)
     peak = [cd.expected_goodput(x, 5.0, 10.0, 2000.0) for x in xs]
@@ -271,7 +271,7 @@ def test_terminal_chart_draws_series_axes_and_legend():
 
 
 def test_terminal_chart_marks_shared_cells_and_skips_nan():
-    from accelpact_slurm.termchart import OVERLAP, line_chart
+    from accelpact_slurm.ops.termchart import OVERLAP, line_chart
 
     text = line_chart([1.0, 2.0, 3.0], {"a": [1.0, 2.0, math.nan], "b": [1.0, 2.0, 3.0]}, width=10, height=4)
     assert OVERLAP in text

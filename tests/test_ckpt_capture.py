@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from accelpact_slurm.config import ModelConfig
+    from accelpact_slurm.core.config import ModelConfig
     from accelpact_slurm.workload.model import Block, build_model
     from ckpt_service.capture import fsdp1_plan, state_dict_plan
 

@@ -69,7 +69,7 @@ def wait_for(pred, timeout_s, what):
 
 
 def ckpt_events(run_dir):
-    from accelpact_slurm.events import read_events
+    from accelpact_slurm.core.events import read_events
 
     return [e for e in read_events(os.path.join(run_dir, "events.jsonl")) if e["event"] == "checkpoint"]
 

@@ -131,7 +131,7 @@ def test_boxes_are_written_as_dcp_chunks_and_a_missing_rank_is_refused(tmp_path)
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    from accelpact_slurm.errors import CheckpointError
+    from accelpact_slurm.core.errors import CheckpointError
     from ckpt_service import staging
     from ckpt_service.writer import build_state
 
@@ -179,7 +179,7 @@ def test_shared_tier_copy_is_atomic_and_first_wins(tmp_path):
 
 
 def test_restore_prefers_the_node_copy_over_the_shared_tier(tmp_path):
-    from accelpact_slurm.restore import reachable_verified
+    from accelpact_slurm.runtime.restore import reachable_verified
 
     for d in (tmp_path / "node" / step_dirname(4), tmp_path / "shared" / step_dirname(4),
               tmp_path / "shared" / step_dirname(8)):

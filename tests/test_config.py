@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from accelpact_slurm.config import (
+from accelpact_slurm.core.config import (
     FaultSpec, JobConfig, check_timeouts, load_config, parse_config, with_overrides, TimeoutConfig,
 )
-from accelpact_slurm.errors import ConfigError
+from accelpact_slurm.core.errors import ConfigError
 
 TINY = "examples/tiny.yaml"
 

@@ -33,7 +33,7 @@ SIZES = ["--nodes=2", "--ntasks-per-node=2"]
 STANDIN_MODULE = "accelpact_standin_run"
 
 # Stands in for accelpact_slurm.cli.run: same command line, writes rank-<SLURM_PROCID>.json into the run dir.
-# With STANDIN_WAIT_USR2=SECONDS it first writes its ready marker (as accelpact_slurm.signals.mark_ready does)
+# With STANDIN_WAIT_USR2=SECONDS it first writes its ready marker (as accelpact_slurm.slurm.signals.mark_ready does)
 # and waits (bounded) for SIGUSR2; STANDIN_LATE_S=SECONDS delays installing its handler (a slow import).
 STANDIN_SOURCE = '''\
 import argparse, json, os, signal, socket, sys, time
@@ -48,7 +48,7 @@ time.sleep(float(os.environ.get("STANDIN_LATE_S", "0")))  # still without a USR2
 got_usr2 = []
 signal.signal(signal.SIGUSR2, lambda *_: got_usr2.append(time.monotonic()))
 wait_s = float(os.environ.get("STANDIN_WAIT_USR2", "0"))
-if wait_s:  # the accelpact_slurm.signals.mark_ready protocol: marker first, then the request file
+if wait_s:  # the accelpact_slurm.slurm.signals.mark_ready protocol: marker first, then the request file
     os.makedirs(os.path.join(args.run_dir, ".ready"), exist_ok=True)
     open(os.path.join(args.run_dir, ".ready", f"{restart}-{rank}"), "w").close()
     if os.path.exists(os.path.join(args.run_dir, f".stop-requested-{restart}")):

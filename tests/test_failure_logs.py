@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from accelpact_slurm import failure_logs as fl
-from accelpact_slurm.events import BadLine
+from accelpact_slurm.ops import failure_logs as fl
+from accelpact_slurm.core.events import BadLine
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SACCT = os.path.join(DATA, "sacct-sample.txt")

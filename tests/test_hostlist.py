@@ -1,11 +1,11 @@
-"""Unit tests for accelpact_slurm.hostlist: Slurm node-list expansion and compression."""
+"""Unit tests for accelpact_slurm.slurm.hostlist: Slurm node-list expansion and compression."""
 
 from __future__ import annotations
 
 import pytest
 
-from accelpact_slurm.errors import AccelpactError, SlurmEnvError
-from accelpact_slurm.hostlist import MAX_HOSTS, compress_hostlist, expand_hostlist
+from accelpact_slurm.core.errors import AccelpactError, SlurmEnvError
+from accelpact_slurm.slurm.hostlist import MAX_HOSTS, compress_hostlist, expand_hostlist
 
 
 @pytest.mark.parametrize(

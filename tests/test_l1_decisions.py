@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from accelpact_slurm import envelope as env_mod
-from accelpact_slurm.guard import CONTINUE, Vote, affected_ranks, decide_votes
-from accelpact_slurm.topology import Layout
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.guard import CONTINUE, Vote, affected_ranks, decide_votes
+from accelpact_slurm.runtime.topology import Layout
 
 KEY = env_mod.Key("torch-x/gloo", "cpu:2x2:fsdp1-device_mesh", "committed")
 

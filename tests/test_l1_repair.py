@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from accelpact_slurm.errors import EXIT_REQUEUE
-from accelpact_slurm.events import read_events
+from accelpact_slurm.core.errors import EXIT_REQUEUE
+from accelpact_slurm.core.events import read_events
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.multiproc

@@ -16,8 +16,8 @@ import types
 
 import pytest
 
-from accelpact_slurm.errors import EXIT_REQUEUE, FailStop
-from accelpact_slurm.restore import (TrainerIO, agree, checker_ranks, make_offer, plan, reload, restore_trainer,
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
+from accelpact_slurm.runtime.restore import (TrainerIO, agree, checker_ranks, make_offer, plan, reload, restore_trainer,
                                      same_bits)
 from ckpt_service.index import publish_index, read_record, record_state, scan
 from ckpt_service.layout import step_dirname
@@ -36,7 +36,7 @@ class Hub:
 
 
 class FakeControl:
-    """``all_gather`` like :class:`accelpact_slurm.control.ControlPlane`: JSON values, n-th call per name matches."""
+    """``all_gather`` like :class:`accelpact_slurm.runtime.control.ControlPlane`: JSON values, n-th call per name matches."""
 
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank, self.seq = hub, rank, {}
@@ -262,7 +262,7 @@ class MismatchIO(FakeIO):
 
 
 def test_restore_trainer_fails_stop_for_a_requeue_when_the_trainer_is_dirty(tmp_path, monkeypatch):
-    import accelpact_slurm.restore as restore
+    import accelpact_slurm.runtime.restore as restore
 
     _snapshot(tmp_path / "node-local" / "node1", 6)
     monkeypatch.setattr(restore, "TrainerIO", lambda *a: MismatchIO())
@@ -350,7 +350,7 @@ def _summary(run_dir):
 
 
 def _events(run_dir, kind):
-    from accelpact_slurm.events import read_events
+    from accelpact_slurm.core.events import read_events
 
     return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == kind]
 

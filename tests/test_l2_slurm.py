@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from accelpact_slurm.errors import EXIT_NO_REQUEUE
-from accelpact_slurm.events import read_events
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE
+from accelpact_slurm.core.events import read_events
 from tests.conftest import REPO, run_cli
 from tests.slurm_cluster import Cluster, job_info, submit, wait_job
 

@@ -14,7 +14,7 @@ import pytest
 
 from accelpact_slurm.cli import cadence as cad_cli
 from accelpact_slurm.cli import status as status_cli
-from accelpact_slurm.errors import ConfigError
+from accelpact_slurm.core.errors import ConfigError
 
 from tests.conftest import REPO, run_cli
 

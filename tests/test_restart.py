@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from accelpact_slurm.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE
-from accelpact_slurm.launcher import combine_exit_codes
-from accelpact_slurm.restart import Attempt, frontier_history, request_requeue, stalled
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE
+from accelpact_slurm.launch.local import combine_exit_codes
+from accelpact_slurm.slurm.requeue import Attempt, frontier_history, request_requeue, stalled
 
 
 def ev(kind, restart, **fields):
@@ -50,7 +50,7 @@ def test_combine_exit_codes(codes, expected):
 
 
 def test_requeue_on_the_embedded_default_is_the_launchers(tmp_path):
-    from accelpact_slurm.events import EventLog, read_events
+    from accelpact_slurm.core.events import EventLog, read_events
 
     log = EventLog(tmp_path / "e.jsonl")
     assert request_requeue("1", "why", log, {}, emulated=True)
@@ -60,7 +60,7 @@ def test_requeue_on_the_embedded_default_is_the_launchers(tmp_path):
 
 
 def test_requeue_failure_is_recorded(tmp_path):
-    from accelpact_slurm.events import EventLog, read_events
+    from accelpact_slurm.core.events import EventLog, read_events
 
     log = EventLog(tmp_path / "e.jsonl")
     ok = request_requeue("999999", "why", log, {"PATH": str(tmp_path)}, emulated=False)  # no scontrol on PATH
@@ -77,10 +77,10 @@ def _non_lead_fail_stop(port: int, events_path: str) -> None:
 
     import torch.distributed as dist
 
-    from accelpact_slurm.control import ControlPlane
-    from accelpact_slurm.errors import FailStop
-    from accelpact_slurm.events import EventLog
-    from accelpact_slurm.job import fail_stop
+    from accelpact_slurm.runtime.control import ControlPlane
+    from accelpact_slurm.core.errors import FailStop
+    from accelpact_slurm.core.events import EventLog
+    from accelpact_slurm.runtime.job import fail_stop
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
     control = ControlPlane(store, rank=1, world_size=2, timeout_s=30)
@@ -97,7 +97,7 @@ def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
 
     import torch.distributed as dist
 
-    from accelpact_slurm.control import ControlPlane
+    from accelpact_slurm.runtime.control import ControlPlane
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))

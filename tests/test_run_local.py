@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from accelpact_slurm.events import read_events
+from accelpact_slurm.core.events import read_events
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.multiproc

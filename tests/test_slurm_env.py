@@ -1,4 +1,4 @@
-"""Unit tests for accelpact_slurm.slurm_env against recorded srun task environments.
+"""Unit tests for accelpact_slurm.slurm.env against recorded srun task environments.
 
 Each file under ``tests/data/slurm_env/`` is one task's full environment (Slurm
 and unrelated variables) as a JSON object of strings; :data:`EXPECTED` holds the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from accelpact_slurm.errors import SlurmEnvError
-from accelpact_slurm.slurm_env import (
+from accelpact_slurm.core.errors import SlurmEnvError
+from accelpact_slurm.slurm.env import (
     SlurmContext,
     emulated_environ,
     format_tasks_per_node,
@@ -167,7 +167,7 @@ def test_hostname_falls_back_to_nodelist() -> None:
 def test_hostname_mismatch_warns(caplog: pytest.LogCaptureFixture) -> None:
     env = load("srun_2x2")
     env["SLURMD_NODENAME"] = "node2-fe"
-    with caplog.at_level(logging.WARNING, logger="accelpact_slurm.slurm_env"):
+    with caplog.at_level(logging.WARNING, logger="accelpact_slurm.slurm.env"):
         ctx = SlurmContext.from_environ(env)
     assert ctx.hostname == "node2-fe"
     assert "SLURMD_NODENAME='node2-fe'" in caplog.text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from accelpact_slurm.events import read_events
+from accelpact_slurm.core.events import read_events
 from tests.conftest import REPO
 from tests.slurm_cluster import Cluster, submit, wait_job
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from accelpact_slurm import status as st
-from accelpact_slurm.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
+from accelpact_slurm.ops import status as st
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RUN = os.path.join(DATA, "run-1001")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from accelpact_slurm import signals
+from accelpact_slurm.slurm import signals
 from accelpact_slurm.cli import submit as cli
-from accelpact_slurm.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USAGE, SlurmEnvError
-from accelpact_slurm.events import read_events
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USAGE, SlurmEnvError
+from accelpact_slurm.core.events import read_events
 from tests.conftest import REPO, run_cli
 
 STEPS = 16
@@ -106,7 +106,7 @@ def test_errors_are_one_line_with_exit_2(tmp_path, capsys):
 
 
 def _spec(**kw):
-    from accelpact_slurm.submission import TaskSpec
+    from accelpact_slurm.launch.submission import TaskSpec
 
     base = dict(backend="local", config_path="/j.yaml", runs_root="/runs", nodes=2, ranks_per_node=2,
                 master_port=1234, control_port=1235)
@@ -115,8 +115,8 @@ def _spec(**kw):
 
 
 def test_local_task_environment_emulates_srun():
-    from accelpact_slurm.slurm_env import SlurmContext, in_slurm
-    from accelpact_slurm.submission import task_environ
+    from accelpact_slurm.slurm.env import SlurmContext, in_slurm
+    from accelpact_slurm.launch.submission import task_environ
 
     base = {"PATH": "/bin", "SLURM_JOB_ID": "99", "SLURM_PROCID": "7"}  # an enclosing allocation is not ours
     env = task_environ(_spec(restart_count=2), base, "4242", global_rank=3, num_tasks=4)
@@ -134,7 +134,7 @@ def test_local_task_environment_emulates_srun():
 
 
 def test_relaunch_decision():
-    from accelpact_slurm.submission import relaunch_decision
+    from accelpact_slurm.launch.submission import relaunch_decision
 
     def stop(code, restart=0):
         return {"event": "fail_stop", "exit_code": code, "restart": restart}
@@ -148,7 +148,7 @@ def test_relaunch_decision():
 
 
 def test_judge_results():
-    from accelpact_slurm.submission import judge
+    from accelpact_slurm.launch.submission import judge
 
     ok = ("success", {"exit_code": 0})
     assert judge([ok, ok]).state == "completed"
@@ -162,7 +162,7 @@ def test_checkpoint_only_requests_and_resubmits_the_same_task(tmp_path):
     """submitit's own USR2 path (job_environment._checkpoint) calls checkpoint(): it must only set our flag."""
     from submitit.core import job_environment, utils
 
-    from accelpact_slurm.submission import RankTask
+    from accelpact_slurm.launch.submission import RankTask
 
     task = RankTask(_spec())
     delayed = utils.DelayedSubmission(task)
@@ -179,7 +179,7 @@ def test_checkpoint_only_requests_and_resubmits_the_same_task(tmp_path):
 
 def test_task_replaces_submitits_usr2_handler(monkeypatch):
     """What __call__ does first: after it, USR2 only sets our flag (submitit's handler would requeue mid-update)."""
-    from accelpact_slurm.submission import RankTask
+    from accelpact_slurm.launch.submission import RankTask
 
     submitits = []
     previous = signal.signal(signal.SIGUSR2, lambda *a: submitits.append(a))

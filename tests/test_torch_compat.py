@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accelpact_slurm.config import ModelConfig
+from accelpact_slurm.core.config import ModelConfig
 from accelpact_slurm.repair import rebind as rb
 from accelpact_slurm.repair import torch_compat as tc
 from accelpact_slurm.workload.model import Block, build_model

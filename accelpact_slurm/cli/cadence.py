@@ -23,12 +23,12 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from accelpact_slurm import cadence as cd
-from accelpact_slurm import failure_logs as fl
-from accelpact_slurm import settings
-from accelpact_slurm.errors import EXIT_USAGE, ConfigError
-from accelpact_slurm.events import BadLine
-from accelpact_slurm.termchart import line_chart
+from accelpact_slurm.ops import cadence as cd
+from accelpact_slurm.ops import failure_logs as fl
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.errors import EXIT_USAGE, ConfigError
+from accelpact_slurm.core.events import BadLine
+from accelpact_slurm.ops.termchart import line_chart
 
 log = logging.getLogger(__name__)
 SCHEMA = "accelpact-cadence/1"

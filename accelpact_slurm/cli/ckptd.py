@@ -13,13 +13,11 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from ..errors import EXIT_OK, EXIT_USAGE, AccelpactError
+from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, AccelpactError
 
 log = logging.getLogger("accelpact_slurm.cli.ckptd")
 
@@ -46,14 +44,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     args = build_parser().parse_args(argv)
-    from .. import settings
+    from accelpact_slurm.core import settings
 
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s ckptd %(threadName)s %(name)s: %(message)s")
     from ckpt_service.daemon import AlreadyRunning, Daemon, DaemonOptions
     from ckpt_service.layout import node_dir
 
-    from ..config import load_config
+    from accelpact_slurm.core.config import load_config
 
     try:
         cfg = load_config(args.config)
@@ -82,50 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finished = d.drain_and_close()
     print(f"accelpact-ckptd: stopped ({'drained' if finished else 'drain deadline passed'})", flush=True)
     return EXIT_OK
-
-
-# --------------------------------------------------------------------------- the local launcher's side
-
-
-@dataclass
-class LocalDaemon:
-    node: str
-    proc: subprocess.Popen
-    log_path: str
-
-
-def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, environ: Mapping[str, str],
-                        drain_s: float = 120.0, restart: int = 0) -> list[LocalDaemon]:
-    """Start one daemon per emulated node (none when snapshots are off)."""
-    if cfg.checkpoint.every_steps <= 0:
-        return []
-    logs = os.path.join(run_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    out = []
-    for i in range(cfg.topology.nodes):
-        node = f"node{i + 1}"
-        log_path = os.path.join(logs, f"ckptd-{node}.log")
-        cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir,
-               "--node", node, "--node-index", str(i), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
-        with open(log_path, "ab") as fh:
-            proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
-        out.append(LocalDaemon(node, proc, log_path))
-    return out
-
-
-def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None:
-    """SIGTERM, wait for the drain (bounded), then SIGKILL."""
-    for d in daemons:
-        if d.proc.poll() is None:
-            d.proc.terminate()
-    for d in daemons:
-        try:
-            d.proc.wait(timeout=drain_s + 15)
-        except subprocess.TimeoutExpired:
-            log.warning("daemon of %s did not stop; killing it", d.node)
-            d.proc.kill()
-            d.proc.wait(timeout=10)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,10 +18,10 @@ import sys
 import tempfile
 from typing import Sequence
 
-from .. import envelope as env_mod
-from ..config import load_config
-from ..errors import EXIT_USAGE, AccelpactError
-from ..events import read_events
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.core.config import load_config
+from accelpact_slurm.core.errors import EXIT_USAGE, AccelpactError
+from accelpact_slurm.core.events import read_events
 
 
 def _run(config: str, run_dir: str, extra: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, dict | None]:
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     import torch
 
-    from ..recovery import QUALIFYING_VAR, key_factory
+    from accelpact_slurm.runtime.recovery import QUALIFYING_VAR, key_factory
 
     key = key_factory(cfg, cfg.topology.nodes, cfg.topology.ranks_per_node)("committed")
     work = args.work_dir or tempfile.mkdtemp(prefix="accelpact-qualify-")

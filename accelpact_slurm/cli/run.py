@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Sequence
 
-from .. import settings
-from ..config import JobConfig, load_config, with_overrides
-from ..errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.config import JobConfig, load_config, with_overrides
+from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
 
 log = logging.getLogger("accelpact_slurm.cli.run")
 
@@ -66,13 +66,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..slurm_env import SlurmContext, in_slurm
+    from accelpact_slurm.slurm.env import SlurmContext, in_slurm
 
     env = os.environ
     try:
         cfg = effective_config(args)
         if in_slurm(env):
-            from .. import signals
+            from accelpact_slurm.slurm import signals
 
             signals.install()  # first thing: an unhandled USR2 would kill the task
             ctx = SlurmContext.from_environ(env)
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dir = args.run_dir or default_run_dir(cfg, ctx.job_id)
             os.makedirs(run_dir, exist_ok=True)
             signals.mark_ready(run_dir, ctx.restart_count, ctx.rank)  # the batch script may forward USR2 from now on
-            from ..job import run_rank
+            from accelpact_slurm.runtime.job import run_rank
 
             return run_rank(cfg, ctx, run_dir)
         if env.get("SLURM_JOB_ID"):
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "srun (see sbatch_templates/hsdp.sbatch)")
         run_dir = args.run_dir or default_run_dir(cfg, None)
         os.makedirs(run_dir, exist_ok=True)
-        from ..launcher import run_local
+        from accelpact_slurm.launch.local import run_local
 
         passthrough: list[str] = []
         if args.steps is not None:

@@ -20,9 +20,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from accelpact_slurm import settings
-from accelpact_slurm import status as st
-from accelpact_slurm.cadence import format_duration
+from accelpact_slurm.core import settings
+from accelpact_slurm.ops import status as st
+from accelpact_slurm.ops.cadence import format_duration
 
 log = logging.getLogger(__name__)
 _SNAPSHOTS_SHOWN = 5

@@ -4,7 +4,7 @@ One submitit task per rank (``nodes x ranks_per_node``, defaults from the job fi
 its rank exactly as ``accelpact-run`` does inside an allocation.  Slurm is used when ``sbatch`` is on the PATH,
 else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.  With
 ``--wait`` the command waits (with a deadline) and prints the summary's ``final_state_digest``.  The mapping of
-submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.submission`.
+submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.launch.submission`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import shutil
 import sys
 from typing import Callable, Sequence
 
-from .. import settings
-from ..config import JobConfig, load_config, with_overrides
-from ..errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.config import JobConfig, load_config, with_overrides
+from accelpact_slurm.core.errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
 
 log = logging.getLogger("accelpact_slurm.cli.submit")
 
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, why: str) -> int:
-    from ..submission import TaskSpec, local_job_id, relaunch_decision, run_dir_for, wait_for_job
+    from accelpact_slurm.launch.submission import TaskSpec, local_job_id, relaunch_decision, run_dir_for, wait_for_job
 
     if args.partition and backend == "local":
         print(f"{PROG}: note: --partition applies to Slurm only; ignored on the local executor", file=sys.stderr)
@@ -165,7 +165,7 @@ def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, wh
         if outcome.state == "completed":
             return report_completed(spec.run_dir, job.job_id)
         if backend == "local" and outcome.state == "ended":
-            from ..events import EVENTS_FILE, read_events
+            from accelpact_slurm.core.events import EVENTS_FILE, read_events
 
             again, reason = relaunch_decision(read_events(os.path.join(spec.run_dir, EVENTS_FILE)), restart,
                                               cfg.recovery.max_restarts)
@@ -200,8 +200,8 @@ def _submit(executor, spec):
 
 def _task(spec):
     """The task for one launch; fresh rendezvous ports on the local executor (the last ones may linger)."""
-    from ..launcher import free_port
-    from ..submission import RankTask
+    from accelpact_slurm.launch.local import free_port
+    from accelpact_slurm.launch.submission import RankTask
 
     if spec.backend == "local":
         data_port = free_port()
@@ -213,7 +213,7 @@ def _task(spec):
 
 
 def report_completed(run_dir: str, job_id: str) -> int:
-    from ..events import SUMMARY_FILE
+    from accelpact_slurm.core.events import SUMMARY_FILE
 
     path = os.path.join(run_dir, SUMMARY_FILE)
     try:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import EXIT_REQUEUE, FailStop, RepairError
-from . import rebind as rb
-from . import torch_compat as tc
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, RepairError
+from accelpact_slurm.repair import rebind as rb
+from accelpact_slurm.repair import torch_compat as tc
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import torch_compat as tc
+from accelpact_slurm.repair import torch_compat as tc
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from accelpact_slurm.core.config import ModelConfig
 
 
 class Block(nn.Module):

@@ -19,10 +19,10 @@ def replay_loss(path: str) -> tuple[float, dict]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ..config import from_dict
-    from .data import TokenStream
-    from .model import build_model
-    from .trainer import lm_loss
+    from accelpact_slurm.core.config import from_dict
+    from accelpact_slurm.workload.data import TokenStream
+    from accelpact_slurm.workload.model import build_model
+    from accelpact_slurm.workload.trainer import lm_loss
 
     with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
         manifest = json.load(fh)

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import JobConfig
-from ..topology import Runtime
-from .data import TokenStream
-from .model import Block, build_model
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.runtime.topology import Runtime
+from accelpact_slurm.workload.data import TokenStream
+from accelpact_slurm.workload.model import Block, build_model
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 import torch
 
-from accelpact_slurm.config import JobConfig, load_config
+from accelpact_slurm.core.config import JobConfig, load_config
 from accelpact_slurm.workload.data import TokenStream
 from accelpact_slurm.workload.model import build_model
 from accelpact_slurm.workload.trainer import lr_lambda

@@ -281,8 +281,8 @@ def run_ours_fault(cfg: Path, timeout_s: float, work: Path, tag: str) -> dict[st
 
 def run_ours_overhead(cfg: Path, work: Path, rounds: int, steps: int) -> dict[str, Any]:
     """Guarded vs plain updates on the job's own ranks (``scripts/peers/ours_worker.py``)."""
-    from accelpact_slurm.config import load_config
-    from accelpact_slurm.slurm_env import emulated_environ
+    from accelpact_slurm.core.config import load_config
+    from accelpact_slurm.slurm.env import emulated_environ
 
     c = load_config(cfg)
     nodes, rpn = c.topology.nodes, c.topology.ranks_per_node

@@ -45,11 +45,11 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import Records
 
-    from accelpact_slurm.config import load_config
-    from accelpact_slurm.events import EventLog
-    from accelpact_slurm.recovery import build_guard
-    from accelpact_slurm.slurm_env import SlurmContext
-    from accelpact_slurm.topology import init_runtime
+    from accelpact_slurm.core.config import load_config
+    from accelpact_slurm.core.events import EventLog
+    from accelpact_slurm.runtime.recovery import build_guard
+    from accelpact_slurm.slurm.env import SlurmContext
+    from accelpact_slurm.runtime.topology import init_runtime
     from accelpact_slurm.workload.trainer import Trainer, lm_loss
 
     cfg = load_config(args.config)

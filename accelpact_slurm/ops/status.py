@@ -20,9 +20,9 @@ import subprocess
 from collections import deque
 from typing import Any, Iterable, Mapping
 
-from accelpact_slurm import settings
-from accelpact_slurm.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
-from accelpact_slurm.events import EVENTS_FILE, SUMMARY_FILE, BadLine, read_events
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
+from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, BadLine, read_events
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ _TERMINAL_SLURM = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
 
 
 def runs_root(environ: Mapping[str, str] | None = None) -> str:
-    """The runs root: ``$ACCELPACT_RUNS_ROOT``, else ``./runs`` (read by :mod:`accelpact_slurm.settings`)."""
+    """The runs root: ``$ACCELPACT_RUNS_ROOT``, else ``./runs`` (read by :mod:`accelpact_slurm.core.settings`)."""
     return settings.runs_root(environ)
 
 

@@ -1,7 +1,7 @@
 """Failure history from the logs admins already have, classified for ``accelpact-cadence``.
 
 Three sources, each parsed line by line; a line that cannot be read becomes a
-:class:`~accelpact_slurm.events.BadLine` (file, 1-based line number, reason) and is
+:class:`~accelpact_slurm.core.events.BadLine` (file, 1-based line number, reason) and is
 skipped, so a truncated or hand-edited log never stops the analysis:
 
 * ``sacct --parsable2`` output (``sacct -P -D -X -o JobID,State,ExitCode,Start,End,NodeList,Elapsed``).
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable
 
-from accelpact_slurm.events import EVENTS_FILE, BadLine, read_events
+from accelpact_slurm.core.events import EVENTS_FILE, BadLine, read_events
 
 COMM_COMMITTED = "comm_committed"  # communicator fault at a committed boundary: L1-eligible
 UNCOMMITTED = "uncommitted"  # fault in forward/backward/optimizer: L2 by design

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence, TextIO
 
-from .config import JobConfig
-from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, LaunchError
-from .slurm_env import emulated_environ
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, LaunchError
+from accelpact_slurm.slurm.env import emulated_environ
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def launch_local(
     control_port = free_port()
     while control_port == data_port:
         control_port = free_port()
-    from .cli.ckptd import start_local_daemons, stop_daemons
+    from accelpact_slurm.launch.daemons import start_local_daemons, stop_daemons
 
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
     ranks: list[RankProcess] = []

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .events import EventLog
+from accelpact_slurm.core.events import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Who calls what, in which order:
   ``job.run_rank``).  Local rank 0 of each node first starts that node's checkpoint daemon as its child.
 
 On submitit's local executor there is no ``SLURM_*`` environment: :func:`task_environ` builds the one ``srun``
-would give (:func:`~accelpact_slurm.slurm_env.emulated_environ`) from ``submitit.JobEnvironment()``'s global rank,
+would give (:func:`~accelpact_slurm.slurm.env.emulated_environ`) from ``submitit.JobEnvironment()``'s global rank,
 with ``ACCELPACT_EMULATED=1`` and the rendezvous ports the submitting process picked.  The local executor knows
 one node only (its ``JobEnvironment`` says ``num_nodes=1``); the emulated nodes come from the spec, and rank ``r``
 sits on emulated node ``r // ranks_per_node``, as under ``srun --ntasks-per-node``.
@@ -61,8 +61,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import submitit
 
-from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, SlurmEnvError
-from .slurm_env import emulated_environ
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, SlurmEnvError
+from accelpact_slurm.slurm.env import emulated_environ
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,11 @@ class RankTask(submitit.helpers.Checkpointable):
         self.spec = spec
 
     def __call__(self) -> dict[str, Any]:
-        from . import signals
+        from accelpact_slurm.slurm import signals
 
         signals.install()  # first thing: replaces submitit's USR2 handler, which would requeue mid-update
-        from .config import load_config, with_overrides
-        from .slurm_env import SlurmContext, in_slurm
+        from accelpact_slurm.core.config import load_config, with_overrides
+        from accelpact_slurm.slurm.env import SlurmContext, in_slurm
 
         spec = self.spec
         if spec.backend == "local":
@@ -184,14 +184,14 @@ class RankTask(submitit.helpers.Checkpointable):
                              {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
         run_dir = run_dir_for(spec, ctx.job_id)
         os.makedirs(run_dir, exist_ok=True)
-        from .job import run_rank
+        from accelpact_slurm.runtime.job import run_rank
 
         daemon = start_node_daemon(spec, cfg, run_dir, ctx) if ctx.local_rank == 0 else None
         try:
             code = run_rank(cfg, ctx, run_dir)  # a fail-stop never returns: it exits 75/76 via os._exit
         finally:
             if daemon is not None:
-                from .cli.ckptd import stop_daemons
+                from accelpact_slurm.launch.daemons import stop_daemons
 
                 stop_daemons([daemon], drain_s=spec.drain_s)
         return {"rank": ctx.rank, "exit_code": code, "job_id": ctx.job_id, "restart": ctx.restart_count,
@@ -203,7 +203,7 @@ class RankTask(submitit.helpers.Checkpointable):
         Returns the same task with the same arguments: the state to resume from lives in the run directory's
         snapshots, not in the pickle.
         """
-        from . import signals
+        from accelpact_slurm.slurm import signals
 
         signals.request()
         return super().checkpoint(*args, **kwargs)
@@ -259,7 +259,7 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
         return None
     from ckpt_service.layout import LOCK, node_dir
 
-    from .cli.ckptd import LocalDaemon
+    from accelpact_slurm.launch.daemons import LocalDaemon
 
     node = ctx.hostname
     ndir = node_dir(run_dir, node, cfg.checkpoint.local_dir)

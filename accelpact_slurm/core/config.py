@@ -2,7 +2,7 @@
 
 One function, :func:`load_config`, turns YAML into a :class:`JobConfig`; every
 problem (malformed YAML, an unknown key, a wrong type, an impossible value,
-inconsistent timeouts) raises :class:`~accelpact_slurm.errors.ConfigError` whose
+inconsistent timeouts) raises :class:`~accelpact_slurm.core.errors.ConfigError` whose
 one-line message names the field, the value and the fix.
 
 Precedence is flag > environment > file > default; flags and environment are
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .errors import ConfigError
+from accelpact_slurm.core.errors import ConfigError
 
 FAULT_PHASES = ("boundary", "forward", "backward")
 FSDP_VERSIONS = ("fsdp1", "fsdp2")

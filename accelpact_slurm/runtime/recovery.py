@@ -6,11 +6,11 @@ import os
 
 import torch
 
-from . import envelope as env_mod
-from .config import JobConfig
-from .events import EventLog
-from .guard import BoundaryGuard
-from .repair.engine import RepairEngine
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.runtime.guard import BoundaryGuard
+from accelpact_slurm.repair.engine import RepairEngine
 
 #: Path of the envelope file (default: the one shipped in the package).
 ENVELOPE_VAR = "ACCELPACT_ENVELOPE"

@@ -4,7 +4,7 @@ Built on its own ``TCPStore`` (never the data plane's groups, never the default
 process group) with a ``PrefixStore`` per generation, so that an agreement of a
 retired generation can never be mistaken for one of the current generation.
 All calls block with a deadline and raise
-:class:`~accelpact_slurm.errors.ControlPlaneTimeout` naming the ranks that did
+:class:`~accelpact_slurm.core.errors.ControlPlaneTimeout` naming the ranks that did
 not answer.
 
 Who calls: every rank of the world, the same calls in the same order (like a
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from .errors import ControlPlaneError, ControlPlaneTimeout
+from accelpact_slurm.core.errors import ControlPlaneError, ControlPlaneTimeout
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import envelope as env_mod
-from .config import JobConfig, FaultSpec
-from .errors import EXIT_REQUEUE, FailStop
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.core.config import JobConfig, FaultSpec
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class BoundaryGuard:
             if self.injector.fires("forward", step):
                 raise _Withheld("forward")
             tr.model.train()
-            from .workload.trainer import lm_loss
+            from accelpact_slurm.workload.trainer import lm_loss
 
             loss = lm_loss(tr.model, tr.batch())
             loss_value = float(loss.detach())
@@ -161,7 +161,7 @@ class BoundaryGuard:
         if fault:
             log.warning("rank %d saw a fault in %s at update %d: %s", rt.rank, fault, step, error)
             self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
-        from . import signals
+        from accelpact_slurm.slurm import signals
 
         raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss_value,
                                              "stop": signals.requested()})

@@ -9,7 +9,7 @@ Step-level variables win over job-level ones, because a step may use only part
 of the allocation: ``SLURM_STEP_NODELIST`` over ``SLURM_JOB_NODELIST``,
 ``SLURM_STEP_TASKS_PER_NODE`` over ``SLURM_TASKS_PER_NODE`` and so on.  The
 values are then checked against each other; a mismatch raises
-:class:`~accelpact_slurm.errors.SlurmEnvError` naming the variables, their
+:class:`~accelpact_slurm.core.errors.SlurmEnvError` naming the variables, their
 values and the fix, instead of hanging later in a rendezvous that never fills.
 
 This module must not import torch: login-node tools use it.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Mapping, Sequence
 
-from accelpact_slurm.errors import SlurmEnvError
-from accelpact_slurm.hostlist import (
+from accelpact_slurm.core.errors import SlurmEnvError
+from accelpact_slurm.slurm.hostlist import (
     compress_hostlist,
     expand_hostlist,
     format_tasks_per_node,

@@ -15,12 +15,12 @@ import sys
 import time
 from typing import Mapping, TextIO
 
-from .atomic import write_json_atomic
-from .config import JobConfig
-from .errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, FailStop
-from .restart import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
-from .events import SUMMARY_FILE, EVENTS_FILE, EventLog, read_events
-from .slurm_env import SlurmContext
+from accelpact_slurm.core.atomic import write_json_atomic
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, FailStop
+from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
+from accelpact_slurm.core.events import SUMMARY_FILE, EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.slurm.env import SlurmContext
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +29,10 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
              out: TextIO | None = None) -> int:
     """Train this rank to ``cfg.steps`` updates; return the process exit code."""
     # torch is imported here, not at module level, so the CLI's --help stays fast.
-    from .topology import init_runtime
-    from .workload.state import state_digest
-    from .workload.trainer import Trainer
-    from .recovery import build_guard
+    from accelpact_slurm.runtime.topology import init_runtime
+    from accelpact_slurm.runtime.state import state_digest
+    from accelpact_slurm.workload.trainer import Trainer
+    from accelpact_slurm.runtime.recovery import build_guard
 
     out = out or sys.stdout
     environ = os.environ if environ is None else environ
@@ -179,7 +179,7 @@ def check_progress(cfg: JobConfig, ctx: SlurmContext, rt, run_dir: str, events: 
 def stop_for_requeue(cfg: JobConfig, ctx: SlurmContext, trainer, snapshots, events: EventLog, out: TextIO,
                      lead: bool) -> None:
     """Pre-timeout or preemption: snapshot this committed boundary, wait until it is committed, requeue."""
-    from . import signals
+    from accelpact_slurm.slurm import signals
 
     step = trainer.progress.step
     state = snapshots.snapshot_and_wait(cfg.timeouts.startup_s)

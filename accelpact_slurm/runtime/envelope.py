@@ -19,14 +19,14 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from accelpact_slurm.core.errors import ConfigError
 
 PRESERVE = "preserve"
 RESTART = "restart"
 ACTIONS = (PRESERVE, RESTART)
 MIN_TRIALS = 3
 DEFAULT_OBJECTIVE = "exact"
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "envelope.yaml")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "envelope.yaml")
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from typing import Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import JobConfig
-from .control import ControlPlane
-from .errors import ConfigError, SlurmEnvError
-from .slurm_env import SlurmContext
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.runtime.control import ControlPlane
+from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
+from accelpact_slurm.slurm.env import SlurmContext
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     if cfg.model.mesh == "device_mesh":
         mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
         shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
-        from .repair.torch_compat import set_group_timeout
+        from accelpact_slurm.repair.torch_compat import set_group_timeout
 
         for g in (shard_pg, rep_pg):  # DeviceMesh creates its groups with the backend's default timeout
             set_group_timeout(g, cfg.timeouts.collective_s)

@@ -21,7 +21,7 @@ Syntax accepted (the subset Slurm itself produces and users write):
   ``rack1-node[1-2].cluster``.
 
 Anything else (unbalanced or nested brackets, empty items, ``hi < lo``, spaces)
-raises :class:`~accelpact_slurm.errors.SlurmEnvError` naming the whole value.
+raises :class:`~accelpact_slurm.core.errors.SlurmEnvError` naming the whole value.
 
 This module must not import torch: login-node tools use it.
 """
@@ -33,7 +33,7 @@ import logging
 import re
 from typing import Iterable, Sequence
 
-from accelpact_slurm.errors import SlurmEnvError
+from accelpact_slurm.core.errors import SlurmEnvError
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
    and compares size and SHA-256 (:func:`ckpt_service.verify.check_checksums`: a bit flip, a
    truncation, a missing shard or ``.metadata`` all fail); pure :func:`agree` combines the
    answers.  When one copy fails, every rank moves to the next older candidate;
-3. **load + replay**: every rank loads its copy (:func:`accelpact_slurm.workload.appstate.load`)
+3. **load + replay**: every rank loads its copy (:func:`accelpact_slurm.runtime.appstate.load`)
    and computes the loss on the fixed batch the manifest records (collective: FSDP forward);
    every rank compares it bitwise with the recorded loss.  A mismatch rejects the copies that
    disagree; the next older candidate is loaded over it (a load replaces the whole
    application state: weights, both AdamW moments, scheduler, frontier, cursor, losses, RNG).
    When no older candidate is left after a load, the trainer is not fresh any more, so the
-   start ends with :class:`~accelpact_slurm.errors.FailStop` (``EXIT_REQUEUE``): the next start
+   start ends with :class:`~accelpact_slurm.core.errors.FailStop` (``EXIT_REQUEUE``): the next start
    finds no usable snapshot and begins from step 0 with a freshly built model;
 4. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
    ``path`` and ``skipped`` (``[{step, reason}]`` for every newer snapshot that was not taken).
@@ -54,7 +54,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from ckpt_service.index import common_step, newest_verified, publish_index, read_json, record_state, scan
 from ckpt_service.layout import MANIFEST, node_dir, shared_dir
 
-from .errors import EXIT_REQUEUE, FailStop
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class TrainerIO:
             return False, f"cannot re-read: {exc}"
 
     def load(self, path: str) -> None:
-        from .workload import appstate
+        from accelpact_slurm.runtime import appstate
 
         meta = appstate.load(self.trainer, path, self.trainer.rt.rank)
         manifest = read_json(os.path.join(path, MANIFEST)) or {}

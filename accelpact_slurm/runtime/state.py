@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from .trainer import Trainer
+from accelpact_slurm.workload.trainer import Trainer
 
 
 def rng_fingerprint() -> str:

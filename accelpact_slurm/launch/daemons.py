@@ -1,0 +1,56 @@
+"""Starting and stopping the per-node checkpoint daemons of the embedded default and submitit's local backend.
+
+Who calls: :mod:`accelpact_slurm.launch.local` (one daemon per emulated node, before the ranks) and
+:mod:`accelpact_slurm.launch.submission`; on Slurm the sbatch template starts ``accelpact-ckptd`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class LocalDaemon:
+    node: str
+    proc: subprocess.Popen
+    log_path: str
+
+
+def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, environ: Mapping[str, str],
+                        drain_s: float = 120.0, restart: int = 0) -> list[LocalDaemon]:
+    """Start one daemon per emulated node (none when snapshots are off)."""
+    if cfg.checkpoint.every_steps <= 0:
+        return []
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    out = []
+    for i in range(cfg.topology.nodes):
+        node = f"node{i + 1}"
+        log_path = os.path.join(logs, f"ckptd-{node}.log")
+        cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir,
+               "--node", node, "--node-index", str(i), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
+        with open(log_path, "ab") as fh:
+            proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        out.append(LocalDaemon(node, proc, log_path))
+    return out
+
+
+def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None:
+    """SIGTERM, wait for the drain (bounded), then SIGKILL."""
+    for d in daemons:
+        if d.proc.poll() is None:
+            d.proc.terminate()
+    for d in daemons:
+        try:
+            d.proc.wait(timeout=drain_s + 15)
+        except subprocess.TimeoutExpired:
+            log.warning("daemon of %s did not stop; killing it", d.node)
+            d.proc.kill()
+            d.proc.wait(timeout=10)
