@@ -2,7 +2,23 @@
 
 L1 Preserve repairs a failed inter-node replication communicator in process;
 L2 Restart fails stop, requeues and reloads the newest verified checkpoint.
-Importing this package does not import torch (login-node tools depend on it).
+
+The public API (``docs/api.md``): a training script's entry point receives a :class:`Job`;
+``job.protect(model, optimizer, scheduler=..., state=...)`` returns a :class:`Run`, whose
+``batches`` and ``update`` drive the user's own loop.
+
+Importing this package does not import torch (login-node tools depend on it): the API names
+are loaded on first use.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+__all__ = ["Job", "Run", "Update"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from accelpact_slurm.runtime import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'accelpact_slurm' has no attribute {name!r}")

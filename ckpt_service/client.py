@@ -1,11 +1,12 @@
 """The rank side: every K steps copy this rank's shards into shared memory, hand them over, go on.
 
-Who calls (every rank, same order, from ``job.run_rank``):
+Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.api.Run`):
 
-1. ``SnapshotClient(cfg, trainer, run_dir, events)`` then ``restore()`` before the loop (collective);
-2. ``after_commit()`` right after ``trainer.commit`` (collective on snapshot steps: the RNG exchange
-   goes over the control plane; on the first snapshot of a start also the fixed-batch loss, an FSDP
-   collective);
+1. ``SnapshotClient(cfg, rt, run_dir, events, model, optimizer, extra)`` after the user's
+   ``job.protect``;
+2. ``after_commit(step)`` right after an update committed (collective on snapshot steps: the
+   extra-state exchange goes over the control plane; on the first snapshot of a start also the
+   capture proof, whose ``get_state_dict`` is an FSDP collective);
 3. ``close()`` at the end.
 
 A snapshot (:meth:`SnapshotClient.snapshot`) plans which boxes of which tensors this rank holds
@@ -16,102 +17,89 @@ Two slots alternate: a slot is reused only after the daemon has finished writing
 used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
 event and training goes on).  A missing or dead daemon costs a warning, never the run.
 
-The replay check's reference loss is computed by the daemon from the staged weights
-(:mod:`.reference`); the ranks compute the live model's fixed-batch loss only until one snapshot
-carrying it was committed, which proves that the staged state equals the live model.
+``extra()`` returns this rank's non-tensor state as JSON-able data (``{"run": ..., "rank": ...}``:
+the frontier and whatever the runtime keeps, every ``Stateful``'s state, the RNG states); the
+client gathers every rank's and stores them as one JSON document beside the tensors.  Nothing here
+knows the model's class: the capture proof (:mod:`.proof`) compares staged bytes with the
+framework's own state dict.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE
+from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
-from ckpt_service import faults, staging
+from ckpt_service import staging
 from ckpt_service.layout import node_dir, socket_path, staging_root
 from ckpt_service.protocol import DaemonUnavailable, request
 
 log = logging.getLogger(__name__)
 
-EVAL_BATCH = 4
 SLOTS = 2
 
 
 class SnapshotClient:
-    def __init__(self, cfg: Any, trainer: Any, run_dir: str, events: Any = None) -> None:
+    def __init__(self, cfg: Any, rt: Any, run_dir: str, events: Any, model: Any, optimizer: Any,
+                 extra: Callable[[], dict[str, Any]], faults: TestFaults = NO_FAULTS) -> None:
         self.cfg = cfg
-        self.trainer = trainer
-        self.rt = trainer.rt
+        self.rt = rt
         self.run_dir = run_dir
         self.events = events
+        self.model = model
+        self.optimizer = optimizer
+        self.extra = extra
+        self.faults = faults
         self.every = cfg.checkpoint.every_steps
         self.ndir = node_dir(run_dir, self.rt.ctx.hostname, cfg.checkpoint.local_dir)
         self.sock = socket_path(self.ndir)
         self.stage_root = staging_root(self.ndir)
         self.slots = [staging.Slot(staging.slot_path(self.stage_root, self.rt.local_rank, i)) for i in range(SLOTS)]
         self._slot_step: list[int | None] = [None] * SLOTS
-        self._proved = False  # a committed snapshot reproduced the live model's fixed-batch loss
-        self._proving: int | None = None
+        self._proved = False  # this start's capture was proven against the live state dict
         self._contacted = False
+        self.taken: set[int] = set()  # steps snapshotted (not skipped) in this start
         self.last_error: str | None = None
         self.last_parts: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------ restore
-
-    def restore(self) -> int | None:
-        """Collective: resume from the newest verified snapshot every rank can reach (if any)."""
-        from accelpact_slurm.runtime.restore import restore_trainer
-
-        step, _why = restore_trainer(self.trainer, self.run_dir, self.events)
-        return step
-
     # ------------------------------------------------------------------ snapshots
 
-    def after_commit(self) -> None:
-        step = self.trainer.progress.step
-        if self.every <= 0 or step % self.every:
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def after_commit(self, step: int) -> None:
+        if not self.due(step):
             return
-        self.snapshot()
-        stop_at = faults.exit_after_verified()
-        if stop_at == step:
+        self.snapshot(step)
+        if self.faults.exit_after_verified == step:
             state = self.wait(step, self.cfg.timeouts.startup_s)
             self.rt.control.barrier("ckpt-exit-after-verified", timeout_s=self.cfg.timeouts.startup_s)
             log.warning("fault injection: exiting after snapshot %d (%s)", step, state)
             raise SystemExit(EXIT_REQUEUE)
 
-    def snapshot(self, *, live_loss: bool = False) -> bool:
-        """Collective: stage this rank's state at the current step; False when it was skipped.
+    def snapshot(self, step: int) -> bool:
+        """Collective: stage this rank's state at committed step ``step``; False when it was skipped."""
+        from ckpt_service.capture import plan_for, state_dict_plan
+        from ckpt_service.proof import compare, plan_fingerprints
 
-        ``live_loss`` forces the live fixed-batch forward (a snapshot taken before a requeue).
-        """
-        from accelpact_slurm.runtime import appstate
-
-        from ckpt_service.capture import plan_for
-
-        tr, rt, cfg = self.trainer, self.rt, self.cfg
-        step = tr.progress.step
+        rt, cfg = self.rt, self.cfg
         t0 = time.monotonic()
         parts: dict[str, float] = {}
-        if self._proving is not None:  # did the snapshot that carried the live loss commit? (no waiting)
-            try:
-                self._note_proof(self._proving, self._request({"op": "released", "step": self._proving,
-                                                               "timeout": 0}, cfg.timeouts.control_s))
-            except DaemonUnavailable:
-                pass
         slot = self._free_slot(cfg.timeouts.control_s)
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
         t = time.monotonic()
-        rngs = rt.control.all_gather("ckpt-rng", {"rng": appstate.rng_b64(), "slot_ok": slot is not None,
-                                                  "proved": self._proved})
-        parts["rng"] = time.monotonic() - t
-        if not all(r["slot_ok"] for r in rngs):
-            busy = [i for i, r in enumerate(rngs) if not r["slot_ok"]]
+        extras = rt.control.all_gather("ckpt-extra", {"extra": self.extra(), "slot_ok": slot is not None})
+        parts["extra"] = time.monotonic() - t
+        if not all(r["slot_ok"] for r in extras):
+            busy = [i for i, r in enumerate(extras) if not r["slot_ok"]]
             log.warning("snapshot %d skipped: the daemon has not finished an earlier snapshot of rank(s) %s "
                         "within %g s", step, busy, cfg.timeouts.control_s)
             if rt.rank == 0 and self.events is not None:
@@ -119,11 +107,7 @@ class SnapshotClient:
                                  reason=f"daemon busy with an earlier snapshot of rank(s) {busy}")
             return False
         t = time.monotonic()
-        need_live = live_loss or not all(r["proved"] for r in rngs)  # the same on every rank
-        loss = tr.eval_loss(tr.stream.fixed_batch(EVAL_BATCH)) if need_live else None
-        parts["eval_loss"] = time.monotonic() - t
-        t = time.monotonic()
-        plan = plan_for(tr.model, tr.optimizer)  # FSDP1: no collective; otherwise get_state_dict (collective)
+        plan = plan_for(self.model, self.optimizer)  # FSDP1: no collective; otherwise get_state_dict (collective)
         nbytes = plan.layout()
         created = self.slots[slot].ensure(nbytes)
         if plan.on_gpu:
@@ -132,14 +116,29 @@ class SnapshotClient:
         t = time.monotonic()
         plan.copy_into(self.slots[slot].buf)
         parts["copy"] = time.monotonic() - t
-        if faults.corrupt_capture() == (step, rt.rank):
+        if self.faults.corrupt_capture == (step, rt.rank):
             self._corrupt(plan, slot)
+        capture = None
+        if not self._proved:  # once per start, the same decision on every rank
+            t = time.monotonic()
+            staged = plan_fingerprints(plan, self.slots[slot].buf)
+            live = plan_fingerprints(state_dict_plan(self.model, self.optimizer))  # collective
+            both = rt.control.all_gather("ckpt-proof", {"staged": staged, "live": live})
+            mine = rt.layout.shard_ranks(rt.node)
+            ok, why = compare([both[r]["staged"] for r in mine], [both[r]["live"] for r in mine])
+            capture = {"ok": ok, "reason": why, "step": step}
+            self._proved = ok
+            parts["proof"] = time.monotonic() - t
+            if not ok:
+                log.error("snapshot %d: the staged state does not match the live state: %s", step, why)
+        doc = {"run": extras[0]["extra"]["run"], "ranks": {str(r): e["extra"]["rank"] for r, e in enumerate(extras)}}
         meta = {
             "job_id": rt.ctx.job_id, "config_digest": cfg.digest(), "config": cfg.to_dict(),
-            "world_size": rt.layout.world_size, "eval": {"batch_size": EVAL_BATCH, "live_loss": loss},
-            "extra": appstate.extra_state(tr, [r["rng"] for r in rngs]),
+            "world_size": rt.layout.world_size, "layout": [rt.layout.num_nodes, rt.layout.ranks_per_node],
+            "extra_json": json.dumps(doc), "capture": capture,
         }
         t = time.monotonic()
+        self.taken.add(step)  # decided alike on every rank (the handover below may still fail on one)
         try:
             desc = staging.write_descriptor(self.stage_root, step, rt.local_rank, {
                 "step": step, "rank": rt.rank, "local_rank": rt.local_rank, "meta": meta,
@@ -148,8 +147,6 @@ class SnapshotClient:
             self._slot_step[slot] = step
             self._request({"op": "staged", "step": step, "rank": rt.rank, "local_rank": rt.local_rank,
                            "nranks": rt.layout.ranks_per_node, "path": desc})
-            if need_live:
-                self._proving = step
         except Exception as exc:  # never fatal to training
             self.last_error = f"snapshot {step}: {exc}"
             log.warning("snapshot %d not handed to the daemon: %s", step, exc)
@@ -158,9 +155,9 @@ class SnapshotClient:
         self.last_parts = dict(parts, total=blocking, bytes=nbytes, new_slot=created, source=plan.source)
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
         if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
-            self.events.emit("snapshot", step=step, blocking_s=blocking)
-        kill = faults.kill_after_staged()
-        if kill == (step, rt.rank):
+            self.events.emit("snapshot", step=step, blocking_s=blocking,
+                             **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}))
+        if self.faults.kill_after_staged == (step, rt.rank):
             log.warning("fault injection: rank %d kills itself after staging step %d", rt.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
         return True
@@ -193,18 +190,7 @@ class SnapshotClient:
             reply = self._request({"op": "released", "step": prev, "timeout": wait_s}, timeout_s)
         except DaemonUnavailable:
             return True  # no daemon: nothing reads the slot
-        self._note_proof(prev, reply)
         return bool(reply.get("released"))
-
-    def _note_proof(self, step: int, reply: dict[str, Any]) -> None:
-        """The snapshot that carried the live loss left the writer: committed means the capture is proved."""
-        if step != self._proving or not reply.get("released"):
-            return
-        self._proving = None
-        if reply.get("state") in ("committed", "verified"):
-            self._proved = True
-        elif reply.get("state") in ("failed", "rejected"):
-            log.error("snapshot %d did not reproduce the live model: %s", step, reply.get("reason"))
 
     def _request(self, msg: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """One request; the first contact waits (bounded) for a daemon that is still starting."""
@@ -232,15 +218,14 @@ class SnapshotClient:
             return None
         return reply.get("state")
 
-    def snapshot_and_wait(self, timeout_s: float) -> str | None:
+    def snapshot_and_wait(self, step: int, timeout_s: float) -> str | None:
         """Collective: make sure a snapshot of the current step exists and wait until the daemon settles it.
 
         Used before a requeue (pre-timeout signal, preemption).  Returns the daemon's
         final state for the step (``committed``/``verified``/``rejected``/``failed``)
         or None when no daemon answered or the snapshot could not be staged.
         """
-        step = self.trainer.progress.step
-        if step not in self._slot_step and not self.snapshot(live_loss=True):
+        if step not in self.taken and not self.snapshot(step):
             return None
         return self.wait(step, timeout_s)
 

@@ -5,7 +5,7 @@ Threads (all named, each fed by a queue with a sentinel, joined with a deadline)
 - ``ckptd-accept``: the Unix socket; one short ``ckptd-conn`` thread per request;
 - ``ckptd-writer``: writes a step straight from the ranks' shared-memory slots (boxes as DCP chunks,
   no reassembly) and commits it once every rank of the node staged it;
-- ``ckptd-verifier``: checksums, coverage and replay -> verified | rejected;
+- ``ckptd-verifier``: checksums and coverage -> verified | rejected;
 - ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal;
 - ``ckptd-tier``: milestone copies to the shared tier.
 
@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
+from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
 from ckpt_service import faults, staging
 from ckpt_service.index import publish_index, read_record, record_state, scan
@@ -59,7 +60,7 @@ class DaemonOptions:
     keep_last: int = 2
     milestone_every: int = 0
     compress: bool = False
-    replay: bool = True
+    faults: TestFaults = NO_FAULTS  # test-only fault injection (accelpact_slurm.core.faults)
     drain_s: float = 120.0
     conn_timeout_s: float = 30.0
 
@@ -107,7 +108,6 @@ class Daemon:
         self._pending: dict[int, _Pending] = {}
         self._states: dict[int, tuple[str, str | None]] = {}
         self._inflight: set[int] = set()  # complete steps queued for, or inside, the writer
-        self._reference = None  # ReferenceModel, built on the first snapshot
         self.q_write: queue.Queue = queue.Queue()
         self.q_verify: queue.Queue = queue.Queue()
         self.q_delete: queue.Queue = queue.Queue()
@@ -264,7 +264,7 @@ class Daemon:
             if complete:
                 del self._pending[step]
                 self._inflight.add(step)
-        faults.pause_point("staging", self.ndir, step)
+        faults.pause_point("staging", self.ndir, step, self.o.faults)
         if complete:
             self.q_write.put((step, dict(pend.paths)))
         return {"ok": True, "step": step, "complete": complete}
@@ -298,7 +298,6 @@ class Daemon:
             log.warning("could not publish the checkpoint index", exc_info=True)
 
     def _write_loop(self, item: tuple[int, dict[int, str]]) -> None:
-        from ckpt_service.reference import ReferenceModel
         from ckpt_service.writer import write_snapshot
 
         step, paths = item
@@ -308,12 +307,10 @@ class Daemon:
                 d = staging.read_descriptor(paths[lr])
                 d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
                 descs.append(d)
-            if self._reference is None:
-                self._reference = ReferenceModel()
             timings: dict[str, float] = {}
             t0 = time.monotonic()
             path, size = write_snapshot(self.ndir, step, descs, compress=self.o.compress, node=self.o.node,
-                                        reference=self._reference, timings=timings)
+                                        timings=timings, faults=self.o.faults)
             log.info("step %d committed in %.2f s (%s)", step, time.monotonic() - t0,
                      ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
         except Exception as exc:
@@ -340,8 +337,8 @@ class Daemon:
         rec = read_record(os.path.join(self.ndir, f"step-{step:010d}"), self.o.milestone_every)
         if rec is None or not os.path.isdir(rec.path):
             return
-        faults.slow_verify(self.o.node)
-        ok, reason = verify_snapshot(rec.path, do_replay=self.o.replay)
+        faults.slow_verify(self.o.node, self.o.faults)
+        ok, reason = verify_snapshot(rec.path)
         state = "verified" if ok else "rejected"
         record_state(rec.path, state, None if ok else reason)
         self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)

@@ -9,18 +9,12 @@ bitwise with the loss recorded at save time.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 from ckpt_service.layout import MANIFEST, STATE
 from ckpt_service.index import read_json
 from ckpt_service.writer import sha256_file
-
-REPLAY_TIMEOUT_S = 300.0
-
 
 def check_checksums(path: str) -> tuple[bool, str]:
     manifest = read_json(os.path.join(path, MANIFEST))
@@ -74,30 +68,10 @@ def check_coverage(path: str) -> tuple[bool, str]:
     return True, f"{n} tensors fully covered"
 
 
-def replay(path: str, timeout_s: float = REPLAY_TIMEOUT_S, python: str | None = None) -> tuple[bool, str]:
-    """Load the snapshot in a fresh process and compare the fixed-batch loss with the recorded one."""
-    cmd = [python or sys.executable, "-m", "accelpact_slurm.workload.replay", path, "--json"]
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return False, f"replay did not finish within {timeout_s:g} s"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return False, f"replay failed (exit {proc.returncode}): {tail[0][:300]}"
-    res = json.loads(lines[-1])
-    return bool(res.get("match")), res.get("reason", "")
-
-
-def verify_snapshot(path: str, *, do_replay: bool = True, timeout_s: float = REPLAY_TIMEOUT_S) -> tuple[bool, str]:
+def verify_snapshot(path: str) -> tuple[bool, str]:
+    """Checksums, then coverage; ``(ok, reason)``.  Reads files only: no model, no training code."""
     for check in (check_checksums, check_coverage):
         ok, why = check(path)
         if not ok:
             return False, why
-    if not do_replay:
-        return True, "checksums and coverage pass (replay skipped)"
-    ok, why = replay(path, timeout_s)
-    return ok, ("checksums, coverage and replay pass: " + why) if ok else why
+    return True, "checksums and coverage pass"

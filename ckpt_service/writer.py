@@ -6,14 +6,13 @@ Steps of :func:`write_snapshot` (each names the failure it prevents):
    node's ranks into one :class:`ChunkedTensor` (DCP's checkpointable protocol: every box becomes a
    DCP chunk, saved straight from shared memory), and check that the boxes cover every tensor
    exactly (a missing rank never yields a silently zero-filled tensor);
-2. the reference loss on the fixed batch, computed from the staged state (:mod:`.reference`); when
-   the rank sent the live model's loss too (the first snapshot of every start), the two must be
-   equal bitwise, which proves the capture's mapping;
+2. a snapshot whose ranks report a failed capture proof (``meta["capture"]``, computed on the ranks
+   against the live state on the first snapshot of every start) is refused;
 3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
    (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads), without
    ``torch.save``'s per-record CRC-32 (the SHA-256 of step 4 covers every byte);
 4. every file fsynced while it is hashed (SHA-256, read back from the page cache) on a second
-   thread; ``manifest.json`` with the checksums, the step, config digest and the reference loss;
+   thread; ``manifest.json`` with the checksums, the step, config digest and the capture proof;
    the directory fsynced;
 5. rename to ``step-NNNNNNNNNN`` (the commit point), fsync the node directory;
 6. record ``committed`` in ``state.json``.
@@ -36,8 +35,9 @@ import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
-from ckpt_service import faults
+from ckpt_service import faults as fault_points
 from ckpt_service.compat import zstd_extensions
 from ckpt_service.index import fsync_dir, read_json, record_state, write_json_atomic
 from ckpt_service.layout import DEL_PREFIX, MANIFEST, STATE, TMP_PREFIX, step_dirname
@@ -222,14 +222,14 @@ def _no_zip_crc():
 _CRC_LOCK = threading.Lock()
 
 
-def _writer(path: str, compress: bool, ndir: str, step: int):
+def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults = NO_FAULTS):
     from torch.distributed.checkpoint import FileSystemWriter
 
     class _Writer(FileSystemWriter):
         """FileSystemWriter with the ``writing`` fault point between the shard files and ``.metadata``."""
 
         def finish(self, metadata, results):  # noqa: D401 - DCP interface
-            faults.pause_point("writing", ndir, step)
+            fault_points.pause_point("writing", ndir, step, faults_)
             return super().finish(metadata, results)
 
     # sync_files=False: the files are fsynced together, overlapped with hashing (fsync_and_hash)
@@ -238,37 +238,26 @@ def _writer(path: str, compress: bool, ndir: str, step: int):
 
 
 def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, compress: bool = False,
-                   node: str = "", reference: Callable[[dict, dict], float] | None = None,
-                   timings: dict[str, float] | None = None) -> tuple[str, int]:
+                   node: str = "", timings: dict[str, float] | None = None,
+                   faults: TestFaults = NO_FAULTS) -> tuple[str, int]:
     """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
 
-    ``reference(meta, tensors)`` computes the fixed-batch loss from the staged state; it is recorded in
-    the manifest (and must equal a live loss the ranks sent, bitwise).  ``timings`` (if given) receives
-    the seconds spent in ``reference``, ``dcp_save`` and ``fsync_hash``.
+    The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose
+    descriptors say the proof failed is refused.  ``timings`` (if given) receives the seconds spent in
+    ``dcp_save`` and ``fsync_hash``.
     """
     timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp
 
-    from accelpact_slurm.runtime.appstate import extra_to_dcp
-
     descs = sorted(descs, key=lambda d: d["local_rank"])
     meta = descs[0]["meta"]
-    state, tensors = build_state(descs)
-    ev = dict(meta.get("eval") or {})
-    if reference is not None:
-        t = time.monotonic()
-        loss = reference(meta, tensors)
-        timings["reference"] = time.monotonic() - t
-        live = ev.get("live_loss")
-        if live is not None and live != loss:
-            raise CheckpointError(f"step {step}: the staged state gives loss {loss!r} on the fixed batch, the live "
-                                  f"model gave {live!r}: the capture is wrong, snapshot not written")
-        ev.update(loss=loss, source="staged" if live is None else "staged, equal to the live model")
-    elif ev.get("live_loss") is not None:
-        ev.update(loss=ev["live_loss"], source="live model")
-    if ev.get("loss") is None:
-        raise CheckpointError(f"step {step}: no reference loss for the replay check")
-    state["extra"] = extra_to_dcp(meta["extra"])
+    bad = [d["rank"] for d in descs if (d["meta"].get("capture") or {}).get("ok") is False]
+    if bad:
+        why = descs[0]["meta"]["capture"].get("reason") if descs else ""
+        raise CheckpointError(f"step {step}: the capture of rank(s) {bad} does not match the live state ({why}); "
+                              f"snapshot not written")
+    state, _tensors = build_state(descs)
+    state["extra"] = {"json": meta["extra_json"]}
     final = os.path.join(ndir, step_dirname(step))
     tmp = os.path.join(ndir, f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -276,7 +265,7 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
         os.makedirs(tmp)
         t = time.monotonic()
         with _no_zip_crc():
-            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step), planner=_planner(), no_dist=True)
+            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step, faults), planner=_planner(), no_dist=True)
         timings["dcp_save"] = time.monotonic() - t
         names = sorted(os.listdir(tmp))
         t = time.monotonic()
@@ -287,12 +276,12 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
         manifest = {
             "format": FORMAT_VERSION, "step": step, "node": node, "created": time.time(),
             "job_id": meta.get("job_id"), "config_digest": meta.get("config_digest"), "config": meta.get("config"),
-            "eval": ev, "compressed": compress, "world_size": meta.get("world_size"),
+            "capture": meta.get("capture"), "compressed": compress, "world_size": meta.get("world_size"),
             "node_ranks": [d["rank"] for d in descs], "files": files,
         }
         write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
         fsync_dir(tmp)
-        faults.pause_point("written", ndir, step)
+        fault_points.pause_point("written", ndir, step, faults)
         _make_room_for(final)
         os.rename(tmp, final)
         fsync_dir(ndir)
@@ -301,7 +290,7 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
         if isinstance(exc, (OSError, CheckpointError)) or _is_oserror_inside(exc) or _is_dcp_failure(exc):
             raise CheckpointError(f"step {step}: {_root_reason(exc)}") from exc
         raise
-    faults.pause_point("renamed", ndir, step)
+    fault_points.pause_point("renamed", ndir, step, faults)
     try:
         record_state(final, "committed", None)
     except OSError:  # the rename is the commit point: an unrecorded step-N reads as committed

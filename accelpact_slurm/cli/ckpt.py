@@ -1,7 +1,7 @@
 """``accelpact-ckpt list|verify|export``: a node's snapshots from the shell.
 
 - ``list DIR``: the snapshots of a node directory (or a run directory: every node), state, size, age;
-- ``verify PATH``: checksums, coverage and replay of one snapshot, or of every snapshot of a node
+- ``verify PATH``: checksums and coverage of one snapshot, or of every snapshot of a node
   directory; records verified/rejected and prints the newest verified;
 - ``export SNAPSHOT OUT.pt``: stock ``dcp_to_torch_save`` into one ``torch.save`` file.
 
@@ -55,7 +55,7 @@ def cmd_verify(args) -> int:
                                                                    for r in scan(nd)]
     failed = 0
     for p in targets:
-        ok, why = verify_snapshot(p, do_replay=not args.no_replay)
+        ok, why = verify_snapshot(p)
         if args.record:
             record_state(p, "verified" if ok else "rejected", None if ok else why)
         failed += not ok
@@ -85,9 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("path", metavar="DIR", help="a node directory or a run directory")
     a.add_argument("--json", action="store_true")
     a.set_defaults(fn=cmd_list)
-    v = sub.add_parser("verify", help="verify snapshots (checksums, coverage, replay)")
+    v = sub.add_parser("verify", help="verify snapshots (checksums and coverage; no model needed)")
     v.add_argument("path", metavar="PATH", help="a step-NNNNNNNNNN directory, a node directory or a run directory")
-    v.add_argument("--no-replay", action="store_true", help="skip the fresh-process replay")
     v.add_argument("--no-record", dest="record", action="store_false", help="do not write state.json")
     v.set_defaults(fn=cmd_verify)
     e = sub.add_parser("export", help="convert a snapshot to one torch.save file")

@@ -31,7 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-id", help="job id for events (default: $SLURM_JOB_ID)")
     p.add_argument("--restart", type=int, help="the job's restart count, for events (default: $SLURM_RESTART_COUNT or 0)")
     p.add_argument("--drain-s", type=float, default=120.0, help="on SIGTERM, finish queued work for at most S s")
-    p.add_argument("--no-replay", action="store_true", help="verify by checksums and coverage only")
     return p
 
 
@@ -52,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ckpt_service.layout import node_dir
 
     from accelpact_slurm.core.config import load_config
+    from accelpact_slurm.core.faults import TestFaults
 
     try:
         cfg = load_config(args.config)
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_dir=c.shared_dir, node_index=args.node_index, job_id=args.job_id or os.environ.get("SLURM_JOB_ID"),
             restart=args.restart if args.restart is not None else int(os.environ.get("SLURM_RESTART_COUNT") or 0),
             keep_last=c.keep_last, milestone_every=c.milestone_every, compress=c.compress,
-            replay=not args.no_replay, drain_s=args.drain_s,
+            drain_s=args.drain_s, faults=TestFaults.from_environ(),
         )
         if c.daemon_nice:  # background writes and verification yield the CPU to training ranks
             os.nice(c.daemon_nice)

@@ -55,19 +55,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     import torch
 
-    from accelpact_slurm.runtime.recovery import QUALIFYING_VAR, key_factory
+    from accelpact_slurm.core import settings
 
-    key = key_factory(cfg, cfg.topology.nodes, cfg.topology.ranks_per_node)("committed")
     work = args.work_dir or tempfile.mkdtemp(prefix="accelpact-qualify-")
     env = dict(os.environ)
-    env.pop(QUALIFYING_VAR, None)
+    env.pop(settings.QUALIFYING, None)
     timeout = 60 + args.steps * 10
-    print(f"[qualify] key {key}; {args.trials} trials of {args.steps} updates in {work}", flush=True)
+    print(f"[qualify] {args.trials} trials of {args.steps} updates in {work}", flush=True)
     rc, ref = _run(args.config, os.path.join(work, "reference"), ["--steps", str(args.steps)], env, timeout)
     if rc != 0 or ref is None:
         print(f"accelpact-qualify: error: the uninterrupted reference run failed (exit {rc})", file=sys.stderr)
         return 1
-    env[QUALIFYING_VAR] = "1"
+    # The key comes from the job itself: the platform and the wrapping its entry point chose.
+    protected = [e for e in read_events(os.path.join(work, "reference", "events.jsonl")) if e["event"] == "protected"]
+    if not protected:
+        print("accelpact-qualify: error: the reference run never called job.protect", file=sys.stderr)
+        return 1
+    key = env_mod.Key(protected[0]["platform"], protected[0]["profile"], "committed")
+    print(f"[qualify] key {key}", flush=True)
+    env[settings.QUALIFYING] = "1"
     world = cfg.world_size
     successes = 0
     for i in range(args.trials):

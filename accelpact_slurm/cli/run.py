@@ -1,9 +1,10 @@
 """``accelpact-run CONFIG``: run a training job on the embedded default or as one Slurm task.
 
-Outside Slurm the command launches the job itself: ``topology.nodes x
-topology.ranks_per_node`` local processes with an emulated Slurm environment.
-Inside an allocation (one task per rank via ``srun``) it joins as that task's
-rank; the allocation's sizes win over the job file's topology.
+Every rank calls the job file's ``entry: module:function`` with its Job (the public API,
+docs/api.md).  Outside Slurm the command launches the job itself: ``topology.nodes x
+topology.ranks_per_node`` local processes with an emulated Slurm environment.  Inside an
+allocation (one task per rank via ``srun``) it joins as that task's rank; the allocation's
+sizes win over the job file's topology.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/tiny.yaml)")
+    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/decoder/job.yaml)")
+    p.add_argument("--entry", metavar="MODULE:FUNCTION",
+                   help="the training function to call on every rank (overrides the file's entry)")
     p.add_argument("--run-dir", metavar="DIR",
                    help="where events.jsonl, summary.json and logs go "
                         f"(default: ${settings.RUNS_ROOT} or ./runs, then the job id or name and time)")
@@ -51,6 +54,8 @@ def effective_config(args: argparse.Namespace) -> JobConfig:
         overrides["steps"] = args.steps
     if args.seed is not None:
         overrides["seed"] = args.seed
+    if args.entry is not None:
+        overrides["entry"] = args.entry
     cfg = with_overrides(cfg, overrides) if overrides else cfg
     if args.inject_fault:
         cfg = with_overrides(cfg, {"faults": list(dict.fromkeys([*map(str, cfg.faults), *args.inject_fault]))})
@@ -83,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             signals.mark_ready(run_dir, ctx.restart_count, ctx.rank)  # the batch script may forward USR2 from now on
             from accelpact_slurm.runtime.job import run_rank
 
-            return run_rank(cfg, ctx, run_dir)
+            return run_rank(cfg, ctx, run_dir, job_file=args.config)
         if env.get("SLURM_JOB_ID"):
             raise ConfigError("SLURM_PROCID", None,
                               "inside an allocation but not in a task: start one task per rank with "
@@ -97,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             passthrough += ["--steps", str(args.steps)]
         if args.seed is not None:
             passthrough += ["--seed", str(args.seed)]
+        if args.entry is not None:
+            passthrough += ["--entry", args.entry]
         for f in args.inject_fault:
             passthrough += ["--inject-fault", f]
         print(f"[accelpact] embedded default: {cfg.topology.nodes} emulated nodes x "

@@ -39,7 +39,7 @@ class SubmitUsageError(AccelpactError, ValueError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()),
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/tiny.yaml)")
+    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/decoder/job.yaml)")
     p.add_argument("--run-dir", metavar="DIR",
                    help=f"the run directory shared by every node (default: ${settings.RUNS_ROOT} or ./runs, "
                         "then the job id)")

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,8 +27,7 @@ import yaml
 from accelpact_slurm.core.errors import ConfigError
 
 FAULT_PHASES = ("boundary", "forward", "backward")
-FSDP_VERSIONS = ("fsdp1", "fsdp2")
-MESH_MODES = ("device_mesh", "group_pair")
+ENTRY_RE = re.compile(r"^([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,31 +36,7 @@ class TopologyConfig:
 
     nodes: int = 2
     ranks_per_node: int = 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    layers: int = 4
-    width: int = 64
-    heads: int = 4
-    vocab: int = 256
-    seq_len: int = 32
-    dropout: float = 0.1
-    fsdp: str = "fsdp1"
-    mesh: str = "device_mesh"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    batch_per_rank: int = 4
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 5
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    log_every: int = 5
-    threads_per_rank: int = 1
+    threads_per_rank: int = 1  # torch.set_num_threads on every rank (the embedded default shares one machine)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,16 +109,19 @@ class FaultSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
+    """The project's own sections; ``params`` is the user's, handed to the entry point untouched."""
+
     name: str = "job"
+    entry: str = ""  # module:function, called with the Job on every rank
     seed: int = 0
     steps: int = 25
+    log_every: int = 5
     topology: TopologyConfig = field(default_factory=TopologyConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     faults: tuple[FaultSpec, ...] = ()
+    params: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -248,6 +227,12 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         hint = next(a for a in args if a is not type(None))
+    if hint is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(where, value, "must be a mapping (a YAML section of your own keys)")
+        return dict(value)
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(where, value, "must be true or false")
@@ -290,34 +275,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("steps", cfg.steps, "must be >= 0 (the number of optimizer updates to run)")
     positive("topology.nodes", cfg.topology.nodes, "must be >= 1")
     positive("topology.ranks_per_node", cfg.topology.ranks_per_node, "must be >= 1")
-    m = cfg.model
-    for name in ("layers", "width", "heads", "vocab", "seq_len"):
-        positive(f"model.{name}", getattr(m, name), "must be >= 1")
-    if m.width % m.heads:
-        raise ConfigError("model.width", m.width, f"must be divisible by model.heads ({m.heads})")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
-    if m.fsdp not in FSDP_VERSIONS:
-        raise ConfigError("model.fsdp", m.fsdp, f"must be one of {', '.join(FSDP_VERSIONS)}")
-    if m.mesh not in MESH_MODES:
-        raise ConfigError("model.mesh", m.mesh, f"must be one of {', '.join(MESH_MODES)}")
-    if m.fsdp == "fsdp2" and m.mesh != "device_mesh":
-        raise ConfigError("model.mesh", m.mesh, "FSDP2 runs on a device mesh; set model.mesh: device_mesh")
-    t = cfg.train
-    positive("train.batch_per_rank", t.batch_per_rank, "must be >= 1")
-    positive("train.lr", t.lr)
-    if not 0 <= t.min_lr <= t.lr:
-        raise ConfigError("train.min_lr", t.min_lr, f"must be between 0 and train.lr ({t.lr:g})")
-    if t.warmup_steps < 0:
-        raise ConfigError("train.warmup_steps", t.warmup_steps, "must be >= 0")
-    if t.weight_decay < 0:
-        raise ConfigError("train.weight_decay", t.weight_decay, "must be >= 0")
-    for name in ("beta1", "beta2"):
-        v = getattr(t, name)
-        if not 0 <= v < 1:
-            raise ConfigError(f"train.{name}", v, "must be in [0, 1)")
-    positive("train.log_every", t.log_every, "must be >= 1")
-    positive("train.threads_per_rank", t.threads_per_rank, "must be >= 1")
+    positive("log_every", cfg.log_every, "must be >= 1 (updates between progress lines)")
+    positive("topology.threads_per_rank", cfg.topology.threads_per_rank, "must be >= 1")
+    if cfg.entry and not ENTRY_RE.match(cfg.entry):
+        raise ConfigError("entry", cfg.entry, "write the entry point as module:function or path/to/file.py:function, e.g. train:main")
     c = cfg.checkpoint
     if c.every_steps < 0:
         raise ConfigError("checkpoint.every_steps", c.every_steps, "must be >= 0 (0 turns snapshots off)")

@@ -89,3 +89,10 @@ class CheckpointError(AccelpactError, RuntimeError):
 
 class LaunchError(AccelpactError, RuntimeError):
     """The local launcher could not start or supervise its ranks."""
+
+
+class UsageError(ConfigError):
+    """The user's training script hands the API something it cannot protect; the message says what to change.
+
+    Same shape as :class:`ConfigError`: ``UsageError(what, value, fix)``.
+    """

@@ -31,7 +31,10 @@ SUMMARY_FILE = "summary.json"
 EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "job_start": ("config", "world_size", "nodes", "ranks_per_node", "hostnames"),
     "membership": ("local_rank", "hostname", "pid"),
-    "step": ("step", "loss", "tokens_per_s", "step_s"),
+    "step": ("step", "loss", "step_s"),
+    "protected": ("platform", "profile", "fsdp", "mesh", "state"),
+    "replay_ref": ("snapshot", "step", "loss", "fingerprints", "layout"),
+    "replay_check": ("snapshot", "step", "verdict", "reason"),
     "fault": ("phase", "step", "fault_rank", "error"),
     "repair": ("generation", "frontier", "ranks", "rebound", "phases", "total_s"),
     "fail_stop": ("reason", "exit_code", "phase", "frontier", "decision_s"),

@@ -22,3 +22,44 @@ def runs_root(environ: Mapping[str, str] | None = None) -> str:
 def log_level(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     return (environ.get(LOG_LEVEL) or "WARNING").upper()
+
+
+#: Path of the envelope file (default: the one shipped in the package).
+ENVELOPE = "ACCELPACT_ENVELOPE"
+#: Set by accelpact-qualify for its trials: attempt Preserve on an unqualified key to earn the entry.
+QUALIFYING = "ACCELPACT_QUALIFYING"
+#: Rendezvous of the data and control stores (set by the launchers; else derived from the job id).
+MASTER_ADDR = "ACCELPACT_MASTER_ADDR"
+MASTER_PORT = "ACCELPACT_MASTER_PORT"
+CONTROL_PORT = "ACCELPACT_CONTROL_PORT"
+#: Set by the embedded default's launcher: it, not Slurm, relaunches the job.
+EMULATED = "ACCELPACT_EMULATED"
+#: The job id the embedded default's launcher gives its ranks (default: local-<pid>).
+LOCAL_JOB_ID = "ACCELPACT_LOCAL_JOB_ID"
+
+
+def envelope_path(environ: Mapping[str, str] | None = None) -> str | None:
+    environ = os.environ if environ is None else environ
+    return environ.get(ENVELOPE) or None
+
+
+def qualifying(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(QUALIFYING) == "1"
+
+
+def emulated(environ: Mapping[str, str] | None = None) -> bool:
+    """True on the embedded default, where the local launcher plays Slurm's part."""
+    environ = os.environ if environ is None else environ
+    return environ.get(EMULATED) == "1"
+
+
+def local_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    environ = os.environ if environ is None else environ
+    return environ.get(LOCAL_JOB_ID) or None
+
+
+def rendezvous(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None, str | None]:
+    """``(address, data port, control port)`` as the launcher set them (each None when unset)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(MASTER_ADDR) or None, environ.get(MASTER_PORT) or None, environ.get(CONTROL_PORT) or None

@@ -188,7 +188,7 @@ class RankTask(submitit.helpers.Checkpointable):
 
         daemon = start_node_daemon(spec, cfg, run_dir, ctx) if ctx.local_rank == 0 else None
         try:
-            code = run_rank(cfg, ctx, run_dir)  # a fail-stop never returns: it exits 75/76 via os._exit
+            code = run_rank(cfg, ctx, run_dir, job_file=spec.config_path)  # a fail-stop never returns: it exits 75/76 via os._exit
         finally:
             if daemon is not None:
                 from accelpact_slurm.launch.daemons import stop_daemons

@@ -28,9 +28,6 @@ from accelpact_slurm.repair import torch_compat as tc
 
 log = logging.getLogger(__name__)
 
-#: Test-only switch: skip rebinding (and its invariant scan) to show that rebinding is needed.
-TEST_SKIP_REBIND = "ACCELPACT_TEST_SKIP_REBIND"
-
 PHASES = ("observe", "guard_sync", "control_barrier", "replace", "rebind", "validate")
 TRANSITIONS: dict[str, str] = {
     "observe": "guard_sync",
@@ -69,13 +66,21 @@ def rss_bytes() -> int:
 
 
 class RepairEngine:
-    """Owns the repair of one rank.  ``trainer`` gives the model, the runtime and the FSDP flavour."""
+    """Owns the repair of one rank.
 
-    def __init__(self, trainer, events, cfg) -> None:
-        self.trainer = trainer
-        self.rt = trainer.rt
+    ``model`` is the user's wrapped model (FSDP1 or FSDP2; the flavour is read from it), ``rt`` the
+    rank's runtime (``rank``, ``local_rank``, ``layout``, ``control``, ``replicate_group``, ``mesh``,
+    ``collective_timeout_s``: a fake one in the phase tests), ``events`` the event log.
+    ``skip_rebind`` is the negative control of the rebinding tests (never set in production).
+    """
+
+    def __init__(self, model, rt, events, *, fsdp: str, skip_rebind: bool = False, out=None) -> None:
+        self.model = model
+        self.rt = rt
         self.events = events
-        self.cfg = cfg
+        self.fsdp = fsdp
+        self.skip_rebind = skip_rebind
+        self.out = out
         self.generation = 0
         self.repairs = 0
 
@@ -115,7 +120,7 @@ class RepairEngine:
             detail = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items())
             print(f"[accelpact] L1 repair (generation {ctx.generation}) at F={frontier}, ranks {ranks}: "
                   f"{ctx.lead_view.get('rebound', 0)} references rebound; {detail}; total {total * 1000:.1f} ms, "
-                  f"fault to resume {time.monotonic() - observed:.2f} s", flush=True)
+                  f"fault to resume {time.monotonic() - observed:.2f} s", file=self.out, flush=True)
         return ctx
 
     # ------------------------------------------------------------------ phases
@@ -133,10 +138,10 @@ class RepairEngine:
         """Drain the device and check that no FSDP unit is mid-step and no gradient is pending."""
         if torch.cuda.is_available():  # pragma: no cover - GPU only
             torch.cuda.synchronize()
-        ok, why = tc.fsdp_idle(self.trainer.model, self.cfg.model.fsdp)
+        ok, why = tc.fsdp_idle(self.model, self.fsdp)
         if not ok:
             raise RepairError(f"guard check failed: {why}")
-        pending = [n for n, p in self.trainer.model.named_parameters() if p.grad is not None]
+        pending = [n for n, p in self.model.named_parameters() if p.grad is not None]
         if pending:
             raise RepairError(f"guard check failed: {len(pending)} outstanding gradients (e.g. {pending[0]})")
 
@@ -170,13 +175,13 @@ class RepairEngine:
         if not ctx.member:
             return
         old, new = ctx.old, ctx.new
-        if os.environ.get(TEST_SKIP_REBIND) == "1":
-            log.warning("rebinding skipped (test-only switch %s)", TEST_SKIP_REBIND)
+        if self.skip_rebind:
+            log.warning("rebinding skipped (test-only fault injection)")
             self.rt.replicate_group = new
             return
-        ctx.rebound = rb.rebind_all(self.trainer.model, self.cfg.model.fsdp, self.rt.mesh, 0, old, new)
+        ctx.rebound = rb.rebind_all(self.model, self.fsdp, self.rt.mesh, 0, old, new)
         self.rt.replicate_group = new
-        left = rb.find_references(tc.framework_roots(self.trainer.model, self.rt.mesh), old, self.rt.mesh)
+        left = rb.find_references(tc.framework_roots(self.model, self.rt.mesh), old, self.rt.mesh)
         if left:
             raise FailStop(f"rebinding invariant violated: {len(left)} reference(s) to the retired group remain, "
                            f"e.g. {left[:3]}", EXIT_REQUEUE, phase="committed", frontier=ctx.frontier,

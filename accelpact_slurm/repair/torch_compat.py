@@ -166,3 +166,35 @@ def set_group_timeout(pg: dist.ProcessGroup, timeout_s: float) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     c10d._set_pg_timeout(timedelta(seconds=timeout_s), pg)
+
+
+def wrapping(model: nn.Module) -> tuple[str, str]:
+    """``(fsdp1 | fsdp2, device_mesh | group_pair)``: how ``model`` is wrapped for HSDP.
+
+    Raises ``ValueError`` naming the fix when it is not wrapped for HSDP (no FSDP at all, FSDP1 with
+    another sharding strategy, FSDP2 on a 1-D mesh).
+    """
+    from torch.distributed.fsdp import ShardingStrategy
+
+    units = fsdp1_units(model)
+    if units:
+        bad = [u for u in units if u.sharding_strategy not in (ShardingStrategy.HYBRID_SHARD,
+                                                                  ShardingStrategy._HYBRID_SHARD_ZERO2)]
+        if bad:
+            raise ValueError(f"FSDP1 sharding_strategy is {bad[0].sharding_strategy.name}; wrap with "
+                             f"sharding_strategy=ShardingStrategy.HYBRID_SHARD on job.mesh or job.groups")
+        mesh = getattr(units[0], "_device_mesh", None)
+        return "fsdp1", "device_mesh" if mesh is not None else "group_pair"
+    from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
+
+    fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if fsdp2:
+        group = fsdp2[0]._get_fsdp_state()._fsdp_param_group
+        mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+        if mesh is None or mesh.ndim != 2:
+            raise ValueError("FSDP2 fully_shard must run on the 2-D (replicate, shard) mesh: "
+                             "fully_shard(module, mesh=job.mesh)")
+        return "fsdp2", "device_mesh"
+    raise ValueError("the model is not wrapped for HSDP: wrap it with FullyShardedDataParallel(model, "
+                     "sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=job.mesh) or with "
+                     "fully_shard(module, mesh=job.mesh) before job.protect")

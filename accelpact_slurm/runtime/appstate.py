@@ -1,61 +1,101 @@
-"""A rank's application state (S_app) as the checkpoint service sees it.
+"""The non-tensor part of a rank's application state, and the load path of a snapshot.
 
-The tensors (weights, AdamW state) are captured by :mod:`ckpt_service.capture` (this rank's boxes,
-copied into shared memory).  This module holds the rest of a snapshot and the load path:
-:func:`extra_state` (the non-tensor state every rank shares at a committed boundary, plus every
-rank's RNG), :func:`extra_to_dcp` (how that is stored beside the tensors) and :func:`load`
-(collective: restores a Trainer from a DCP snapshot directory with stock ``dcp.load`` into the
-sharded state dict and ``set_state_dict``, then the extra state: RNG, cursor, frontier, losses,
-scheduler).
+The tensors (weights, optimizer state) are captured by :mod:`ckpt_service.capture`.  Everything
+else travels as one JSON document per snapshot (``{"run": ..., "ranks": {rank: ...}}``):
+
+- ``run``: what every rank shares at a committed boundary (frontier, epoch, per-update losses);
+- ``ranks[r]``: rank r's RNG states (CPU and, where present, CUDA) and the ``state_dict()`` of every
+  ``Stateful`` the user passed to ``job.protect`` (scheduler, data loader, own counters).
+
+:func:`encode` turns a state dict into JSON-able data (tensors as base64 with dtype and shape) and
+names the offending object and key when something cannot be saved (:class:`UsageError`).
+:func:`load` (collective) restores model and optimizer with stock ``dcp.load`` into the sharded
+state dict and ``set_state_dict``, then returns the JSON document.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import logging
+import math
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-log = logging.getLogger(__name__)
+from accelpact_slurm.core.errors import UsageError
 
 EXTRA = "extra"
+_TENSOR = "__tensor__"
 
 
-def rng_b64() -> str:
-    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+def encode(value: Any, where: str) -> Any:
+    """JSON-able copy of ``value`` (a state dict); raises :class:`UsageError` naming ``where`` and the key."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"__float__": repr(value)}
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        return {_TENSOR: base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes()).decode(),
+                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise UsageError(where, f"key {k!r} of type {type(k).__name__}", "use str or int keys in state_dict()")
+            out[("i:" if isinstance(k, int) else "s:") + str(k)] = encode(v, f"{where}.{k}")
+        return {"__dict__": out}
+    if isinstance(value, (list, tuple)):
+        return {"__list__": [encode(v, f"{where}[{i}]") for i, v in enumerate(value)],
+                "tuple": isinstance(value, tuple)}
+    raise UsageError(where, type(value).__name__,
+                     "state_dict() must hold only numbers, strings, booleans, None, tensors, lists and dicts; "
+                     "keep functions and other objects out of it (a LambdaLR's lambda is dropped by torch itself)")
 
 
-def extra_state(trainer: Any, rngs: list[str]) -> dict[str, Any]:
-    """The non-tensor state every rank shares at a committed boundary, plus every rank's RNG (base64)."""
-    p = trainer.progress
-    return {"step": p.step, "cursor": p.cursor, "losses": list(p.losses),
-            "scheduler": trainer.scheduler.state_dict(), "rng": {str(r): s for r, s in enumerate(rngs)}}
+def decode(value: Any) -> Any:
+    """Inverse of :func:`encode`."""
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            raw = bytearray(base64.b64decode(value[_TENSOR]))
+            dtype = getattr(torch, value["dtype"])
+            flat = torch.frombuffer(raw, dtype=torch.uint8).clone() if raw else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(value["shape"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        if "__dict__" in value:
+            return {(int(k[2:]) if k.startswith("i:") else k[2:]): decode(v) for k, v in value["__dict__"].items()}
+        if "__list__" in value:
+            items = [decode(v) for v in value["__list__"]]
+            return tuple(items) if value.get("tuple") else items
+    return value
 
 
-def extra_to_dcp(extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``extra`` entry of the saved state dict: a JSON string and one uint8 RNG tensor per rank."""
-    rng = {r: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-           for r, s in extra["rng"].items()}
-    meta = {k: v for k, v in extra.items() if k != "rng"}
-    return {"json": json.dumps(meta), "rng": rng}
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states, JSON-able."""
+    out = {"cpu": encode(torch.get_rng_state(), "rng.cpu")}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - GPU only
+        out["cuda"] = [encode(s, "rng.cuda") for s in torch.cuda.get_rng_state_all()]
+    return out
 
 
-def load(trainer: Any, path: str, rank: int) -> dict[str, Any]:
-    """Collective: restore ``trainer`` from the DCP directory ``path``; return the extra state."""
-    msd, osd = get_state_dict(trainer.model, trainer.optimizer)
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(decode(state["cpu"]))
+    if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - GPU only
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+
+
+def load(model: Any, optimizer: Any, path: str) -> dict[str, Any]:
+    """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    probe = torch.get_rng_state()
-    ex = {EXTRA: {"json": "", "rng": {str(rank): torch.empty_like(probe)}}}
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    ex = {EXTRA: {"json": ""}}
     dcp.load(ex, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    meta = json.loads(ex[EXTRA]["json"])
-    p = trainer.progress
-    p.step, p.cursor, p.losses = int(meta["step"]), int(meta["cursor"]), [float(x) for x in meta["losses"]]
-    trainer.scheduler.load_state_dict(meta["scheduler"])
-    torch.set_rng_state(ex[EXTRA]["rng"][str(rank)])
-    return meta
+    return json.loads(ex[EXTRA]["json"])

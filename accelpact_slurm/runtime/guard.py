@@ -7,14 +7,13 @@ the control plane: its frontier, whether it saw a fault and in which phase, and
 its loss.  All ranks decide from the same votes, so all stop at the same boundary
 and take the same action (:func:`decide_votes`, pure).
 
-The frontier F advances (``Trainer.commit``) only after the vote shows that
+The frontier F advances (``Run`` commits the update) only after the vote shows that
 ``optimizer.step`` returned on every rank.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,33 +21,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.core.config import JobConfig, FaultSpec
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
+from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.phases import COMMITTED, Withheld
 
 log = logging.getLogger(__name__)
 
-FORWARD, BACKWARD, OPTIMIZER, COMMITTED = "forward", "backward", "optimizer", "committed"
 CONTINUE = "continue"
-
-#: Test-only switch: ``RANK:STEP`` makes RANK report a frontier one ahead at update STEP.
-TEST_FRONTIER_SKEW = "ACCELPACT_TEST_FRONTIER_SKEW"
-
-
-class FaultInjector:
-    """Real fault injection: the chosen rank withholds its part of a collective."""
-
-    def __init__(self, faults: tuple[FaultSpec, ...], rank: int, restart_count: int = 0) -> None:
-        self._pending = {(f.phase, f.step) for f in faults
-                         if f.rank == rank and (f.always or restart_count == 0)}
-
-    def fires(self, phase: str, step: int) -> bool:
-        key = (phase, step)
-        if key in self._pending:
-            self._pending.discard(key)
-            return True
-        return False
-
 
 @dataclass
 class Vote:
@@ -98,64 +78,51 @@ def affected_ranks(votes: list[Vote], replicate_ranks: Callable[[int], list[int]
 
 
 class BoundaryGuard:
-    """Runs one guarded update on one rank; see the module docstring."""
+    """Decides one update on one rank; see the module docstring.
 
-    def __init__(self, cfg: JobConfig, trainer, events, envelope: env_mod.Envelope, key_for: Callable[[str], env_mod.Key],
-                 engine) -> None:
-        self.cfg = cfg
-        self.trainer = trainer
-        self.rt = trainer.rt
+    Who calls: :class:`accelpact_slurm.runtime.api.Update` on every rank, at the end of every update
+    (:meth:`finish`), in the same order.
+    """
+
+    def __init__(self, rt, events, envelope: env_mod.Envelope, key_for: Callable[[str], env_mod.Key], engine,
+                 injector, faults: TestFaults = NO_FAULTS) -> None:
+        self.rt = rt
         self.events = events
         self.envelope = envelope
         self.key_for = key_for
         self.engine = engine
-        self.phase = COMMITTED
+        self.injector = injector
+        self.faults = faults
         self.stop_requested = False
-        self.injector = FaultInjector(cfg.faults, self.rt.rank, self.rt.ctx.restart_count)
-        skew = os.environ.get(TEST_FRONTIER_SKEW, "")
-        self._skew = tuple(int(x) for x in skew.split(":")) if skew else None
 
     def lookup(self, phase: str) -> tuple[str, str]:
         return env_mod.decide(self.envelope, self.key_for(phase))
 
-    def run_update(self) -> float:
-        """Forward, backward, optimizer, boundary check and vote; returns the job's mean loss.
+    def finish(self, step: int, fault: str | None, error: str | None, loss: float | None,
+               extra: dict[str, Any] | None = None) -> tuple[float | None, list[dict[str, Any]]]:
+        """Boundary collective, vote, decision for update ``step`` (= F + 1).
 
-        Raises FailStop when the decision is Restart.  After a Preserve decision the
-        engine has repaired the replication group before this returns.
+        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None).
+        ``extra`` rides along in this rank's vote (the replay fingerprint).  Returns the job's mean
+        loss (None when no rank reported one) and every rank's raw vote.
+
+        Raises:
+            FailStop: the decision is Restart.  After a Preserve decision the engine has repaired
+                the replication group before this returns.
         """
-        tr, rt = self.trainer, self.rt
-        frontier = tr.progress.step
-        step = frontier + 1
-        fault: str | None = None
-        error: str | None = None
-        loss_value: float | None = None
-        try:
-            self.phase = FORWARD
-            if self.injector.fires("forward", step):
-                raise _Withheld("forward")
-            tr.model.train()
-            from accelpact_slurm.workload.trainer import lm_loss
-
-            loss = lm_loss(tr.model, tr.batch())
-            loss_value = float(loss.detach())
-            self.phase = BACKWARD
-            if self.injector.fires("backward", step):
-                raise _Withheld("backward")
-            loss.backward()
-            self.phase = OPTIMIZER
-            tr.optimizer_step()
-            frontier = step
-            self.phase = COMMITTED
-            if self.injector.fires("boundary", step):
-                raise _Withheld("boundary")
-            self._boundary_collective(step)
-        except _Withheld as w:
-            fault, error = self.phase, f"injected fault: rank {rt.rank} withheld its part in {w.args[0]} of update {step}"
-        except RuntimeError as exc:  # a real collective failure (Gloo timeout, closed pair)
-            fault, error = self.phase, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        rt = self.rt
+        frontier = step - 1 if fault else step
+        if not fault:
+            try:
+                if self.injector.fires("boundary", step):
+                    raise Withheld("boundary")
+                self._boundary_collective(step)
+            except Withheld:
+                fault, error = COMMITTED, f"injected fault: rank {rt.rank} withheld its part in boundary of update {step}"
+            except RuntimeError as exc:  # a real collective failure (Gloo timeout, closed pair)
+                fault, error = COMMITTED, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         reported = frontier
-        if self._skew and self._skew == (rt.rank, step):
+        if self.faults.frontier_skew == (rt.rank, step):
             reported = frontier + 1
         observed = time.monotonic()
         if fault:
@@ -163,21 +130,23 @@ class BoundaryGuard:
             self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
         from accelpact_slurm.slurm import signals
 
-        raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss_value,
-                                             "stop": signals.requested()})
+        raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss,
+                                             "stop": signals.requested(), **(extra or {})})
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
         self.stop_requested = any(d.get("stop") for d in raw)
         votes = [Vote.from_json(r, d) for r, d in enumerate(raw)]
         action, reason = decide_votes(votes, self.lookup)
         decided = time.monotonic()
+        losses = [v.loss for v in votes if v.loss is not None]
+        mean = sum(losses) / len(losses) if losses else None
         if action == CONTINUE:
-            return sum(v.loss for v in votes) / len(votes)
+            return mean, raw
         phase = next((v.fault for v in votes if v.fault), COMMITTED)
         key = self.key_for(phase)
         if action == env_mod.PRESERVE:
             ranks = affected_ranks(votes, rt.layout.replicate_ranks, rt.layout.local_of)
             self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason)
-            return sum(v.loss for v in votes) / len(votes)
+            return mean, raw
         raise FailStop(reason, EXIT_REQUEUE, phase=phase, frontier=min(v.frontier for v in votes),
                        decided_at=decided, key=str(key))
 
@@ -188,7 +157,3 @@ class BoundaryGuard:
         expected = step * self.rt.layout.num_nodes
         if int(t) != expected:
             raise RuntimeError(f"replicas disagree on the committed update: sum {int(t)} != {expected}")
-
-
-class _Withheld(Exception):
-    """Internal: this rank is the injected faulting member."""

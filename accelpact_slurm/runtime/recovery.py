@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import os
+from typing import Any, Mapping
 
 import torch
 
-from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.events import EventLog
-from accelpact_slurm.runtime.guard import BoundaryGuard
+from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.repair.engine import RepairEngine
-
-#: Path of the envelope file (default: the one shipped in the package).
-ENVELOPE_VAR = "ACCELPACT_ENVELOPE"
-#: Set by accelpact-qualify for its trials: attempt Preserve on an unqualified key to earn the entry.
-QUALIFYING_VAR = "ACCELPACT_QUALIFYING"
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.guard import BoundaryGuard
+from accelpact_slurm.runtime.phases import FaultInjector
 
 
-def key_factory(cfg: JobConfig, nodes: int, ranks_per_node: int):
+def key_factory(nodes: int, ranks_per_node: int, fsdp: str, mesh: str):
+    """``key_for(phase)``: the envelope key of this job (platform, resource profile) for a fault in ``phase``."""
     platform = env_mod.platform_key(torch.__version__, "gloo")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    profile = env_mod.profile_key(device, nodes, ranks_per_node, cfg.model.fsdp, cfg.model.mesh)
+    profile = env_mod.profile_key(device, nodes, ranks_per_node, fsdp, mesh)
 
     def key_for(phase: str) -> env_mod.Key:
         return env_mod.Key(platform, profile, phase)
@@ -29,11 +27,14 @@ def key_factory(cfg: JobConfig, nodes: int, ranks_per_node: int):
     return key_for
 
 
-def build_guard(cfg: JobConfig, trainer, events: EventLog) -> BoundaryGuard:
-    rt = trainer.rt
-    key_for = key_factory(cfg, rt.layout.num_nodes, rt.layout.ranks_per_node)
-    envelope = env_mod.load(os.environ.get(ENVELOPE_VAR) or None)
-    if os.environ.get(QUALIFYING_VAR) == "1":
+def build_guard(cfg: JobConfig, rt: Any, model: Any, events: Any, wrapping: tuple[str, str], *,
+                faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None, out=None) -> BoundaryGuard:
+    """The guard of one rank, with its envelope (``ACCELPACT_ENVELOPE`` or the shipped one) and engine."""
+    fsdp, mesh = wrapping
+    key_for = key_factory(rt.layout.num_nodes, rt.layout.ranks_per_node, fsdp, mesh)
+    envelope = env_mod.load(settings.envelope_path(environ))
+    if settings.qualifying(environ):
         envelope = env_mod.trial_envelope(key_for("committed"))
-    engine = RepairEngine(trainer, events, cfg)
-    return BoundaryGuard(cfg, trainer, events, envelope, key_for, engine)
+    engine = RepairEngine(model, rt, events, fsdp=fsdp, skip_rebind=faults.skip_rebind, out=out)
+    injector = FaultInjector(cfg.faults, rt.rank, rt.ctx.restart_count)
+    return BoundaryGuard(rt, events, envelope, key_for, engine, injector, faults)

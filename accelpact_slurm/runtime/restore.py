@@ -14,15 +14,13 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
    and compares size and SHA-256 (:func:`ckpt_service.verify.check_checksums`: a bit flip, a
    truncation, a missing shard or ``.metadata`` all fail); pure :func:`agree` combines the
    answers.  When one copy fails, every rank moves to the next older candidate;
-3. **load + replay**: every rank loads its copy (:func:`accelpact_slurm.runtime.appstate.load`)
-   and computes the loss on the fixed batch the manifest records (collective: FSDP forward);
-   every rank compares it bitwise with the recorded loss.  A mismatch rejects the copies that
-   disagree; the next older candidate is loaded over it (a load replaces the whole
-   application state: weights, both AdamW moments, scheduler, frontier, cursor, losses, RNG).
-   When no older candidate is left after a load, the trainer is not fresh any more, so the
-   start ends with :class:`~accelpact_slurm.core.errors.FailStop` (``EXIT_REQUEUE``): the next start
-   finds no usable snapshot and begins from step 0 with a freshly built model;
-4. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
+3. **load**: every rank loads its copy (:func:`accelpact_slurm.runtime.appstate.load`, collective):
+   weights, optimizer state, and the extra state (frontier, RNG, every ``Stateful``);
+4. the replay check runs later, on the user's own training path: the first update after the load
+   must reproduce bitwise what the run recorded for that update when it first ran
+   (:mod:`accelpact_slurm.runtime.replay`); a mismatch rejects the snapshot and fails stop, and the
+   next start falls back to the next older one;
+5. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
    ``path`` and ``skipped`` (``[{step, reason}]`` for every newer snapshot that was not taken).
    Nothing is written when there was no snapshot at all.
 
@@ -38,8 +36,8 @@ step stays ``verified`` until its next start; nothing selects from it (selection
 A load that raises after the checksums passed (an environment error, not the snapshot's) is not
 recorded as a rejection: the exception ends the start and the no-progress rule bounds the retries.
 
-Test-only switch: ``ACCELPACT_TEST_SKIP_RELOAD_CHECK=1`` skips the re-check and the replay (the
-negative control of the corruption test).
+Test-only: ``TestFaults.skip_reload_check`` skips the re-check and the replay check (the negative
+control of the corruption test).
 """
 
 from __future__ import annotations
@@ -51,20 +49,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
-from ckpt_service.index import common_step, newest_verified, publish_index, read_json, record_state, scan
-from ckpt_service.layout import MANIFEST, node_dir, shared_dir
+from ckpt_service.index import common_step, newest_verified, publish_index, record_state, scan
+from ckpt_service.layout import node_dir, shared_dir
 
-from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
 
 log = logging.getLogger(__name__)
 
-__all__ = ["reachable_verified", "restore_trainer", "newest_verified", "common_step", "plan", "agree",
-           "reload", "ReloadOutcome", "TEST_SKIP_RELOAD_CHECK"]
-
-#: Test-only: skip the re-check and the replay at reload (negative controls).
-TEST_SKIP_RELOAD_CHECK = "ACCELPACT_TEST_SKIP_RELOAD_CHECK"
-#: Default batch size of the replay check when a manifest does not record one (the client's).
-DEFAULT_EVAL_BATCH = 4
+__all__ = ["reachable_verified", "restore", "newest_verified", "common_step", "plan", "agree",
+           "reload", "ReloadOutcome"]
 _MAX_HOSTS_NAMED = 4
 
 
@@ -182,10 +174,7 @@ class ReloadIO(Protocol):
         """Re-read the copy at ``path`` (no loading); ``(ok, reason)``."""
 
     def load(self, path: str) -> None:
-        """Load the copy into the trainer (collective)."""
-
-    def replay(self, path: str) -> tuple[float, Any]:
-        """``(loss now, loss recorded)`` on the recorded fixed batch (collective)."""
+        """Load the copy into the protected state (collective)."""
 
     def reject(self, step: int, path: str, reason: str) -> None:
         """Record ``rejected`` for the copy (called by one rank per copy)."""
@@ -198,12 +187,11 @@ class ReloadOutcome:
     reason: str
     skipped: list[dict[str, Any]] = field(default_factory=list)
     offered: bool = False  # some rank could reach a verified snapshot
-    dirty: bool = False  # something was loaded, then rejected, and nothing older is left
 
 
 def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, check: bool = True,
            timeout_s: float | None = None) -> ReloadOutcome:
-    """Collective (every rank, same order): agree on, check, load and replay-check the newest usable snapshot.
+    """Collective (every rank, same order): agree on, check and load the newest usable snapshot.
 
     ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``);
     ``timeout_s`` bounds each round (re-reading or loading a large snapshot takes a while).
@@ -214,7 +202,6 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
     order, unusable, summary = plan(offers)
     mine = {int(s): p for s, p in offer.get("verified", [])}
     skipped: dict[int, str] = {}
-    loaded = False
     for step in order:
         path = mine[step]
         paths = [dict((int(s), p) for s, p in o["verified"])[step] for o in offers]
@@ -231,25 +218,10 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                 log.warning("step %d rejected at restart: %s", step, why)
                 continue
         io.load(path)
-        loaded = True
-        if not check:
-            return _done(step, path, f"step {step} loaded without re-check or replay (test-only switch)",
-                         unusable, skipped)
-        got, recorded = io.replay(path)
-        match = same_bits(got, recorded)
-        res = [match, f"replay mismatch: recorded {recorded!r}, got {got!r}", path]
-        ok, why, bad = agree(control.all_gather("reload-replay", res, timeout_s=timeout_s), hosts)
-        if ok:
-            why = (f"step {step} is the newest snapshot verified on every node (or in the shared tier), "
-                   f"its checksums re-read and its replay loss {got!r} matched bitwise")
-            return _done(step, path, why, unusable, skipped)
-        _reject_once(rank, step, bad, io, "")
-        skipped[step] = why
-        log.warning("step %d rejected after loading it: %s", step, why)
+        why = (f"step {step} is the newest snapshot verified on every node (or in the shared tier), "
+               f"its checksums re-read" if check else f"step {step} loaded without re-check (test-only switch)")
+        return _done(step, path, why, unusable, skipped)
     offered = bool(order or unusable)
-    if loaded:
-        why = "every candidate was rejected after one had been loaded; restart from scratch on the next start"
-        return ReloadOutcome(None, None, why, _skipped(None, unusable, skipped), offered, dirty=True)
     why = summary if not skipped else f"every candidate was rejected ({summary})"
     return ReloadOutcome(None, None, why, _skipped(None, unusable, skipped), offered)
 
@@ -279,16 +251,20 @@ def _done(step: int, path: str, why: str, unusable: Mapping[int, str], skipped: 
 # --------------------------------------------------------------------------- the real I/O
 
 
-class TrainerIO:
-    """:class:`ReloadIO` on a real trainer and this rank's node directory."""
+class StateIO:
+    """:class:`ReloadIO` on this rank's protected state and node directory.
 
-    def __init__(self, trainer: Any, run_dir: str, ndir: str, events: Any = None) -> None:
-        self.trainer = trainer
+    ``load_fn(path)`` loads a snapshot into the protected state (collective); ``host`` names this node.
+    """
+
+    def __init__(self, load_fn: Any, run_dir: str, ndir: str, host: str, milestone_every: int,
+                 events: Any = None) -> None:
+        self.load_fn = load_fn
         self.run_dir = run_dir
         self.ndir = ndir
         self.events = events
-        self.host = trainer.rt.ctx.hostname
-        self.milestone_every = trainer.cfg.checkpoint.milestone_every
+        self.host = host
+        self.milestone_every = milestone_every
 
     def check(self, path: str) -> tuple[bool, str]:
         from ckpt_service.verify import check_checksums
@@ -299,40 +275,29 @@ class TrainerIO:
             return False, f"cannot re-read: {exc}"
 
     def load(self, path: str) -> None:
-        from accelpact_slurm.runtime import appstate
-
-        meta = appstate.load(self.trainer, path, self.trainer.rt.rank)
-        manifest = read_json(os.path.join(path, MANIFEST)) or {}
-        if manifest.get("step") is not None and meta.get("step") != manifest.get("step"):
-            log.warning("snapshot %s records step %s, its manifest %s", path, meta.get("step"), manifest.get("step"))
-
-    def replay(self, path: str) -> tuple[float, Any]:
-        manifest = read_json(os.path.join(path, MANIFEST)) or {}
-        ev = manifest.get("eval") or {}
-        batch = int(ev.get("batch_size") or DEFAULT_EVAL_BATCH)
-        tr = self.trainer
-        return tr.eval_loss(tr.stream.fixed_batch(batch)), ev.get("loss")
+        self.load_fn(path)
 
     def reject(self, step: int, path: str, reason: str) -> None:
-        record_state(path, "rejected", reason)
-        size = None
+        reject_copy(step, path, reason, self.run_dir, self.ndir, self.host, self.milestone_every, self.events)
+
+
+def reject_copy(step: int, path: str, reason: str, run_dir: str, ndir: str, host: str, milestone_every: int,
+                events: Any = None, source: str = "restore") -> None:
+    """Record ``rejected`` for one copy: its state file, a ``checkpoint`` event, the node's index."""
+    record_state(path, "rejected", reason)
+    size = None
+    try:
+        size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    except OSError:
+        pass
+    if events is not None:
+        events.emit("checkpoint", step=step, state="rejected", size_bytes=size, path=path, reason=reason,
+                    hostname=host, source=source)
+    if os.path.dirname(os.path.abspath(path)) == os.path.abspath(ndir):
         try:
-            size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+            publish_index(run_dir, host, scan(ndir, milestone_every))
         except OSError:
-            pass
-        if self.events is not None:
-            self.events.emit("checkpoint", step=step, state="rejected", size_bytes=size, path=path, reason=reason,
-                             hostname=self.host, source="restore")
-        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ndir):
-            try:
-                publish_index(self.run_dir, self.host, scan(self.ndir, self.milestone_every))
-            except OSError:
-                log.warning("could not publish the checkpoint index of %s", self.host, exc_info=True)
-
-
-def check_disabled(environ: Mapping[str, str] | None = None) -> bool:
-    environ = os.environ if environ is None else environ
-    return environ.get(TEST_SKIP_RELOAD_CHECK) == "1"
+            log.warning("could not publish the checkpoint index of %s", host, exc_info=True)
 
 
 def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int]:
@@ -355,34 +320,27 @@ def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int
         threading.Event().wait(poll_s)
 
 
-def restore_trainer(trainer: Any, run_dir: str, events: Any = None,
-                    environ: Mapping[str, str] | None = None) -> tuple[int | None, str]:
-    """Collective: load the newest usable snapshot (see the module docstring); return ``(step or None, reason)``.
+def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *,
+            check: bool = True) -> ReloadOutcome:
+    """Collective: load the newest usable snapshot into the protected state (see the module docstring).
 
-    Raises:
-        FailStop: (``EXIT_REQUEUE``) a candidate was loaded, then rejected by the replay check, and no
-            older one is left: the trainer's state is no longer fresh; the next start begins from scratch.
+    ``load_fn(path)`` loads one snapshot (collective); ``check=False`` is the test-only switch.
     """
-    cfg, rt = trainer.cfg, trainer.rt
     t0 = time.monotonic()
     ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
     sdir = shared_dir(run_dir, cfg.checkpoint.shared_dir)
-    check = not check_disabled(environ)
     if not check:
-        log.warning("reload re-check and replay disabled (test-only switch %s)", TEST_SKIP_RELOAD_CHECK)
+        log.warning("reload re-check and replay disabled (test-only fault injection)")
     timeout = max(cfg.timeouts.control_s, cfg.timeouts.startup_s)
     settle_pending(ndir, timeout)
     offer = make_offer(rt.ctx.hostname, ndir, sdir)
-    out = reload(rt.rank, offer, rt.control, TrainerIO(trainer, run_dir, ndir, events), check=check,
-                 timeout_s=timeout)
+    io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events)
+    out = reload(rt.rank, offer, rt.control, io, check=check, timeout_s=timeout)
     if rt.rank == 0 and events is not None and out.offered:
         events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
                     checked=check, load_s=time.monotonic() - t0)
-    if out.dirty:
-        raise FailStop(out.reason, EXIT_REQUEUE, phase="restore", frontier=None, decided_at=time.monotonic())
-    if out.step is None:
-        if out.offered:
-            log.warning("not resuming: %s", out.reason)
-        return None, out.reason
-    log.info("resumed from %s: %s", out.path, out.reason)
-    return out.step, out.reason
+    if out.step is None and out.offered:
+        log.warning("not resuming: %s", out.reason)
+    elif out.step is not None:
+        log.info("resumed from %s: %s", out.path, out.reason)
+    return out

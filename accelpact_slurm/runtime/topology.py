@@ -21,6 +21,7 @@ from typing import Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.runtime.control import ControlPlane
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
@@ -71,7 +72,7 @@ class Runtime:
     control: ControlPlane
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup
-    mesh: DeviceMesh | None
+    mesh: DeviceMesh
     collective_timeout_s: float
 
     def close(self) -> None:
@@ -83,13 +84,13 @@ class Runtime:
 
 def rendezvous_ports(ctx: SlurmContext, environ: Mapping[str, str]) -> tuple[int, int]:
     """(data port, control port): explicit ``ACCELPACT_MASTER_PORT``, else derived from the job id."""
-    explicit = environ.get("ACCELPACT_MASTER_PORT")
+    _addr, explicit, control_port = settings.rendezvous(environ)
     if explicit:
         try:
             port = int(explicit)
         except ValueError:
             raise ConfigError("ACCELPACT_MASTER_PORT", explicit, "must be a TCP port number") from None
-        control = int(environ.get("ACCELPACT_CONTROL_PORT") or port + 1)
+        control = int(control_port or port + 1)
         return port, control
     digits = "".join(ch for ch in ctx.job_id if ch.isdigit()) or "0"
     base = 20000 + (int(digits) % 10000) * 2
@@ -108,7 +109,7 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     """Join the job as ``ctx.rank``: stores, Gloo world, HSDP groups, control plane."""
     environ = os.environ if environ is None else environ
     layout = layout_from(ctx)
-    host = environ.get("ACCELPACT_MASTER_ADDR") or ctx.rendezvous_host
+    host = settings.rendezvous(environ)[0] or ctx.rendezvous_host
     data_port, control_port = rendezvous_ports(ctx, environ)
     startup = timedelta(seconds=cfg.timeouts.startup_s)
     is_master = ctx.rank == 0
@@ -122,25 +123,13 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     )
     control = ControlPlane(control_store, ctx.rank, layout.world_size, cfg.timeouts.control_s)
     node, local = layout.node_of(ctx.rank), layout.local_of(ctx.rank)
-    mesh: DeviceMesh | None = None
-    if cfg.model.mesh == "device_mesh":
-        mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
-        shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
-        from accelpact_slurm.repair.torch_compat import set_group_timeout
+    # One 2-D mesh; its groups are also the explicit (shard, replicate) pair the job hands out.
+    mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
+    shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
+    from accelpact_slurm.repair.torch_compat import set_group_timeout
 
-        for g in (shard_pg, rep_pg):  # DeviceMesh creates its groups with the backend's default timeout
-            set_group_timeout(g, cfg.timeouts.collective_s)
-    else:
-        shard_pg = rep_pg = None
-        # new_group is collective over the world: every rank creates every group, in one order.
-        for n in range(layout.num_nodes):
-            g = dist.new_group(layout.shard_ranks(n), timeout=collective, use_local_synchronization=False)
-            if n == node:
-                shard_pg = g
-        for lr in range(layout.ranks_per_node):
-            g = dist.new_group(layout.replicate_ranks(lr), timeout=collective, use_local_synchronization=False)
-            if lr == local:
-                rep_pg = g
+    for g in (shard_pg, rep_pg):  # DeviceMesh creates its groups with the backend's default timeout
+        set_group_timeout(g, cfg.timeouts.collective_s)
     assert shard_pg is not None and rep_pg is not None
     return Runtime(
         ctx=ctx, layout=layout, rank=ctx.rank, node=node, local_rank=local, data_store=data_store,

@@ -1,0 +1,98 @@
+"""Fault injection for tests: one object, read from the environment once per process, passed in everywhere.
+
+This is the one module that reads the test-only ``ACCELPACT_TEST_*`` / ``ACCELPACT_CKPT*`` variables
+(subprocess tests cannot hand objects to a process they start).  Production modules never read them:
+they receive a :class:`TestFaults` (``TestFaults()`` injects nothing) from their ``main``.
+
+Switches (all off by default):
+
+- ``ACCELPACT_TEST_FRONTIER_SKEW=RANK:STEP``: RANK reports a frontier one ahead in the vote of update STEP.
+- ``ACCELPACT_TEST_SKIP_RELOAD_CHECK=1``: restore loads without re-reading checksums and without the
+  replay check (negative control of the corruption tests).
+- ``ACCELPACT_TEST_SKIP_REBIND=1``: the repair skips rebinding and its invariant scan.
+- ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1``: restore loads weights and optimizer but not the extra state
+  (RNG, data loader, scheduler, user state): the negative control of the bitwise-resume tests.
+- ``ACCELPACT_CKPTD_PAUSE_AT=PHASE[:STEP]``: the daemon writes ``<node dir>/.paused-PHASE`` and blocks there.
+- ``ACCELPACT_CKPT_KILL_AFTER_STAGED=STEP:RANK``: that rank SIGKILLs itself once it handed snapshot STEP over.
+- ``ACCELPACT_CKPT_CORRUPT_CAPTURE=STEP:RANK``: that rank changes its staged weights of snapshot STEP.
+- ``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED=STEP``: every rank exits 75 once snapshot STEP is settled (first start).
+- ``ACCELPACT_CKPTD_SLOW_VERIFY=NODE:SECONDS``: node NODE's daemon holds each verification (first start).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from accelpact_slurm.core.errors import ConfigError
+
+FRONTIER_SKEW = "ACCELPACT_TEST_FRONTIER_SKEW"
+SKIP_RELOAD_CHECK = "ACCELPACT_TEST_SKIP_RELOAD_CHECK"
+SKIP_REBIND = "ACCELPACT_TEST_SKIP_REBIND"
+SKIP_EXTRA_RESTORE = "ACCELPACT_TEST_SKIP_EXTRA_RESTORE"
+PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
+KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
+CORRUPT_CAPTURE = "ACCELPACT_CKPT_CORRUPT_CAPTURE"
+EXIT_AFTER_VERIFIED = "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED"
+SLOW_VERIFY = "ACCELPACT_CKPTD_SLOW_VERIFY"
+
+
+@dataclass(frozen=True)
+class TestFaults:
+    """What a test asked this process to break; the default breaks nothing."""
+
+    __test__ = False  # not a pytest test class
+
+    frontier_skew: tuple[int, int] | None = None
+    skip_reload_check: bool = False
+    skip_rebind: bool = False
+    skip_extra_restore: bool = False
+    pause_at: tuple[str, int | None] | None = None
+    kill_after_staged: tuple[int, int] | None = None
+    corrupt_capture: tuple[int, int] | None = None
+    exit_after_verified: int | None = None
+    slow_verify: tuple[str, float] | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
+        env = os.environ if environ is None else environ
+        first_start = int(env.get("SLURM_RESTART_COUNT") or 0) == 0
+        pause = None
+        if env.get(PAUSE_AT):
+            phase, _, step = env[PAUSE_AT].partition(":")
+            pause = (phase, _int(PAUSE_AT, step) if step else None)
+        slow = None
+        if env.get(SLOW_VERIFY) and first_start:
+            node, _, secs = env[SLOW_VERIFY].rpartition(":")
+            slow = (node, float(secs))
+        exit_after = _int(EXIT_AFTER_VERIFIED, env[EXIT_AFTER_VERIFIED]) if env.get(EXIT_AFTER_VERIFIED) else None
+        return cls(
+            frontier_skew=_pair(env, FRONTIER_SKEW),
+            skip_reload_check=env.get(SKIP_RELOAD_CHECK) == "1",
+            skip_rebind=env.get(SKIP_REBIND) == "1",
+            skip_extra_restore=env.get(SKIP_EXTRA_RESTORE) == "1",
+            pause_at=pause,
+            kill_after_staged=_pair(env, KILL_AFTER_STAGED),
+            corrupt_capture=_pair(env, CORRUPT_CAPTURE),
+            exit_after_verified=exit_after if first_start else None,
+            slow_verify=slow,
+        )
+
+
+NO_FAULTS = TestFaults()
+
+
+def _int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(name, text, "must be an integer") from None
+
+
+def _pair(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    v = env.get(name)
+    if not v:
+        return None
+    a, _, b = v.partition(":")
+    return _int(name, a), _int(name, b)

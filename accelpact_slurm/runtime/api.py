@@ -1,0 +1,351 @@
+"""The public API: what a training script written against the project sees.
+
+``accelpact-run JOB.yaml`` calls the job file's ``entry: module:function`` on every rank with a
+:class:`Job`.  The script builds and wraps its own model on the mesh the job provides, makes its own
+optimizer, scheduler and data loader, and hands them to :meth:`Job.protect`, which returns a
+:class:`Run`; the loop stays the script's own::
+
+    def main(job):
+        model = fully_shard(MyModel(), mesh=job.mesh)                  # or FSDP1 HYBRID_SHARD
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        loader = StatefulDataLoader(data, batch_size=8, sampler=job.sampler(data))
+        run = job.protect(model, opt, scheduler=sched, state={"data": loader})
+        for batch in run.batches(loader):
+            with run.update() as update:
+                loss = my_loss(model(batch.x), batch.y)
+                loss.backward()
+                opt.step(); sched.step(); opt.zero_grad()
+                update.loss = loss
+
+Who calls what, in which order (every rank, the same calls in the same order): the runtime builds
+the :class:`Job` and calls the entry point; the entry point calls :meth:`Job.protect` once (a
+collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and, for every
+update, :meth:`Run.update`.  When the entry point returns, the runtime writes the summary.
+``docs/api.md`` documents every public name.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable, Iterator, Mapping, TextIO
+
+import torch
+
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, UsageError
+from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.runtime import appstate, replay
+from accelpact_slurm.runtime.phases import PhaseTracker, Withheld
+from accelpact_slurm.runtime.sampler import ShardedSampler
+from accelpact_slurm.runtime.stopping import fail_stop, stop_for_requeue
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Job", "Run", "Update"]
+
+
+class Job:
+    """One rank's view of the job: who it is, the mesh to wrap on, where things go.  Built by the runtime.
+
+    Attributes:
+        rank, world_size, node, num_nodes, local_rank, ranks_per_node: this rank's place; rank ``r``
+            sits on node ``r // ranks_per_node``.
+        device: the device to train on (``cpu`` on the embedded default).
+        mesh: the 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (nodes x ranks of a node).
+        groups: ``(shard_group, replicate_group)``, the explicit pair for FSDP1 ``process_group=``.
+        run_dir: the job's run directory (shared by all nodes); events: its event log.
+        params: the job file's free-form ``params`` section; seed, steps: the job file's values.
+        config: the project's effective configuration (read-only).
+    """
+
+    def __init__(self, cfg: JobConfig, rt: Any, run_dir: str, events: EventLog, *, out: TextIO,
+                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None) -> None:
+        self.config = cfg
+        self._rt = rt
+        self._out = out
+        self._faults = faults
+        self._environ = environ
+        self.rank, self.world_size = rt.rank, rt.layout.world_size
+        self.node, self.num_nodes = rt.node, rt.layout.num_nodes
+        self.local_rank, self.ranks_per_node = rt.local_rank, rt.layout.ranks_per_node
+        self.device = torch.device("cpu")
+        self.mesh = rt.mesh
+        self.groups = (rt.shard_group, rt.replicate_group)
+        self.run_dir = run_dir
+        self.events = events
+        self.params: dict[str, Any] = dict(cfg.params)
+        self.seed, self.steps = cfg.seed, cfg.steps
+        self.run: Run | None = None
+
+    @property
+    def is_lead(self) -> bool:
+        """True on rank 0 (which writes the job-level events and prints progress)."""
+        return self.rank == 0
+
+    def log(self, message: str) -> None:
+        """Print one progress line on rank 0."""
+        if self.is_lead:
+            print(f"[accelpact] {message}", file=self._out, flush=True)
+
+    def sampler(self, dataset: Any, *, shuffle: bool = True, seed: int | None = None,
+                drop_last: bool = True) -> ShardedSampler:
+        """A deterministic, resumable sampler giving this rank its share of a map-style ``dataset``."""
+        return ShardedSampler(dataset, rank=self.rank, world_size=self.world_size, shuffle=shuffle,
+                              seed=self.seed if seed is None else seed, drop_last=drop_last)
+
+    def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                state: Mapping[str, Any] | None = None) -> "Run":
+        """Collective, once per rank: guard ``model`` and ``optimizer``, snapshot them with ``scheduler`` and
+        every ``Stateful`` in ``state``, and reload the newest verified snapshot if there is one."""
+        if self.run is not None:
+            raise UsageError("job.protect", "a second call", "call job.protect once per job, after wrapping")
+        self.run = Run(self, model, optimizer, scheduler, dict(state or {}))
+        return self.run
+
+
+class Update:
+    """The context of one update (``with run.update() as update``).  Set ``update.loss`` to report it."""
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+        self.step = run.step + 1  # the update this context runs (F + 1)
+        self.loss: Any = None
+
+    def __enter__(self) -> "Update":
+        self.run._tracker.begin(self.step)
+        return self
+
+    def __exit__(self, et: Any, ev: BaseException | None, tb: Any) -> bool:
+        return self.run._finish(self, ev)
+
+
+class Run:
+    """What :meth:`Job.protect` returns: the loop's side of the guarantees.
+
+    Attributes:
+        step: committed updates so far (the frontier F); epoch: passes over the data so far;
+        losses: the job's mean reported loss of every committed update (None where none was reported).
+    """
+
+    def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 state: dict[str, Any]) -> None:
+        from accelpact_slurm.repair import torch_compat as tc
+        from accelpact_slurm.runtime.recovery import build_guard
+        from accelpact_slurm.runtime.restore import restore
+        from ckpt_service.client import SnapshotClient
+
+        self.job, self.model, self.optimizer = job, model, optimizer
+        rt, cfg = job._rt, job.config
+        try:
+            self.wrapping = tc.wrapping(model)
+        except ValueError as exc:
+            raise UsageError("model", type(model).__name__, str(exc)) from None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError("optimizer", type(optimizer).__name__, "pass a torch.optim.Optimizer over model.parameters()")
+        self.statefuls = _statefuls(scheduler, state)
+        self.step, self.epoch = 0, 0
+        self.losses: list[float | None] = []
+        # RNG states are the project's: every rank draws its own stream from the job's seed (a reload overrides it).
+        torch.manual_seed(job.seed * 1000 + job.rank + 1)
+        self._guard = build_guard(cfg, rt, model, job.events, self.wrapping, faults=job._faults,
+                                  environ=job._environ, out=job._out)
+        self._tracker = PhaseTracker(model, optimizer, self._guard.injector)
+        self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
+                                         faults=job._faults)
+        self._replay: tuple[int, dict[str, Any] | None] | None = None
+        self._loaded: str | None = None
+        key = self._guard.key_for("committed")
+        if job.is_lead:
+            job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self.wrapping[0],
+                            mesh=self.wrapping[1], state=sorted(self.statefuls))
+        out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check)
+        if out.step is not None and not job._faults.skip_reload_check:
+            ref = None
+            if job.is_lead:
+                from accelpact_slurm.core.events import EVENTS_FILE, read_events
+
+                ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step)
+            self._replay = (out.step, rt.control.broadcast("replay-ref", ref))
+        self._t_last = time.monotonic()
+        if job.is_lead:
+            start = f", resumed at update {self.step}" if self.step else ""
+            print(f"[accelpact] job {rt.ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
+                  f"{self.wrapping[0]} {self.wrapping[1]}, {job.steps} updates{start}, run dir {job.run_dir}",
+                  file=job._out, flush=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield ``iterable``'s items, pass after pass (``set_epoch`` on its sampler), until ``job.steps`` updates."""
+        empty = 0
+        while self.step < self.job.steps:
+            sampler = getattr(iterable, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            rng = torch.get_rng_state()  # making an iterator draws a seed: it must not move the training RNG
+            it = iter(iterable)
+            torch.set_rng_state(rng)
+            got = False
+            for item in it:
+                got = True
+                yield item
+                if self.step >= self.job.steps:
+                    return
+            empty = 0 if got else empty + 1
+            if empty >= 2:
+                raise UsageError("run.batches", type(iterable).__name__,
+                                 f"the iterable yielded nothing in epochs {self.epoch - 1} and {self.epoch}: "
+                                 f"pass a data loader with at least one batch per rank")
+            self.epoch += 1
+
+    def update(self) -> Update:
+        """The context of one update: forward, backward and ``optimizer.step`` go inside it."""
+        return Update(self)
+
+    # ------------------------------------------------------------------ state
+
+    def _extra(self) -> dict[str, Any]:
+        """This rank's non-tensor state for a snapshot (JSON-able)."""
+        return {"run": {"step": self.step, "epoch": self.epoch, "losses": list(self.losses)},
+                "rank": {"rng": appstate.rng_state(),
+                         "state": {n: appstate.encode(o.state_dict(), f"state[{n!r}]") for n, o in self.statefuls.items()}}}
+
+    def _load(self, path: str) -> None:
+        """Collective: load one snapshot into the model, the optimizer and the extra state."""
+        doc = appstate.load(self.model, self.optimizer, path)
+        run = doc["run"]
+        self.step, self.epoch = int(run["step"]), int(run["epoch"])
+        self.losses = [None if x is None else float(x) for x in run["losses"]]
+        self._loaded = path
+        mine = doc["ranks"].get(str(self.job.rank))
+        if mine is None:
+            raise FailStop(f"snapshot {path} holds no state for rank {self.job.rank} (it was taken with "
+                           f"{len(doc['ranks'])} ranks)", EXIT_REQUEUE, phase="restore", frontier=None,
+                           decided_at=time.monotonic())
+        if self.job._faults.skip_extra_restore:
+            log.warning("extra state not restored (test-only fault injection)")
+            return
+        appstate.set_rng_state(mine["rng"])
+        for name, obj in self.statefuls.items():
+            if name in mine["state"]:
+                obj.load_state_dict(appstate.decode(mine["state"][name]))
+
+    # ------------------------------------------------------------------ the end of an update
+
+    def _finish(self, update: Update, ev: BaseException | None) -> bool:
+        job, rt, tracker = self.job, self.job._rt, self._tracker
+        fault = error = None
+        if ev is not None:
+            tracker.end()
+            if not isinstance(ev, Exception) or isinstance(ev, UsageError):
+                return False  # KeyboardInterrupt, SystemExit, the API's own usage errors: not a fault
+            fault = tracker.phase if tracker.phase != "committed" else "forward"
+            if isinstance(ev, Withheld):
+                error = f"injected fault: rank {job.rank} withheld its part in {ev.args[0]} of update {update.step}"
+            else:
+                error = f"{type(ev).__name__}: {(str(ev).splitlines() or [''])[0][:300]}"
+        elif not tracker.stepped:
+            tracker.end()
+            raise UsageError("run.update()", f"update {update.step}",
+                             "the update ended without optimizer.step(): call the protected optimizer's step() "
+                             "inside `with run.update():`")
+        tracker.end()
+        loss = None if fault else _as_float(update.loss)
+        prev = self.step
+        need_fp = not fault and (prev in self._snapshots.taken or self._replay is not None)
+        extra = {"fp": replay.fingerprint(self.model)} if need_fp else None
+        try:
+            mean, raw = self._guard.finish(update.step, fault, error, loss, extra)
+        except FailStop as stop:
+            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+        self.step = update.step
+        self.losses.append(mean)
+        if need_fp:
+            self._replay_bookkeeping(prev, mean, [d.get("fp") for d in raw])
+        now = time.monotonic()
+        dt, self._t_last = now - self._t_last, now
+        if job.is_lead:
+            job.events.emit("step", step=self.step, loss=mean, step_s=dt)
+            if self.step % job.config.log_every == 0 or self.step == job.steps:
+                shown = f"{mean:.4f}" if mean is not None else "-"
+                print(f"[accelpact] step {self.step:>5}/{job.steps}  loss {shown}  ({dt * 1000:.0f} ms/update)",
+                      file=job._out, flush=True)
+        self._snapshots.after_commit(self.step)
+        if self._guard.stop_requested and self.step < job.steps:
+            stop_for_requeue(self.step, job.config, rt.ctx, rt, self._snapshots, job.events, job._out)
+        self._t_last = time.monotonic()
+        return True
+
+    def _replay_bookkeeping(self, prev: int, mean: float | None, fps: list[str | None]) -> None:
+        """Record the update after a snapshot; check the first update after a load (see :mod:`.replay`)."""
+        job, rt = self.job, self.job._rt
+        layout = [rt.layout.num_nodes, rt.layout.ranks_per_node]
+        record = prev in self._snapshots.taken
+        if self._replay is not None:
+            snap, ref = self._replay
+            self._replay = None
+            verdict, why = replay.judge(ref, mean, fps, layout)
+            record = record or verdict == "unconfirmed"
+            if job.is_lead:
+                job.events.emit("replay_check", snapshot=snap, step=self.step, verdict=verdict, reason=why)
+                print(f"[accelpact] replay check of snapshot {snap}: {verdict}: {why}", file=job._out, flush=True)
+            if verdict == "mismatch":
+                self._reject_loaded(snap, why)
+                fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, phase="replay", frontier=snap,
+                                   decided_at=time.monotonic()), job.events, job._out, job.is_lead, rt.control,
+                          rt.ctx, job._environ)
+        if record and job.is_lead:
+            job.events.emit("replay_ref", snapshot=prev, step=self.step, loss=mean, fingerprints=fps, layout=layout)
+
+    def _reject_loaded(self, snap: int, why: str) -> None:
+        """The first rank of each node records the rejection of the copy it loaded."""
+        from ckpt_service.layout import node_dir
+
+        from accelpact_slurm.runtime.restore import reject_copy
+
+        rt, cfg = self.job._rt, self.job.config
+        if rt.local_rank == 0 and self._loaded:
+            ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
+            try:
+                reject_copy(snap, self._loaded, f"replay check failed: {why}", self.job.run_dir, ndir,
+                            rt.ctx.hostname, cfg.checkpoint.milestone_every, self.job.events, source="replay")
+            except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
+                log.warning("could not record the rejection of %s: %s", self._loaded, exc)
+
+
+def _statefuls(scheduler: Any, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every object to save beside the tensors, checked now so that a bad one fails at start, not at a snapshot."""
+    out: dict[str, Any] = {}
+    if scheduler is not None:
+        if "scheduler" in state:
+            raise UsageError("state['scheduler']", "given twice", "pass the scheduler once: scheduler= or in state")
+        out["scheduler"] = scheduler
+    for name, obj in state.items():
+        if not isinstance(name, str):
+            raise UsageError("state", repr(name), "name every Stateful with a string key")
+        out[name] = obj
+    for name, obj in out.items():
+        what = "scheduler" if name == "scheduler" and obj is scheduler else f"state[{name!r}]"
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UsageError(what, type(obj).__name__,
+                             "pass an object with state_dict() and load_state_dict() (DCP's Stateful protocol), "
+                             "e.g. torchdata's StatefulDataLoader")
+        try:
+            appstate.encode(obj.state_dict(), what)
+        except UsageError:
+            raise
+        except Exception as exc:
+            raise UsageError(what, type(obj).__name__, f"its state_dict() cannot be saved: {exc}") from exc
+    return out
+
+
+def _as_float(loss: Any) -> float | None:
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise UsageError("update.loss", f"a tensor of shape {tuple(loss.shape)}", "report one number (a 0-d tensor)")
+        return float(loss.detach())
+    return float(loss)

@@ -1,0 +1,67 @@
+"""The replay check of a resumed snapshot, on the user's own training path.
+
+When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a
+``replay_ref`` event with the job's mean loss of that update and every rank's fingerprint of its
+parameter shards right after ``optimizer.step`` (:func:`fingerprint`).  When a later start loads S,
+its first update is the same update S + 1, from the same weights, optimizer state, data loader
+position and RNG: it must reproduce both bitwise.  A mismatch means the snapshot (or its extra
+state) does not hold the training state it claims: it is rejected and the start fails stop; the
+next start falls back to the next older snapshot.
+
+Nothing here knows the model's class: the fingerprint reads whatever local shards the wrapped
+model's parameters are.  The fingerprints are compared only when the layout (nodes x ranks per
+node) is the one that recorded them; the loss is compared whenever both runs reported one.
+When no reference was recorded (S was the last thing the run did), the check is ``unconfirmed``
+and says so in the event log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from accelpact_slurm.runtime.restore import same_bits
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 over this rank's local parameter shards' float64 sums (cheap; exact for the same bits)."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            h.update(name.encode())
+            h.update(float(local.detach().double().sum()).hex().encode() if local.numel() else b"-")
+    return h.hexdigest()
+
+
+def find_reference(events: Iterable[Mapping[str, Any]], snapshot: int) -> dict[str, Any] | None:
+    """The newest ``replay_ref`` event recorded for ``snapshot`` (pure)."""
+    found = None
+    for e in events:
+        if e.get("event") == "replay_ref" and e.get("snapshot") == snapshot:
+            found = dict(e)
+    return found
+
+
+def judge(reference: Mapping[str, Any] | None, loss: float | None, fingerprints: Sequence[str | None],
+          layout: Sequence[int]) -> tuple[str, str]:
+    """``(match | mismatch | unconfirmed, reason)`` for the first update after a load (pure)."""
+    if reference is None:
+        return "unconfirmed", "no update after this snapshot was ever recorded (it was the last thing the run did)"
+    checked = []
+    want = reference.get("loss")
+    if want is not None and loss is not None:
+        if not same_bits(loss, want):
+            return "mismatch", f"replay mismatch at update {reference.get('step')}: loss {loss!r}, recorded {want!r}"
+        checked.append(f"loss {loss!r}")
+    if list(reference.get("layout") or []) == list(layout) and reference.get("fingerprints"):
+        bad = [r for r, (a, b) in enumerate(zip(fingerprints, reference["fingerprints"])) if a != b]
+        if bad:
+            return "mismatch", (f"replay mismatch at update {reference.get('step')}: the parameters of rank(s) "
+                                f"{bad} differ from the recorded ones")
+        checked.append(f"parameters of all {len(fingerprints)} ranks")
+    if not checked:
+        return "unconfirmed", "the recorded update reported no loss and ran on another layout"
+    return "match", f"update {reference.get('step')} reproduced bitwise: " + ", ".join(checked)

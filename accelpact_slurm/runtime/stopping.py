@@ -1,0 +1,106 @@
+"""How a rank stops: fail-stop (the documented exit codes), the no-progress rule, the requeue stop.
+
+Who calls: :class:`accelpact_slurm.runtime.api.Run` (a Restart decision, a pre-timeout signal, a
+failed replay check) and :func:`accelpact_slurm.runtime.job.run_rank` (the no-progress check at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Mapping, TextIO
+
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, FailStop
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.slurm.env import SlurmContext
+from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
+
+log = logging.getLogger(__name__)
+
+
+def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control: Any = None,
+              ctx: SlurmContext | None = None, environ: Mapping[str, str] | None = None) -> None:
+    """Stop this rank now: write the event, flush, exit with the documented code.
+
+    ``os._exit`` skips interpreter teardown on purpose: destroying a process group
+    whose peers are gone can block, and nothing may be written after the decision.
+    """
+    slurm, info = ctx, stop.context
+    decided = info.get("decided_at")
+    # srun --kill-on-bad-exit TERMs the remaining ranks as soon as one exits: finish the event and, on rank 0,
+    # the requeue request first (SIGKILL follows after Slurm's KillWait, far longer than this takes).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if control is not None:
+        try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
+            control.leave("fail-stop", 1.0)
+        except Exception:  # the store may be gone already: nothing left to protect
+            pass
+    decision_s = time.monotonic() - decided if isinstance(decided, float) else None
+    events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, phase=info.get("phase"),
+                frontier=info.get("frontier"), decision_s=decision_s,
+                decision="restart" if stop.exit_code == EXIT_REQUEUE else "stop", key=info.get("key"))
+    if lead:
+        print(f"[accelpact] fail-stop at F={info.get('frontier')}: {stop.reason} (exit {stop.exit_code})",
+              file=out, flush=True)
+        if stop.exit_code == EXIT_REQUEUE and slurm is not None:
+            request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, settings.emulated(environ))
+        if control is not None:
+            try:
+                control.post("fail-stop-requeue-asked")
+            except Exception:  # nobody left to tell
+                pass
+    elif stop.exit_code == EXIT_REQUEUE and control is not None:
+        # The first task to exit makes srun --kill-on-bad-exit TERM the rest: leave only once rank 0 has asked
+        # Slurm for the requeue (bounded; False when rank 0 is gone, and then nobody can ask anyway).
+        control.wait_posted("fail-stop-requeue-asked", SCONTROL_TIMEOUT_S + 5)
+    events.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stop.exit_code)
+
+
+def check_progress(cfg: Any, ctx: SlurmContext, rt: Any, run_dir: str, events: EventLog, out: TextIO) -> None:
+    """On a restart, stop for good when the last restarts did not advance the committed frontier."""
+    if ctx.restart_count == 0:
+        return
+    verdict = None
+    if rt.rank == 0:
+        history = [a for a in frontier_history(read_events(os.path.join(run_dir, EVENTS_FILE)))
+                   if a.restart < ctx.restart_count]
+        stop, why = stalled(history, cfg.recovery.max_stalled_restarts)
+        verdict = {"stop": stop, "why": why}
+    verdict = rt.control.broadcast("progress-check", verdict)
+    if verdict["stop"]:
+        reason = (f"no progress: {verdict['why']}; not requeueing. Look at the fail_stop and fault events in "
+                  f"{os.path.join(run_dir, EVENTS_FILE)} (accelpact-status {run_dir}) for the fault that recurs")
+        fail_stop(FailStop(reason, EXIT_NO_REQUEUE, phase="start", frontier=None, decided_at=time.monotonic()),
+                  events, out, rt.rank == 0, rt.control)
+
+
+def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots: Any, events: EventLog,
+                     out: TextIO) -> None:
+    """Pre-timeout or preemption: snapshot this committed boundary, wait until it is settled, requeue."""
+    from accelpact_slurm.slurm import signals
+
+    lead = rt.rank == 0
+    state = snapshots.snapshot_and_wait(step, cfg.timeouts.startup_s)
+    # Nodes settle at different times. Once one rank exits 75, srun --kill-on-bad-exit TERMs the others: a rank
+    # still waiting for its node's daemon (rank 0 among them) would die before the requeue request. So every rank
+    # ignores SIGTERM from here and waits for all the others before any of them stops.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        states = rt.control.all_gather("requeue-stop", state,
+                                       timeout_s=cfg.timeouts.startup_s + cfg.timeouts.control_s)
+    except Exception as exc:  # a rank died meanwhile: stop anyway, rank 0 still asks for the requeue
+        log.warning("not every rank reached the requeue stop: %s", exc)
+        states = [state]
+    state = states[0] if len(set(states)) == 1 else "/".join(sorted({str(s) for s in states}))
+    reason = f"{signals.reason()} received: snapshot of step {step} is {state}; requeueing"
+    if lead:
+        print(f"[accelpact] {reason}", file=out, flush=True)
+    fail_stop(FailStop(reason, EXIT_REQUEUE, phase="committed", frontier=step, decided_at=time.monotonic()),
+              events, out, lead, rt.control, ctx)
