@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/accelpact-run examples/tiny.yaml --run-dir $(RUN_DIR) --inject-fault boundary:15:1
+	$(VENV)/bin/accelpact-run examples/decoder/job.yaml --run-dir $(RUN_DIR) --inject-fault boundary:15:1
 
 test: $(STAMP)
 	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests $(PYTEST_ARGS)

@@ -124,10 +124,12 @@ class SnapshotClient:
             staged = plan_fingerprints(plan, self.slots[slot].buf)
             live = plan_fingerprints(state_dict_plan(self.model, self.optimizer))  # collective
             both = rt.control.all_gather("ckpt-proof", {"staged": staged, "live": live})
-            mine = rt.layout.shard_ranks(rt.node)
-            ok, why = compare([both[r]["staged"] for r in mine], [both[r]["live"] for r in mine])
+            verdicts = [compare([both[r]["staged"] for r in rt.layout.shard_ranks(n)],
+                                [both[r]["live"] for r in rt.layout.shard_ranks(n)])
+                        for n in range(rt.layout.num_nodes)]
+            ok, why = verdicts[rt.node]
             capture = {"ok": ok, "reason": why, "step": step}
-            self._proved = ok
+            self._proved = all(v[0] for v in verdicts)  # the same on every rank: the next proof is collective too
             parts["proof"] = time.monotonic() - t
             if not ok:
                 log.error("snapshot %d: the staged state does not match the live state: %s", step, why)

@@ -1,10 +1,11 @@
-"""Verification of a committed snapshot: checksums, metadata coverage, replay in a fresh process.
+"""Verification of a committed snapshot that needs no model: checksums and metadata coverage.
 
-``verify_snapshot`` returns ``(ok, reason)``; the daemon and ``accelpact-ckpt
-verify`` record ``verified`` or ``rejected`` from it.  The replay runs
-``python -m accelpact_slurm.workload.replay DIR`` (a process that has never
-seen the training state) and compares the loss on the recorded fixed batch
-bitwise with the loss recorded at save time.
+``verify_snapshot`` returns ``(ok, reason)``; the daemon and ``accelpact-ckpt verify`` record
+``verified`` or ``rejected`` from it.  What else a snapshot must prove happens elsewhere, without
+rebuilding the user's model either: the capture is proven against the live shards on the ranks
+(:mod:`ckpt_service.proof`, first snapshot of every start), and the replay check runs on the user's
+own training path after a restart (:mod:`accelpact_slurm.runtime.replay`).  ``docs/checkpoints.md``
+states what "verified" means.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in t
 has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
 
 Parts that are not selected with ``--parts`` are carried over from an earlier merged file of the same date
-when there is one.  The part contract is stated in ``scripts/benchlib.py``; each part receives its deadline
-in ``ACCELPACT_BENCH_DEADLINE_S`` and gets SIGTERM when it passes it (SIGKILL 45 s later).
+when there is one.  The part contract is stated in ``scripts/bench/harness.py`` (the harness every part
+shares); each part receives its deadline in ``ACCELPACT_BENCH_DEADLINE_S`` and gets SIGTERM when it passes
+it (SIGKILL 45 s later).
 
 Usage::
 
@@ -49,10 +50,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-import benchlib as bl
+from bench import harness as bl  # noqa: E402  (the benchmarks' shared harness)
 
-RESULTS = REPO / "benchmarks" / "results"
-DOCS = REPO / "docs" / "benchmarks.md"
+RESULTS = bl.RESULTS
+DOCS = bl.DOCS
 
 
 class Part:

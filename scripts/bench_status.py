@@ -38,7 +38,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
-import benchlib as bl
+from bench import harness as bl  # noqa: E402
 
 MARK = "<!-- status-bench -->"
 TARGET_S = 0.5
@@ -130,7 +130,7 @@ def measure(run_dir: str, repeat: int, cmd_repeat: int) -> dict[str, Any]:
     collect_s, plain_s = [], []
     for i in range(repeat):
         pair: dict[str, float] = {}
-        for which in (("collect", "plain") if i % 2 == 0 else ("plain", "collect")):
+        for which in bl.abba(i, "collect", "plain"):
             start = time.perf_counter()
             if which == "collect":
                 info = st.collect(run_dir, now=time.time())
@@ -148,7 +148,7 @@ def measure(run_dir: str, repeat: int, cmd_repeat: int) -> dict[str, Any]:
     cmd_s, cmd_plain_s = [], []
     for i in range(cmd_repeat):
         pair = {}
-        for which in (("status", "plain") if i % 2 == 0 else ("plain", "status")):
+        for which in bl.abba(i, "status", "plain"):
             wall, proc = _timed_cmd(status_argv if which == "status" else plain_argv, env)
             pair[which] = wall
             if proc.returncode != 0:
@@ -237,35 +237,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=31, help="in-process pairs (default 31)")
     p.add_argument("--cmd-repeat", type=int, default=15, help="command pairs, fresh interpreters (default 15)")
     p.add_argument("--keep", metavar="DIR", help="build the run directory here and keep it")
-    p.add_argument("--json", metavar="PATH", help="result file (default benchmarks/results/<date>/status.json)")
-    p.add_argument("--markdown", metavar="FILE", default=os.path.join(REPO, "docs", "benchmarks.md"),
-                   help="write the block into FILE ('' = skip)")
-    p.add_argument("--render", metavar="JSON", help="only print (and write into --markdown) the block of a result")
+    bl.output_args(p, None, "result file (default benchmarks/results/<date>/status.json)")
     args = p.parse_args(argv)
     if args.render:
-        res = summarize(json.loads(Path(args.render).read_text()))
+        res = summarize(bl.read_result(args.render))
     else:
         sys.path.insert(0, REPO)
-        date = time.strftime("%Y-%m-%d")
-        res = {"part": "status", "date": date, "machine": bl.machine(),
-               "params": {"events": args.events, "snapshots": args.snapshots, "repeat": args.repeat,
-                          "cmd_repeat": args.cmd_repeat}}
+        res = bl.new_result("status", params={"events": args.events, "snapshots": args.snapshots,
+                                              "repeat": args.repeat, "cmd_repeat": args.cmd_repeat})
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="accelpact-bench-status-") as tmp:
             run_dir = build_run_dir(args.keep or os.path.join(tmp, "4242"), args.events, args.snapshots)
             res["measured"] = measure(run_dir, args.repeat, args.cmd_repeat)
         res["wall_s"] = time.monotonic() - t0
-        res["machine"]["loadavg_end"] = list(os.getloadavg())
+        bl.finish(res)
         summarize(res)
-        out = Path(args.json) if args.json else Path(REPO) / "benchmarks" / "results" / date / "status.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
+        out = bl.write_result(res, args.json or f"benchmarks/results/{res['date']}/status.json")
         print(f"[status] wrote {out} ({res['wall_s']:.1f} s)", flush=True)
     block = markdown(res)
     print(block)
     if args.markdown:
-        bl.write_block(Path(args.markdown), MARK, block)
-        print(f"[status] updated {args.markdown}", flush=True)
+        print(f"[status] updated {bl.write_markdown(args.markdown, MARK, block)}", flush=True)
     return 0
 
 

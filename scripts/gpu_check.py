@@ -19,7 +19,7 @@ Three questions the CPU machines cannot answer:
    second process on the same GPU is tried and its outcome recorded (NCCL refuses duplicate devices).
 
 Output: JSON (``--json``, default ``$OUT/gpu-check.json`` or ``benchmarks/results/gpu-check.json``) with
-``"rows"`` in the format of ``scripts/benchlib.py`` and the raw medians. Runs in well under 5 minutes.
+``"rows"`` in the format of ``scripts/bench/harness.py`` and the raw medians. Runs in well under 5 minutes.
 Runs on the device machine's own torch (not the project's pin).
 """
 
@@ -30,7 +30,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -40,20 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench.harness import row as _row  # noqa: E402  (stdlib only: the device machine has just torch)
+from bench.harness import spread as _spread  # noqa: E402
+
 MiB = 1 << 20
-
-
-def _spread(xs: list[float]) -> dict[str, Any]:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def _row(what: str, baseline: str, ratio: dict[str, Any], note: str = "") -> dict[str, Any]:
-    sp = None if ratio.get("median") is None else f"{ratio['min']:.2f}–{ratio['max']:.2f}"
-    return {"what": what, "baseline": baseline, "ratio": ratio.get("median"), "spread": sp,
-            "n": ratio.get("n", 0), "unit": "x", "note": note}
 
 
 def _log(msg: str) -> None:

@@ -44,9 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import benchlib as bl
+from bench import harness as bl  # noqa: E402
 
-from accelpact_slurm.core.events import read_events
+from accelpact_slurm.core.events import read_events  # noqa: E402
 
 JOB_DEADLINE_S = 180
 MARK = "<!-- paper-experiment -->"
@@ -98,12 +98,11 @@ def cred_expire_s() -> int | None:
 
 
 def job_file(work: Path) -> Path:
-    text = (REPO / "examples" / "tiny.yaml").read_text()
-    text = text.replace("collective_s: 5", f"collective_s: {COLLECTIVE_S}")
-    text = text.replace("faults: []", f'faults: ["{FAULT}"]')
-    path = work / "experiment.yaml"
-    path.write_text(text)
-    return path
+    """The decoder example's job file (its entry made absolute: the job runs from ``work``) with the
+    experiment's collective timeout and fault."""
+    from bench.workload import write_job
+
+    return write_job(work / "experiment.yaml", {"timeouts.collective_s": COLLECTIVE_S, "faults": [FAULT]})
 
 
 def job_state(job_id: str, env: dict[str, str]) -> str:
@@ -223,43 +222,32 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(f"stopped by signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help="paired L1/L2 runs (default 5)")
     ap.add_argument("--budget-s", type=float, default=270,
                     help="start no pair that would end past this many seconds from the start (default 270)")
     ap.add_argument("--keep-cluster", action="store_true", help="leave a cluster this run started running")
-    ap.add_argument("--json", metavar="PATH", help="result file (default benchmarks/results/<date>/paper.json)")
-    ap.add_argument("--markdown", metavar="FILE", default=str(REPO / "docs" / "benchmarks.md"),
-                    help="write the block into FILE ('' = skip)")
-    ap.add_argument("--render", metavar="JSON", help="only print (and write into --markdown) the block of a result")
+    bl.output_args(ap, None, "result file (default benchmarks/results/<date>/paper.json)")
     args = ap.parse_args(argv)
     if args.render:
-        res = summarize(json.loads(Path(args.render).read_text()))
+        res = summarize(bl.read_result(args.render))
     else:
         res = experiment(args)
     block = markdown(res)
     print(block)
     if args.markdown:
-        bl.write_block(Path(args.markdown), MARK, block)
-        print(f"[paper] updated {args.markdown}", flush=True)
+        print(f"[paper] updated {bl.write_markdown(args.markdown, MARK, block)}", flush=True)
     return 0
 
 
 def experiment(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
-    signal.signal(signal.SIGTERM, _terminate)
-    budget = args.budget_s
-    if os.environ.get("ACCELPACT_BENCH_DEADLINE_S"):  # leave time to stop the cluster within make bench's deadline
-        budget = min(budget, float(os.environ["ACCELPACT_BENCH_DEADLINE_S"]) - 45)
-    date = time.strftime("%Y-%m-%d")
-    res: dict[str, Any] = {"part": "paper", "date": date, "machine": bl.machine(), "host": platform.node(),
-                           "repeats": args.repeats, "budget_s": budget, "collective_s": COLLECTIVE_S, "fault": FAULT,
-                           "submit_when_idle": True, "pairs": []}
+    bl.stop_on_signals("paper", (signal.SIGTERM,))
+    # leave time to stop the cluster within make bench's deadline
+    budget = bl.outer_deadline(args.budget_s, margin_s=45.0)
+    res: dict[str, Any] = bl.new_result("paper", host=platform.node(), repeats=args.repeats, budget_s=budget,
+                                        collective_s=COLLECTIVE_S, fault=FAULT, submit_when_idle=True, pairs=[])
     jobs: list[str] = []
     env = client_env()
     started = not cluster_up()
@@ -275,7 +263,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
                 work = Path(tmp) / f"pair-{i}"
                 work.mkdir()
                 config = job_file(work)
-                order = ("L1", "L2") if i % 2 == 0 else ("L2", "L1")
+                order = bl.abba(i, "L1", "L2")
                 runs = {mode: run_once(mode, config, work, env, jobs) for mode in order}
                 l1, l2 = runs["L1"], runs["L2"]
                 if l1["digest"] != l2["digest"]:
@@ -309,11 +297,9 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
                 proc = dev_cluster("stop", timeout=120)
                 print(f"[paper] stopped the dev cluster this run started (exit {proc.returncode})", flush=True)
     res["wall_s"] = time.monotonic() - t_start
-    res["machine"]["loadavg_end"] = list(os.getloadavg())
+    bl.finish(res)
     summarize(res)
-    out = Path(args.json) if args.json else REPO / "benchmarks" / "results" / date / "paper.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    out = bl.write_result(res, args.json or f"benchmarks/results/{res['date']}/paper.json")
     print(f"[paper] wrote {out} ({res['wall_s']:.0f} s)", flush=True)
     return res
 

@@ -35,6 +35,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
     "replay_ref": ("snapshot", "step", "loss", "fingerprints", "layout"),
     "replay_check": ("snapshot", "step", "verdict", "reason"),
+    "warning": ("step", "reason"),
     "fault": ("phase", "step", "fault_rank", "error"),
     "repair": ("generation", "frontier", "ranks", "rebound", "phases", "total_s"),
     "fail_stop": ("reason", "exit_code", "phase", "frontier", "decision_s"),

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Job", "Run", "Update"]
 
+_END = object()
+#: How torch words the error of an op without a deterministic implementation under use_deterministic_algorithms.
+NONDETERMINISTIC = "does not have a deterministic implementation"
+
 
 class Job:
     """One rank's view of the job: who it is, the mesh to wrap on, where things go.  Built by the runtime.
@@ -52,7 +56,7 @@ class Job:
     Attributes:
         rank, world_size, node, num_nodes, local_rank, ranks_per_node: this rank's place; rank ``r``
             sits on node ``r // ranks_per_node``.
-        device: the device to train on (``cpu`` on the embedded default).
+        device: the device to train on (``cpu``: the data plane is Gloo on the CPU for now).
         mesh: the 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (nodes x ranks of a node).
         groups: ``(shard_group, replicate_group)``, the explicit pair for FSDP1 ``process_group=``.
         run_dir: the job's run directory (shared by all nodes); events: its event log.
@@ -96,11 +100,18 @@ class Job:
                               seed=self.seed if seed is None else seed, drop_last=drop_last)
 
     def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
-                state: Mapping[str, Any] | None = None) -> "Run":
+                state: Mapping[str, Any] | None = None, exact: bool = True) -> "Run":
         """Collective, once per rank: guard ``model`` and ``optimizer``, snapshot them with ``scheduler`` and
-        every ``Stateful`` in ``state``, and reload the newest verified snapshot if there is one."""
+        every ``Stateful`` in ``state``, and reload the newest verified snapshot if there is one.
+
+        ``exact=True`` (the default) promises bitwise recovery, so every op must be deterministic
+        (``torch.use_deterministic_algorithms(True)`` is set; an op without a deterministic implementation
+        stops the job with a :class:`UsageError` naming it).  ``exact=False`` leaves that to the script.
+        """
         if self.run is not None:
             raise UsageError("job.protect", "a second call", "call job.protect once per job, after wrapping")
+        if exact:
+            torch.use_deterministic_algorithms(True)
         self.run = Run(self, model, optimizer, scheduler, dict(state or {}))
         return self.run
 
@@ -155,12 +166,16 @@ class Run:
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
         self._replay: tuple[int, dict[str, Any] | None] | None = None
+        self._warned_no_step = False
         self._loaded: str | None = None
         key = self._guard.key_for("committed")
         if job.is_lead:
             job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self.wrapping[0],
                             mesh=self.wrapping[1], state=sorted(self.statefuls))
-        out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check)
+        try:
+            out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check)
+        except FailStop as stop:  # a snapshot this job cannot load: the documented "requeue me" path
+            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
         if out.step is not None and not job._faults.skip_reload_check:
             ref = None
             if job.is_lead:
@@ -184,15 +199,22 @@ class Run:
             sampler = getattr(iterable, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
-            rng = torch.get_rng_state()  # making an iterator draws a seed: it must not move the training RNG
+            # A data loader draws a seed from the global RNG when its iterator starts (on iter(), or on the
+            # first next() of a lazy wrapper).  A resumed run starts one mid-pass where the first run did not:
+            # the start of every pass must leave the training RNG (dropout) where it was.
+            rng = torch.get_rng_state()
             it = iter(iterable)
+            first = next(it, _END)
             torch.set_rng_state(rng)
-            got = False
-            for item in it:
-                got = True
-                yield item
+            got = first is not _END
+            if got:
+                yield first
                 if self.step >= self.job.steps:
                     return
+                for item in it:
+                    yield item
+                    if self.step >= self.job.steps:
+                        return
             empty = 0 if got else empty + 1
             if empty >= 2:
                 raise UsageError("run.batches", type(iterable).__name__,
@@ -237,20 +259,29 @@ class Run:
     def _finish(self, update: Update, ev: BaseException | None) -> bool:
         job, rt, tracker = self.job, self.job._rt, self._tracker
         fault = error = None
+        phase = tracker.phase
         if ev is not None:
             tracker.end()
             if not isinstance(ev, Exception) or isinstance(ev, UsageError):
                 return False  # KeyboardInterrupt, SystemExit, the API's own usage errors: not a fault
-            fault = tracker.phase if tracker.phase != "committed" else "forward"
+            if isinstance(ev, RuntimeError) and NONDETERMINISTIC in str(ev):
+                op = str(ev).split(NONDETERMINISTIC)[0].strip() or "an op"
+                raise UsageError("model", op, "it has no deterministic implementation, and exact recovery needs "
+                                              "every op deterministic: use another op, or job.protect(..., "
+                                              "exact=False) to give up bitwise recovery") from ev
+            fault = phase if phase != "committed" else "forward"
             if isinstance(ev, Withheld):
                 error = f"injected fault: rank {job.rank} withheld its part in {ev.args[0]} of update {update.step}"
             else:
                 error = f"{type(ev).__name__}: {(str(ev).splitlines() or [''])[0][:300]}"
-        elif not tracker.stepped:
-            tracker.end()
-            raise UsageError("run.update()", f"update {update.step}",
-                             "the update ended without optimizer.step(): call the protected optimizer's step() "
-                             "inside `with run.update():`")
+        elif not tracker.stepped and not self._warned_no_step:
+            # A gradient scaler skips the step when it finds inf/NaN gradients; anything else is a loop that
+            # forgot optimizer.step().  Either way the update commits; say it once.
+            self._warned_no_step = True
+            log.warning("update %d ended without optimizer.step() (a skipped fp16 step, or a missing call)",
+                        update.step)
+            if job.is_lead:
+                job.events.emit("warning", step=update.step, reason="update ended without optimizer.step()")
         tracker.end()
         loss = None if fault else _as_float(update.loss)
         prev = self.step
@@ -300,14 +331,17 @@ class Run:
             job.events.emit("replay_ref", snapshot=prev, step=self.step, loss=mean, fingerprints=fps, layout=layout)
 
     def _reject_loaded(self, snap: int, why: str) -> None:
-        """The first rank of each node records the rejection of the copy it loaded."""
+        """One writer per copy: a node's first rank for the node's own copy, rank 0 for a shared-tier copy."""
+        import os
+
         from ckpt_service.layout import node_dir
 
         from accelpact_slurm.runtime.restore import reject_copy
 
         rt, cfg = self.job._rt, self.job.config
-        if rt.local_rank == 0 and self._loaded:
-            ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
+        ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
+        own = bool(self._loaded) and os.path.dirname(os.path.abspath(self._loaded)) == os.path.abspath(ndir)
+        if self._loaded and ((own and rt.local_rank == 0) or (not own and rt.rank == 0)):
             try:
                 reject_copy(snap, self._loaded, f"replay check failed: {why}", self.job.run_dir, ndir,
                             rt.ctx.hostname, cfg.checkpoint.milestone_every, self.job.events, source="replay")

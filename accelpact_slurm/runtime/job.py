@@ -53,6 +53,8 @@ def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
     except ImportError as exc:
         raise ConfigError("entry", entry, f"cannot import it ({exc}); put the module next to the job file or "
                                           f"on PYTHONPATH") from exc
+    except SyntaxError as exc:
+        raise ConfigError("entry", entry, f"{exc.filename}:{exc.lineno}: {exc.msg}; fix the syntax there") from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError("entry", entry, f"module {module_name} has no function {fn_name}")
@@ -70,8 +72,14 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     from accelpact_slurm.runtime.stopping import check_progress
     from accelpact_slurm.runtime.topology import init_runtime
 
+    import warnings
+
     out = out or sys.stdout
     environ = os.environ if environ is None else environ
+    # Noise from libraries on every rank's log, not the user's concern: torchdata's deprecated set_vital, DCP's
+    # "assuming the intent is to save/load in a single process" (the daemon and the reload use no_dist on purpose).
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     entry = resolve_entry(cfg.entry, job_file)  # before joining: a bad entry fails fast on every rank
     faults = TestFaults.from_environ(environ)
     torch.set_num_threads(cfg.topology.threads_per_rank)

@@ -26,13 +26,21 @@ from accelpact_slurm.runtime.restore import same_bits
 
 
 def fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 over this rank's local parameter shards' float64 sums (cheap; exact for the same bits)."""
+    """SHA-256 over this rank's local parameter shards: per parameter, the float64 sum and a position-weighted sum
+    (a permutation or cancelling changes inside a shard move the second).  Cheap, and exact for the same bits."""
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
             h.update(name.encode())
-            h.update(float(local.detach().double().sum()).hex().encode() if local.numel() else b"-")
+            if not local.numel():
+                h.update(b"-")
+                continue
+            v = local.double()
+            idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
+            w = 1.0 + ((idx * 2654435761) % 65536).double() / 65536.0
+            h.update(float(v.sum()).hex().encode())
+            h.update(float((v * w).sum()).hex().encode())
     return h.hexdigest()
 
 

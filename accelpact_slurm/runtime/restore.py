@@ -1,7 +1,7 @@
 """L2 reload: on every start, load the newest snapshot that every rank can reach and that still checks out.
 
 Who calls: every rank, before the training loop, at the same point (collective):
-``job.run_rank`` -> ``SnapshotClient.restore`` -> :func:`restore_trainer`.
+``job.protect`` -> :class:`~accelpact_slurm.runtime.api.Run` -> :func:`restore`.
 
 The steps, in this order on every rank (each round is one control-plane ``all_gather``):
 

@@ -1,9 +1,11 @@
-"""What the peer workers share: the project's model at the job file's sizes, its token stream, records.
+"""What the peer workers share: the decoder example's model at the job file's sizes, its token stream, records.
 
 Imported by ``torchft_worker.py`` and ``nvrx_worker.py`` (each in its peer's own virtual environment, which
-holds torch and PyYAML besides the peer) and by ``ours_worker.py`` (project venv).  The model is the
-project's own ``CausalDecoder`` built from ``examples/tiny.yaml`` (or the file given), so every system
-trains exactly the same architecture, initialisation, optimizer, schedule and data.
+holds torch and PyYAML besides the peer) and by ``scripts/bench/peers_entry.py`` (project venv).  The model
+is the decoder example's ``CausalDecoder`` (``examples/decoder/``) built from the ``params`` of
+``examples/decoder/job.yaml`` (or the file given), with the example's AdamW settings, schedule and data
+order, so every system trains exactly the same architecture, initialisation, optimizer, schedule and data;
+the workload comes from ``scripts/bench/workload.py``, the one module the benchmarks import it from.
 
 Records are JSON lines appended with one ``os.write`` each to the file the harness names, so that a line
 is complete even when the writer is killed right after it (the injected fault does exactly that).
@@ -19,17 +21,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "scripts")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import torch
 
 from accelpact_slurm.core.config import JobConfig, load_config
-from accelpact_slurm.workload.data import TokenStream
-from accelpact_slurm.workload.model import build_model
-from accelpact_slurm.workload.trainer import lr_lambda
+from bench.workload import JOB_FILE, TokenStream, lm_loss, lr_schedule, model_of, rank_batch
 
-DEFAULT_CONFIG = REPO / "examples" / "tiny.yaml"
+DEFAULT_CONFIG = JOB_FILE
 
 
 class Records:
@@ -45,24 +46,26 @@ class Records:
 
 
 class Replica:
-    """One process's model, AdamW, LR schedule and data cursor, as the project's trainer builds them.
+    """One process's model, AdamW, LR schedule and data, as the decoder example's ``main`` builds them.
 
-    ``rank``/``world`` pick this process's slice of each global batch (``batch_per_rank`` sequences per
-    process, as on every rank of the project's job).
+    ``rank``/``world`` pick this process's share of the data (``batch_per_rank`` sequences per update, in
+    the order the example's ``job.sampler(data, shuffle=False)`` gives rank ``rank`` of ``world``).
     """
 
     def __init__(self, cfg: JobConfig, rank: int, world: int) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
-        torch.set_num_threads(cfg.train.threads_per_rank)
-        torch.manual_seed(cfg.seed * 1000 + rank + 1)  # dropout, as the project's trainer seeds it
-        self.model = build_model(cfg.model, cfg.seed)
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                           weight_decay=t.weight_decay, foreach=False)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.stream = TokenStream(cfg.model.vocab, cfg.model.seq_len, cfg.seed)
-        self.cursor = 0
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        p = self.p = cfg.params
+        torch.set_num_threads(cfg.topology.threads_per_rank)
+        torch.manual_seed(cfg.seed * 1000 + rank + 1)  # dropout, as the project's Run seeds it
+        self.model = model_of(p, cfg.seed)
+        beta1, beta2 = p.get("betas", (0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=p["lr"], betas=(beta1, beta2),
+                                           weight_decay=p["weight_decay"], foreach=False)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_schedule(cfg.steps, p["warmup_steps"], p["min_lr"] / p["lr"]))
+        self.data = TokenStream(p["vocab"], p["seq_len"], cfg.seed, p["sequences"])
+        self.cursor = 0  # updates taken: the index of this process's next batch
+        self.params = [x for x in self.model.parameters() if x.requires_grad]
 
     @property
     def param_count(self) -> int:
@@ -72,8 +75,8 @@ class Replica:
         """Forward and backward on this process's batch; gradients left in ``.grad``."""
         self.optimizer.zero_grad(set_to_none=False)
         self.model.train()
-        batch = self.stream.rank_batch(self.cursor, self.rank, self.world, self.cfg.train.batch_per_rank)
-        loss = self.model.loss(batch)
+        batch = rank_batch(self.data, self.cursor, self.rank, self.world, self.p["batch_per_rank"])
+        loss = lm_loss(self.model, batch)
         loss.backward()
         return float(loss.detach())
 
@@ -92,10 +95,10 @@ class Replica:
             off += n
 
     def step(self) -> None:
-        """Optimizer and schedule step; the data cursor moves by one global batch."""
+        """Optimizer and schedule step; the data cursor moves by one batch."""
         self.optimizer.step()
         self.scheduler.step()
-        self.cursor = TokenStream.advance(self.cursor, self.world, self.cfg.train.batch_per_rank)
+        self.cursor += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),

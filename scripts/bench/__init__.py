@@ -1,0 +1,12 @@
+"""The benchmark parts behind ``scripts/bench_*.py`` (the entry scripts are thin wrappers).
+
+- ``harness``: what every part shares (command line, statistics, results, launching ranks);
+- ``workload``: the one place the benchmarks import the reference workload (``examples/decoder/``) from;
+- ``ckpt_*``: the checkpoint-service benchmark (``scripts/bench_ckpt.py``);
+- ``repair_*``: the L1 repair benchmark (``scripts/bench_repair.py``);
+- ``peers_*``: ours against torchft and nvidia-resiliency-ext (``scripts/bench_peers.py``; the peers'
+  own workers stay in ``scripts/peers/``, they run in the peers' virtual environments);
+- ``*_entry.py``: how a part's code enters the ranks ``accelpact-run``'s launcher starts: each is an entry
+  point ``main(job)`` written against the public API (``job.protect``, ``run.update()``), named by the
+  ``entry:`` of the job file the part writes, with the part's plan in that file's ``params.bench``.
+"""

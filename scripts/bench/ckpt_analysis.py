@@ -1,0 +1,156 @@
+"""Checkpoint benchmark, the analysis (pure): paired step-time ratios, daemon latencies, goals, overview rows.
+
+Every figure is paired by round with the round's two ``none`` segments (``scripts/bench_ckpt.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench import harness as h
+from bench.ckpt_setup import ASYNC_DCP, MODES, is_snapshot
+
+SPREAD_KEYS = ("ratio", "others_ratio", "drain_s", "added_per_snapshot_s", "blocking_s", "snapshot_step_s",
+               "baseline_step_s", "mean_step_s")
+
+
+def summarize_steps(records: list[dict[str, Any]], segments: list[dict[str, Any]],
+                    plan: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: paired (by round) step-time ratios vs none and added time per snapshot (pure)."""
+    mean = h.mean
+    drains = {(s["round"], s["mode"]): s["drain_s"] for s in segments}
+    timed = [r for r in records if r.get("mode") not in (None, "warmup")]
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in timed:
+        by.setdefault((r["round"], r["mode"]), []).append(r)
+    rounds = sorted({k[0] for k in by})
+    modes = [m for m in MODES if any(k[1] == m for k in by)]
+    out: dict[str, Any] = {}
+    for m in modes:
+        per_round = []
+        for rnd in rounds:
+            seg, base = by.get((rnd, m)), by.get((rnd, "none"))
+            if not seg or not base:
+                continue
+            base_all = mean([r["step_s"] for r in base])  # both none segments of the round
+            snaps = [r for r in seg if r["snap"]]
+            # a DefaultStager snapshot also costs the wait it causes before the next optimizer step
+            nxt = {r["step"]: r for r in seg}
+            waits = [nxt[r["step"] + 1]["staging_wait_s"] if r["step"] + 1 in nxt else 0.0 for r in snaps]
+            per_round.append({
+                "round": rnd,
+                "baseline_step_s": base_all,
+                "mean_step_s": mean([r["step_s"] for r in seg]),
+                "ratio": mean([r["step_s"] for r in seg]) / base_all,
+                "others_ratio": (mean([r["step_s"] for r in seg if not r["snap"]])
+                                 / mean([r["step_s"] for r in base if not is_snapshot(plan, m, r["pos"])])
+                                 if m != "none" else 1.0),
+                "drain_s": drains.get((rnd, m)),
+                "snapshot_step_s": mean([r["step_s"] for r in snaps]),
+                "added_per_snapshot_s": (mean([r["step_s"] + w for r, w in zip(snaps, waits)]) - base_all)
+                if snaps else None,
+                "blocking_s": mean([r["block_s"] + w for r, w in zip(snaps, waits)]) if snaps else None,
+                "parts": mean_parts([r["parts"] for r in snaps]),
+            })
+        out[m] = {"rounds": per_round, **{k: h.spread([p.get(k) for p in per_round]) for k in SPREAD_KEYS}}
+    return out
+
+
+def mean_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for p in parts for k in p})
+    return {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in keys} if parts else {}
+
+
+def daemon_latencies(events_path: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds from rank 0's snapshot call to each node daemon's committed / verified event."""
+    calls = {r["step"]: r["wall"] for r in records if r.get("mode") == "ours" and r.get("snap")}
+    out: dict[str, list[float]] = {"committed": [], "verified": []}
+    sizes = []
+    parts: dict[str, list[float]] = {}
+    if not events_path.exists():
+        return {}
+    for line in events_path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") != "checkpoint" or ev.get("step") not in calls:
+            continue
+        st = ev.get("state")
+        if st in out:
+            out[st].append(ev["ts"] - calls[ev["step"]])
+        if st == "committed" and ev.get("size_bytes"):
+            sizes.append(ev["size_bytes"])
+        if st == "committed":
+            for k in ("dcp_save_s", "fsync_hash_s"):
+                if ev.get(k) is not None:
+                    parts.setdefault(k, []).append(ev[k])
+    res: dict[str, Any] = {k: h.spread(v) for k, v in out.items()}
+    res["node_snapshot_bytes"] = h.med(sizes)
+    res["writer_parts_s"] = {k: h.med(v) for k, v in parts.items()}
+    return res
+
+
+def _best(steps: dict[str, Any], key: str) -> tuple[str | None, float | None]:
+    """DCP's best async mode by the median of ``key`` (lowest)."""
+    best_mode, best = None, None
+    for m in ASYNC_DCP:
+        v = steps.get(m, {}).get(key, {}).get("median")
+        if v is not None and (best is None or v < best):
+            best_mode, best = m, v
+    return best_mode, best
+
+
+def goals(steps: dict[str, Any], bw: dict[str, Any]) -> dict[str, Any]:
+    ours = steps.get("ours", {})
+    best_mode, best = _best(steps, "added_per_snapshot_s")
+    ours_added = ours.get("added_per_snapshot_s", {}).get("median")
+    g1 = None
+    if ours_added is not None and best is not None:
+        g1 = ours_added <= 0.5 * best
+    best_blk_mode, best_blk = _best(steps, "blocking_s")
+    ours_blk = ours.get("blocking_s", {}).get("median")
+    ratio = bw.get("ratio_full", {}).get("median")
+    return {
+        "snapshot_cost": {
+            "goal": "added time per snapshot <= 0.5 x DCP's best async mode",
+            "ours_added_s": ours_added, "best_async_mode": best_mode, "best_async_added_s": best,
+            "limit_s": None if best is None else 0.5 * best, "pass": g1,
+            "blocking_check": {"ours_blocking_s": ours_blk, "best_async_mode": best_blk_mode,
+                               "best_async_blocking_s": best_blk,
+                               "pass": None if ours_blk is None or best_blk is None else ours_blk <= 0.5 * best_blk},
+        },
+        "write_bandwidth": {"goal": "daemon write bandwidth >= 0.9 x dd conv=fsync", "median_ratio": ratio,
+                            "pass": None if ratio is None else ratio >= 0.9},
+    }
+
+
+def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The overview rows (``harness.row``)."""
+    st, bw, g = res.get("steps", {}), res.get("bandwidth", {}), res.get("goals", {})
+    out = []
+    best = (g.get("snapshot_cost") or {}).get("best_async_mode")
+    ours = st.get("ours", {}).get("rounds", [])
+    if best and ours:
+        by_round = {r["round"]: r for r in ours}
+        base = {r["round"]: r for r in st.get(best, {}).get("rounds", [])}
+
+        def paired(key: str) -> dict[str, Any]:
+            return h.spread(h.paired_ratios({k: r.get(key) for k, r in by_round.items()},
+                                            {k: r.get(key) for k, r in base.items()}))
+
+        out.append(h.row(f"checkpoint: added time per snapshot, ours (110M params, 2x2 ranks, K={res['plan']['every']})",
+                         f"DCP's best async mode in the same round (`{best}`)", paired("added_per_snapshot_s"),
+                         note="goal <= 0.5: " + ("PASS" if g["snapshot_cost"]["pass"] else "FAIL")))
+        out.append(h.row("checkpoint: training blocked per snapshot, ours", f"`{best}` in the same round",
+                         paired("blocking_s")))
+    if "none" in st and ours:
+        out.append(h.row("checkpoint: mean update time with a snapshot every K updates, ours",
+                         "no snapshots, same round", st["ours"]["ratio"]))
+    if bw.get("ratio_full"):
+        out.append(h.row("checkpoint: daemon write bandwidth (whole write path)",
+                         "`dd conv=fsync` of the same size, same filesystem, paired", bw["ratio_full"],
+                         note="goal >= 0.9: " + ("PASS" if g["write_bandwidth"]["pass"] else "FAIL")))
+    return out

@@ -1,0 +1,176 @@
+"""Checkpoint benchmark, part 2: the daemon's write bandwidth against ``dd conv=fsync`` (``scripts/bench_ckpt.py``).
+
+One node's snapshot (the same model + AdamW, two ranks' shards) staged as the client stages it, then the
+daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 + ``writer.write_snapshot``: boxes as DCP
+chunks, fsync overlapped with checksums, manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of
+the same size on the same filesystem, paired and interleaved (order alternated, ``harness.abba``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import harness as h
+
+
+def _timed(fn, sink: dict[str, float], key: str):
+    """Wrap ``fn`` so that its outermost calls add their duration to ``sink[key]`` (recursion counted once)."""
+    depth = threading.local()
+
+    def wrapper(*a, **kw):
+        level = getattr(depth, "n", 0)
+        depth.n = level + 1
+        t = time.monotonic()
+        try:
+            return fn(*a, **kw)
+        finally:
+            depth.n = level
+            if level == 0:
+                sink[key] = sink.get(key, 0.0) + time.monotonic() - t
+    return wrapper
+
+
+def node_descs(model_cfg: dict[str, Any], stage_root: str, step: int, ranks: int = 2,
+               seed: int = 0) -> tuple[list[dict[str, Any]], list[Any], int]:
+    """One node's staged state as the client stages it: ``ranks`` ranks, each holding an FSDP1-like 1-D
+    range (cut inside rows) of every parameter and of both AdamW moments, copied into its slot, plus its
+    descriptor.  Returns (descriptors, slots, bytes)."""
+    import json
+
+    import torch
+
+    from accelpact_slurm.runtime import appstate
+    from bench.workload import model_of
+    from ckpt_service import staging
+    from ckpt_service.capture import Box, Entry, Plan, range_boxes
+
+    torch.manual_seed(seed)
+    model = model_of(model_cfg, seed)
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    moments = {"exp_avg": {n: torch.randn_like(p) * 1e-3 for n, p in full.items()},
+               "exp_avg_sq": {n: torch.rand_like(p) * 1e-6 for n, p in full.items()}}
+    # the extra state as the client gathers it (``SnapshotClient.snapshot``): the run's, every rank's
+    rank_state = {"rng": appstate.rng_state(), "state": {}}
+    doc = {"run": {"step": 10, "epoch": 0, "losses": [1.0] * 10}, "ranks": {str(r): rank_state for r in range(4)}}
+    meta = {"job_id": "bench", "config_digest": "0" * 64, "config": {}, "world_size": 4, "layout": [2, 2],
+            "extra_json": json.dumps(doc), "capture": None}
+    descs, slots, total = [], [], 0
+    for lr in range(ranks):
+        entries = []
+        for n, t in full.items():
+            numel = t.numel()
+            lo, hi = numel * lr // ranks, numel * (lr + 1) // ranks
+            cuts = range_boxes(list(t.shape), lo, hi)
+            for key, src in [(("model", n), t)] + [(("optim", "state", n, k), moments[k][n]) for k in moments]:
+                flat = src.reshape(-1)
+                entries.append(Entry(key, list(t.shape), t.dtype,
+                                     [Box(list(o), list(sz), flat[f:f + math.prod(sz)]) for o, sz, f in cuts]))
+        plain = {"model": {}, "optim": {"state": {n: {"step": torch.tensor(10.0)} for n in full},
+                                        "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+                                                          "weight_decay": 0.01, "params": sorted(full)}]}}
+        plan = Plan(entries, plain, "bench")
+        slot = staging.Slot(staging.slot_path(stage_root, lr, 0))
+        nbytes = plan.layout()
+        slot.ensure(nbytes)
+        plan.copy_into(slot.buf)
+        total += nbytes
+        desc = staging.write_descriptor(stage_root, step, lr, {
+            "step": step, "rank": lr, "local_rank": lr, "meta": meta, "slot": slot.path, "slot_ino": slot.ino,
+            "nbytes": nbytes, "entries": plan.describe(), "plain": plan.plain, "source": plan.source})
+        descs.append(desc)
+        slots.append(slot)
+    return descs, slots, total
+
+
+def _write_ours(ndir: Path, step: int, paths: list[Any], parts: dict[str, float]) -> dict[str, Any]:
+    """What the daemon's writer thread does with one node's descriptors."""
+    import gc
+
+    from ckpt_service import staging, writer
+
+    parts.clear()
+    t = time.monotonic()
+    descs = []
+    for p in paths:
+        d = staging.read_descriptor(p)
+        d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
+        descs.append(d)
+    t_map = time.monotonic() - t
+    _path, size = writer.write_snapshot(str(ndir), step, descs, node="bench")
+    total = time.monotonic() - t
+    del descs
+    gc.collect()
+    res = {"ours_s": total, "ours_bytes": size, "map_s": t_map, **dict(parts)}
+    res["ours_write_only_s"] = total - t_map - parts.get("build_state", 0) - parts.get("fsync_and_hash", 0)
+    return res
+
+
+def _write_dd(ndir: Path, size: int) -> dict[str, Any]:
+    count = -(-size // (4 << 20))
+    f = ndir / "dd.bin"
+    t = time.monotonic()
+    subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=4M", f"count={count}", "conv=fsync"],
+                   check=True, capture_output=True)
+    res = {"dd_s": time.monotonic() - t, "dd_bytes": count * (4 << 20)}
+    f.unlink()
+    return res
+
+
+def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[str, Any]:
+    """Paired, interleaved: the daemon's write of one node's snapshot vs dd conv=fsync of the same size."""
+    import gc
+    import warnings
+
+    from ckpt_service import staging, writer
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    stage_root = tempfile.mkdtemp(prefix="accelpact-bench-stage-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ndir = work / "bw-node"
+    ndir.mkdir(parents=True, exist_ok=True)
+    parts: dict[str, float] = {}
+    orig = (writer.build_state, writer.fsync_and_hash)
+    writer.build_state = _timed(writer.build_state, parts, "build_state")
+    writer.fsync_and_hash = _timed(writer.fsync_and_hash, parts, "fsync_and_hash")
+    rows = []
+    try:
+        for i in range(pairs):
+            step = i + 1
+            paths, slots, staged = node_descs(model_cfg, stage_root, step)
+            os.sync()
+            res: dict[str, Any] = {"pair": i}
+            for which in h.abba(i, "ours", "dd"):
+                os.sync()  # both writes start with no dirty pages of the other
+                if which == "ours":
+                    res.update(_write_ours(ndir, step, paths, parts))
+                else:
+                    res.update(_write_dd(ndir, res.get("ours_bytes") or staged))
+            shutil.rmtree(ndir / f"step-{step:010d}", ignore_errors=True)
+            staging.drop_step(stage_root, step)
+            del slots
+            gc.collect()
+            os.sync()
+            res["ours_GBps"] = res["ours_bytes"] / res["ours_s"] / 1e9
+            res["dd_GBps"] = res["dd_bytes"] / res["dd_s"] / 1e9
+            res["ratio_full"] = res["ours_GBps"] / res["dd_GBps"]
+            rows.append(res)
+            print(f"[bench] bandwidth pair {i + 1}/{pairs}: ours {res['ours_GBps']:.2f} GB/s, dd {res['dd_GBps']:.2f} "
+                  f"GB/s, ratio {res['ratio_full']:.2f}", flush=True)
+    finally:
+        writer.build_state, writer.fsync_and_hash = orig
+        shutil.rmtree(stage_root, ignore_errors=True)
+        shutil.rmtree(ndir, ignore_errors=True)
+    out: dict[str, Any] = {"pairs": rows, "filesystem": h.fs_type(str(work))}
+    for key in ("ratio_full", "ours_GBps", "dd_GBps"):
+        out[key] = h.spread([r[key] for r in rows])
+    for key in ("map_s", "build_state", "ours_write_only_s", "fsync_and_hash", "ours_s", "dd_s"):
+        out.setdefault("parts_median_s", {})[key] = h.med([r.get(key, 0.0) for r in rows])
+    return out

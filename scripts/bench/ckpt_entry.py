@@ -1,0 +1,176 @@
+"""Checkpoint benchmark, the rank side: the entry point of the benchmark's job (``scripts/bench_ckpt.py``).
+
+``accelpact-run`` calls :func:`main` on every rank with the :class:`~accelpact_slurm.Job` (the job file's
+``entry:``, written by ``ckpt_setup.write_config``; the plan is ``job.params["bench"]``).  The rank trains
+the decoder example at the job file's size (``bench.workload.decoder_parts``: FSDP1 HYBRID_SHARD on the
+job's mesh, AdamW, its schedule and data loader) through the public API (``job.protect``,
+``run.batches``, ``with run.update()``: guard, commit, events), as the example's ``main`` does.  The job
+file's ``checkpoint.every_steps`` is past the last update, so the per-node daemons run but the run's own
+``SnapshotClient`` never snapshots by itself; the schedule decides instead.  After the warm-up updates,
+every timed update belongs to one segment of one mode; the first update of each K-update window takes a
+snapshot right after the update (``ours``: the run's client, ``job.run._snapshots.snapshot(step)``, which
+times its own pieces in ``last_parts``; the DCP modes: ``ckpt_dcp.DcpModes``), and after its last update the
+segment is drained outside the timed updates (async futures, our daemons' write + verification,
+``malloc_trim``).  Step time = time between the ends of two consecutive updates (each followed by its
+snapshot, if any) on rank 0 (the ranks are in lock step), so it includes the blocking part.  Each rank dumps
+its records to ``plan["out"]/rank-<rank>.json`` after every segment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[1]),) if p not in sys.path]
+
+from bench.ckpt_dcp import DcpModes  # noqa: E402
+from bench.ckpt_setup import build_schedule, is_snapshot, segment_length  # noqa: E402
+
+
+def main(job: Any) -> None:
+    from bench.workload import decoder_parts, update
+
+    parts = decoder_parts(job)
+    run = job.protect(parts.model, parts.optimizer, scheduler=parts.scheduler, state={"data": parts.loader})
+    bench = CkptBench(job, run, parts)
+    try:
+        for tokens in run.batches(parts.loader):
+            with run.update() as u:
+                u.loss = update(parts, tokens, before_step=bench.wait_staging)
+            bench.after_update(run.step)
+    finally:
+        bench.close()
+
+
+class CkptBench(DcpModes):
+    """The schedule of segments on one rank: our snapshots through the run's client, DCP's through ``DcpModes``."""
+
+    def __init__(self, job: Any, run: Any, parts: Any) -> None:
+        self.job, self.run = job, run
+        self.client = run._snapshots  # the run's SnapshotClient (never due by itself: see the module docstring)
+        self.rt, self.cfg = job._rt, job.config  # the control plane's barriers between segments
+        self.model, self.optimizer = parts.model, parts.optimizer
+        self.plan = job.params["bench"]
+        self.sched = build_schedule(self.plan)
+        self.length = segment_length(self.plan)
+        self.records: list[dict[str, Any]] = []
+        self.segments: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+        self.t_prev: float | None = None
+        self.parts: dict[str, float] = {}
+        self.ours_steps: list[int] = []
+        self._init_dcp()
+        self.out = os.path.join(self.plan["out"], f"rank-{job.rank}.json")
+
+    # -------------------------------------------------------------- the schedule
+    def after_update(self, step: int) -> None:
+        now = time.monotonic()
+        entry = self.sched.get(step)
+        client = self.client
+        if entry is None:  # warm-up
+            self.records.append({"step": step, "mode": "warmup",
+                                 "step_s": None if self.t_prev is None else now - self.t_prev})
+            if step == self.plan["warmup"]:
+                if "ours" in self.plan["modes"]:
+                    # the first snapshot of a start creates the slot (first touch of its pages) and carries
+                    # the capture proof (the staged bytes against the live state dict, a collective): a
+                    # one-off per start, taken here, untimed, and reported apart; the timed snapshots are
+                    # the steady state
+                    client.snapshot(step)
+                    self.extra["ours_first_snapshot"] = dict(client.last_parts)
+                    self.extra["ours_first_snapshot"]["state"] = client.wait(step, self.cfg.timeouts.startup_s)
+                self._prepare_next(step)
+                self.rt.control.barrier("bench-start", timeout_s=600)
+            self.t_prev = time.monotonic()
+            return
+        rnd, mode, pos = entry
+        snap = is_snapshot(self.plan, mode, pos)
+        self.parts.clear()
+        info: dict[str, Any] = {}
+        block = 0.0
+        wall = time.time()
+        if snap:
+            t = time.monotonic()
+            if mode == "ours":
+                self._snap_ours(step, info)
+            else:
+                self._snap_dcp(mode, step)
+            block = time.monotonic() - t
+        end = time.monotonic()
+        self.records.append({
+            "step": step, "round": rnd, "mode": mode, "pos": pos, "snap": snap, "wall": wall,
+            "step_s": end - self.t_prev, "block_s": block, "staging_wait_s": self.staging_wait,
+            "parts": dict(self.parts), **info,
+        })
+        self.staging_wait = 0.0
+        if pos == self.length:
+            self._drain(rnd, mode, step)
+        self.t_prev = time.monotonic()
+
+    # -------------------------------------------------------------- our snapshot path
+    def _snap_ours(self, step: int, info: dict[str, Any]) -> None:
+        client = self.client
+        client.snapshot(step)  # the client times its own pieces (last_parts)
+        self.parts.update({k: v for k, v in client.last_parts.items() if isinstance(v, float) and k != "total"})
+        info["ours_bytes"] = client.last_parts.get("bytes")
+        info["ours_new_slot"] = client.last_parts.get("new_slot")
+        info["ours_source"] = client.last_parts.get("source")
+        self.ours_steps.append(step)
+
+    # -------------------------------------------------------------- between segments (untimed)
+    def _drain(self, rnd: int, mode: str, step: int) -> None:
+        control = self.rt.control
+        t = time.monotonic()
+        dcp_bg = self._drain_dcp()
+        states = {s: self.client.wait(s, self.cfg.timeouts.startup_s) for s in self.ours_steps}
+        drained = time.monotonic() - t
+        control.barrier("bench-drained", timeout_s=600)
+        if self.job.is_lead:
+            shutil.rmtree(os.path.join(self.plan["dcp_dir"], mode), ignore_errors=True)
+        control.barrier("bench-cleaned", timeout_s=600)
+        self.segments.append({"round": rnd, "mode": mode, "last_step": step, "drain_s": drained,
+                              "ours_states": states, "dcp_bg": dcp_bg})
+        self.ours_steps = []
+        self._reset_dcp()
+        self._prepare_next(step)
+        release_free_memory()
+        control.barrier("bench-trimmed", timeout_s=600)
+        self._dump()
+        if self.job.is_lead:
+            print(f"[bench] {time.strftime('%H:%M:%S')} round {rnd + 1} {mode:<15} done at update {step}; "
+                  f"drained in {drained:.1f} s", flush=True)
+
+    def _dump(self) -> None:
+        tmp = self.out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"rank": self.job.rank, "records": self.records, "segments": self.segments,
+                       "extra": self.extra}, fh, indent=1, default=str)
+        os.replace(tmp, self.out)
+
+    def close(self) -> None:
+        self.close_stagers()
+        self._dump()
+
+
+def release_free_memory() -> None:
+    """``malloc_trim(0)``: hand freed heap pages back to the kernel between segments (outside the timed updates).
+
+    glibc keeps freed buffers below its mmap threshold (up to 32 MiB) in its heaps, so every rank would keep
+    the high-water mark of all the modes' copies resident and 4 ranks + 2 daemons run out of 24 GiB
+    (seen: OOM kill during the first round).  A fixed ``MALLOC_MMAP_THRESHOLD_`` avoids that too but made
+    every update 20-50% slower (page faults), so it is not used.
+    """
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

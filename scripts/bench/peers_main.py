@@ -1,0 +1,186 @@
+"""Peers benchmark, the command line and the repeats (``scripts/bench_peers.py`` is the entry point).
+
+``peers_venvs`` installs the peers, ``peers_runs`` runs each system once (``peers_entry``: our ranks'
+overhead loop, the entry point of its job), ``peers_report`` turns the repeats into the result and its
+markdown block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import harness as h
+from bench.peers_report import MARK, PART, analyse, markdown
+from bench.peers_runs import FAULT, FAULT_STEP, PEERS, STEPS, VENVS
+
+__all__ = ["build_parser", "main", "markdown"]
+
+DEFAULT_BUDGET_S = 345
+
+
+def build_parser(doc: str = "") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_peers.py", description=doc or __doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    h.output_args(ap, f"benchmarks/results/{h.today()}-peers.json")
+    ap.add_argument("--repeats", type=int, default=3, help="paired repeats (default: %(default)s)")
+    ap.add_argument("--short-timeout", type=float, default=1.0,
+                    help="second detection timeout, seconds, for both ours and torchft (default: %(default)s)")
+    ap.add_argument("--peers", default="torchft,nvrx", help="peers to run, comma-separated (default: %(default)s)")
+    ap.add_argument("--overhead-rounds", type=int, default=4,
+                    help="interleaved segment pairs per repeat, ours and torchft (default: %(default)s)")
+    ap.add_argument("--overhead-steps", type=int, default=10, help="updates per segment (default: %(default)s)")
+    ap.add_argument("--window-steps", type=int, default=40,
+                    help="nvidia-resiliency-ext: timed updates after the experiment, wrapped and plain "
+                         "(default: %(default)s)")
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                    help="stop starting repeats that would not fit (default: %(default)s s; lowered to "
+                         "$ACCELPACT_BENCH_DEADLINE_S - 30 when that is set)")
+    ap.add_argument("--keep", action="store_true", help="keep the working directory (logs, records)")
+    return ap
+
+
+def write_markdown(res: dict[str, Any], target: str) -> None:
+    h.write_markdown(target, MARK, markdown(res))
+
+
+def params_of(args: argparse.Namespace, budget: float) -> dict[str, Any]:
+    """What every system runs: the reference job file's model, timeouts and cadence, and the options."""
+    from accelpact_slurm.core.config import load_config
+    from bench.peers_runs import job_file
+    from bench.workload import param_count
+
+    base = load_config(job_file())
+    T, S = float(base.timeouts.collective_s), float(args.short_timeout)
+    if S >= base.timeouts.control_s:
+        raise SystemExit("--short-timeout must be shorter than the job file's timeouts.control_s")
+    m = base.params
+    return {"repeats": args.repeats, "steps": STEPS, "fault_step": FAULT_STEP, "fault": FAULT,
+            "main_timeout_s": T, "short_timeout_s": S, "control_s": base.timeouts.control_s,
+            "checkpoint_every": base.checkpoint.every_steps, "layers": m["layers"], "width": m["width"],
+            "heads": m["heads"], "vocab": m["vocab"], "seq_len": m["seq_len"], "batch_per_rank": m["batch_per_rank"],
+            "param_count": param_count(m),
+            "overhead_rounds": args.overhead_rounds, "overhead_steps": args.overhead_steps,
+            "window_steps": args.window_steps,
+            "topology": {"ours": f"{base.topology.nodes}x{base.topology.ranks_per_node}", "torchft": "2x1",
+                         "nvrx": "2"}, "budget_s": budget}
+
+
+def tasks_of(args: argparse.Namespace, res: dict[str, Any], work: Path
+             ) -> list[tuple[str, Callable[[Path, int], dict[str, Any]]]]:
+    """The runs of one repeat, by name (the peers that could not be installed left out)."""
+    from bench.peers_runs import run_nvrx, run_ours_fault, run_ours_overhead, run_torchft, write_config
+
+    T, S = res["params"]["main_timeout_s"], res["params"]["short_timeout_s"]
+    py = {n: VENVS / n / "bin" / "python" for n in PEERS if res["peers"][n]["status"] == "ok"}
+    cfg_T, cfg_S = work / "job-main.yaml", work / "job-short.yaml"
+    write_config(cfg_T, T)
+    write_config(cfg_S, S)
+    ovh = (args.overhead_rounds, args.overhead_steps)
+    tasks: list[tuple[str, Callable[[Path, int], dict[str, Any]]]] = [
+        ("ours_T", lambda w, i: run_ours_fault(cfg_T, T, w, f"T{i}")),
+        ("ours_S", lambda w, i: run_ours_fault(cfg_S, S, w, f"S{i}")),
+        ("ours_overhead", lambda w, i: run_ours_overhead(T, w, *ovh)),
+    ]
+    if "torchft" in py:
+        tasks += [("torchft_T", lambda w, i: run_torchft(py["torchft"], T, w, f"T{i}", ovh)),
+                  ("torchft_S", lambda w, i: run_torchft(py["torchft"], S, w, f"S{i}", None))]
+    if "nvrx" in py:
+        tasks += [("nvrx", lambda w, i: run_nvrx(py["nvrx"], "wrapped", T, w, f"w{i}", args.window_steps)),
+                  ("nvrx_plain", lambda w, i: run_nvrx(py["nvrx"], "plain", T, w, f"p{i}", args.window_steps))]
+    return tasks
+
+
+def main(argv: list[str] | None = None, doc: str = "") -> int:
+    args = build_parser(doc).parse_args(argv)
+    if args.render:
+        res = h.read_result(args.render)
+        if args.markdown:
+            write_markdown(res, args.markdown)
+        else:
+            print(markdown(res))
+        return 0
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    from bench.peers_runs import PROCS
+    from bench.peers_venvs import ensure_venv
+
+    budget = h.Budget(h.outer_deadline(args.budget_s, margin_s=30.0))
+    log = h.logger("peers", budget.t0)
+    h.stop_on_signals("peers", (signal.SIGTERM,))  # bench_all's deadline: stop, clean up, keep what is written
+    res = h.new_result(PART, json=args.json, params=params_of(args, budget.budget_s), peers={}, runs=[],
+                       repeats_done=0)
+    work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
+    for w in wanted:
+        if w not in PEERS:
+            raise SystemExit(f"--peers: unknown peer {w!r} (known: {', '.join(PEERS)})")
+    try:
+        for name in PEERS:
+            if name not in wanted:
+                res["peers"][name] = {"status": "skipped", "reason": "not selected (--peers)", "pin": PEERS[name]["pin"]}
+                continue
+            res["peers"][name] = ensure_venv(name, log)
+            if res["peers"][name]["status"] != "ok":
+                log(f"SKIPPING {PEERS[name]['title']}: {res['peers'][name]['reason']}")
+        tasks = tasks_of(args, res, work)
+        t_runs = time.monotonic()
+        for i in range(args.repeats):
+            if i and not budget.fits(1.15):
+                log(f"stopping after {i} repeat(s): the next would not fit the {budget.budget_s:.0f} s budget")
+                res["stopped_early"] = f"after {i} of {args.repeats} repeats ({budget.budget_s:.0f} s budget)"
+                break
+            t_rep = time.monotonic()
+            rep: dict[str, Any] = {}
+            for name, fn in h.rotate(tasks, i):  # rotated order
+                wdir = work / f"r{i}"
+                wdir.mkdir(exist_ok=True)
+                t0 = time.monotonic()
+                try:
+                    rep[name] = fn(wdir, i)
+                except (OSError, RuntimeError, ValueError, KeyError, TimeoutError) as exc:
+                    rep[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    PROCS.kill_all()
+                rep[name]["wall_s"] = time.monotonic() - t0
+                log(f"repeat {i + 1}/{args.repeats} {name}: " + _brief(rep[name]))
+            res["runs"].append(rep)
+            res["repeats_done"] = i + 1
+            budget.record(time.monotonic() - t_rep)
+            res["total_wall_s"] = budget.elapsed()
+            res["runs_wall_s"] = time.monotonic() - t_runs
+            analyse(res)
+            h.write_result(res, args.json)  # partial result after every repeat
+    finally:
+        PROCS.kill_all()
+        if args.keep:
+            print(f"[peers] working directory kept: {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    res["total_wall_s"] = budget.elapsed()
+    h.finish(res)
+    analyse(res)
+    out = h.write_result(res, args.json)
+    write_markdown(res, args.markdown)
+    log(f"result written to {out} ({res['total_wall_s']:.0f} s)")
+    for r in res["rows"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"  {r['what']}: {ratio} ({r['spread']}) vs {r['baseline']} [{r.get('abs')}]", flush=True)
+    return 0
+
+
+def _brief(r: dict[str, Any]) -> str:
+    if not r.get("ok"):
+        return f"FAILED ({(r.get('error') or '')[:300]})"
+    bits = [f"{k} {r[k]:.3f}" for k in ("fault_to_resume_s", "step_s", "rejoin_s") if r.get(k) is not None]
+    if r.get("ratios"):
+        bits.append("ratios " + ", ".join(f"{x:.2f}" for x in r["ratios"]))
+    if r.get("overhead", {}).get("ratios"):
+        bits.append("overhead " + ", ".join(f"{x:.2f}" for x in r["overhead"]["ratios"]))
+    return f"ok, {r['wall_s']:.1f} s: " + ", ".join(bits)

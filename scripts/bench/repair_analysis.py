@@ -1,0 +1,172 @@
+"""L1 repair benchmark, the analysis (pure): the ranks' records to paired ratios, fits and overview rows
+(``scripts/bench_repair.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench import harness as h
+from bench.repair_setup import PHASES
+
+_ratio = h.ratio
+
+
+def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
+    sp = h.spread
+    # 1: repairs vs floor (lead rank = the lowest affected rank: it emits the engine's "repair" event)
+    pairs = []
+    for k in range(len(ranks[0]["main"])):
+        lead = min(ranks[0]["main"][k]["ranks"])
+        rec = ranks[lead]["main"][k]
+        rep = rec["repair"]
+        assert rep is not None, f"no repair event on rank {lead} for repair {k}"
+        pairs.append({
+            "k": k, "step": rec["step"], "fault_rank": rec["fault_rank"], "ranks": rec["ranks"], "lead": lead,
+            "floor_first": rec["floor_first"], "floor_s": rec["floor_s"], "total_s": rep["total_s"],
+            "phases_s": rep["phases"], "rebound": rep["rebound"], "rebound_by_kind": rep["rebound_by_kind"],
+            "fault_to_resume_s": rep["fault_to_resume_s"], "generation": rep["generation"],
+            "update_s": rec["update_s"], "probes_s": rec["probes"], "scan_truncated": rec["scan_truncated"],
+            "rank_totals_s": [r["main"][k]["repair_rank"]["total_s"] for r in ranks],
+        })
+    phases: dict[str, Any] = {}
+    for ph in PHASES:
+        vals = [p["phases_s"][ph] for p in pairs]
+        phases[ph] = {"ms": sp([v * 1e3 for v in vals]),
+                      "share": sp([_ratio(v, p["total_s"]) for v, p in zip(vals, pairs)]),
+                      "vs_floor": sp([_ratio(v, p["floor_s"]) for v, p in zip(vals, pairs)])}
+    main = {
+        "pairs": pairs, "phases": phases,
+        "total_ms": sp([p["total_s"] * 1e3 for p in pairs]),
+        "floor_ms": sp([p["floor_s"] * 1e3 for p in pairs]),
+        "total_vs_floor": sp([_ratio(p["total_s"], p["floor_s"]) for p in pairs]),
+        "data_plane_vs_floor": sp([_ratio(sum(p["phases_s"][x] for x in ("replace", "rebind", "validate")),
+                                          p["floor_s"]) for p in pairs]),
+        "replace_vs_floor": phases["replace"]["vs_floor"],
+        "scan_ms": sp([((p["probes_s"].get("framework_roots") or 0.0) + (p["probes_s"].get("find_references") or 0.0))
+                       * 1e3 for p in pairs]),
+        "scan_gc_ms": sp([((p["probes_s"].get("framework_roots.gc") or 0.0)
+                           + (p["probes_s"].get("find_references.gc") or 0.0)) * 1e3 for p in pairs]),
+        "rebind_all_ms": sp([None if p["probes_s"].get("rebind_all") is None else p["probes_s"]["rebind_all"] * 1e3
+                             for p in pairs]),
+        "fault_to_resume_s": sp([p["fault_to_resume_s"] for p in pairs]),
+        "update_s": sp([p["update_s"] for p in pairs]),
+        "rebound": sorted({p["rebound"] for p in pairs}),
+        "rebound_by_kind": pairs[0]["rebound_by_kind"] if pairs else {},
+    }
+
+    # 2: guard overhead (block time = slowest rank)
+    gpairs = []
+    for i in range(len(ranks[0]["guard"])):
+        g = max(r["guard"][i]["guarded"] for r in ranks)
+        u = max(r["guard"][i]["unguarded"] for r in ranks)
+        ex = h.med([r["guard"][i]["boundary_s"] + r["guard"][i]["vote_s"] for r in ranks])
+        gpairs.append({"pair": i, "order": ranks[0]["guard"][i]["order"], "guarded_s": g, "unguarded_s": u,
+                       "ratio": _ratio(g, u), "extras_s": ex,
+                       "boundary_s": [r["guard"][i]["boundary_s"] for r in ranks],
+                       "vote_s": [r["guard"][i]["vote_s"] for r in ranks]})
+    K = plan["guard_block"]
+    guard = {"pairs": gpairs, "ratio": sp([p["ratio"] for p in gpairs]),
+             "extras_ms_per_update": sp([p["extras_s"] / K * 1e3 for p in gpairs]),
+             "extras_vs_unguarded": sp([_ratio(p["extras_s"], p["unguarded_s"]) for p in gpairs]),
+             "boundary_ms_per_update": sp([h.med(p["boundary_s"]) / K * 1e3 for p in gpairs]),
+             "vote_ms_per_update": sp([h.med(p["vote_s"]) / K * 1e3 for p in gpairs]),
+             "guarded_ms_per_update": sp([p["guarded_s"] / K * 1e3 for p in gpairs]),
+             "unguarded_ms_per_update": sp([p["unguarded_s"] / K * 1e3 for p in gpairs]),
+             "added_ms_per_update": sp([(p["guarded_s"] - p["unguarded_s"]) / K * 1e3 for p in gpairs])}
+
+    # 3: rebinding vs depth (lead rank's records)
+    sweep = []
+    for j, entry in enumerate(ranks[0]["sweep"]):
+        reps = []
+        for i, rec0 in enumerate(entry["repairs"]):
+            lead = min(rec0["ranks"])
+            rec = ranks[lead]["sweep"][j]["repairs"][i]
+            rep = rec["repair"]
+            assert rep is not None, f"no repair event on rank {lead} (L={entry['layers']}, repair {i})"
+            pr = rec["probes"]
+            reps.append({"round": rec0["round"], "lead": lead, "rebound": rep["rebound"], "rebound_by_kind": rep["rebound_by_kind"],
+                         "rebind_s": rep["phases"]["rebind"], "total_s": rep["total_s"],
+                         "rebind_all_s": pr.get("rebind_all"),
+                         "scan_s": (pr.get("framework_roots") or 0.0) + (pr.get("find_references") or 0.0),
+                         "retire_s": pr.get("retire_group"), "scan_truncated": rec["scan_truncated"],
+                         "scan_gc_s": (pr.get("framework_roots.gc") or 0.0) + (pr.get("find_references.gc") or 0.0)})
+        refs = sorted({r["rebound"] for r in reps})
+        sweep.append({
+            "layers": entry["layers"], "width": entry["width"], "fsdp_units": entry["fsdp_units"],
+            "build_s": sp(entry["build_s"]), "refs": refs, "reps": reps,
+            "scans_truncated": sum(1 for r in reps if r["scan_truncated"]),
+            "rebind_ms": sp([r["rebind_s"] * 1e3 for r in reps]),
+            "per_ref_us": sp([r["rebind_s"] / r["rebound"] * 1e6 for r in reps]),
+            "rebind_all_per_ref_us": sp([None if r["rebind_all_s"] is None else r["rebind_all_s"] / r["rebound"] * 1e6
+                                         for r in reps]),
+            "scan_ms": sp([r["scan_s"] * 1e3 for r in reps]),
+            "scan_gc_ms": sp([r["scan_gc_s"] * 1e3 for r in reps]),
+            "retire_ms": sp([None if r["retire_s"] is None else r["retire_s"] * 1e3 for r in reps]),
+            "total_ms": sp([r["total_s"] * 1e3 for r in reps]),
+        })
+    if sweep:
+        base = {r["round"]: r for r in sweep[0]["reps"]}
+
+        def paired(s: dict[str, Any], key: str, per_ref: bool) -> dict[str, Any]:
+            """Ratios to the baseline depth's repair of the same round."""
+            out = []
+            for r in s["reps"]:
+                b = base.get(r["round"])
+                if b is None or r.get(key) is None or b.get(key) is None:
+                    continue
+                out.append(_ratio(r[key] / (r["rebound"] if per_ref else 1), b[key] / (b["rebound"] if per_ref else 1)))
+            return sp(out)
+
+        for s in sweep:
+            s["per_ref_vs_base"] = paired(s, "rebind_s", True)
+            s["rebind_vs_base"] = paired(s, "rebind_s", False)
+            s["rebind_all_per_ref_vs_base"] = paired(s, "rebind_all_s", True)
+    fit = _fit([(r["rebound"], r["rebind_s"] * 1e3) for s in sweep for r in s["reps"]])
+    fit_all = _fit([(r["rebound"], r["rebind_all_s"] * 1e3) for s in sweep for r in s["reps"]
+                    if r["rebind_all_s"] is not None])
+    return {"main": main, "guard": guard, "sweep": sweep, "fit_ms_per_ref": fit, "fit_rebind_all_ms_per_ref": fit_all}
+
+
+def _fit(points: list[tuple[float, float]]) -> dict[str, Any] | None:
+    """Least-squares line ``ms = intercept + slope * refs`` and Theil-Sen slope (median of pairwise slopes)."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    pw = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]
+    return {"slope_ms": slope, "intercept_ms": my - slope * mx, "theil_sen": h.spread(pw), "n": n}
+
+
+def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    m, g, sw = res["main"], res["guard"], res["sweep"]
+    rows = [h.row(
+        f"L1 repair total (engine's six phases), 2 x 2 ranks, {len(m['pairs'])} injected boundary faults",
+        "floor: new Gloo group with the same members + one all-reduce, same rank, adjacent in time",
+        m["total_vs_floor"], note=f"total {h.fmt_spread(m['total_ms'], '{:.1f}')} ms, "
+                                  f"floor {h.fmt_spread(m['floor_ms'], '{:.1f}')} ms")]
+    if len(sw) >= 2:
+        a, b = sw[0], sw[-1]
+        fit, fa = res.get("fit_ms_per_ref") or {}, res.get("fit_rebind_all_ms_per_ref") or {}
+        refs = f"L={b['layers']} ({'/'.join(map(str, b['refs']))} refs)"
+        base = f"L={a['layers']} ({'/'.join(map(str, a['refs']))} refs), same run, paired by round"
+        rows.append(h.row(
+            f"rebind phase (rebinding + invariant scan + retire) per reference, {refs}", base, b["per_ref_vs_base"],
+            note=f"{h.fmt_spread(b['per_ref_us'], '{:.0f}')} vs "
+                 f"{h.fmt_spread(a['per_ref_us'], '{:.0f}')} µs/ref; fitted slope "
+                 f"{h.fmt((fit.get('slope_ms') or 0) * 1e3, '{:.0f}')} µs/ref"))
+        rows.append(h.row(
+            f"rebinding alone (the references, no scan) per reference, {refs}", base,
+            b["rebind_all_per_ref_vs_base"],
+            note=f"{h.fmt_spread(b['rebind_all_per_ref_us'], '{:.1f}')} vs "
+                 f"{h.fmt_spread(a['rebind_all_per_ref_us'], '{:.1f}')} µs/ref; fitted slope "
+                 f"{h.fmt((fa.get('slope_ms') or 0) * 1e3, '{:.1f}')} µs/ref"))
+    rows.append(h.row(
+        "guarded update (boundary all-reduce + control-plane vote)",
+        "the same update without the guard, ABBA blocks, slowest rank",
+        g["ratio"], note=f"{h.fmt_spread(g['guarded_ms_per_update'], '{:.1f}')} vs "
+                         f"{h.fmt_spread(g['unguarded_ms_per_update'], '{:.1f}')} ms/update"))
+    return rows

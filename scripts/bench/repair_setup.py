@@ -1,0 +1,66 @@
+"""L1 repair benchmark, set-up: constants, the faults' schedule, the job file and the job (``scripts/bench_repair.py``).
+
+The job is started by the library's launcher (``harness.launch_job``: 2 emulated nodes x 2 ranks, no
+checkpoint daemons); its job file names the benchmark's entry point (``repair_entry.main``) and carries the
+plan in ``params.bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import harness as h
+
+MARK = "<!-- repair-bench -->"
+PART = "repair"
+PHASES = ("observe", "guard_sync", "control_barrier", "replace", "rebind", "validate")
+NODES, RPN = 2, 2
+#: Order of the faulting rank: both replication groups ({0, 2} and {1, 3}) get repaired, each rank withholds.
+FAULT_RANKS = (1, 2, 3, 0)
+PROBES = ("rebind_all", "framework_roots", "find_references", "retire_group")
+#: Variables a caller's shell might carry that would change what the engine does.
+SCRUB_ENV = ("ACCELPACT_TEST_SKIP_REBIND", "ACCELPACT_TEST_FRONTIER_SKEW", "ACCELPACT_ENVELOPE",
+             "ACCELPACT_QUALIFYING", "ACCELPACT_MASTER_ADDR", "ACCELPACT_MASTER_PORT", "ACCELPACT_CONTROL_PORT")
+
+
+def plan_faults(start: int, n: int, stride: int, offset: int = 0) -> list[tuple[int, int]]:
+    """(update, faulting rank) for ``n`` faults from update ``start``, one every ``stride`` updates (pure)."""
+    return [(start + stride * k, FAULT_RANKS[(k + offset) % len(FAULT_RANKS)]) for k in range(n)]
+
+
+def main_faults(plan: dict[str, Any]) -> list[tuple[int, int]]:
+    """The faults of the repairs-vs-floor scenario: one every other update after the warm-up."""
+    return plan_faults(plan["warmup"] + 1, plan["repairs"], 2)
+
+
+def write_job(plan: dict[str, Any], path: Path) -> Path:
+    """The reference job file on 2 x 2 ranks, FSDP1 on the device mesh, no snapshots, the plan's timeouts,
+    the faults of the first scenario (the sweep's are set per model on the rank), the plan in ``params.bench``."""
+    from bench.workload import entry_of, write_job as write
+
+    faults = [f"boundary:{s}:{r}" for s, r in main_faults(plan)]
+    return write(path, {
+        "steps": 100_000, "log_every": 100_000, "checkpoint.every_steps": 0, "topology.nodes": NODES,
+        "topology.ranks_per_node": RPN, "timeouts.collective_s": plan["collective_s"],
+        "timeouts.control_s": plan["control_s"], "timeouts.startup_s": plan["startup_s"], "faults": faults,
+    }, entry=entry_of("repair_entry"), params={"fsdp": "fsdp1", "mesh": "device_mesh", "bench": plan})
+
+
+def run_job(plan: dict[str, Any], workdir: Path) -> list[dict[str, Any]]:
+    """Start the four ranks, echo rank 0's progress; the ranks' results (``RuntimeError`` with the failing
+    ranks' logs otherwise).  Each rank stops itself at the plan's deadline (``harness.guard_rank``)."""
+    config = write_job(plan, workdir / "job.yaml")
+    world = NODES * RPN
+    done = lambda r: workdir / f"rank-{r}.json"  # noqa: E731
+    t0 = time.monotonic()
+    code = h.launch_job(config, workdir, extra_env={"OMP_NUM_THREADS": "1"}, scrub=SCRUB_ENV,
+                        echo=h.LineFilter(("[bench]", "[accelpact] rank ")), job_id=f"bench-repair-{os.getpid()}")
+    if code != 0 or not all(done(r).exists() for r in range(world)):
+        why = (f"deadline of {plan['deadline_s']:.0f} s passed" if time.monotonic() - t0 > plan["deadline_s"]
+               else f"the job exited with code {code}")
+        raise RuntimeError(f"{why}; {h.failed_ranks(workdir, world, done)}")
+    return [json.loads(done(r).read_text()) for r in range(world)]

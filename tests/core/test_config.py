@@ -1,0 +1,119 @@
+"""The job file: defaults, overrides, and one clear line for every kind of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from accelpact_slurm.core.config import (
+    FaultSpec, JobConfig, check_timeouts, load_config, parse_config, with_overrides, TimeoutConfig,
+)
+from accelpact_slurm.core.errors import ConfigError
+
+TINY = "examples/decoder/job.yaml"
+
+
+def test_shipped_example_loads_as_the_embedded_default():
+    cfg = load_config(TINY)
+    assert (cfg.topology.nodes, cfg.topology.ranks_per_node) == (2, 2)
+    assert cfg.world_size == 4
+    assert cfg.steps == 25 and cfg.faults == ()
+    with pytest.raises(Exception):
+        cfg.steps = 3  # frozen
+
+
+def test_empty_file_gives_defaults():
+    assert parse_config("") == JobConfig()
+
+
+def test_digest_is_stable_and_sensitive():
+    a, b = load_config(TINY), load_config(TINY)
+    assert a.digest() == b.digest()
+    assert with_overrides(a, {"seed": a.seed + 1}).digest() != a.digest()
+
+
+@pytest.mark.parametrize(
+    "text, field, words",
+    [
+        ("steps: 10\nmodel: [1, 2\n", "config", "malformed YAML at line"),
+        ("stepz: 10\n", "stepz", "unknown key"),
+        ("timeouts:\n  layerz: 3\n", "timeouts.layerz", "unknown key"),
+        ("steps: -3\n", "steps", "must be >= 0"),
+        ("steps: ten\n", "steps", "must be an integer"),
+        ("steps: true\n", "steps", "must be an integer"),
+        ("timeouts:\n  collective_s: 30\n  control_s: 30\n", "timeouts.collective_s", "shorter than timeouts.control_s"),
+        ("timeouts:\n  collective_s: 40\n  control_s: 30\n", "timeouts.collective_s", "shorter than timeouts.control_s"),
+        ("timeouts:\n  control_s: -1\n", "timeouts.control_s", "positive"),
+        ("checkpoint:\n  keep_last: 1\n", "checkpoint.keep_last", "must be >= 2"),
+        ("topology:\n  nodes: 0\n", "topology.nodes", ">= 1"),
+        ("faults: [sideways:3:0]\n", "faults[0]", "PHASE must be one of"),
+        ("steps: 5\nfaults: [boundary:6:0]\n", "faults[0]", "STEP must be <= steps (5)"),
+        ("faults: [boundary:3:4]\n", "faults[0]", "RANK must be < the world size (4)"),
+        ("faults: [boundary:3]\n", "faults[0]", "PHASE:STEP:RANK"),
+        ("- just\n- a list\n", "config", "mapping"),
+        ("timeouts: 3\n", "timeouts", "mapping"),
+        ("params: 3\n", "params", "mapping"),
+        ("entry: train\n", "entry", "module:function"),
+        ("log_every: 0\n", "log_every", ">= 1"),
+    ],
+)
+def test_bad_input_names_field_value_and_fix(text, field, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    msg = str(info.value)
+    assert info.value.field == field
+    assert msg.startswith(field + ":")
+    assert words in msg
+    assert "\n" not in msg
+
+
+def test_timeout_relation_is_a_pure_decision():
+    ok, reason = check_timeouts(TimeoutConfig(collective_s=5, control_s=30))
+    assert ok and "shorter" in reason
+    ok, reason = check_timeouts(TimeoutConfig(collective_s=30, control_s=30))
+    assert not ok and "30" in reason
+
+
+def test_fault_spec_round_trip():
+    f = FaultSpec.parse("backward:7:3")
+    assert (f.phase, f.step, f.rank) == ("backward", 7, 3)
+    assert str(f) == "backward:7:3"
+
+
+def test_overrides_reject_unknown_keys():
+    cfg = load_config(TINY)
+    assert with_overrides(cfg, {"steps": 3, "topology.nodes": 1}).topology.nodes == 1
+    with pytest.raises(ConfigError, match="no such configuration key"):
+        with_overrides(cfg, {"checkpoint.depth": 3})
+
+
+def test_config_error_pickles():
+    import pickle
+
+    err = ConfigError("steps", -1, "must be >= 0")
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err)
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("steps: [1\n", "config"),
+        ("bogus: 1\n", "bogus"),
+        ("steps: -1\n", "steps"),
+        ("timeouts:\n  collective_s: 60\n  control_s: 30\n", "timeouts.collective_s"),
+    ],
+)
+def test_cli_prints_one_clear_line(tmp_path, text, field):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelpact_slurm.cli.run", str(bad), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"accelpact-run: error: {field}:")

@@ -1,0 +1,201 @@
+"""L2 Restart end to end on the real dev cluster (2 nodes x 2 tasks, sbatch_templates/hsdp.sbatch).
+
+The oracle is an uninterrupted run of the same job file on the embedded default
+(same topology, same math): its ``final_state_digest`` and per-step losses.
+Requeues are real (``scontrol requeue`` from rank 0, from outside, or after the
+pre-timeout USR2), and so are the restarts (``SLURM_RESTART_COUNT``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE
+from accelpact_slurm.core.events import read_events
+from tests.conftest import decoder_text, REPO, run_cli
+from tests.slurm_cluster import Cluster, job_info, submit, wait_job
+
+pytestmark = pytest.mark.slurm
+
+TEMPLATE = Path(REPO) / "sbatch_templates" / "hsdp.sbatch"
+SIZES = ["--nodes=2", "--ntasks-per-node=2"]
+JOB_DEADLINE_S = 420
+
+
+def job_file(tmp_path: Path, name: str, steps: int, every: int, **extra: str) -> Path:
+    text = decoder_text()
+    text = text.replace("steps: 25", f"steps: {steps}").replace("every_steps: 10", f"every_steps: {every}")
+    text = text.replace("collective_s: 5", "collective_s: 2").replace("log_every: 5", "log_every: 50")
+    for old, new in extra.items():
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def reference(tmp_path: Path, config: Path) -> dict:
+    proc = run_cli(["accelpact_slurm.cli.run", str(config), "--run-dir", str(tmp_path / "reference")])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return json.loads((tmp_path / "reference" / "summary.json").read_text())
+
+
+def sbatch(cluster: Cluster, tmp_path: Path, config: Path, *extra_args: str,
+           extra_env: dict | None = None) -> tuple[str, Path, dict]:
+    run_dir = tmp_path / "run"
+    env = dict(cluster.env)
+    env.update({"ACCELPACT_PYTHON": sys.executable, "PYTHONPATH": REPO, **(extra_env or {})})
+    job_id = submit(TEMPLATE, [str(config), str(run_dir)], env, [*SIZES, *extra_args], cwd=tmp_path)
+    return job_id, run_dir, env
+
+
+def finish(job_id: str, run_dir: Path, env: dict, tmp_path: Path) -> tuple[str, list[dict], dict | None, dict]:
+    state = wait_job(job_id, deadline_s=JOB_DEADLINE_S, env=env)
+    events = list(read_events(run_dir / "events.jsonl"))
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None
+    info = job_info(job_id, env) if state != "UNKNOWN" else {}
+    log = tmp_path / f"accelpact-hsdp-{job_id}.out"
+    assert summary is not None or state != "COMPLETED", log.read_text()[-4000:] if log.exists() else ""
+    return state, events, summary, info
+
+
+def restarts_seen(events: list[dict]) -> set[int]:
+    return {e["restart"] for e in events if e["event"] == "job_start"}
+
+
+def test_boundary_fault_is_repaired_in_process_without_requeue(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=12, every=4, **{"faults: []": 'faults: ["boundary:7:3"]'})
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED"
+    assert info.get("Restarts") == "0" and restarts_seen(events) == {0}
+    repairs = [e for e in events if e["event"] == "repair"]
+    assert len(repairs) == 1 and repairs[0]["frontier"] == 7
+    assert not [e for e in events if e["event"] in ("fail_stop", "requeue")]
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]
+
+
+def test_backward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=12, every=4, **{"faults: []": 'faults: ["backward:10:2"]'})
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED"
+    assert int(info.get("Restarts", 0)) >= 1 and restarts_seen(events) >= {0, 1}
+    requeues = [e for e in events if e["event"] == "requeue"]
+    assert requeues and requeues[0]["by"] == "scontrol" and requeues[0]["accepted"] is True
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    fault = min(e["ts"] for e in events if e["event"] == "fault")
+    verified = [e["step"] for e in events if e["event"] == "checkpoint" and e.get("state") == "verified"
+                and e["ts"] < loads[0]["ts"]]
+    assert loads and loads[0]["step"] == max(verified) and loads[0]["step"] in (4, 8)
+    assert fault < loads[0]["ts"]
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]
+
+
+def test_requeue_from_outside_at_an_arbitrary_moment(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=200, every=50)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=200, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while True:  # once a snapshot is verified on both nodes, requeue from outside, wherever the run is
+        events = list(read_events(run_dir / "events.jsonl"))
+        verified = {(e["step"], e.get("hostname")) for e in events
+                    if e["event"] == "checkpoint" and e.get("state") == "verified"}
+        if any((step, "node2") in verified for step, host in verified if host == "node1"):
+            break
+        assert time.monotonic() < deadline, "no snapshot was verified on both nodes"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job_id], env=env, check=True, timeout=30)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED"
+    assert restarts_seen(events) >= {0, 1}
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
+    assert loads and loads[0]["step"] is not None and loads[0]["step"] >= 50
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]
+
+
+def test_a_job_that_faults_before_every_commit_stops_requeueing(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=6, every=0, **{
+        "faults: []": 'faults: ["forward:1:1:always"]', "max_stalled_restarts: 3": "max_stalled_restarts: 2"})
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "FAILED" and summary is None
+    assert info.get("ExitCode", "").startswith(f"{EXIT_NO_REQUEUE}:")
+    stops = [e for e in events if e["event"] == "fail_stop" and e["exit_code"] == EXIT_NO_REQUEUE]
+    assert stops and "no progress" in stops[0]["reason"]
+    assert max(restarts_seen(events)) == 3  # the first start and 2 restarts that did not advance, then the stop
+
+
+def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster, tmp_path: Path):
+    small = {"layers: 4": "layers: 1", "width: 64": "width: 32", "log_every: 50": "log_every: 500"}
+    config = job_file(tmp_path, "job", steps=2500, every=0, **small)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=2500, every=0, **small))
+    # One minute, and the template's --signal=B:USR2@60: the warning comes at the controller's first check.
+    # node1 settles the snapshot 3 s after node2: node2's ranks must not stop (and have srun --kill-on-bad-exit
+    # kill node1's, rank 0 before its requeue request) until every rank has its node's answer.
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, "--time=1",
+                                  extra_env={"ACCELPACT_CKPTD_SLOW_VERIFY": "node1:3"})
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while True:  # after the requeue, give the second start room to finish
+        info = job_info(job_id, env)
+        if int(info.get("Restarts", 0)) >= 1:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=15"], env=env, check=True,
+                           timeout=30)
+            break
+        if info.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT"):
+            log = tmp_path / f"accelpact-hsdp-{job_id}.out"
+            events = (run_dir / "events.jsonl").read_text() if (run_dir / "events.jsonl").exists() else ""
+            pytest.fail(f"{info.get('JobState')} before any requeue ({info.get('ExitCode')});\n"
+                        f"log: {log.read_text()[-4000:] if log.exists() else ''}\nevents: {events[-4000:]}")
+        assert time.monotonic() < deadline, "the job was never requeued"
+        time.sleep(0.5)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED"
+    stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0]
+    assert stops and all("SIGUSR2" in e["reason"] for e in stops), stops[:1]
+    snap = stops[0]["frontier"]
+    assert any(e["event"] == "checkpoint" and e.get("step") == snap and e.get("state") in ("committed", "verified")
+               and e["ts"] <= stops[0]["ts"] for e in events)
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    assert loads and loads[0]["step"] == snap
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]
+
+
+def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=90, every=30)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=90, every=0))
+    # The first start stops (exit 75, no requeue) once snapshot 60 is verified, so 30 and 60 both exist.
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
+                                  extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "60"})
+    assert wait_job(job_id, deadline_s=JOB_DEADLINE_S, env=env) == "FAILED"
+    # Requeue and hold in one step; damage the newest snapshot of node1 while the job waits; then release it.
+    subprocess.run(["scontrol", "requeuehold", job_id], env=env, check=True, timeout=30)
+    node1 = run_dir / "node-local" / "node1"
+    newest = max(node1.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert newest.name.endswith("60")
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one bit flipped in the middle of the shard
+    shard.write_bytes(bytes(data))
+    subprocess.run(["scontrol", "release", job_id], env=env, check=True, timeout=30)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED"
+    rejected = [e for e in events if e["event"] == "checkpoint" and e.get("step") == 60
+                and e.get("state") == "rejected"]
+    assert rejected, "step 60 was not rejected"
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
+    assert loads and loads[0]["step"] == 30
+    assert any(s["step"] == 60 for s in loads[0]["skipped"])
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]

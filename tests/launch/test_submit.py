@@ -1,0 +1,326 @@
+"""accelpact-submit: arguments, backend detection, the Checkpointable mapping, and real runs.
+
+Real runs (one reference ``accelpact-run`` shared by the module; each costs seconds of 4 processes on 2 cores):
+
+* submitit's local executor (``--local``): completes with the reference digest;
+* the dev cluster (``slurm``): completes with the reference digest; and a USR2 sent to the running job
+  (``scancel --signal=USR2``, as a preemption or the pre-timeout warning would) takes our path -- snapshot,
+  ``scontrol requeue``, exit 75, restart from the snapshot -- and still ends with the reference digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from accelpact_slurm.slurm import signals
+from accelpact_slurm.cli import submit as cli
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USAGE, SlurmEnvError
+from accelpact_slurm.core.events import read_events
+from tests.conftest import decoder_text, REPO, run_cli
+
+STEPS = 16
+# Periodic snapshots off: only the USR2 snapshot is taken, so no run waits for a verification at its end.
+EVERY_STEPS = 100
+POLL_S = 0.1
+
+
+def _job_file(path: Path) -> Path:
+    text = decoder_text()
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("steps:"):
+            line = f"steps: {STEPS}"
+        elif line.strip().startswith("every_steps:"):
+            line = f"  every_steps: {EVERY_STEPS}"
+        lines.append(line)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# --------------------------------------------------------------------------- arguments and detection
+
+
+def test_arguments_defaults_and_choices():
+    args = cli.build_parser().parse_args(["job.yaml"])
+    assert (args.backend, args.wait, args.time_min, args.nodes, args.ranks_per_node) == (None, False, 60, None, None)
+    args = cli.build_parser().parse_args(["job.yaml", "--local", "--nodes", "3", "--ranks-per-node", "1",
+                                          "--partition", "p", "--folder", "f", "--wait", "--wait-timeout", "9"])
+    assert (args.backend, args.nodes, args.ranks_per_node, args.partition, args.wait_timeout) == ("local", 3, 1, "p", 9)
+    assert cli.build_parser().parse_args(["j", "--slurm"]).backend == "slurm"
+    for bad in (["j", "--local", "--slurm"], ["j", "--nodes", "0"], ["j", "--time-min", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.build_parser().parse_args(bad)
+        assert exc.value.code == EXIT_USAGE
+
+
+def test_topology_defaults_from_the_file_and_flags_win(tmp_path):
+    job = _job_file(tmp_path / "job.yaml")
+    cfg = cli.effective_config(cli.build_parser().parse_args([str(job)]))
+    assert (cfg.topology.nodes, cfg.topology.ranks_per_node) == (2, 2)
+    cfg = cli.effective_config(cli.build_parser().parse_args([str(job), "--nodes", "1", "--ranks-per-node", "3"]))
+    assert (cfg.topology.nodes, cfg.topology.ranks_per_node) == (1, 3)
+
+
+def test_backend_detection():
+    nothing = lambda name: None  # noqa: E731
+    slurm = {"sbatch": "/usr/bin/sbatch", "srun": "/usr/bin/srun"}.get
+    assert cli.detect_backend(None, nothing)[0] == "local"
+    assert cli.detect_backend(None, slurm) == ("slurm", "sbatch found at /usr/bin/sbatch")
+    assert cli.detect_backend(None, {"sbatch": "/x/sbatch"}.get)[0] == "local"  # sbatch without srun: no tasks
+    assert cli.detect_backend("local", slurm)[0] == "local"
+    assert cli.detect_backend("slurm", slurm)[0] == "slurm"
+    with pytest.raises(cli.SubmitUsageError, match="--slurm: sbatch/srun not found"):
+        cli.detect_backend("slurm", nothing)
+
+
+def test_errors_are_one_line_with_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: -1\n")
+    assert cli.main([str(bad), "--local"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("accelpact-submit: error: steps:") and "\n" not in err
+    assert cli.main([str(tmp_path / "missing.yaml")]) == EXIT_USAGE
+    assert "\n" not in capsys.readouterr().err.strip()
+    # No Slurm on this PATH and --slurm forced: a fresh process with an empty PATH.
+    job = _job_file(tmp_path / "job.yaml")
+    proc = run_cli(["accelpact_slurm.cli.submit", str(job), "--slurm"], env={"PATH": str(tmp_path)}, timeout=60)
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "accelpact-submit: error: --slurm: sbatch/srun not found on the PATH: run on a Slurm login node, "
+        "or use --local for submitit's local executor"]
+
+
+# --------------------------------------------------------------------------- the task side, pure parts
+
+
+def _spec(**kw):
+    from accelpact_slurm.launch.submission import TaskSpec
+
+    base = dict(backend="local", config_path="/j.yaml", runs_root="/runs", nodes=2, ranks_per_node=2,
+                master_port=1234, control_port=1235)
+    base.update(kw)
+    return TaskSpec(**base)
+
+
+def test_local_task_environment_emulates_srun():
+    from accelpact_slurm.slurm.env import SlurmContext, in_slurm
+    from accelpact_slurm.launch.submission import task_environ
+
+    base = {"PATH": "/bin", "SLURM_JOB_ID": "99", "SLURM_PROCID": "7"}  # an enclosing allocation is not ours
+    env = task_environ(_spec(restart_count=2), base, "4242", global_rank=3, num_tasks=4)
+    assert in_slurm(env) and env["PATH"] == "/bin"
+    ctx = SlurmContext.from_environ(env)
+    assert (ctx.job_id, ctx.rank, ctx.node_index, ctx.local_rank, ctx.hostname) == ("local-4242", 3, 1, 1, "node2")
+    assert (ctx.num_nodes, ctx.world_size, ctx.restart_count) == (2, 4, 2)
+    assert (env["ACCELPACT_EMULATED"], env["ACCELPACT_MASTER_ADDR"]) == ("1", "127.0.0.1")
+    assert (env["ACCELPACT_MASTER_PORT"], env["ACCELPACT_CONTROL_PORT"]) == ("1234", "1235")
+    assert SlurmContext.from_environ(task_environ(_spec(job_id="local-1"), {}, "5", 0, 4)).job_id == "local-1"
+    with pytest.raises(SlurmEnvError, match="started 3 tasks but the job needs 2 x 2 = 4"):
+        task_environ(_spec(), {}, "1", 0, 3)
+    with pytest.raises(SlurmEnvError, match="master_port"):
+        task_environ(_spec(master_port=None), {}, "1", 0, 4)
+
+
+def test_relaunch_decision():
+    from accelpact_slurm.launch.submission import relaunch_decision
+
+    def stop(code, restart=0):
+        return {"event": "fail_stop", "exit_code": code, "restart": restart}
+
+    assert relaunch_decision([stop(EXIT_REQUEUE)], 0, 20)[0]
+    assert not relaunch_decision([stop(EXIT_REQUEUE), stop(EXIT_NO_REQUEUE)], 0, 20)[0]
+    assert not relaunch_decision([stop(EXIT_REQUEUE, restart=0)], 1, 20)[0]  # an earlier attempt's fail-stop
+    assert not relaunch_decision([{"event": "step", "restart": 0}], 0, 20)[0]  # crash: no fail-stop
+    ok, why = relaunch_decision([stop(EXIT_REQUEUE, restart=3)], 3, 3)
+    assert not ok and "max_restarts (3)" in why
+
+
+def test_judge_results():
+    from accelpact_slurm.launch.submission import judge
+
+    ok = ("success", {"exit_code": 0})
+    assert judge([ok, ok]).state == "completed"
+    assert judge([ok, None]).state == "ended"
+    failed = judge([ok, ("error", "Traceback ...\nValueError: boom\n")])
+    assert failed.state == "failed" and failed.errors == ("ValueError: boom",)
+    assert judge([ok, ("success", {"exit_code": 75})]).state == "failed"
+
+
+def test_checkpoint_only_requests_and_resubmits_the_same_task(tmp_path):
+    """submitit's own USR2 path (job_environment._checkpoint) calls checkpoint(): it must only set our flag."""
+    from submitit.core import job_environment, utils
+
+    from accelpact_slurm.launch.submission import RankTask
+
+    task = RankTask(_spec())
+    delayed = utils.DelayedSubmission(task)
+    delayed.set_timeout(60, 3)
+    signals.clear()
+    try:
+        assert job_environment._checkpoint(delayed, tmp_path / "submitted.pkl", countdown=3) == ""  # "" = requeue
+        assert signals.requested() and signals.reason() == "SIGUSR2"
+    finally:
+        signals.clear()
+    again = utils.DelayedSubmission.load(tmp_path / "submitted.pkl")
+    assert isinstance(again.function, RankTask) and again.function.spec == task.spec and again.args == ()
+
+
+def test_task_replaces_submitits_usr2_handler(monkeypatch):
+    """What __call__ does first: after it, USR2 only sets our flag (submitit's handler would requeue mid-update)."""
+    from accelpact_slurm.launch.submission import RankTask
+
+    submitits = []
+    previous = signal.signal(signal.SIGUSR2, lambda *a: submitits.append(a))
+    def stop_after_install():
+        raise RuntimeError("stop after install")
+
+    monkeypatch.setattr("submitit.JobEnvironment", stop_after_install)
+    signals.clear()
+    try:
+        with pytest.raises(RuntimeError, match="stop after install"):
+            RankTask(_spec())()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while not signals.requested() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        assert signals.requested() and submitits == []
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        signals.clear()
+
+
+def test_slurm_sbatch_script_asks_for_requeue_and_usr2(tmp_path):
+    import shutil
+
+    if not shutil.which("srun"):
+        pytest.skip("submitit's Slurm executor needs srun on the PATH")
+    args = cli.build_parser().parse_args(["j.yaml", "--partition", "debug", "--time-min", "7"])
+    cfg = cli.effective_config(cli.build_parser().parse_args([str(_job_file(tmp_path / "job.yaml"))]))
+    ex = cli.make_executor("slurm", str(tmp_path / "f"), cfg, args)
+    text = ex._executor._make_submission_file_text("CMD", "uid")
+    for line in ("#SBATCH --requeue", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --time=7",
+                 "#SBATCH --partition=debug", "#SBATCH --signal=USR2@90"):
+        assert line in text.splitlines(), text
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The plain ``accelpact-run`` of the test job: the digest every submission must reach."""
+    base = tmp_path_factory.mktemp("submit")
+    job = _job_file(base / "job.yaml")
+    proc = run_cli(["accelpact_slurm.cli.run", str(job), "--run-dir", str(base / "reference")], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return job, _summary(base / "reference")["final_state_digest"]
+
+
+def _submit(args, env, timeout):
+    return subprocess.run([sys.executable, "-m", "accelpact_slurm.cli.submit", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _check_completed(proc, run_dir: Path, digest: str) -> dict:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    summary = _summary(run_dir)
+    assert summary["final_step"] == STEPS and summary["world_size"] == 4
+    assert summary["final_state_digest"] == digest
+    assert f"final_state_digest {digest}" in proc.stdout and f"run dir {run_dir}" in proc.stdout
+    return summary
+
+
+@pytest.mark.multiproc
+def test_local_executor_runs_the_job_to_the_reference_digest(reference, tmp_path):
+    job, digest = reference
+    run_dir = tmp_path / "local run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env["PYTHONPATH"] = REPO
+    proc = _submit([str(job), "--local", "--run-dir", str(run_dir), "--wait", "--wait-timeout", "240"], env, 300)
+    _check_completed(proc, run_dir, digest)
+    assert "(local: --local; 2 nodes x 2 ranks)" in proc.stdout
+    events = list(read_events(run_dir / "events.jsonl"))
+    members = sorted((e["rank"], e["hostname"]) for e in events if e["event"] == "membership")
+    assert members == [(0, "node1"), (1, "node1"), (2, "node2"), (3, "node2")]
+    assert {e["job_id"] for e in events if e.get("rank") is not None} == {events[0]["job_id"]}
+    assert events[0]["job_id"].startswith("local-")
+
+
+def _slurm_env(cluster) -> dict:
+    env = dict(cluster.env)
+    env["PYTHONPATH"] = REPO  # submitit starts the tasks with this interpreter (sys.executable): the venv's
+    return env
+
+
+@pytest.mark.slurm
+def test_slurm_runs_the_job_to_the_reference_digest(slurm_cluster, reference, tmp_path):
+    job, digest = reference
+    run_dir = tmp_path / "slurm run"
+    proc = _submit([str(job), "--slurm", "--time-min", "10", "--run-dir", str(run_dir), "--wait",
+                    "--wait-timeout", "240"], _slurm_env(slurm_cluster), 300)
+    summary = _check_completed(proc, run_dir, digest)
+    assert summary["restart_count"] == 0
+    events = list(read_events(run_dir / "events.jsonl"))
+    assert sorted((e["rank"], e["hostname"]) for e in events if e["event"] == "membership") == [
+        (0, "node1"), (1, "node1"), (2, "node2"), (3, "node2")]
+    script = next((run_dir / "submitit").glob("*_submission.sh")).read_text()
+    assert "#SBATCH --requeue" in script.splitlines()
+
+
+def _wait_for_step(events_path: Path, step: int, deadline_s: float, proc) -> str:
+    """The job id once rank 0 logged update ``step`` (polled against a deadline)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for e in read_events(events_path):
+            if e.get("event") == "step" and e.get("step", 0) >= step:
+                return str(e["job_id"])
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        time.sleep(POLL_S)
+    raise AssertionError(f"no step {step} in {events_path} after {deadline_s} s")
+
+
+@pytest.mark.slurm
+def test_slurm_usr2_takes_our_snapshot_requeue_path(slurm_cluster, reference, tmp_path):
+    job, digest = reference
+    run_dir = tmp_path / "usr2 run"
+    env = _slurm_env(slurm_cluster)
+    proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.submit", str(job), "--slurm", "--time-min",
+                             "10", "--run-dir", str(run_dir), "--wait", "--wait-timeout", "240"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    job_id = None
+    try:
+        job_id = _wait_for_step(run_dir / "events.jsonl", 2, 120, proc)
+        # To every process of the job's steps, as a preemption would (daemons included: they must ignore it).
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+            if job_id:
+                subprocess.run(["scancel", job_id], env=env, timeout=30)
+    assert proc.returncode == 0, out[-4000:]
+    summary = _summary(run_dir)
+    assert summary["final_step"] == STEPS and summary["final_state_digest"] == digest
+    assert summary["restart_count"] == 1, out[-4000:]
+    events = list(read_events(run_dir / "events.jsonl"))
+    stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3]
+    assert all(e["exit_code"] == EXIT_REQUEUE and "SIGUSR2" in e["reason"] for e in stops)
+    assert any(e["event"] == "requeue" and e["by"] == "scontrol" and e["accepted"] for e in events)
+    frontier = stops[0]["frontier"]
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    assert loads and loads[0]["step"] == frontier

@@ -1,0 +1,176 @@
+"""The repair engine's own phases, against a fake control plane: no process group, one process.
+
+In the end-to-end tests the vote has already agreed on (F, generation) before the engine runs, so
+``control_barrier``'s own check never sees a mismatch there; here it is given one.  ``replace``,
+``rebind`` and ``validate`` need real groups (tests/test_l1_repair.py); a rank outside the affected
+replication group skips the first two, so the whole driver runs here for such a rank.
+"""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, RepairError
+from accelpact_slurm.repair.engine import PHASES, RepairEngine, RepairContext
+from accelpact_slurm.runtime.topology import Layout
+
+
+class FakeControl:
+    """The part of ``runtime.control.ControlPlane`` the engine uses, with prepared answers per agreement."""
+
+    def __init__(self, answers=None, generation=0, fail=None):
+        self.answers = dict(answers or {})
+        self.fail = dict(fail or {})
+        self.generation = generation
+        self.base_store = object()
+        self.calls = []
+
+    def all_gather(self, name, value, ranks=None, timeout_s=None):
+        self.calls.append((name, value))
+        if name in self.fail:
+            raise self.fail[name]
+        return self.answers[name]
+
+    def set_generation(self, generation):
+        self.generation = generation
+
+
+class FakeEvents:
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, event, **fields):
+        self.emitted.append((event, fields))
+
+
+def make_engine(rank, control, *, nodes=2, rpn=2, fsdp="fsdp1", model=None):
+    layout = Layout(num_nodes=nodes, ranks_per_node=rpn)
+    rt = SimpleNamespace(rank=rank, layout=layout, local_rank=layout.local_of(rank), control=control,
+                         replicate_group=object(), mesh=None, collective_timeout_s=1)
+    events = FakeEvents()
+    engine = RepairEngine(model if model is not None else torch.nn.Linear(2, 2), rt, events, fsdp=fsdp,
+                          out=io.StringIO())
+    return engine, rt, events
+
+
+def ctx_for(frontier=7, ranks=(1, 3), generation=1):
+    return RepairContext(frontier=frontier, ranks=list(ranks), observed=0.0, key="<k>", reason="test",
+                         generation=generation)
+
+
+# ------------------------------------------------------------------ observe
+
+
+@pytest.mark.parametrize("rank, member, members", [(0, False, [0, 2]), (1, True, [1, 3]), (3, True, [1, 3])])
+def test_observe_advances_the_generation_and_names_the_replication_group(rank, member, members):
+    engine, rt, _ = make_engine(rank, FakeControl())
+    ctx = RepairContext(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+    engine.observe(ctx)
+    assert (engine.generation, ctx.generation) == (1, 1)
+    assert ctx.member is member and ctx.members == members
+    assert ctx.old is rt.replicate_group
+    engine.observe(ctx)
+    assert (engine.generation, ctx.generation) == (2, 2)
+
+
+def test_observe_on_a_three_node_world():
+    engine, _, _ = make_engine(5, FakeControl(), nodes=3, rpn=2)
+    ctx = RepairContext(frontier=1, ranks=[1, 3, 5], observed=0.0, key="<k>", reason="test")
+    engine.observe(ctx)
+    assert ctx.member and ctx.members == [1, 3, 5]
+
+
+# ------------------------------------------------------------------ control_barrier
+
+
+def test_control_barrier_agreement_moves_to_the_next_generation():
+    agree = [{"F": 7, "g": 1}] * 4
+    control = FakeControl({"repair-agree": agree}, generation=4)
+    engine, _, _ = make_engine(1, control)
+    engine.control_barrier(ctx_for())
+    assert control.calls == [("repair-agree", {"F": 7, "g": 1})]
+    assert control.generation == 5
+
+
+@pytest.mark.parametrize("other, words", [
+    ({"F": 8, "g": 1}, "rank 2 has F=8 g=1"),   # a rank one update ahead
+    ({"F": 7, "g": 2}, "rank 2 has F=7 g=2"),   # a rank that counted one repair more
+])
+def test_control_barrier_mismatch_fails_stop_naming_both_ranks(other, words):
+    values = [{"F": 7, "g": 1}, {"F": 7, "g": 1}, other, {"F": 7, "g": 1}]
+    control = FakeControl({"repair-agree": values}, generation=4)
+    engine, _, _ = make_engine(1, control)
+    with pytest.raises(FailStop) as info:
+        engine.control_barrier(ctx_for())
+    stop = info.value
+    assert "rank 0 has F=7 g=1" in stop.reason and words in stop.reason, stop.reason
+    assert stop.exit_code == EXIT_REQUEUE == 75
+    assert stop.context["frontier"] == 7 and stop.context["phase"] == "committed" and stop.context["key"] == "<k>"
+    assert control.generation == 4, "a failed agreement must not move the generation"
+
+
+def test_control_barrier_mismatch_on_rank_zero_itself():
+    values = [{"F": 9, "g": 3}, {"F": 7, "g": 1}]
+    control = FakeControl({"repair-agree": values}, generation=0)
+    engine, _, _ = make_engine(1, control, nodes=2, rpn=1)
+    with pytest.raises(FailStop, match=r"rank 0 has F=9 g=3, rank 1 has F=7 g=1") as info:
+        engine.control_barrier(ctx_for(ranks=(1,)))
+    assert info.value.context["frontier"] == 7  # the lowest frontier any rank reported
+    assert control.generation == 0
+
+
+# ------------------------------------------------------------------ the driver
+
+
+def test_driver_runs_every_phase_for_a_rank_outside_the_repaired_group():
+    control = FakeControl({"repair-agree": [{"F": 7, "g": 1}] * 4,
+                           "repair-release": [{"phases": {}, "rebound": 0}, {"phases": {"observe": 0.1}, "rebound": 4},
+                                              {"phases": {}, "rebound": 0}, {"phases": {}, "rebound": 4}]},
+                          generation=2)
+    engine, rt, events = make_engine(0, control)
+    old = rt.replicate_group
+    ctx = engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+    assert list(ctx.durations) == list(PHASES)
+    assert not ctx.member and ctx.new is None and rt.replicate_group is old
+    assert control.generation == 3 and engine.repairs == 1
+    assert [c[0] for c in control.calls] == ["repair-agree", "repair-release"]
+    assert ctx.lead_view == {"phases": {"observe": 0.1}, "rebound": 4}  # rank 1's view: min(ranks)
+    assert [e for e, _ in events.emitted] == ["repair_rank"]  # only min(ranks) emits "repair"
+    assert "L1 repair (generation 1) at F=7" in engine.out.getvalue()  # rank 0 prints the summary
+
+
+def test_driver_passes_a_control_barrier_fail_stop_through_unchanged():
+    control = FakeControl({"repair-agree": [{"F": 7, "g": 1}, {"F": 6, "g": 1}, {"F": 7, "g": 1}, {"F": 7, "g": 1}]})
+    engine, _, events = make_engine(1, control)
+    with pytest.raises(FailStop, match="frontier/generation mismatch at repair: rank 0 has F=7 g=1, rank 1 has F=6 g=1"):
+        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+    assert control.generation == 0 and engine.repairs == 0 and events.emitted == []
+
+
+def test_driver_turns_a_phase_exception_into_a_requeue_fail_stop_naming_the_phase():
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()  # a gradient still pending: guard_sync refuses
+    engine, _, events = make_engine(1, FakeControl(), model=model)
+    with pytest.raises(FailStop) as info:
+        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+    stop = info.value
+    assert stop.exit_code == EXIT_REQUEUE == 75
+    assert "L1 repair failed in phase guard_sync" in stop.reason and "RepairError" in stop.reason, stop.reason
+    assert "outstanding gradients" in stop.reason
+    assert isinstance(stop.__cause__, RepairError)
+    assert stop.context == {**stop.context, "phase": "committed", "frontier": 7, "key": "<k>"}
+    assert engine.generation == 1, "observe ran before the failing phase"
+    assert events.emitted == []
+
+
+def test_driver_turns_a_control_plane_error_into_a_fail_stop_naming_control_barrier():
+    control = FakeControl(fail={"repair-agree": TimeoutError("store wait timed out")}, generation=2)
+    engine, _, _ = make_engine(1, control)
+    with pytest.raises(FailStop, match=r"L1 repair failed in phase control_barrier: TimeoutError: store wait") as info:
+        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+    assert info.value.exit_code == 75
+    assert control.generation == 2

@@ -1,0 +1,248 @@
+"""Notices when torch moves the private attributes the rebinders use.
+
+The probes run on a real 2 x 2 HSDP world (4 spawned ranks over Gloo): at world size 1 FSDP
+falls back to NO_SHARD and the shard and replication groups are one group, so a probe that
+picked the wrong slot would still pass.  Here the replication group {r % 2, r % 2 + 2} and the
+shard group {2 (r // 2), 2 (r // 2) + 1} are distinct, and every slot must hold the former.
+The model is defined here (an FSDP unit per Block), so the test needs no example workload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelpact_slurm.repair import rebind as rb
+from accelpact_slurm.repair import torch_compat as tc
+
+WORLD = 4
+LAYERS = 2
+WIDTH = 8
+TIMEOUT_S = 20.0  # a rank that dies leaves its peers blocked at most this long
+DEADLINE_S = 90.0
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _groups(rank, mesh):
+    rep, shard = mesh.get_group("replicate"), mesh.get_group("shard")
+    assert rep is not shard, "the 2 x 2 mesh must have two distinct groups"
+    assert dist.get_process_group_ranks(rep) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(shard) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert tc.mesh_dim_group_names(mesh) == [rep.group_name, shard.group_name]
+    return rep, shard
+
+
+def _step_probing_idle(model, inner_block, fsdp):
+    """One forward/backward; returns what ``fsdp_idle`` said inside a unit's forward and after."""
+    seen = []
+    h = inner_block.register_forward_pre_hook(lambda *_: seen.append(tc.fsdp_idle(model, fsdp)))
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).sum().backward()
+    h.remove()
+    assert seen, "the forward hook did not run"
+    return seen[0], tc.fsdp_idle(model, fsdp)
+
+
+def _fsdp1(rank, mesh):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rep, shard = _groups(rank, mesh)
+    model = FSDP(Net(), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                 auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+    units = tc.fsdp1_units(model)
+    assert len(units) == LAYERS + 1
+    for unit in units:
+        assert unit.sharding_strategy == ShardingStrategy.HYBRID_SHARD, unit.sharding_strategy
+        assert unit.process_group is shard, "FSDP1 shards over the shard group"
+        slots = tc.fsdp1_slots(unit)
+        assert len(slots) == 2
+        for obj, attr in slots:
+            assert getattr(obj, attr) is rep, (type(obj).__name__, attr)
+            assert getattr(obj, attr) is not shard
+
+    inside, after = _step_probing_idle(model, units[1].module, "fsdp1")
+    assert not inside[0], f"fsdp_idle said idle inside a forward: {inside}"
+    assert after[0], after
+
+    found = rb.find_references(tc.framework_roots(model, mesh), rep, mesh)
+    assert any("_inter_node_pg" in p for p in found), found
+    assert any("process_group" in p and "_inter_node_state" in p for p in found), found
+    assert not set(found) & set(rb.find_references(tc.framework_roots(model, mesh), shard, mesh))
+
+
+def _fsdp2(rank, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    rep, shard = _groups(rank, mesh)
+    model = Net()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    infos = list(tc.fsdp2_mesh_infos(model))
+    assert len(infos) >= LAYERS + 1, "fully_shard state layout changed"
+    for info in infos:
+        slots = tc.fsdp2_slots(info)
+        assert len(slots) == 1, f"{type(info).__name__} has no replication slot"
+        obj, attr = slots[0]
+        assert getattr(obj, attr) is rep, (type(info).__name__, attr)
+        assert info.shard_process_group is shard, "FSDP2 shards over the shard group"
+        assert getattr(obj, attr) is not shard
+
+    inside, after = _step_probing_idle(model, model.blocks[0], "fsdp2")
+    assert not inside[0], f"fsdp_idle said idle inside a forward: {inside}"
+    assert after[0], after
+
+
+def _mesh_rebind(rank, mesh):
+    from torch.distributed import distributed_c10d as c10d
+
+    old, shard = _groups(rank, mesh)
+    members = [rank % 2, rank % 2 + 2]
+    name = f"compat-rep-{rank % 2}"
+    before = tc.registered_groups()
+    new = tc.build_gloo_group(members, dist.PrefixStore(f"compat/{name}", c10d._get_default_store()), name, TIMEOUT_S)
+    assert tc.registered_groups() == before + 1
+    assert tc.group_name(new) == name and dist.get_process_group_ranks(new) == members
+    assert tc.mesh_set_dim_group(mesh, 0, new) >= 1
+    assert mesh.get_group("replicate") is new and mesh.get_group("shard") is shard
+    assert tc.mesh_dim_group_names(mesh) == [name, shard.group_name]
+    assert tc.mesh_set_dim_group(mesh, 0, new) == 0, "rebinding twice changes nothing"
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=new)
+    assert t.item() == float(sum(members))
+    assert not rb.find_references([mesh, mesh._get_root_mesh()], old, mesh)
+
+
+SECTIONS = {"fsdp1": _fsdp1, "fsdp2": _fsdp2, "mesh_rebind": _mesh_rebind}
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    results = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for g in (mesh.get_group("replicate"), mesh.get_group("shard")):
+            tc.set_group_timeout(g, TIMEOUT_S)
+        for name, fn in SECTIONS.items():
+            try:
+                fn(rank, mesh)
+                results[name] = "ok"
+            except BaseException as exc:  # reported to the test through the result file
+                results[name] = f"FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as fh:
+            json.dump(results, fh)
+        dist.barrier()  # rank 0 hosts the store: nobody leaves before everyone is done with it
+        # Leave without Gloo's teardown: with groups replaced mid-run it can abort the process at exit
+        # ("terminate called without an active exception") after every result is written.
+        os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hsdp_2x2(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("compat")
+    ctx = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
+    end = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+            if time.monotonic() > end:
+                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S:g} s")
+    except mp.ProcessRaisedException as exc:
+        pytest.fail(f"a rank raised: {exc}")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = {}
+    for r in range(WORLD):
+        path = out / f"rank-{r}.json"
+        assert path.exists(), f"rank {r} wrote no result"
+        results[r] = json.loads(path.read_text())
+    return results
+
+
+def _check(results, section):
+    for r, res in results.items():
+        assert res.get(section) == "ok", f"rank {r}, {section}: {res.get(section, 'not run')}"
+
+
+@pytest.mark.multiproc
+def test_fsdp1_slots_hold_the_replication_group(hsdp_2x2):
+    _check(hsdp_2x2, "fsdp1")
+
+
+@pytest.mark.multiproc
+def test_fsdp2_mesh_infos_hold_the_replication_group(hsdp_2x2):
+    _check(hsdp_2x2, "fsdp2")
+
+
+@pytest.mark.multiproc
+def test_mesh_dimension_rebinds_to_a_new_group(hsdp_2x2):
+    _check(hsdp_2x2, "mesh_rebind")
+
+
+def test_scan_finds_hidden_references_and_ignores_names():
+    class PG:  # stands in for the object identity only
+        group_name = "1"
+
+    class Holder:
+        def __init__(self, x):
+            self.x = x
+
+    old = PG.__new__(PG)
+    assert rb.find_references([{"1": 1, "a": [Holder(Holder((0, old)))]}], old) == ["root0['a'][0].x.x[1]"]
+    assert rb.find_references([{"1": "1", "k": Holder(3)}], old) == []
+
+    class Slotted:
+        __slots__ = ("s", "unset")
+
+    slotted = Slotted()
+    slotted.s = {old: 1}
+    shared = [old]
+    assert sorted(rb.find_references([old, slotted, (shared, shared), {3: {frozenset([old])}}], old)) == \
+        ["root0", "root1.s[key]", "root2[1][0]", "root3[3][0][0]"]

@@ -1,0 +1,158 @@
+"""Pure decisions of L1: the vote, the envelope lookup, the reference scan."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+
+import pytest
+
+from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.guard import CONTINUE, Vote, affected_ranks, decide_votes
+from accelpact_slurm.runtime.topology import Layout
+
+KEY = env_mod.Key("torch-x/gloo", "cpu:2x2:fsdp1-device_mesh", "committed")
+
+
+def qualified(trials=3, successes=3, actions=("preserve",)):
+    return env_mod.Envelope([env_mod.Entry(KEY, actions, {"trials": trials, "successes": successes, "date": "d"})])
+
+
+def lookup_with(envelope):
+    return lambda phase: env_mod.decide(envelope, env_mod.Key(KEY.platform, KEY.profile, phase))
+
+
+def votes(*specs):
+    return [Vote(r, f, fault, "boom" if fault else None, 1.0) for r, (f, fault) in enumerate(specs)]
+
+
+def test_no_fault_continues():
+    assert decide_votes(votes((3, None), (3, None)), lookup_with(qualified()))[0] == CONTINUE
+
+
+def test_boundary_fault_preserves_only_where_qualified():
+    v = votes((3, None), (3, "committed"), (3, None), (3, "committed"))
+    assert decide_votes(v, lookup_with(qualified()))[0] == "preserve"
+    action, reason = decide_votes(v, lookup_with(env_mod.Envelope([])))
+    assert action == "restart" and "no envelope entry" in reason
+
+
+@pytest.mark.parametrize("envelope, words", [
+    (qualified(trials=2, successes=2), "2/2"),
+    (qualified(trials=5, successes=4), "4/5"),
+    (qualified(actions=("restart",)), "does not qualify preserve"),
+])
+def test_weak_evidence_means_restart(envelope, words):
+    action, reason = env_mod.decide(envelope, KEY)
+    assert action == "restart" and words in reason
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+def test_uncommitted_faults_restart_even_when_qualified(phase):
+    v = votes((3, None), (3, phase))
+    action, reason = decide_votes(v, lookup_with(qualified()))
+    assert action == "restart" and phase in reason
+
+
+def test_mixed_phases_restart():
+    v = votes((3, "committed"), (3, "backward"))
+    assert decide_votes(v, lookup_with(qualified()))[0] == "restart"
+
+
+def test_frontier_mismatch_names_both_frontiers():
+    v = votes((15, None), (15, None), (16, None), (15, None))
+    action, reason = decide_votes(v, lookup_with(qualified()))
+    assert action == "restart"
+    assert "F=15" in reason and "F=16" in reason and "rank 2" in reason
+
+
+def test_affected_ranks_are_the_faulty_replication_groups():
+    layout = Layout(num_nodes=2, ranks_per_node=2)
+    v = votes((3, None), (3, "committed"), (3, None), (3, "committed"))
+    assert affected_ranks(v, layout.replicate_ranks, layout.local_of) == [1, 3]
+    layout3 = Layout(num_nodes=3, ranks_per_node=2)
+    v = votes(*[(3, "committed" if r == 4 else None) for r in range(6)])
+    assert affected_ranks(v, layout3.replicate_ranks, layout3.local_of) == [0, 2, 4]
+
+
+def test_envelope_round_trip(tmp_path):
+    env = qualified()
+    path = tmp_path / "env.yaml"
+    env_mod.save(env, str(path))
+    again = env_mod.load(str(path))
+    assert again.find(KEY).evidence["trials"] == 3
+    assert env_mod.load(str(tmp_path / "missing.yaml")).entries == []
+
+
+# What a job can report as its wrapping (repair.torch_compat.wrapping), and every fault phase the guard tracks.
+WRAPPINGS = (("fsdp1", "device_mesh"), ("fsdp1", "group_pair"), ("fsdp2", "device_mesh"))
+PHASES = ("forward", "backward", "optimizer", "committed")
+PROFILE = re.compile(r"(?P<device>cpu|cuda):(?P<nodes>[0-9]+)x(?P<rpn>[0-9]+):(?P<fsdp>fsdp[12])-(?P<mesh>[a-z_]+)")
+
+
+def test_shipped_envelope_has_qualified_cpu_gloo_entries():
+    shipped = env_mod.load()
+    assert shipped.path == env_mod.SHIPPED and shipped.entries
+    keys = [e.key for e in shipped.entries]
+    assert len(set(keys)) == len(keys), "one entry per key (accelpact-qualify upserts)"
+    for e in shipped.entries:
+        ev = e.evidence
+        # The key is one the runtime spells: envelope.platform_key from the recorded torch and backend ...
+        assert e.key.platform == env_mod.platform_key(str(ev["torch"]), str(ev["backend"])), e.key
+        # ... and envelope.profile_key of a wrapping a job can have, on a world with a replication dimension.
+        m = PROFILE.fullmatch(e.key.profile)
+        assert m, f"profile {e.key.profile!r} is not device:NxR:fsdp-mesh"
+        assert (m["fsdp"], m["mesh"]) in WRAPPINGS, e.key.profile
+        nodes, rpn = int(m["nodes"]), int(m["rpn"])
+        assert nodes >= 2 and rpn >= 1, e.key.profile
+        assert env_mod.profile_key(m["device"], nodes, rpn, m["fsdp"], m["mesh"]) == e.key.profile
+        assert e.key.phase == "committed", f"{e.key}: only a committed-phase fault can be preserved"
+        assert e.key.objective == env_mod.DEFAULT_OBJECTIVE
+        # The evidence is what accelpact-qualify writes for a passed qualification.
+        assert isinstance(ev["trials"], int) and ev["successes"] == ev["trials"] >= env_mod.MIN_TRIALS, ev
+        assert e.actions == (env_mod.PRESERVE, env_mod.RESTART), e.actions
+        qualified_on = _dt.date.fromisoformat(str(ev["date"]))
+        assert _dt.date(2024, 1, 1) <= qualified_on <= _dt.date.today(), ev["date"]
+        assert int(ev.get("steps", 3)) >= 3
+
+    gloo_cpu = {e.key.profile.split(":")[-1] for e in shipped.entries
+                if e.key.platform.endswith("/gloo") and e.key.profile.startswith("cpu:")}
+    assert {"-".join(w) for w in WRAPPINGS} <= gloo_cpu
+
+    # decide() preserves exactly the shipped keys: every key a job could present, over the shipped
+    # platforms and one that is not shipped, every profile of the shipped world sizes and one other,
+    # every wrapping and every phase.
+    platforms = {k.platform for k in keys} | {env_mod.platform_key("0.0.0+unqualified", "gloo")}
+    sizes = {tuple(map(int, PROFILE.fullmatch(k.profile).group("nodes", "rpn"))) for k in keys} | {(3, 5)}
+    candidates = [env_mod.Key(plat, env_mod.profile_key(dev, n, r, f, m), phase)
+                  for plat in platforms for dev in ("cpu", "cuda") for n, r in sizes for f, m in WRAPPINGS
+                  for phase in PHASES]
+    preserved = {k for k in candidates if env_mod.decide(shipped, k)[0] == env_mod.PRESERVE}
+    assert preserved == set(keys)
+    # Negative controls: a key that is not shipped restarts, and so does a shipped one with its evidence weakened.
+    stranger = env_mod.Key(keys[0].platform, env_mod.profile_key("cpu", 3, 5, "fsdp1", "device_mesh"), "committed")
+    action, reason = env_mod.decide(shipped, stranger)
+    assert action == env_mod.RESTART and "no envelope entry" in reason
+    weak = env_mod.Envelope([env_mod.Entry(e.key, e.actions, dict(e.evidence, successes=e.evidence["trials"] - 1))
+                             for e in shipped.entries])
+    assert all(env_mod.decide(weak, k)[0] == env_mod.RESTART for k in keys)
+
+
+def test_this_platform_key_is_shipped_when_qualified_here():
+    """The key the runtime builds for a job on this torch is the shipped key, where this torch is shipped."""
+    import torch
+
+    from accelpact_slurm.runtime.recovery import key_factory
+
+    shipped = env_mod.load()
+    here = env_mod.platform_key(torch.__version__, "gloo")
+    entries = [e for e in shipped.entries if e.key.platform == here]
+    if not entries:
+        pytest.skip(f"no shipped entry for {here}")
+    for e in entries:
+        m = PROFILE.fullmatch(e.key.profile)
+        if m["device"] != ("cuda" if torch.cuda.is_available() else "cpu"):
+            continue
+        key = key_factory(int(m["nodes"]), int(m["rpn"]), m["fsdp"], m["mesh"])("committed")
+        assert key == e.key
+        assert env_mod.decide(shipped, key)[0] == env_mod.PRESERVE
