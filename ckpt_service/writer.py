@@ -32,7 +32,7 @@ import shutil
 import threading
 import time
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults

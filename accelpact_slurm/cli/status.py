@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
 from typing import Any, Sequence
 
 from accelpact_slurm.core import settings
+from accelpact_slurm.core.events import printable_tree
 from accelpact_slurm.ops import status as st
 from accelpact_slurm.ops.cadence import format_duration
 
@@ -78,11 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         while True:
             doc, ok = gather(args, time.time())
             if args.json:
-                print(json.dumps(doc, sort_keys=True, default=str))
+                print(to_json(doc))
             else:
                 if args.watch is not None and sys.stdout.isatty():
                     print("\x1b[H\x1b[2J", end="")
-                print(render(doc, detailed=bool(args.targets)))
+                # Event text is escaped: a reason holding ESC[2J must not clear the operator's screen.
+                print(render(printable_tree(doc), detailed=bool(args.targets)))
             sys.stdout.flush()
             iteration += 1
             if args.watch is None or (args.iterations is not None and iteration >= args.iterations):
@@ -91,6 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0 if ok else 1
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    """The document as strict JSON: a non-finite number (a diverged loss read back as NaN) becomes null."""
+    return json.dumps(_finite(doc), sort_keys=True, default=str, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities replaced by None; Python's json would write them as invalid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 # --------------------------------------------------------------------------- rendering

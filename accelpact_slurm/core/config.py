@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -149,17 +150,14 @@ def load_config(path: str | os.PathLike[str]) -> JobConfig:
             text = fh.read()
     except OSError as exc:
         raise ConfigError("config", path, f"cannot read the job file ({exc.strerror}); pass an existing YAML file") from exc
+    except UnicodeDecodeError as exc:  # a UTF-16 or binary file: a traceback from the codec otherwise
+        raise ConfigError("config", path, f"is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                                          f"{exc.start}); save the job file as UTF-8") from None
     return parse_config(text, source=path)
 
 
 def parse_config(text: str, source: str = "<string>") -> JobConfig:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("config", source, f"malformed YAML at {where}: {problem}; fix the syntax there") from None
+    data = _load_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -167,6 +165,53 @@ def parse_config(text: str, source: str = "<string>") -> JobConfig:
     cfg = _build(JobConfig, data, "")
     validate(cfg)
     return cfg
+
+
+class _AliasRefused(Exception):
+    """Raised by :class:`_NoAliasLoader` at the first alias, with where it is."""
+
+    def __init__(self, anchor: str, mark: Any) -> None:
+        super().__init__(anchor)
+        self.anchor = anchor
+        self.mark = mark
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses aliases (``*name``, also in ``<<: *name`` merge keys).
+
+    A few hundred bytes of nested aliases (the "billion laughs") expand to gigabytes
+    as soon as anything walks the value: an error message, the job_start event, the
+    digest.  A job file has no need for them.
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(event.anchor, event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    """The job file's YAML as plain data; every way it can fail becomes one :class:`ConfigError` line."""
+    loader = _NoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    except _AliasRefused as exc:
+        raise ConfigError("config", source, f"YAML alias *{exc.anchor} at line {exc.mark.line + 1}, column "
+                                            f"{exc.mark.column + 1}: job files may not use aliases (a few of them "
+                                            f"can expand to gigabytes); write the value out in full") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("config", source, f"malformed YAML at {where}: {problem}; fix the syntax there") from None
+    except RecursionError:  # PyYAML recurses once per nesting level: thousands of [ or { exhaust the stack
+        raise ConfigError("config", source, "nested too deeply for a job file; flatten it") from None
+    except ValueError as exc:  # raised from inside PyYAML: int() of 4300+ digits, a date like 2024-13-45
+        reason = str(exc).split(";")[0][:120]
+        raise ConfigError("config", source, f"a value YAML cannot convert ({reason}); fix it or quote it") from None
+    finally:
+        loader.dispose()
 
 
 def from_dict(data: Mapping[str, Any]) -> JobConfig:
@@ -242,14 +287,26 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(where, value, "must be an integer")
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(where, value, "must be a number")
-        return float(value)
+        return _finite_float(value, where)
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(where, value, "must be a string")
         return value
     raise ConfigError(where, value, f"unsupported type {hint}")  # pragma: no cover
+
+
+def _finite_float(value: Any, where: str) -> float:
+    """``value`` as a finite float, else a :class:`ConfigError` naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(where, value, "must be a number")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        raise ConfigError(where, value, "must be a finite number") from None
+    # YAML's .nan passes every `<= 0` and `>=` check below, and .inf a deadline check: each crashes every rank.
+    if not math.isfinite(number):
+        raise ConfigError(where, value, "must be a finite number (.nan and .inf are not allowed)")
+    return number
 
 
 # --------------------------------------------------------------------------- validation

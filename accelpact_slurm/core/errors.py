@@ -30,6 +30,19 @@ class AccelpactError(Exception):
     """Root of every error raised by this project."""
 
 
+#: At most this many characters of a value go into a message: a huge value (a 1 MB string, an
+#: expanded YAML alias) must not become a megabyte-long error line.
+MAX_VALUE_REPR = 200
+
+
+def _short_repr(value: object) -> str:
+    """``repr(value)``, cut to :data:`MAX_VALUE_REPR` characters with the full length said."""
+    text = repr(value)
+    if len(text) <= MAX_VALUE_REPR:
+        return text
+    return f"{text[:MAX_VALUE_REPR]}... ({len(text)} characters)"
+
+
 class ConfigError(AccelpactError, ValueError):
     """A job file, flag or environment value is invalid.
 
@@ -40,7 +53,7 @@ class ConfigError(AccelpactError, ValueError):
         self.field = field
         self.value = value
         self.fix = fix
-        super().__init__(f"{field}: invalid value {value!r}: {fix}")
+        super().__init__(f"{field}: invalid value {_short_repr(value)}: {fix}")
 
     def __reduce__(self):  # errors must pickle across process boundaries
         return (type(self), (self.field, self.value, self.fix))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -117,11 +118,72 @@ class BadLine:
         return f"{self.path}:{self.lineno}: skipped: {self.reason}"
 
 
+#: No event of ours nests deeper than a few levels (job_start's config and its params).  A deeper
+#: line is refused, so that no reader recurses near Python's limit: json's decoder gives up at
+#: about 1,000 levels, and ``json.dumps`` of a status document holding a 900-level value fails too.
+MAX_DEPTH = 100
+
+
+class TooDeep(ValueError):
+    """JSON nested deeper than :data:`MAX_DEPTH` levels."""
+
+
+def parse_json(data: bytes | str) -> Any:
+    """``json.loads`` that refuses nesting deeper than :data:`MAX_DEPTH` levels.
+
+    Raises:
+        TooDeep: nested too deeply (from json's own RecursionError, or measured after parsing).
+        ValueError: not JSON (``UnicodeDecodeError`` included).
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError:  # 200,000 [ or {: json's C decoder gives up on its own recursion
+        raise TooDeep(f"nested deeper than {MAX_DEPTH} levels") from None
+    # Counting brackets is a cheap upper bound of the depth: only a line with many is walked.
+    square, curly = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
+    if data.count(square) + data.count(curly) > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH):
+        raise TooDeep(f"nested deeper than {MAX_DEPTH} levels")
+    return obj
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether lists and dicts nest more than ``limit`` levels in ``obj`` (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def finite_number(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None.
+
+    None for NaN and infinities (Python's json reads ``NaN`` and ``1e400``), for an
+    integer beyond any float (``float(10**400)`` raises), for a bool and for a non-number.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def read_events(path: str | os.PathLike[str], bad: list[BadLine] | None = None) -> Iterator[dict[str, Any]]:
     """Yield the events of a log in order, skipping malformed or truncated lines.
 
-    Each skipped line is appended to ``bad`` (when given) with its line number;
-    the reader never raises on content.  A missing file yields nothing.
+    Each skipped line is appended to ``bad`` (when given) with its line number and
+    why (:func:`parse_event_line`); the reader never raises on content.  A missing
+    file yields nothing.
     """
     path = os.fspath(path)
     try:
@@ -133,14 +195,60 @@ def read_events(path: str | os.PathLike[str], bad: list[BadLine] | None = None) 
             text = raw.strip()
             if not text:
                 continue
-            try:
-                record = json.loads(text)
-            except (ValueError, UnicodeDecodeError) as exc:
+            record, reason = parse_event_line(text)
+            if reason is not None:
                 if bad is not None:
-                    bad.append(BadLine(path, lineno, f"not JSON ({exc.__class__.__name__})"))
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("event"), str):
-                if bad is not None:
-                    bad.append(BadLine(path, lineno, "no 'event' field"))
+                    bad.append(BadLine(path, lineno, reason))
                 continue
             yield record
+
+
+def parse_event_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """One line of an event log as ``(event, None)``, or ``(None, why it is no event)``.
+
+    No event: not JSON, nested deeper than :data:`MAX_DEPTH`, not an object with a
+    string ``event``, or a ``ts`` that is a number but not a finite one.  A ``ts`` of
+    another type is left to the readers, which treat it as unknown.
+    """
+    try:
+        record = parse_json(text)
+    except TooDeep as exc:
+        return None, str(exc)
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        return None, f"not JSON ({exc.__class__.__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        return None, "no 'event' field"
+    ts = record.get("ts")
+    # 1e400, NaN or a 400-digit integer: every reader's arithmetic on it overflows or poisons a sum.
+    if isinstance(ts, (int, float)) and not isinstance(ts, bool) and finite_number(ts) is None:
+        return None, "'ts' is not a finite number of seconds"
+    return record, None
+
+
+# --------------------------------------------------------------------------- printing event text
+
+
+def printable(text: str) -> str:
+    """``text`` with its non-printable characters escaped as ``repr`` does (``\\x1b``, ``\\n``, ``\\u202e``).
+
+    Event text comes from whatever wrote the log: an escape sequence in a reason must
+    not clear the operator's screen, and a newline must not forge a line of output.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def printable_tree(obj: Any) -> Any:
+    """A copy of a JSON-like tree with every string, dict keys included, passed through :func:`printable`.
+
+    Recursive: the trees are status documents, whose values from event logs
+    :func:`parse_json` kept within :data:`MAX_DEPTH` levels.
+    """
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [printable_tree(v) for v in obj]
+    return obj

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from accelpact_slurm.launch.ranks import daemon_command
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,7 @@ def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, enviro
     for i in range(cfg.topology.nodes):
         node = f"node{i + 1}"
         log_path = os.path.join(logs, f"ckptd-{node}.log")
-        cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir,
-               "--node", node, "--node-index", str(i), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
+        cmd = daemon_command(config_path, run_dir, node, i, job_id, restart=restart, drain_s=drain_s)
         with open(log_path, "ab") as fh:
             proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)

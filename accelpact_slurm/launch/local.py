@@ -23,7 +23,8 @@ from typing import Mapping, Sequence, TextIO
 
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, LaunchError
-from accelpact_slurm.slurm.env import emulated_environ
+from accelpact_slurm.core import settings
+from accelpact_slurm.launch.ranks import rank_environ
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def run_local(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
     """
     out = out or sys.stdout
     environ = dict(os.environ if environ is None else environ)
-    job_id = environ.get("ACCELPACT_LOCAL_JOB_ID") or f"local-{os.getpid()}"
+    job_id = settings.local_job_id(environ) or f"local-{os.getpid()}"
     restart = 0
     while True:
         code = launch_local(config_path, cfg, run_dir, worker_args, environ, out, job_id, restart)
@@ -111,7 +112,7 @@ def launch_local(
     environ = dict(os.environ if environ is None else environ)
     out = out or sys.stdout
     nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
-    job_id = job_id or environ.get("ACCELPACT_LOCAL_JOB_ID") or f"local-{os.getpid()}"
+    job_id = job_id or settings.local_job_id(environ) or f"local-{os.getpid()}"
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     data_port = free_port()
@@ -125,15 +126,8 @@ def launch_local(
     cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config_path, "--run-dir", run_dir, *worker_args]
     try:
         for rank in range(nodes * rpn):
-            env = dict(environ)
-            env.update(emulated_environ(job_id, rank, nodes, rpn, restart_count=restart_count))
-            env.update({
-                "ACCELPACT_MASTER_ADDR": "127.0.0.1",
-                "ACCELPACT_MASTER_PORT": str(data_port),
-                "ACCELPACT_CONTROL_PORT": str(control_port),
-                "ACCELPACT_EMULATED": "1",
-                "PYTHONUNBUFFERED": "1",
-            })
+            env = rank_environ(environ, job_id, rank, nodes, rpn, restart=restart_count, data_port=data_port,
+                               control_port=control_port)
             log_path = os.path.join(logs, f"rank-{rank}.log")
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)

@@ -54,7 +54,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -62,7 +61,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import submitit
 
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, SlurmEnvError
-from accelpact_slurm.slurm.env import emulated_environ
+from accelpact_slurm.core import settings
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +142,11 @@ def task_environ(spec: TaskSpec, base: Mapping[str, str], submitit_job_id: str, 
     if spec.master_port is None or spec.control_port is None:
         raise SlurmEnvError("a local-executor task needs master_port and control_port in its spec: "
                             "submit through accelpact-submit, which picks them")
-    env = {k: v for k, v in base.items() if not k.startswith("SLURM_")}  # an enclosing allocation is not ours
-    env.update(emulated_environ(spec.job_id or local_job_id(submitit_job_id), global_rank, spec.nodes,
-                                spec.ranks_per_node, restart_count=spec.restart_count))
-    env.update({
-        "ACCELPACT_EMULATED": "1",  # fail_stop leaves the requeue to the submitting side instead of scontrol
-        "ACCELPACT_MASTER_ADDR": "127.0.0.1",
-        "ACCELPACT_MASTER_PORT": str(spec.master_port),
-        "ACCELPACT_CONTROL_PORT": str(spec.control_port),
-    })
-    return env
+    from accelpact_slurm.launch.ranks import rank_environ
+
+    return rank_environ(base, spec.job_id or local_job_id(submitit_job_id), global_rank, spec.nodes,
+                        spec.ranks_per_node, restart=spec.restart_count, data_port=spec.master_port,
+                        control_port=spec.control_port)
 
 
 class RankTask(submitit.helpers.Checkpointable):
@@ -175,7 +169,7 @@ class RankTask(submitit.helpers.Checkpointable):
             os.environ.clear()  # this process is the task: later readers of os.environ must see the emulation
             os.environ.update(env)
         else:
-            os.environ.pop("ACCELPACT_EMULATED", None)  # a real allocation: rank 0 must run scontrol requeue
+            os.environ.pop(settings.EMULATED, None)  # a real allocation: rank 0 must run scontrol requeue
             if not in_slurm(os.environ):
                 raise SlurmEnvError("a Slurm task has no SLURM_PROCID/SLURM_STEP_ID: submitit must start the "
                                     "tasks with srun (use_srun=True)")
@@ -268,9 +262,10 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     log_path = os.path.join(logs, f"ckptd-{node}.log")
-    cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", spec.config_path, "--run-dir", run_dir,
-           "--node", node, "--node-index", str(ctx.node_index), "--job-id", ctx.job_id,
-           "--drain-s", str(spec.drain_s)]
+    from accelpact_slurm.launch.ranks import daemon_command
+
+    cmd = daemon_command(spec.config_path, run_dir, node, ctx.node_index, ctx.job_id, restart=ctx.restart_count,
+                         drain_s=spec.drain_s)
     with open(log_path, "ab") as fh:
         proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=_child_setup(os.getpid()))

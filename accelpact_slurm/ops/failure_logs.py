@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable
 
-from accelpact_slurm.core.events import EVENTS_FILE, BadLine, read_events
+from accelpact_slurm.core.events import EVENTS_FILE, BadLine, finite_number, read_events
 
 COMM_COMMITTED = "comm_committed"  # communicator fault at a committed boundary: L1-eligible
 UNCOMMITTED = "uncommitted"  # fault in forward/backward/optimizer: L2 by design
@@ -52,6 +52,12 @@ _COMMITTED_PHASES = {"committed", "boundary"}
 _UNCOMMITTED_PHASES = {"forward", "backward", "optimizer", "uncommitted", "compute"}
 #: Fields a ``checkpoint`` event may carry for the time training was blocked, best first.
 CHECKPOINT_COST_FIELDS = ("blocking_s", "stage_s", "duration_s", "save_s")
+#: A run longer than a century is a corrupt record (and a 400-digit day count overflows a float).
+MAX_ELAPSED_S = 36_500 * 86_400
+#: Slurm's elapsed time: ``[D-]HH:MM:SS`` or ``MM:SS[.mmm]``; ASCII digits only (int() reads "٣" too).
+_ELAPSED_RE = re.compile(r"(?:([0-9]{1,9})-)?(?:([0-9]{1,9}):)?([0-9]{1,2}):([0-9]{1,2})(\.[0-9]{1,6})?")
+#: Larger integers are no step count; a 400-digit one overflows float() in a step gap or an age.
+_MAX_COUNT = 2 ** 53
 
 
 @dataclass(frozen=True)
@@ -454,40 +460,54 @@ def _slurm_time(text: str) -> float | None:
         return None
     try:
         return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
-    except ValueError:
-        raise ValueError(f"bad time {text!r} (want YYYY-MM-DDTHH:MM:SS)") from None
+    except (ValueError, OverflowError, OSError):  # timestamp() of year 1 or 9999 fails on some platforms
+        raise ValueError(f"bad time {text[:40]!r} (want YYYY-MM-DDTHH:MM:SS)") from None
 
 
 def _elapsed(text: str) -> float | None:
-    """Slurm's ``[D-]HH:MM:SS``, ``MM:SS`` or ``MM:SS.mmm``."""
+    """Slurm's ``[D-]HH:MM:SS``, ``HH:MM:SS``, ``MM:SS`` or ``MM:SS.mmm``; what Slurm never writes is a ValueError."""
     text = text.strip()
     if not text or text in ("Unknown", "INVALID"):
         return None
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", text)
+    m = _ELAPSED_RE.fullmatch(text)
     if not m:
-        raise ValueError(f"bad elapsed time {text!r} (want [D-]HH:MM:SS)")
-    days, hours, minutes, seconds = m.groups()
-    return int(days or 0) * 86400 + int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
+        raise ValueError(f"bad elapsed time {text[:40]!r} (want [D-]HH:MM:SS)")
+    days, hours, minutes, seconds, fraction = m.groups()
+    # Each of these was once read as a time: 99-99:99:99.5 as 103 days.
+    if days is not None and (hours is None or int(hours) >= 24):
+        raise ValueError(f"bad elapsed time {text!r} (after D- Slurm writes HH:MM:SS with HH < 24)")
+    if int(minutes) >= 60 or int(seconds) >= 60:
+        raise ValueError(f"bad elapsed time {text!r} (minutes and seconds must be < 60)")
+    if fraction and hours is not None:
+        raise ValueError(f"bad elapsed time {text!r} (Slurm writes a fraction only as MM:SS.mmm)")
+    total = ((int(days or 0) * 24 + int(hours or 0)) * 60 + int(minutes)) * 60 + int(seconds)
+    if total > MAX_ELAPSED_S:
+        raise ValueError(f"bad elapsed time {text[:40]!r} (over {MAX_ELAPSED_S // 86_400} days: a corrupt record)")
+    return total + float(fraction or 0.0)
 
 
 def _exit_status(exit_code: str) -> int | None:
+    """The exit status of Slurm's ``STATUS:SIGNAL``; None when it is not a few ASCII digits.
+
+    ``str.isdigit`` accepts "²" and 5,000 digits, both of which ``int`` refuses.
+    """
     head = exit_code.split(":", 1)[0].strip()
-    return int(head) if head.isdigit() else None
+    return int(head) if re.fullmatch(r"[0-9]{1,9}", head) else None
 
 
 def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if value == value else None
+    """A finite number, else None: ``1e400`` reads as inf and would poison every median and sum."""
+    return finite_number(value)
 
 
 def _int(value: Any) -> int | None:
+    """An integer (or integral float) a float can hold, else None."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        return value
     if isinstance(value, float) and value.is_integer():
-        return int(value)
+        value = int(value)
+    if isinstance(value, int) and abs(value) <= _MAX_COUNT:
+        return value
     return None
 
 

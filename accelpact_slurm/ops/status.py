@@ -10,7 +10,6 @@ This module must not import torch: it runs on login nodes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -22,7 +21,9 @@ from typing import Any, Iterable, Mapping
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
-from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, BadLine, read_events
+from accelpact_slurm.core.events import (
+    EVENTS_FILE, SUMMARY_FILE, BadLine, TooDeep, finite_number, parse_json, read_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ _RATE_WINDOW = 64
 #: Events that may follow a fail-stop without meaning the run is alive again.
 _BOOKKEEPING = {"requeue", "checkpoint", "membership"}
 _END_FIELDS = ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code")
+#: Larger integers are no step count; a 400-digit one overflows float() in the step rate.
+_MAX_COUNT = 2 ** 53
 _TERMINAL_SLURM = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE"}
 
@@ -287,7 +290,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     for rec in read_events(path, bad):
         count += 1
         kind = rec["event"]
-        ts = rec.get("ts") if isinstance(rec.get("ts"), (int, float)) else None
+        ts = finite_number(rec.get("ts"))
         restart = rec.get("restart") if isinstance(rec.get("restart"), int) else 0
         max_restart = max(max_restart, restart)
         if job_id is None and rec.get("job_id") is not None:
@@ -297,8 +300,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
         if kind not in _BOOKKEEPING:  # a requeue or checkpoint after a fail-stop does not revive the run
             last_event = rec
         if kind == "step":
-            step = rec.get("step")
-            if not isinstance(step, int) or ts is None:
+            step = _count(rec.get("step"))
+            if step is None or ts is None:
                 continue
             if frontier is None or ts >= frontier[0]:
                 frontier = (ts, step, "step")
@@ -307,8 +310,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                 window_restart = restart
             if not window or step > window[-1][0]:
                 window.append((step, ts))
-                if isinstance(rec.get("step_s"), (int, float)):
-                    step_s.append(float(rec["step_s"]))
+                if (secs := finite_number(rec.get("step_s"))) is not None:
+                    step_s.append(secs)
         elif kind == "repair":
             key = (restart, rec.get("generation", ts))
             if key in seen_repairs:
@@ -318,7 +321,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
             for name, secs in ph.items():
                 phases.setdefault(name, []).append(secs)
             repairs.append({"ts": ts, "restart": restart, "generation": rec.get("generation"),
-                            "frontier": rec.get("frontier"), "total_s": rec.get("total_s"), "phases": ph})
+                            "frontier": rec.get("frontier"), "total_s": finite_number(rec.get("total_s")),
+                            "phases": ph})
             if isinstance(rec.get("frontier"), int) and ts is not None and (frontier is None or ts >= frontier[0]):
                 frontier = (ts, rec["frontier"], "repair")
             decision = _decision(rec, "preserve")
@@ -383,8 +387,8 @@ def _phases(value: Any) -> dict[str, float]:
     else:
         return out
     for name, secs in items:
-        if isinstance(name, str) and isinstance(secs, (int, float)) and not isinstance(secs, bool):
-            out[name] = float(secs)
+        if isinstance(name, str) and (secs := finite_number(secs)) is not None:
+            out[name] = secs
     return out
 
 
@@ -408,12 +412,13 @@ def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str
             if not isinstance(s, dict) or not isinstance(s.get("step"), int):
                 bad.append(BadLine(path, 1, f"snapshot #{i} has no integer step"))
                 continue
-            created = s.get("created") if isinstance(s.get("created"), (int, float)) else None
+            created = finite_number(s.get("created"))
             snaps.append({"node": node, "step": s["step"], "state": s.get("state"), "size_bytes": s.get("size_bytes"),
                           "created": created, "age_s": None if created is None else now - created,
                           "path": s.get("path"), "milestone": bool(s.get("milestone")), "reason": s.get("reason")})
         snaps.sort(key=lambda s: s["step"])
-        updated = doc.get("updated") if isinstance(doc.get("updated"), (int, float)) else _mtime(path)
+        updated = finite_number(doc.get("updated"))
+        updated = _mtime(path) if updated is None else updated
         nodes.append({"node": node, "updated": updated, "age_s": None if updated is None else now - updated,
                       "snapshots": snaps, "counts": _count_states(snaps)})
     return nodes
@@ -429,10 +434,20 @@ def _read_json(path: str, bad: list[BadLine]) -> Any:
         bad.append(BadLine(path, 0, f"cannot read: {exc.strerror or exc}"))
         return None
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return parse_json(data)
+    except TooDeep as exc:  # json's RecursionError, which crashed the status, or deep enough to crash --json
+        bad.append(BadLine(path, 1, str(exc)))
+        return None
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
         bad.append(BadLine(path, getattr(exc, "lineno", 1), f"not JSON ({exc.__class__.__name__})"))
         return None
+
+
+def _count(value: Any) -> int | None:
+    """``value`` when it is an integer a float can hold (a step number), else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _MAX_COUNT:
+        return None
+    return value
 
 
 def _count_states(snaps: list[dict[str, Any]]) -> dict[str, int]:

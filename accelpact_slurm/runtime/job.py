@@ -25,6 +25,26 @@ from accelpact_slurm.slurm.env import SlurmContext
 
 log = logging.getLogger(__name__)
 
+#: What the rank runtime imports (the ``train`` extra).  numpy is first needed at the first snapshot
+#: (``Tensor.numpy()``), after all the training before it; checked at start instead.
+RUNTIME_MODULES = ("numpy", "torch", "torch.distributed.checkpoint")
+TRAIN_EXTRA_FIX = "pip install 'accelpact-slurm[train]'"
+
+
+def check_dependencies(modules: tuple[str, ...] = RUNTIME_MODULES) -> None:
+    """Import every module the rank runtime needs, before the rank joins the job.
+
+    Raises:
+        ConfigError: naming the first module that cannot be imported and the fix
+            (``accelpact-run`` exits 2 on it, and Slurm does not requeue).
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError("dependencies", name, f"cannot import it ({exc}) on {socket.gethostname()}; install "
+                                                    f"the training runtime there with {TRAIN_EXTRA_FIX}") from None
+
 
 def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
     """The entry point ``module:function`` (or ``path/to/file.py:function``), the job file's directory first.
@@ -64,6 +84,7 @@ def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
 def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None = None,
              out: TextIO | None = None, job_file: str | None = None) -> int:
     """Run the job's entry point on this rank to its end; return the process exit code."""
+    check_dependencies()  # before joining: a node without the train extra fails now, not at the first snapshot
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
 

@@ -282,3 +282,151 @@ def test_commands_as_modules(module, args):
     proc = run_cli([module, *args], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
+
+
+# --------------------------------------------------------------------------- hostile run directories and logs
+
+
+def _write_events(path, recs, raw_lines=()):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "events.jsonl"), "w") as fh:
+        for r in recs:
+            fh.write(json.dumps(dict({"job_id": "77", "restart": 0, "rank": 0, "node": 0}, **r)) + "\n")
+        for line in raw_lines:
+            fh.write(line + "\n")
+    return str(path)
+
+
+def test_status_deeply_nested_line_is_a_skipped_line_not_a_crash(tmp_path):
+    d = _write_events(tmp_path / "77", [{"ts": 1.0, "event": "step", "step": 1}],
+                      ["[" * 200_000 + "]" * 200_000, '{"a":' * 200_000 + "1" + "}" * 200_000])
+    for extra in ([], ["--json"]):
+        proc = run_cli(["accelpact_slurm.cli.status", d, "--no-slurm", *extra], timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "events.jsonl:2: skipped: nested deeper than" in run_cli(
+        ["accelpact_slurm.cli.status", d, "--no-slurm"], timeout=120).stdout
+
+
+def _no_constants(name):
+    raise AssertionError(f"invalid JSON constant {name}")
+
+
+def test_status_json_stays_valid_json_with_non_finite_numbers(tmp_path, capsys):
+    # Python's json writes and reads NaN and Infinity; a diverged loss is NaN.
+    d = _write_events(tmp_path / "77", [
+        {"ts": 1.0, "event": "step", "step": 1, "loss": float("nan"), "step_s": float("nan")},
+        {"ts": 2.0, "event": "step", "step": 2, "loss": float("inf"), "step_s": 1.0},
+        {"ts": 3.0, "event": "repair", "generation": 1, "frontier": 2, "total_s": float("inf"),
+         "phases": {"agree": float("nan"), "rebind": 0.1}},
+        {"ts": 4.0, "event": "fail_stop", "reason": "loss diverged", "exit_code": 75, "frontier": float("-inf"),
+         "decision_s": float("nan")},
+        {"ts": 5.0, "event": "job_end", "final_step": 2, "final_loss": float("nan"), "exit_code": 0},
+    ])
+    with open(os.path.join(d, "summary.json"), "w") as fh:
+        json.dump({"final_step": 2, "final_loss": float("nan"), "wall_s": float("inf"), "exit_code": 0}, fh)
+    assert status_cli.main([d, "--json", "--no-slurm"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out, parse_constant=_no_constants)
+    json.dumps(doc, allow_nan=False)
+    (job,) = doc["jobs"]
+    assert job["final"]["final_loss"] is None and job["final"]["wall_s"] is None
+    assert job["l2"]["fail_stops"][0]["frontier"] is None
+    assert status_cli.main([d, "--no-slurm"]) == 0  # the table still shows what it can
+    assert "loss nan" in capsys.readouterr().out
+
+
+def test_status_prints_control_characters_escaped(tmp_path, capsys):
+    d = _write_events(tmp_path / "77", [
+        {"ts": 1.0, "event": "step", "step": 1, "job_id": "77\x1b]0;pwned\x07"},
+        {"ts": 2.0, "event": "fail_stop", "reason": "\x1b[2J\x1b[Hall good\nWARNING forged line", "exit_code": 75,
+         "phase": "fwd\x9b31m"},
+        {"ts": 3.0, "event": "requeue", "reason": "bell\x07", "by": "rtl\u202eevil"},
+    ])
+    idx = os.path.join(d, "ckpt-index")
+    os.makedirs(idx)
+    json.dump({"node": "n\x1b[1m1", "snapshots": [{"step": 1, "state": "verified\x1b[0m", "reason": "r\r"}]},
+              open(os.path.join(idx, "n1.json"), "w"))
+    for argv in ([d, "--no-slurm"], ["--no-slurm", "--runs-root", str(tmp_path)]):  # detail and list
+        assert status_cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert not [c for c in out if not c.isprintable() and c != "\n"], repr(out)
+    assert status_cli.main([d, "--no-slurm"]) == 0
+    out = capsys.readouterr().out
+    assert "\\x1b[2J\\x1b[Hall good\\nWARNING forged line" in out and "\\u202e" in out
+    assert not any(line.lstrip().startswith("WARNING forged") for line in out.splitlines())
+
+
+def test_cadence_skips_a_huge_elapsed_and_an_infinite_ts_as_bad_lines(tmp_path, capsys):
+    sacct = tmp_path / "sacct.txt"
+    sacct.write_text("JobID|State|ExitCode|Start|End|NodeList|Elapsed\n"
+                     f"5|FAILED|1:0|2024-01-01T00:00:00|2024-01-01T01:00:00|n1|{'9' * 400}-00:00:00\n"
+                     "6|FAILED|1:0|2024-01-01T00:00:00|2024-01-01T01:00:00|n1|99-99:99:99.5\n"
+                     "7|NODE_FAIL|1:0|2024-01-01T00:00:00|2024-01-01T01:00:00|n1|01:00:00\n")
+    events = tmp_path / "events.jsonl"
+    events.write_text('{"ts": 1e400, "event": "step", "job_id": "7", "step": 1}\n'
+                      '{"ts": 10.0, "event": "step", "job_id": "7", "step": 1, "step_s": 2.0}\n')
+    rc = cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    doc = json.loads(captured.out)
+    assert [(os.path.basename(b["path"]), b["lineno"]) for b in doc["bad_lines"]] == [
+        ("sacct.txt", 2), ("sacct.txt", 3), ("events.jsonl", 1)]
+    assert doc["observed_s"] == 3600.0 and doc["classes"]["node_fail"]["count"] == 1
+    assert captured.err.count("skipped") == 3
+    assert cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5"]) == 0
+    assert "3 bad line(s) skipped" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- accelpact-run on a node without the train extra
+
+
+_BLOCK_AND_RUN = textwrap.dedent("""
+    import importlib.abc, sys
+    BLOCKED = sys.argv.pop(1)
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == BLOCKED or name.startswith(BLOCKED + "."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    sys.modules.pop(BLOCKED, None)
+    sys.meta_path.insert(0, Block())
+    if sys.argv[1] == "--check":
+        from accelpact_slurm.runtime.job import check_dependencies
+        check_dependencies()
+        print("ok")
+    else:
+        from accelpact_slurm.cli.run import main
+        sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _task_env():
+    """The environment of one srun task of a 2x2 job (rank 1), running this checkout."""
+    with open(os.path.join(DATA, "slurm_env", "srun_2x2.json")) as fh:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env.update(json.load(fh))
+    env.update(PATH=os.environ["PATH"], HOME=os.environ.get("HOME", "/tmp"), PYTHONPATH=REPO)
+    return env
+
+
+@pytest.mark.parametrize("blocked", ["numpy", "torch", "torch.distributed.checkpoint"])
+def test_run_without_a_runtime_dependency_exits_2_before_joining(tmp_path, blocked):
+    # Before: numpy was first needed at the first snapshot, after the training it cost; torch was a traceback.
+    job = tmp_path / "job.yaml"
+    job.write_text("entry: no_such_module_for_this_test:main\nsteps: 3\n")
+    proc = subprocess.run([sys.executable, "-c", _BLOCK_AND_RUN, blocked, str(job), "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120, env=_task_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("accelpact-run: error: dependencies:")
+    assert repr(blocked) in lines[0] and "pip install 'accelpact-slurm[train]'" in lines[0]
+
+
+@pytest.mark.parametrize("blocked, ok", [("numpy", False), ("no_such_module_anyone_needs", True)])
+def test_check_dependencies_alone(blocked, ok):
+    proc = subprocess.run([sys.executable, "-c", _BLOCK_AND_RUN, blocked, "--check"], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 1 and "ConfigError: dependencies: invalid value 'numpy'" in proc.stderr

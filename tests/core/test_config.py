@@ -117,3 +117,94 @@ def test_cli_prints_one_clear_line(tmp_path, text, field):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"accelpact-run: error: {field}:")
+
+
+# --------------------------------------------------------------------------- hostile job files
+
+
+@pytest.mark.parametrize("field", ["collective_s", "control_s", "startup_s", "shutdown_s"])
+@pytest.mark.parametrize("literal", [".nan", ".NaN", ".inf", "-.inf", "+.Inf"])
+def test_non_finite_float_is_refused_with_the_field_named(field, literal):
+    # .nan passes every `<= 0` and `>=` check; accepted, it crashes every rank at its first timeout.
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"timeouts: {{{field}: {literal}}}\n")
+    assert info.value.field == f"timeouts.{field}"
+    assert "finite" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_non_finite_override_is_refused():
+    with pytest.raises(ConfigError, match="timeouts.control_s.*finite"):
+        with_overrides(load_config(TINY), {"timeouts.control_s": float("inf")})
+
+
+def test_non_utf8_job_file_is_one_line(tmp_path):
+    bad = tmp_path / "job.yaml"
+    bad.write_bytes(b"\xff\xfe steps: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    msg = str(info.value)
+    assert msg.startswith("config:") and "is not UTF-8 text" in msg and "\n" not in msg
+
+
+def _alias_bomb(levels: int) -> str:
+    """The "billion laughs": each level is a list of nine aliases of the level below."""
+    lines = ['  a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "params:\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text", [
+    _alias_bomb(7) + "steps: *a6\n",  # today: a 30 MB "must be an integer" line
+    _alias_bomb(9),  # today: accepted; the job_start event then expands it to gigabytes
+    "params:\n  base: &b {lr: 0.1}\n  run: *b\n",
+    "params:\n  base: &b {lr: 0.1}\n  run: {<<: *b, wd: 0.0}\n",
+])
+def test_yaml_aliases_are_refused_cheaply_in_one_short_line(text):
+    assert len(text) < 700
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="job.yaml")
+    msg = str(info.value)
+    assert info.value.field == "config" and "alias" in msg and "line" in msg
+    assert len(msg) < 400 and "\n" not in msg
+
+
+def test_config_error_message_holds_at_most_200_characters_of_the_value():
+    huge = "x" * 1_000_000
+    msg = str(ConfigError("steps", huge, "must be an integer"))
+    assert len(msg) < 300 and msg.startswith("steps: invalid value 'xxx") and msg.endswith("must be an integer")
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"steps: {huge}\n")
+    assert len(str(info.value)) < 300
+    assert str(ConfigError("steps", -1, "must be >= 0")) == "steps: invalid value -1: must be >= 0"
+
+
+@pytest.mark.parametrize("text", ["steps: " + "[" * 5000 + "\n", "params: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n"])
+def test_deeply_nested_yaml_is_one_line(text):
+    # PyYAML's composer recurses once per level: RecursionError, not a YAMLError.
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="job.yaml")
+    assert info.value.field == "config" and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("seed: " + "9" * 5000 + "\n", "4300 digits"),  # int() refuses more than 4300 digits
+    ("name: 2024-13-45\n", "month must be in 1..12"),  # YAML reads it as a date
+])
+def test_value_yaml_cannot_convert_is_one_line(text, words):
+    # Both are a plain ValueError from inside PyYAML, not a YAMLError.
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="job.yaml")
+    assert info.value.field == "config" and words in str(info.value) and len(str(info.value)) < 400
+
+
+def test_cli_non_utf8_job_file_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe steps: 3\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelpact_slurm.cli.run", str(bad), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("accelpact-run: error: config:") and "UTF-8" in lines[0]

@@ -16,7 +16,7 @@ import pytest
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE
 from accelpact_slurm.core.events import read_events
-from tests.conftest import decoder_text, REPO, run_cli
+from tests.conftest import decoder_text, run_cli
 
 pytestmark = pytest.mark.multiproc
 

@@ -204,3 +204,62 @@ def test_every_truncation_of_a_sample_parses_without_raising(tmp_path, name):
         bad: list[BadLine] = []
         runs = fl.parse_sacct(p, bad) + fl.parse_jobcomp(p, bad)
         fl.build_history(runs, fl.scan_events([p], bad))
+
+
+# --------------------------------------------------------------------------- records Slurm never writes
+
+
+@pytest.mark.parametrize("elapsed", [
+    "99-99:99:99.5",  # once read as 103 days
+    "1-24:00:00",  # hours >= 24 beside a day count
+    "00:60:00", "00:00:60", "60:00",  # minutes or seconds >= 60
+    "01:00:00.5", "1-00:00:00.5",  # Slurm writes a fraction only as MM:SS.mmm
+    "1-05:00",  # a day count is always followed by HH:MM:SS
+    pytest.param("1" * 400 + "-00:00:00", id="400-digit-days"),  # once an OverflowError
+    pytest.param("1" * 400 + ":00:00", id="400-digit-hours"),
+    "٣:٠٠",  # Arabic-Indic digits: int() reads them, Slurm never writes them
+])
+def test_sacct_elapsed_slurm_never_writes_is_refused(elapsed):
+    with pytest.raises(ValueError, match="elapsed"):
+        fl._elapsed(elapsed)
+
+
+def test_sacct_bad_elapsed_is_a_bad_record_not_a_crash(tmp_path):
+    p = tmp_path / "sacct.txt"
+    p.write_text("JobID|State|ExitCode|Elapsed\n"
+                 f"1|FAILED|1:0|{'9' * 400}-00:00:00\n"
+                 "2|FAILED|1:0|99-99:99:99.5\n"
+                 "3|FAILED|1:0|00:01:00\n")
+    bad: list[BadLine] = []
+    runs = fl.parse_sacct(p, bad)
+    assert [r.job_id for r in runs] == ["3"] and [b.lineno for b in bad] == [2, 3]
+    assert len(bad[0].reason) < 200
+
+
+@pytest.mark.parametrize("exit_code", ["²:0", pytest.param("9" * 5000 + ":0", id="5000-digits")])
+def test_exit_code_slurm_never_writes_is_no_exit_code(tmp_path, exit_code):
+    # str.isdigit() accepts "²" and 5000 digits, which int() then refuses: a crash in build_history.
+    assert fl.classify_slurm("FAILED", exit_code)[0] == fl.OTHER
+    p = tmp_path / "sacct.txt"
+    p.write_text(f"JobID|State|ExitCode|Elapsed\n1|FAILED|{exit_code}|00:01:00\n")
+    bad: list[BadLine] = []
+    hist = fl.build_history(fl.parse_sacct(p, bad), fl.EventScan())
+    assert hist.count(fl.OTHER) == 1
+
+
+def test_infinite_ts_is_a_bad_line_and_huge_numbers_are_no_numbers(tmp_path):
+    e = tmp_path / "events.jsonl"
+    e.write_text('{"ts": 1e400, "event": "step", "job_id": "5", "step": 1}\n'
+                 '{"ts": 1.0, "event": "step", "job_id": "5", "step": 1, "step_s": 1e400}\n'
+                 + json.dumps({"ts": 2.0, "event": "step", "job_id": "5", "step": 10 ** 400}) + "\n"
+                 + json.dumps({"ts": 3.0, "event": "step", "job_id": "5", "step": 3, "step_s": 2.0}) + "\n"
+                 + json.dumps({"ts": 4.0, "event": "checkpoint", "job_id": "5", "step": 3, "state": "verified",
+                               "blocking_s": 10 ** 400}) + "\n"
+                 + json.dumps({"ts": 5.0, "event": "fail_stop", "job_id": "5", "frontier": 10 ** 400,
+                               "phase": "forward", "decision_s": 0.1}) + "\n")
+    bad: list[BadLine] = []
+    scan = fl.scan_events([e], bad)
+    assert [b.lineno for b in bad] == [1] and "'ts'" in bad[0].reason
+    hist = fl.build_history([], scan)
+    assert hist.costs["step_time_s"].value == 2.0 and hist.costs["checkpoint_cost_s"].value is None
+    assert hist.costs["age_steps"].value is None and hist.exposure_s == 4.0

@@ -240,3 +240,49 @@ def test_large_run_dir_with_10000_events_and_100_snapshots(tmp_path):
     assert info["restarts"] >= 2 and info["bad_lines"] == []
     assert info["snapshots"]["newest_verified"]["state"] == "verified"
     json.dumps(info)  # JSON-ready
+
+
+# --------------------------------------------------------------------------- hostile event logs
+
+
+def test_deeply_nested_event_line_is_a_bad_line_not_a_crash(tmp_path):
+    d = _write_events(tmp_path / "77", [{"ts": 1.0, "event": "step", "step": 1}])
+    with open(os.path.join(d, "events.jsonl"), "a") as fh:
+        fh.write("[" * 200_000 + "]" * 200_000 + "\n")
+        fh.write('{"a":' * 200_000 + "1" + "}" * 200_000 + "\n")
+        fh.write(json.dumps({"ts": 2.0, "event": "step", "step": 2, "job_id": "77"}) + "\n")
+    info = st.collect(d, now=3.0)
+    assert info["frontier"]["step"] == 2
+    assert [b.split(":")[-3] for b in info["bad_lines"]] == ["2", "3"]
+    assert all("nested deeper than" in b for b in info["bad_lines"])
+
+
+def test_deeply_nested_summary_or_index_is_a_bad_file(tmp_path):
+    d = _write_events(tmp_path / "77", [{"ts": 1.0, "event": "step", "step": 1}])
+    open(os.path.join(d, "summary.json"), "w").write("[" * 200_000 + "]" * 200_000)
+    os.makedirs(os.path.join(d, "ckpt-index"))
+    open(os.path.join(d, "ckpt-index", "node1.json"), "w").write('{"a":' * 200_000 + "1" + "}" * 200_000)
+    info = st.collect(d, now=3.0)
+    assert len(info["bad_lines"]) == 2 and info["final"] is None
+
+
+def test_numbers_no_float_holds_and_wrong_types_do_not_crash(tmp_path):
+    # A 400-digit step overflows float() in the step rate; a string total_s broke `:.3g` in the table.
+    from accelpact_slurm.cli import status as status_cli
+
+    d = _write_events(tmp_path / "77", [
+        {"ts": 1.0, "event": "step", "step": 1, "step_s": "x"},
+        {"ts": 2.0, "event": "step", "step": 10 ** 400, "step_s": 10 ** 400},
+        {"ts": 3.0, "event": "repair", "generation": 1, "frontier": 1, "total_s": "fast",
+         "phases": [["agree", 10 ** 400], ["rebind", 0.2]]},
+    ])
+    os.makedirs(os.path.join(d, "ckpt-index"))
+    json.dump({"node": "n1", "updated": 10 ** 400, "snapshots": [{"step": 1, "state": "verified",
+                                                                   "created": 10 ** 400}]},
+              open(os.path.join(d, "ckpt-index", "n1.json"), "w"))
+    info = st.collect(d, now=4.0)
+    assert info["frontier"]["step"] == 1 and info["step_rate"]["step_s"] is None  # the 400-digit step is no step
+    assert info["l1"]["last"]["total_s"] is None and set(info["l1"]["phases"]) == {"rebind"}
+    assert info["snapshots"]["nodes"][0]["updated"] is not None  # the file's mtime instead
+    json.dumps(info, allow_nan=False)
+    status_cli.render({"jobs": [info], "runs_root": str(tmp_path)}, detailed=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
+
 
 import pytest
 

@@ -1,0 +1,39 @@
+"""What every launcher gives a rank and a daemon: one place for the emulated task environment and the daemon command.
+
+Who calls: the embedded default (:mod:`.local`), submitit's local executor (:mod:`.submission`) and the
+daemons' start (:mod:`.daemons`); the benchmarks reach them through :func:`.local.launch_local`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Mapping
+
+from accelpact_slurm.core import settings
+from accelpact_slurm.slurm.env import emulated_environ
+
+
+def rank_environ(base: Mapping[str, str], job_id: str, rank: int, nodes: int, ranks_per_node: int, *,
+                 restart: int, data_port: int, control_port: int) -> dict[str, str]:
+    """``base`` without an enclosing allocation's ``SLURM_*``, plus the emulated step of ``rank`` (pure).
+
+    The launcher, not Slurm, relaunches such a job (``ACCELPACT_EMULATED``): a fail-stop leaves the
+    requeue to it instead of calling ``scontrol``.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("SLURM_")}
+    env.update(emulated_environ(job_id, rank, nodes, ranks_per_node, restart_count=restart))
+    env.update({
+        settings.EMULATED: "1",
+        settings.MASTER_ADDR: "127.0.0.1",
+        settings.MASTER_PORT: str(data_port),
+        settings.CONTROL_PORT: str(control_port),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def daemon_command(config_path: str, run_dir: str, node: str, node_index: int, job_id: str, *, restart: int,
+                   drain_s: float) -> list[str]:
+    """The command line of one node's ``accelpact-ckptd`` (the sbatch template spells the same one in shell)."""
+    return [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir, "--node", node,
+            "--node-index", str(node_index), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
