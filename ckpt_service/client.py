@@ -38,7 +38,8 @@ from accelpact_slurm.core.errors import EXIT_REQUEUE
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
 from ckpt_service import staging
-from ckpt_service.layout import node_dir, socket_path, staging_root
+from ckpt_service.index import read_json
+from ckpt_service.layout import daemon_failed_marker, node_dir, socket_path, staging_root
 from ckpt_service.protocol import DaemonUnavailable, request
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ class SnapshotClient:
         self.slots = [staging.Slot(staging.slot_path(self.stage_root, self.rt.local_rank, i)) for i in range(SLOTS)]
         self._slot_step: list[int | None] = [None] * SLOTS
         self._proved = False  # this start's capture was proven against the live state dict
-        self._contacted = False
+        self._contacted = False  # the first contact waits (bounded) for a daemon still starting; later ones do not
+        self.down: str | None = None  # why this node has no daemon (then snapshots are skipped on it)
+        self._failed_marker = daemon_failed_marker(run_dir, self.rt.ctx.hostname)
         self.taken: set[int] = set()  # steps snapshotted (not skipped) in this start
         self.last_error: str | None = None
         self.last_parts: dict[str, Any] = {}
@@ -203,13 +206,35 @@ class SnapshotClient:
             try:
                 reply = request(self.sock, msg, timeout)
                 self._contacted = True
+                self.down = None
                 if not reply.get("ok"):
                     raise DaemonUnavailable(reply.get("error", "refused"))
                 return reply
-            except DaemonUnavailable:
-                if time.monotonic() >= deadline:
+            except DaemonUnavailable as exc:
+                failed = self._daemon_failed()
+                if time.monotonic() >= deadline or failed:
+                    if not self._contacted:
+                        self._contacted = True  # the patience is spent once per start, not once per snapshot
+                        self._went_down(failed or str(exc))
                     raise
                 threading.Event().wait(0.1)
+
+    def _daemon_failed(self) -> str | None:
+        """The reason this node's daemon left in the run directory when it could not start (this start only)."""
+        rec = read_json(self._failed_marker)
+        if isinstance(rec, dict) and rec.get("restart") == self.rt.ctx.restart_count:
+            return str(rec.get("reason"))
+        return None
+
+    def _went_down(self, why: str) -> None:
+        """No daemon on this node: training goes on without snapshots here; say so once."""
+        self.down = why
+        log.warning("no checkpoint daemon on %s: %s; training goes on without snapshots on this node",
+                    self.rt.ctx.hostname, why)
+        if self.events is not None and self.rt.local_rank == 0:
+            self.events.emit("warning", step=None, hostname=self.rt.ctx.hostname,
+                             reason=f"no checkpoint daemon on {self.rt.ctx.hostname}: {why}; training goes on "
+                                    f"without snapshots on this node")
 
     def wait(self, step: int, timeout_s: float) -> str | None:
         """Block until the daemon reports a final state for ``step`` (or the timeout); return the state."""

@@ -34,7 +34,7 @@ from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
 from ckpt_service import faults, staging
 from ckpt_service.index import publish_index, read_record, record_state, scan
-from ckpt_service.layout import DEL_PREFIX, LOCK, private_dir, shared_dir as default_shared, socket_path, staging_root
+from ckpt_service.layout import DEL_PREFIX, LOCK, MAX_STEP, daemon_failed_marker, private_dir, shared_dir as default_shared, socket_path, staging_root
 from ckpt_service.protocol import peer_allowed, peer_uid, recv_line, send_line
 from ckpt_service.retention import Snap, is_milestone, plan_retention
 
@@ -119,7 +119,14 @@ class Daemon:
     def start(self) -> None:
         from ckpt_service.writer import recover_node_dir
 
+        from ckpt_service.auth import load_or_create_key
+
+        self.key = load_or_create_key(self.o.run_dir)  # signs every manifest; a bad key file stops the start
         self._lock_fd = acquire_lock(self.ndir)
+        try:  # a daemon of an earlier start that could not start left word for the ranks: it is stale now
+            os.unlink(daemon_failed_marker(self.o.run_dir, self.o.node))
+        except FileNotFoundError:
+            pass
         removed = recover_node_dir(self.ndir)
         if removed:
             log.warning("removed leftovers of an interrupted daemon: %s", removed)
@@ -222,6 +229,10 @@ class Daemon:
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
+        if "step" in msg:
+            step = msg["step"]
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+                return {"ok": False, "error": f"step {step!r} is not an integer from 0 to {MAX_STEP}"}
         if op == "ping":
             return {"ok": True, "pid": os.getpid(), "node": self.o.node}
         if op == "staged":
@@ -310,7 +321,7 @@ class Daemon:
             timings: dict[str, float] = {}
             t0 = time.monotonic()
             path, size = write_snapshot(self.ndir, step, descs, compress=self.o.compress, node=self.o.node,
-                                        timings=timings, faults=self.o.faults)
+                                        timings=timings, faults=self.o.faults, key=self.key)
             log.info("step %d committed in %.2f s (%s)", step, time.monotonic() - t0,
                      ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
         except Exception as exc:
@@ -338,7 +349,7 @@ class Daemon:
         if rec is None or not os.path.isdir(rec.path):
             return
         faults.slow_verify(self.o.node, self.o.faults)
-        ok, reason = verify_snapshot(rec.path)
+        ok, reason = verify_snapshot(rec.path, self.key)
         state = "verified" if ok else "rejected"
         record_state(rec.path, state, None if ok else reason)
         self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)

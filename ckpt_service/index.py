@@ -87,7 +87,7 @@ def scan(ndir: str, milestone_every: int = 0) -> list[SnapshotRecord]:
     """Every committed snapshot of a node directory, by step (temporary and deleted ones never appear)."""
     try:
         names = os.listdir(ndir)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, PermissionError):  # no usable node directory: nothing to list
         return []
     out = [read_record(os.path.join(ndir, n), milestone_every) for n in names if step_of(n) is not None]
     return sorted((r for r in out if r is not None), key=lambda r: r.step)

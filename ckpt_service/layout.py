@@ -17,7 +17,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import tempfile
+
+from accelpact_slurm.core.errors import CheckpointError
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -27,6 +30,8 @@ STATE = "state.json"
 LOCK = "ckptd.lock"
 INDEX_DIR = "ckpt-index"
 _STEP_RE = re.compile(r"^step-(\d{10})$")
+#: Steps the service accepts: step directory names hold ten digits.
+MAX_STEP = 10**10 - 1
 
 
 def step_dirname(step: int) -> str:
@@ -51,6 +56,11 @@ def shared_dir(run_dir: str, configured: str | None = None) -> str:
     return os.path.abspath(os.path.join(run_dir, "shared-ckpt"))
 
 
+def daemon_failed_marker(run_dir: str, node: str) -> str:
+    """Where a node's daemon that could not start says why (on the shared run directory: the ranks read it)."""
+    return os.path.join(run_dir, INDEX_DIR, f"{node}.daemon-failed.json")
+
+
 def _key(ndir: str) -> str:
     return hashlib.sha256(os.path.abspath(ndir).encode()).hexdigest()[:20]
 
@@ -65,7 +75,42 @@ def staging_root(ndir: str) -> str:
 
 
 def private_dir(path: str) -> str:
-    """Create ``path`` (and parents) and make it 0700: only the job's user may enter."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create ``path`` 0700, from the per-user root (``accelpact-<uid>``) down, and check every level is ours.
+
+    The roots live in shared directories (``/tmp``, ``/dev/shm``) where another local user can create
+    ``accelpact-<uid>`` first: then a socket planted there could answer the ranks, or a staging
+    directory be swapped.  Every level from the per-user root down must be a real directory (not a
+    link), owned by this user and writable by nobody else; one that is readable by others but ours is
+    tightened to 0700 (an older version created it 0755), anything else is refused with
+    :class:`CheckpointError`.
+    """
+    path = os.path.abspath(path)
+    parts = path.split(os.sep)
+    root = f"accelpact-{os.getuid()}"
+    first = parts.index(root) if root in parts else len(parts) - 1
+    cur = os.sep.join(parts[:first]) or os.sep
+    os.makedirs(cur, exist_ok=True)  # the system's shared directory (/tmp, /dev/shm): not ours to judge
+    for name in parts[first:]:
+        cur = os.path.join(cur, name)
+        try:
+            os.mkdir(cur, 0o700)
+        except FileExistsError:
+            pass
+        check_private(cur)
     return path
+
+
+def check_private(path: str) -> None:
+    """Refuse ``path`` unless it is a directory of this user that nobody else can write; tighten it to 0700."""
+    st = os.lstat(path)
+    fix = "remove it (or point TMPDIR elsewhere) and start again"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path} is not a plain directory (a link or a file is in the way): {fix}")
+    if st.st_uid != os.getuid():
+        raise CheckpointError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): another "
+                              f"user may have planted it; {fix}")
+    if st.st_mode & 0o022:
+        raise CheckpointError(f"{path} has mode {oct(st.st_mode & 0o777)}, writable by others: its contents "
+                              f"cannot be trusted; {fix}")
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)

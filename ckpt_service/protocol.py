@@ -64,6 +64,11 @@ def request(path: str, message: dict[str, Any], timeout_s: float) -> dict[str, A
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout_s)
             s.connect(path)
+            # The daemon checks the client's uid; the client checks the daemon's, so that a socket another
+            # user planted at this path cannot answer a rank (e.g. report a snapshot verified).
+            ok, why = peer_allowed(peer_uid(s))
+            if not ok:
+                raise DaemonUnavailable(f"checkpoint daemon at {path}: refusing its answer: {why}")
             send_line(s, message)
             reply = recv_line(s)
     except (OSError, ValueError) as exc:

@@ -13,14 +13,21 @@ from __future__ import annotations
 import math
 import os
 
+from ckpt_service.auth import authenticate
 from ckpt_service.layout import MANIFEST, STATE
 from ckpt_service.index import read_json
 from ckpt_service.writer import sha256_file
 
-def check_checksums(path: str) -> tuple[bool, str]:
+def check_checksums(path: str, key: bytes | None) -> tuple[bool, str]:
+    """The manifest authenticated under the run's ``key`` first (nothing else is read before), then every file's
+    size and SHA-256.  ``key=None`` skips the authentication: only for a test's negative control."""
     manifest = read_json(os.path.join(path, MANIFEST))
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return False, "manifest.json missing or unreadable"
+    if key is not None:
+        ok, why = authenticate(manifest, key)
+        if not ok:
+            return False, why
     files = manifest["files"]
     if ".metadata" not in files:
         return False, "manifest lists no .metadata"
@@ -69,10 +76,13 @@ def check_coverage(path: str) -> tuple[bool, str]:
     return True, f"{n} tensors fully covered"
 
 
-def verify_snapshot(path: str) -> tuple[bool, str]:
-    """Checksums, then coverage; ``(ok, reason)``.  Reads files only: no model, no training code."""
-    for check in (check_checksums, check_coverage):
-        ok, why = check(path)
-        if not ok:
-            return False, why
-    return True, "checksums and coverage pass"
+def verify_snapshot(path: str, key: bytes | None) -> tuple[bool, str]:
+    """Authentication and checksums, then coverage (which unpickles ``.metadata``: only after both passed);
+    ``(ok, reason)``.  Reads files only: no model, no training code."""
+    ok, why = check_checksums(path, key)
+    if not ok:
+        return False, why
+    ok, why = check_coverage(path)
+    if not ok:
+        return False, why
+    return True, "manifest authenticated, checksums and coverage pass"

@@ -38,6 +38,7 @@ from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
 from ckpt_service import faults as fault_points
+from ckpt_service.auth import sign
 from ckpt_service.compat import zstd_extensions
 from ckpt_service.index import fsync_dir, read_json, record_state, write_json_atomic
 from ckpt_service.layout import DEL_PREFIX, MANIFEST, STATE, TMP_PREFIX, step_dirname
@@ -239,12 +240,12 @@ def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults
 
 def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, compress: bool = False,
                    node: str = "", timings: dict[str, float] | None = None,
-                   faults: TestFaults = NO_FAULTS) -> tuple[str, int]:
+                   faults: TestFaults = NO_FAULTS, key: bytes | None = None) -> tuple[str, int]:
     """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
 
     The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose
     descriptors say the proof failed is refused.  ``timings`` (if given) receives the seconds spent in
-    ``dcp_save`` and ``fsync_hash``.
+    ``dcp_save`` and ``fsync_hash``.  ``key``: the run's key, which signs the manifest (:mod:`.auth`).
     """
     timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp
@@ -279,7 +280,7 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
             "capture": meta.get("capture"), "compressed": compress, "world_size": meta.get("world_size"),
             "node_ranks": [d["rank"] for d in descs], "files": files,
         }
-        write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+        write_json_atomic(os.path.join(tmp, MANIFEST), sign(manifest, key) if key is not None else manifest)
         fsync_dir(tmp)
         fault_points.pause_point("written", ndir, step, faults)
         _make_room_for(final)

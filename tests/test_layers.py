@@ -97,3 +97,52 @@ def test_linter_catches_a_forbidden_import(copy_tree, path, line, contract, chai
     for other_id, other in contract_names().items():
         if other_id != contract:
             assert other not in out.replace(name, ""), out
+
+
+# --------------------------------------------------------------------------- no library module imports an example
+
+
+def example_modules(repo: str = REPO) -> set[str]:
+    """Every module name an example defines (examples are not packages: they run from their own directory)."""
+    out = set()
+    for d, _dirs, files in os.walk(os.path.join(repo, "examples")):
+        out |= {f[:-3] for f in files if f.endswith(".py")}
+    return out
+
+
+def library_imports_of_examples(root: str, names: set[str]) -> list[str]:
+    """``file: module`` for every import of an example module in the library packages under ``root`` (AST walk)."""
+    import ast
+
+    found = []
+    for pkg in PACKAGES:
+        for d, _dirs, files in os.walk(os.path.join(root, pkg)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(d, f)
+                tree = ast.parse(open(path, encoding="utf-8").read(), path)
+                for node in ast.walk(tree):
+                    mods = []
+                    if isinstance(node, ast.Import):
+                        mods = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                        mods = [node.module]
+                    for m in mods:
+                        if m.split(".")[0] in names or m.startswith("examples"):
+                            found.append(f"{os.path.relpath(path, root)}: {m}")
+    return found
+
+
+def test_no_library_module_imports_an_example():
+    names = example_modules()
+    assert {"decoder_model", "train_decoder", "vision_model", "train_vision"} <= names
+    assert library_imports_of_examples(REPO, names) == []
+
+
+def test_negative_control_an_added_example_import_is_found(tmp_path):
+    for pkg in PACKAGES:
+        shutil.copytree(os.path.join(REPO, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "ckpt_service" / "writer.py", "a", encoding="utf-8") as fh:
+        fh.write("\nfrom decoder_model import build_model  # noqa\n")
+    assert library_imports_of_examples(str(tmp_path), example_modules()) == ["ckpt_service/writer.py: decoder_model"]

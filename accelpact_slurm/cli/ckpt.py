@@ -48,15 +48,40 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _key(args, path: str) -> bytes | None:
+    """The run's key (from --run-dir, else the nearest run directory above ``path``); None with a message."""
+    from ckpt_service.auth import find_run_dir, load_key
+
+    from accelpact_slurm.core.errors import CheckpointError
+
+    run_dir = args.run_dir or find_run_dir(path)
+    if run_dir is None:
+        print(f"accelpact-ckpt: no run key (.accelpact-key) in or above {path}: pass --run-dir RUN_DIR; nothing of "
+              f"a snapshot is read before its manifest is authenticated", file=sys.stderr)
+        return None
+    try:
+        return load_key(run_dir)
+    except CheckpointError as exc:
+        print(f"accelpact-ckpt: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_verify(args) -> int:
     from ckpt_service.verify import verify_snapshot
 
+    key = _key(args, args.path)
+    if key is None:
+        return 2
     targets = [args.path] if step_of(args.path) is not None else [r.path for nd in _node_dirs(args.path)
                                                                    for r in scan(nd)]
     failed = 0
     for p in targets:
-        ok, why = verify_snapshot(p)
-        if args.record:
+        ok, why = verify_snapshot(p, key)
+        before = read_record(p)
+        if ok and before is not None and before.state == "rejected" and not args.force:
+            # a snapshot the replay check rejected passes its checksums (they compare it with itself)
+            ok, why = False, f"stays rejected ({before.reason}); --force records verified anyway"
+        elif args.record:
             record_state(p, "verified" if ok else "rejected", None if ok else why)
         failed += not ok
         print(f"{'verified' if ok else 'REJECTED'}  {p}: {why}")
@@ -73,6 +98,15 @@ def cmd_export(args) -> int:
     if read_record(args.snapshot) is None:
         print(f"accelpact-ckpt: {args.snapshot} is not a step-NNNNNNNNNN snapshot", file=sys.stderr)
         return 2
+    from ckpt_service.verify import check_checksums
+
+    key = _key(args, args.snapshot)
+    if key is None:
+        return 2
+    ok, why = check_checksums(args.snapshot, key)  # export unpickles .metadata: authenticate first
+    if not ok:
+        print(f"accelpact-ckpt: refusing to export {args.snapshot}: {why}", file=sys.stderr)
+        return 1
     dcp_to_torch_save(args.snapshot, args.out)
     print(f"exported {args.snapshot} -> {args.out} ({os.path.getsize(args.out)} bytes)")
     return 0
@@ -88,10 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="verify snapshots (checksums and coverage; no model needed)")
     v.add_argument("path", metavar="PATH", help="a step-NNNNNNNNNN directory, a node directory or a run directory")
     v.add_argument("--no-record", dest="record", action="store_false", help="do not write state.json")
+    v.add_argument("--force", action="store_true",
+                   help="record verified even for a snapshot rejected before (e.g. by the replay check)")
+    v.add_argument("--run-dir", metavar="DIR", help="the run directory whose key authenticates the manifests "
+                                                    "(default: the nearest one above PATH)")
     v.set_defaults(fn=cmd_verify)
     e = sub.add_parser("export", help="convert a snapshot to one torch.save file")
     e.add_argument("snapshot", metavar="SNAPSHOT")
     e.add_argument("out", metavar="OUT.pt")
+    e.add_argument("--run-dir", metavar="DIR", help="the run directory whose key authenticates the manifest "
+                                                    "(default: the nearest one above SNAPSHOT)")
     e.set_defaults(fn=cmd_export)
     return p
 

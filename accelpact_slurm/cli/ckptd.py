@@ -71,8 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AlreadyRunning as exc:
         print(f"accelpact-ckptd: {exc}; exiting", file=sys.stderr)
         return EXIT_USAGE
-    except AccelpactError as exc:
-        print(f"accelpact-ckptd: error: {exc}", file=sys.stderr)
+    except (AccelpactError, OSError) as exc:
+        why = str(exc)
+        if isinstance(exc, OSError):  # a read-only or missing directory, a file in the way
+            why = (f"cannot serve the node directory {opts.node_dir}: {exc.strerror or exc}"
+                   f"{f' ({exc.filename})' if exc.filename else ''}; make checkpoint.local_dir a writable "
+                   f"directory of this user") if "opts" in locals() else f"{exc}"
+        print(f"accelpact-ckptd: error: {why}", file=sys.stderr)
+        if "opts" in locals():  # the node's ranks stop waiting for a daemon that will never answer
+            _mark_failed(opts.run_dir, opts.node, opts.restart, why)
         return EXIT_USAGE
     print(f"accelpact-ckptd: serving {opts.node_dir} for node {node} (pid {os.getpid()})", flush=True)
     while not stop.wait(1.0):
@@ -80,6 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finished = d.drain_and_close()
     print(f"accelpact-ckptd: stopped ({'drained' if finished else 'drain deadline passed'})", flush=True)
     return EXIT_OK
+
+
+def _mark_failed(run_dir: str, node: str, restart: int, why: str) -> None:
+    from ckpt_service.layout import daemon_failed_marker
+
+    from accelpact_slurm.core.atomic import write_json_atomic
+
+    try:
+        os.makedirs(os.path.dirname(daemon_failed_marker(run_dir, node)), exist_ok=True)
+        write_json_atomic(daemon_failed_marker(run_dir, node), {"node": node, "restart": restart, "reason": why,
+                                                               "pid": os.getpid()})
+    except OSError:  # the run directory itself is unwritable: the ranks wait out startup_s once instead
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ sizes win over the job file's topology.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -21,6 +22,9 @@ from accelpact_slurm.core.config import JobConfig, load_config, with_overrides
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
 
 log = logging.getLogger("accelpact_slurm.cli.run")
+
+#: The training-relevant part of the configuration of a run directory's first start.
+TRAINING_FILE = "job-training.json"
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
@@ -40,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: ${settings.RUNS_ROOT} or ./runs, then the job id or name and time)")
     p.add_argument("--steps", type=int, metavar="N", help="number of optimizer updates (overrides the file)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (overrides the file)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="run in a run directory whose first start had another entry, seed, steps or params "
+                        "(its snapshots then continue a deliberately changed training)")
     p.add_argument("--inject-fault", action="append", default=[], metavar="PHASE:STEP:RANK",
                    help="make RANK withhold its part of the replication collective: PHASE boundary (at the "
                         "committed boundary after update STEP), forward or backward (of update STEP); "
@@ -67,6 +74,31 @@ def default_run_dir(cfg: JobConfig, job_id: str | None) -> str:
     return os.path.join(settings.runs_root(), leaf)
 
 
+def check_same_training(cfg: JobConfig, run_dir: str, allow: bool) -> None:
+    """Refuse a run directory whose first start trained something else (its snapshots would all fail the
+    replay check); record the training part at the first start.  ``allow``: a deliberate change."""
+    from accelpact_slurm.core.atomic import write_json_atomic
+    from accelpact_slurm.core.config import training_diff, training_part
+
+    path = os.path.join(run_dir, TRAINING_FILE)
+    mine = training_part(cfg)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = json.load(fh)
+    except FileNotFoundError:
+        first = None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("run dir", path, f"cannot read it ({exc}); remove it or use another --run-dir") from None
+    if first is not None and not allow:
+        changed = training_diff(first, mine)
+        if changed:
+            raise ConfigError("run dir", run_dir, f"its first start trained with other values of {', '.join(changed)}: "
+                                                  f"use another --run-dir, or pass --allow-config-change to continue "
+                                                  f"its snapshots with the changed training")
+    if first != mine:
+        write_json_atomic(path, mine)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
@@ -85,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "topology.ranks_per_node": ctx.ranks_per_node})
             run_dir = args.run_dir or default_run_dir(cfg, ctx.job_id)
             os.makedirs(run_dir, exist_ok=True)
+            check_same_training(cfg, run_dir, args.allow_config_change)
             signals.mark_ready(run_dir, ctx.restart_count, ctx.rank)  # the batch script may forward USR2 from now on
             from accelpact_slurm.runtime.job import run_rank
 
@@ -95,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "srun (see sbatch_templates/hsdp.sbatch)")
         run_dir = args.run_dir or default_run_dir(cfg, None)
         os.makedirs(run_dir, exist_ok=True)
+        check_same_training(cfg, run_dir, args.allow_config_change)
         from accelpact_slurm.launch.local import run_local
 
         passthrough: list[str] = []
@@ -106,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             passthrough += ["--entry", args.entry]
         for f in args.inject_fault:
             passthrough += ["--inject-fault", f]
+        if args.allow_config_change:
+            passthrough += ["--allow-config-change"]
         print(f"[accelpact] embedded default: {cfg.topology.nodes} emulated nodes x "
               f"{cfg.topology.ranks_per_node} ranks on this machine; run dir {run_dir}", flush=True)
         return run_local(os.path.abspath(args.config), cfg, os.path.abspath(run_dir), passthrough)

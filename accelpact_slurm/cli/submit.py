@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, why: str) -> int:
-    from accelpact_slurm.launch.submission import TaskSpec, local_job_id, relaunch_decision, run_dir_for, wait_for_job
+    from accelpact_slurm.launch.submission import TaskSpec, submit_until_settled
 
     if args.partition and backend == "local":
         print(f"{PROG}: note: --partition applies to Slurm only; ignored on the local executor", file=sys.stderr)
@@ -149,36 +149,16 @@ def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, wh
                     run_dir=run_dir, nodes=cfg.topology.nodes, ranks_per_node=cfg.topology.ranks_per_node)
     executor = make_executor(backend, folder, cfg, args)
     deadline_s = args.wait_timeout or args.time_min * 60 + 600
-    restart = 0
-    while True:
-        job = _submit(executor, spec)
-        ranks_job_id = job.job_id if backend == "slurm" else (spec.job_id or local_job_id(job.job_id))
-        spec = dataclasses.replace(spec, job_id=ranks_job_id if backend == "local" else None,
-                                   run_dir=run_dir_for(spec, ranks_job_id))
-        print(f"[accelpact] submitted job {job.job_id} ({backend}: {why}; {spec.nodes} nodes x "
-              f"{spec.ranks_per_node} ranks{f', restart {restart}' if restart else ''})\n"
-              f"[accelpact] run dir {spec.run_dir}\n"
-              f"[accelpact] submitit logs {job.paths.folder} (rank 0: {job.task(0).paths.stdout})", flush=True)
-        if not args.wait:
-            return EXIT_OK
-        outcome = wait_for_job(job, backend, deadline_s)
-        if outcome.state == "completed":
-            return report_completed(spec.run_dir, job.job_id)
-        if backend == "local" and outcome.state == "ended":
-            from accelpact_slurm.core.events import EVENTS_FILE, read_events
-
-            again, reason = relaunch_decision(read_events(os.path.join(spec.run_dir, EVENTS_FILE)), restart,
-                                              cfg.recovery.max_restarts)
-            if again:
-                restart += 1
-                print(f"[accelpact] {reason}: relaunching (restart {restart}); the ranks reload the newest "
-                      f"verified snapshot", flush=True)
-                spec = dataclasses.replace(spec, restart_count=restart)
-                continue
-            outcome = dataclasses.replace(outcome, detail=f"{outcome.detail}; not relaunched: {reason}")
-        print(f"{PROG}: job {job.job_id} {outcome.state}: {outcome.detail} (accelpact-status {spec.run_dir}; "
-              f"logs {job.paths.folder})", file=sys.stderr)
-        return EXIT_NOT_COMPLETED
+    outcome, spec, job = submit_until_settled(lambda s: _submit(executor, s), spec, backend=backend, why=why,
+                                              wait=args.wait, deadline_s=deadline_s,
+                                              max_restarts=cfg.recovery.max_restarts)
+    if outcome is None:
+        return EXIT_OK
+    if outcome.state == "completed":
+        return report_completed(spec.run_dir, job.job_id)
+    print(f"{PROG}: job {job.job_id} {outcome.state}: {outcome.detail} (accelpact-status {spec.run_dir}; "
+          f"logs {job.paths.folder})", file=sys.stderr)
+    return EXIT_NOT_COMPLETED
 
 
 def _submit(executor, spec):
@@ -200,14 +180,11 @@ def _submit(executor, spec):
 
 def _task(spec):
     """The task for one launch; fresh rendezvous ports on the local executor (the last ones may linger)."""
-    from accelpact_slurm.launch.local import free_port
+    from accelpact_slurm.launch.local import free_port_pair
     from accelpact_slurm.launch.submission import RankTask
 
     if spec.backend == "local":
-        data_port = free_port()
-        control_port = free_port()
-        while control_port == data_port:
-            control_port = free_port()
+        data_port, control_port = free_port_pair()
         spec = dataclasses.replace(spec, master_port=data_port, control_port=control_port)
     return RankTask(spec)
 

@@ -365,3 +365,31 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"faults[{i}]", str(f), f"STEP must be <= steps ({cfg.steps})")
         if f.rank >= cfg.world_size:
             raise ConfigError(f"faults[{i}]", str(f), f"RANK must be < the world size ({cfg.world_size})")
+
+
+# --------------------------------------------------------------------------- the training-relevant part
+
+#: The keys whose change makes a run directory's snapshots another training's (the rest: where, how often,
+#: how long to wait, which faults to inject).
+TRAINING_KEYS = ("entry", "seed", "steps", "params")
+
+
+def training_part(cfg: JobConfig) -> dict[str, Any]:
+    """The training-relevant part of ``cfg`` (JSON-able), as a run directory records it at its first start."""
+    data = cfg.to_dict()
+    return {k: data[k] for k in TRAINING_KEYS}
+
+
+def training_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys where two training parts differ (pure)."""
+    out: list[str] = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += training_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+_ABSENT = object()

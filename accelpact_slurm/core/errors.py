@@ -23,6 +23,8 @@ EXIT_CODES = {
     EXIT_USAGE: "usage or configuration error (not requeued)",
     EXIT_REQUEUE: "fail-stop: requeue and reload the newest verified checkpoint",
     EXIT_NO_REQUEUE: "do not requeue: no progress across restarts or a fatal error",
+    130: "stopped by SIGINT (embedded default: every rank and daemon stopped, not relaunched)",
+    143: "stopped by SIGTERM (embedded default: every rank and daemon stopped, not relaunched)",
 }
 
 

@@ -17,6 +17,8 @@ Switches (all off by default):
 - ``ACCELPACT_CKPT_CORRUPT_CAPTURE=STEP:RANK``: that rank changes its staged weights of snapshot STEP.
 - ``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED=STEP``: every rank exits 75 once snapshot STEP is settled (first start).
 - ``ACCELPACT_CKPTD_SLOW_VERIFY=NODE:SECONDS``: node NODE's daemon holds each verification (first start).
+- ``ACCELPACT_TEST_CRASH_AT=STEP:RANK[:always]``: RANK kills itself with SIGKILL as update STEP begins (as the
+  kernel's OOM killer would), on the first start only unless ``always``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
 CORRUPT_CAPTURE = "ACCELPACT_CKPT_CORRUPT_CAPTURE"
 EXIT_AFTER_VERIFIED = "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED"
 SLOW_VERIFY = "ACCELPACT_CKPTD_SLOW_VERIFY"
+CRASH_AT = "ACCELPACT_TEST_CRASH_AT"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class TestFaults:
     corrupt_capture: tuple[int, int] | None = None
     exit_after_verified: int | None = None
     slow_verify: tuple[str, float] | None = None
+    crash_at: tuple[int, int] | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
@@ -67,6 +71,11 @@ class TestFaults:
             node, _, secs = env[SLOW_VERIFY].rpartition(":")
             slow = (node, float(secs))
         exit_after = _int(EXIT_AFTER_VERIFIED, env[EXIT_AFTER_VERIFIED]) if env.get(EXIT_AFTER_VERIFIED) else None
+        crash = None
+        if env.get(CRASH_AT):
+            step, rank, *always = env[CRASH_AT].split(":")
+            if first_start or always == ["always"]:
+                crash = (_int(CRASH_AT, step), _int(CRASH_AT, rank))
         return cls(
             frontier_skew=_pair(env, FRONTIER_SKEW),
             skip_reload_check=env.get(SKIP_RELOAD_CHECK) == "1",
@@ -77,6 +86,7 @@ class TestFaults:
             corrupt_capture=_pair(env, CORRUPT_CAPTURE),
             exit_after_verified=exit_after if first_start else None,
             slow_verify=slow,
+            crash_at=crash,
         )
 
 

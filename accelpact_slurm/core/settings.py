@@ -1,4 +1,4 @@
-"""The one place that reads ``ACCELPACT_*`` environment variables.
+"""The one place that reads the settings' ``ACCELPACT_*`` environment variables (test-only fault switches: core/faults.py).
 
 Precedence everywhere: command-line flag > environment > job file > default.
 """

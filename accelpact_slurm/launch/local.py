@@ -38,6 +38,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> tuple[int, int]:
+    """Two distinct free ports: the data plane's store and the control plane's."""
+    data_port = free_port()
+    control_port = free_port()
+    while control_port == data_port:
+        control_port = free_port()
+    return data_port, control_port
+
+
 @dataclass
 class RankProcess:
     rank: int
@@ -115,10 +124,7 @@ def launch_local(
     job_id = job_id or settings.local_job_id(environ) or f"local-{os.getpid()}"
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    data_port = free_port()
-    control_port = free_port()
-    while control_port == data_port:
-        control_port = free_port()
+    data_port, control_port = free_port_pair()
     from accelpact_slurm.launch.daemons import start_local_daemons, stop_daemons
 
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
@@ -189,6 +195,10 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
     for rp in ranks:
         if rp.pump is not None:
             rp.pump.join(timeout=5)
+    if stop["signal"] is not None:  # the user stopped the job: stop it, do not relaunch it
+        print(f"[accelpact] stopped by {signal.Signals(stop['signal']).name}: every rank and daemon stopped; "
+              f"exit {128 + stop['signal']}", file=out, flush=True)
+        return 128 + stop["signal"]
     return combine_exit_codes([rp.proc.returncode for rp in ranks])
 
 

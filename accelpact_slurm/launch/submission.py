@@ -54,6 +54,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -253,23 +254,14 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
         return None
     from ckpt_service.layout import LOCK, node_dir
 
-    from accelpact_slurm.launch.daemons import LocalDaemon
+    from accelpact_slurm.launch.daemons import spawn_daemon
 
     node = ctx.hostname
     ndir = node_dir(run_dir, node, cfg.checkpoint.local_dir)
     if not wait_lock_free(os.path.join(ndir, LOCK), cfg.timeouts.startup_s):
         log.warning("a daemon of an earlier attempt still holds %s; the ranks go on without a new one", ndir)
-    logs = os.path.join(run_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    log_path = os.path.join(logs, f"ckptd-{node}.log")
-    from accelpact_slurm.launch.ranks import daemon_command
-
-    cmd = daemon_command(spec.config_path, run_dir, node, ctx.node_index, ctx.job_id, restart=ctx.restart_count,
-                         drain_s=spec.drain_s)
-    with open(log_path, "ab") as fh:
-        proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=_child_setup(os.getpid()))
-    return LocalDaemon(node, proc, log_path)
+    return spawn_daemon(spec.config_path, run_dir, node, ctx.node_index, ctx.job_id, os.environ,
+                        restart=ctx.restart_count, drain_s=spec.drain_s, preexec_fn=_child_setup(os.getpid()))
 
 
 # --------------------------------------------------------------------------- the submitting side
@@ -382,3 +374,40 @@ def wait_for_job(job, backend: str, deadline_s: float, environ: Mapping[str, str
         if now >= deadline:
             return Outcome("timeout", f"not finished after {deadline_s:g} s (state {state}); it keeps running")
         time.sleep(POLL_S)
+
+
+def submit_until_settled(submit: Any, spec: TaskSpec, *, backend: str, why: str, wait: bool, deadline_s: float,
+                         max_restarts: int, out: Any = None) -> tuple[Outcome | None, TaskSpec, Any]:
+    """Submit, and on the local executor relaunch on "requeue me" as Slurm would (Slurm requeues by itself).
+
+    ``submit(spec)`` submits one launch and returns submitit's job.  Returns ``(outcome, spec, job)`` of
+    the last launch; ``outcome`` is None when ``wait`` is false.  Prints one progress line per launch.
+    """
+    out = out or sys.stdout
+    restart = 0
+    while True:
+        job = submit(spec)
+        ranks_job_id = job.job_id if backend == "slurm" else (spec.job_id or local_job_id(job.job_id))
+        spec = dataclasses.replace(spec, job_id=ranks_job_id if backend == "local" else None,
+                                   run_dir=run_dir_for(spec, ranks_job_id))
+        print(f"[accelpact] submitted job {job.job_id} ({backend}: {why}; {spec.nodes} nodes x "
+              f"{spec.ranks_per_node} ranks{f', restart {restart}' if restart else ''})\n"
+              f"[accelpact] run dir {spec.run_dir}\n"
+              f"[accelpact] submitit logs {job.paths.folder} (rank 0: {job.task(0).paths.stdout})", file=out,
+              flush=True)
+        if not wait:
+            return None, spec, job
+        outcome = wait_for_job(job, backend, deadline_s)
+        if outcome.state != "completed" and backend == "local" and outcome.state == "ended":
+            from accelpact_slurm.core.events import EVENTS_FILE, read_events
+
+            again, reason = relaunch_decision(read_events(os.path.join(spec.run_dir, EVENTS_FILE)), restart,
+                                              max_restarts)
+            if again:
+                restart += 1
+                print(f"[accelpact] {reason}: relaunching (restart {restart}); the ranks reload the newest "
+                      f"verified snapshot", file=out, flush=True)
+                spec = dataclasses.replace(spec, restart_count=restart)
+                continue
+            outcome = dataclasses.replace(outcome, detail=f"{outcome.detail}; not relaunched: {reason}")
+        return outcome, spec, job

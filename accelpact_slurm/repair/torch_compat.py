@@ -109,18 +109,27 @@ def fsdp2_mesh_infos(model: nn.Module) -> Iterator[object]:
     from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
     seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        group = state._fsdp_param_group
-        if group is None:
-            continue
+    for group in fsdp2_param_groups(model):
         for info in [group.mesh_info, group.post_forward_mesh_info,
                      *(p.mesh_info for p in group.fsdp_params)]:
             if info is not None and id(info) not in seen:
                 seen.add(id(info))
                 yield info
+
+
+def fsdp2_param_groups(model: nn.Module) -> list[object]:
+    """Every parameter group of every ``fully_shard`` state under ``model`` (a state may hold several, or none)."""
+    from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # older torch: one group or None
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            out.extend(groups)
+    return out
 
 
 def fsdp2_slots(info: object) -> list[tuple[object, str]]:
@@ -187,13 +196,16 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
         return "fsdp1", "device_mesh" if mesh is not None else "group_pair"
     from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
-    fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if fsdp2:
-        group = fsdp2[0]._get_fsdp_state()._fsdp_param_group
-        mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
-        if mesh is None or mesh.ndim != 2:
-            raise ValueError("FSDP2 fully_shard must run on the 2-D (replicate, shard) mesh: "
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        groups = fsdp2_param_groups(model)
+        if not groups:
+            raise ValueError("fully_shard holds no parameters: shard the modules that own them, with "
                              "fully_shard(module, mesh=job.mesh)")
+        for group in groups:
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            if mesh is None or mesh.ndim != 2:
+                raise ValueError("FSDP2 fully_shard must run on the 2-D (replicate, shard) mesh: "
+                                 "fully_shard(module, mesh=job.mesh)")
         return "fsdp2", "device_mesh"
     raise ValueError("the model is not wrapped for HSDP: wrap it with FullyShardedDataParallel(model, "
                      "sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=job.mesh) or with "

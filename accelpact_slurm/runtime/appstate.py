@@ -73,18 +73,51 @@ def decode(value: Any) -> Any:
     return value
 
 
+def seed_all(seed: int) -> None:
+    """Seed every generator a training step may draw from: torch (CPU and CUDA), Python's, NumPy's."""
+    import random
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
 def rng_state() -> dict[str, Any]:
-    """This rank's RNG states, JSON-able."""
-    out = {"cpu": encode(torch.get_rng_state(), "rng.cpu")}
+    """This rank's RNG states (torch CPU and CUDA, Python's ``random``, NumPy's global), JSON-able."""
+    import random
+
+    out = {"cpu": encode(torch.get_rng_state(), "rng.cpu"), "python": encode(random.getstate(), "rng.python")}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - GPU only
         out["cuda"] = [encode(s, "rng.cuda") for s in torch.cuda.get_rng_state_all()]
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     return out
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
     torch.set_rng_state(decode(state["cpu"]))
+    if "python" in state:
+        random.setstate(decode(state["python"]))
     if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - GPU only
         torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+    np = _numpy()
+    if "numpy" in state and np is not None:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # the runtime's start-time check names it; here it only means nothing to save
+        return None
+    return numpy
 
 
 def load(model: Any, optimizer: Any, path: str) -> dict[str, Any]:

@@ -267,10 +267,11 @@ class StateIO:
         self.milestone_every = milestone_every
 
     def check(self, path: str) -> tuple[bool, str]:
+        from ckpt_service.auth import load_or_create_key
         from ckpt_service.verify import check_checksums
 
         try:
-            return check_checksums(path)
+            return check_checksums(path, load_or_create_key(self.run_dir))
         except OSError as exc:  # unreadable: as bad as corrupted
             return False, f"cannot re-read: {exc}"
 

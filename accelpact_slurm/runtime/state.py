@@ -1,11 +1,17 @@
 """The training state's digest: one SHA-256 that names a training state.
 
-``final_state_digest`` covers the full unsharded parameters and optimizer state, the committed
+``final_state_digest`` covers the full (unsharded) parameters and optimizer state, the committed
 frontier and epoch, every rank's ``Stateful`` states (scheduler, data loader, the user's own) and
 every rank's RNG states.  Two runs that end in the same training state print the same digest,
-whatever happened on the way (repairs, restarts).  It is a test oracle, computed once at the end.
+whatever happened on the way (repairs, restarts) and whatever the wrapping (FSDP1 on the mesh or
+the group pair, FSDP2): it hashes each full tensor, not the shards.
 
-Who calls: every rank (the unsharding is collective); rank 0 gets the digest, the others ``None``.
+No process ever holds the whole model: the sharded state dict is walked tensor by tensor; for each
+one, the ranks of node 0 (which together hold a complete copy) send their chunks to rank 0, which
+assembles that one tensor, hashes it and drops it before the next.
+
+Who calls: every rank, at the end of the job (node 0's ranks take part in one gather per tensor);
+rank 0 gets the digest, the others ``None``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import json
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from accelpact_slurm.runtime import appstate
 
@@ -39,18 +45,37 @@ def rank_fingerprint(run: Any) -> dict[str, str]:
 
 def state_digest(run: Any) -> str | None:
     """Collective: return the digest on rank 0, ``None`` elsewhere."""
+    import torch.distributed as dist
+
+    from ckpt_service.capture import _local_chunks
+
     rt = run.job._rt
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    msd, osd = get_state_dict(run.model, run.optimizer, options=opts)
+    msd, osd = get_state_dict(run.model, run.optimizer)  # sharded: DTensor / ShardedTensor, nothing gathered
     ranks = rt.control.all_gather("digest-rank", rank_fingerprint(run))
-    if rt.rank != 0:
+    on_node0 = rt.node == 0
+    h = hashlib.sha256() if rt.rank == 0 else None
+    items = [(f"param:{n}", msd[n]) for n in sorted(msd)]
+    items += [(f"optim:{f}:{k}", osd["state"][f][k]) for f in sorted(osd["state"]) for k in sorted(osd["state"][f])]
+    for name, value in items:
+        chunks = _local_chunks(value)
+        if chunks is None:  # a plain value (a step counter): the same on every rank
+            if h is not None:
+                _update_tensor(h, name, value)
+            continue
+        if not on_node0:
+            continue
+        mine = [(list(o), t.detach().to("cpu").contiguous()) for o, t in chunks if t.numel()]
+        got: list[Any] = [None] * rt.layout.ranks_per_node if rt.rank == 0 else None
+        dist.gather_object(mine, got, dst=0, group=rt.shard_group)
+        if h is not None:
+            full = torch.empty(tuple(value.shape), dtype=value.dtype)
+            for part in got:
+                for offsets, t in part:
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))].copy_(t)
+            _update_tensor(h, name, full)
+            del full
+    if h is None:
         return None
-    h = hashlib.sha256()
-    for name in sorted(msd):
-        _update_tensor(h, f"param:{name}", msd[name])
-    for fqn in sorted(osd["state"]):
-        for key in sorted(osd["state"][fqn]):
-            _update_tensor(h, f"optim:{fqn}:{key}", osd["state"][fqn][key])
     h.update(f"frontier:{run.step};epoch:{run.epoch}".encode())
     for r, fp in enumerate(ranks):
         h.update(f"rank:{r}:{fp['rng']}:{fp['state']}".encode())

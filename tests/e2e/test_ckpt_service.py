@@ -151,7 +151,7 @@ def test_corruption_is_rejected_and_the_previous_verified_is_chosen(runs, tmp_pa
         shard.unlink()
     else:
         (newest / ".metadata").unlink()
-    proc = run_cli(["accelpact_slurm.cli.ckpt", "verify", str(ndir)], timeout=120)
+    proc = run_cli(["accelpact_slurm.cli.ckpt", "verify", str(ndir), "--run-dir", str(runs["a"])], timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"REJECTED  {newest}" in proc.stdout
     rec = read_record(str(newest))
@@ -390,3 +390,23 @@ def test_service_and_verification_run_without_the_models_code(tmp_path):
     shutil.rmtree(src)
     proc = run_cli(["accelpact_slurm.cli.ckpt", "verify", str(tmp_path / "r")], timeout=120)
     assert proc.returncode == 0 and proc.stdout.count("verified  ") == 4, proc.stdout + proc.stderr
+
+
+def test_a_daemon_that_cannot_start_says_so_once_and_the_ranks_go_on_without_it(tmp_path):
+    """Node1's directory is blocked by a file: its daemon prints one line and leaves word in the run directory;
+    node1's ranks stop waiting at once and train on without snapshots there, node2 keeps snapshotting.
+    Negative control: without that word every snapshot would wait out startup_s (60 s) on node1's ranks, and
+    the run would miss this test's deadline."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    (nvme / "node1").write_text("a file where the node directory should be\n")
+    cfg = write_config(tmp_path / "c.yaml", every=2, extra=f", local_dir: {nvme}")  # startup_s is 60 here
+    proc = run_cli(["accelpact_slurm.cli.run", cfg, "--run-dir", str(tmp_path / "r")], timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (tmp_path / "r" / "logs" / "ckptd-node1.log").read_text()
+    errors = [ln for ln in log.splitlines() if ln.startswith("accelpact-ckptd: error:")]
+    assert len(errors) == 1 and "Traceback" not in log and "cannot serve the node directory" in errors[0], log
+    events = list(map(json.loads, open(tmp_path / "r" / "events.jsonl")))
+    warnings = [e for e in events if e["event"] == "warning" and "no checkpoint daemon on node1" in e["reason"]]
+    assert len(warnings) == 1, warnings  # said once, by node1's first rank
+    assert [r.step for r in scan(str(nvme / "node2")) if r.state == "verified"][-2:] == [6, 8]

@@ -18,7 +18,7 @@ import pytest
 
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE
 from accelpact_slurm.core.events import read_events
-from tests.conftest import decoder_text, REPO, run_cli
+from tests.conftest import DECODER_JOB, REPO, VISION_JOB, job_text, run_cli
 from tests.slurm_cluster import Cluster, job_info, submit, wait_job
 
 pytestmark = pytest.mark.slurm
@@ -28,10 +28,20 @@ SIZES = ["--nodes=2", "--ntasks-per-node=2"]
 JOB_DEADLINE_S = 420
 
 
-def job_file(tmp_path: Path, name: str, steps: int, every: int, **extra: str) -> Path:
-    text = decoder_text()
-    text = text.replace("steps: 25", f"steps: {steps}").replace("every_steps: 10", f"every_steps: {every}")
-    text = text.replace("collective_s: 5", "collective_s: 2").replace("log_every: 5", "log_every: 50")
+def job_file(tmp_path: Path, name: str, steps: int, every: int, example: str = "decoder", **extra: str) -> Path:
+    lines = []
+    for line in job_text(VISION_JOB if example == "vision" else DECODER_JOB).splitlines():
+        key = line.strip().split(":")[0]
+        if line.startswith("steps:"):
+            line = f"steps: {steps}"
+        elif line.startswith("log_every:"):
+            line = "log_every: 50"
+        elif key == "every_steps":
+            line = f"  every_steps: {every}"
+        elif key == "collective_s":
+            line = "  collective_s: 2"
+        lines.append(line)
+    text = "\n".join(lines) + "\n"
     for old, new in extra.items():
         text = text.replace(old, new)
     path = tmp_path / f"{name}.yaml"
@@ -82,9 +92,12 @@ def test_boundary_fault_is_repaired_in_process_without_requeue(slurm_cluster: Cl
     assert summary["losses"] == ref["losses"]
 
 
-def test_backward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path):
-    config = job_file(tmp_path, "job", steps=12, every=4, **{"faults: []": 'faults: ["backward:10:2"]'})
-    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
+@pytest.mark.parametrize("example", ["decoder", "vision"])
+def test_backward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path,
+                                                                 example: str):
+    config = job_file(tmp_path, "job", steps=12, every=4, example=example,
+                      **{"faults: []": 'faults: ["backward:10:2"]'})
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0, example=example))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
     assert state == "COMPLETED"
@@ -97,6 +110,8 @@ def test_backward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: 
                 and e["ts"] < loads[0]["ts"]]
     assert loads and loads[0]["step"] == max(verified) and loads[0]["step"] in (4, 8)
     assert fault < loads[0]["ts"]
+    checks = [e for e in events if e["event"] == "replay_check"]
+    assert checks and checks[0]["verdict"] == "match", checks
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
 
@@ -199,3 +214,32 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     assert any(s["step"] == 60 for s in loads[0]["skipped"])
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
+
+
+def test_a_crashed_rank_is_requeued_by_the_template_and_the_job_completes(slurm_cluster: Cluster, tmp_path: Path):
+    """Rank 2 is killed (SIGKILL, as by the OOM killer) as update 10 begins, on the first start only: nobody
+    fail-stops, so the template asks for the requeue; the next start reloads snapshot 8 and completes.
+    Negative control: before, the job ended FAILED with exit 1 and no requeue."""
+    config = job_file(tmp_path, "job", steps=12, every=4)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, extra_env={"ACCELPACT_TEST_CRASH_AT": "10:2"})
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED", info
+    requeues = [e for e in events if e["event"] == "requeue"]
+    assert [e["by"] for e in requeues] == ["template"] and "crashed" in requeues[0]["reason"], requeues
+    assert not [e for e in events if e["event"] == "fail_stop"]
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    assert loads and loads[0]["step"] == 8
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+
+
+def test_a_crash_that_recurs_stops_with_do_not_requeue(slurm_cluster: Cluster, tmp_path: Path):
+    config = job_file(tmp_path, "job", steps=6, every=0, **{"max_stalled_restarts: 3": "max_stalled_restarts: 2"})
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
+                                  extra_env={"ACCELPACT_TEST_CRASH_AT": "2:1:always"})
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "FAILED" and summary is None
+    assert info.get("ExitCode", "").startswith(f"{EXIT_NO_REQUEUE}:")
+    assert len([e for e in events if e["event"] == "requeue" and e["by"] == "template"]) == 3
+    stops = [e for e in events if e["event"] == "fail_stop" and e["exit_code"] == EXIT_NO_REQUEUE]
+    assert stops and "no progress" in stops[0]["reason"]

@@ -80,3 +80,49 @@ def test_other_wrappings_train_to_the_same_state(runs, tmp_path, fsdp, mesh):
     assert (start["config"]["params"]["fsdp"], start["config"]["params"]["mesh"]) == (fsdp, mesh)
     # Same math, same seed: every wrapping ends in the same training state.
     assert s["final_state_digest"] == runs["a"][1]["final_state_digest"]
+
+
+def test_sigterm_stops_the_embedded_default_instead_of_relaunching_it(tmp_path):
+    """SIGTERM to accelpact-run: every rank and daemon stops, exit 143, no relaunch.  Negative control: before,
+    the ranks' -15 counted as "requeue me" and the launcher started the job again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    config = tmp_path / "job.yaml"
+    config.write_text(decoder_text().replace("steps: 25", "steps: 400"))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.run", str(config), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "step" for e in _events(run_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never reached update 1"
+            time.sleep(0.2)  # polling the event log against a deadline, not synchronisation
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out[-3000:]
+    assert "relaunching" not in out and "stopped by SIGTERM" in out, out[-3000:]
+    pids = [e["pid"] for e in _events(run_dir) if e["event"] == "membership"]
+    assert len(pids) == 4 and not [p for p in pids if _alive(p)]
+    assert not [e for e in _events(run_dir) if e["event"] == "job_start" and e["restart"] > 0]
+
+
+def _events(run_dir):
+    path = run_dir / "events.jsonl"
+    return list(read_events(path)) if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

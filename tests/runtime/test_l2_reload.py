@@ -26,6 +26,7 @@ import pytest
 from accelpact_slurm.runtime import replay
 from accelpact_slurm.runtime.restore import (StateIO, agree, checker_ranks, make_offer, plan, reject_copy, reload,
                                              restore, same_bits, settle_pending)
+from ckpt_service.auth import load_or_create_key, sign
 from ckpt_service.index import publish_index, read_record, record_state, scan
 from ckpt_service.layout import step_dirname
 
@@ -346,7 +347,8 @@ def _snapshot(ndir, step, state="verified", payload=None):
     if payload is not None:
         (d / ".metadata").write_bytes(payload)
         files[".metadata"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    (d / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
+    key = load_or_create_key(str(ndir.parent.parent))  # the run directory's key signs the manifest
+    (d / "manifest.json").write_text(json.dumps(sign({"step": step, "files": files}, key)))
     record_state(str(d), state)
     return str(d)
 

@@ -1,0 +1,84 @@
+"""``replace``, ``rebind`` and ``validate`` against a fake control plane, on real Gloo groups of a world of one.
+
+A spawned process (Gloo's teardown stays out of pytest's) builds the replacement group under a fresh
+prefix, rebinds, scans and validates.  The rebinding scan must find a reference to the retired group
+that the framework's rebinders do not know about (the negative control of the invariant: a holder
+object left pointing at the old group), and the clean case must pass all three phases.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPT = textwrap.dedent('''
+    import io, json, os, sys
+    from types import SimpleNamespace
+    import torch, torch.distributed as dist
+    from accelpact_slurm.core.errors import FailStop
+    from accelpact_slurm.repair.engine import RepairEngine, RepairContext
+    from accelpact_slurm.repair import torch_compat as tc
+    from accelpact_slurm.runtime.topology import Layout
+
+    class Control:
+        def __init__(self, generation):
+            self.generation, self.base_store = generation, dist.HashStore()
+        def all_gather(self, name, value, ranks=None, timeout_s=None):
+            return [value]
+        def set_generation(self, g):
+            self.generation = g
+
+    class Holder(torch.nn.Module):
+        """A module that cached the replication group where no rebinder looks."""
+        def __init__(self, pg):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.cached = {"pg": pg}
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    out = {}
+    for case in ("clean", "stale"):
+        old = tc.build_gloo_group([0], dist.PrefixStore(f"old-{case}", store), f"old-{case}", 5)
+        rt = SimpleNamespace(rank=0, layout=Layout(1, 1), local_rank=0, control=Control(0 if case == "clean" else 5), replicate_group=old,
+                             mesh=None, collective_timeout_s=5)
+        model = Holder(old) if case == "stale" else torch.nn.Linear(2, 2)
+        engine = RepairEngine(model, rt, SimpleNamespace(emit=lambda *a, **k: None), fsdp="fsdp1", out=io.StringIO())
+        ctx = RepairContext(frontier=3, ranks=[0], observed=0.0, key="<k>", reason="test")
+        try:
+            for phase in ("observe", "control_barrier", "replace", "rebind", "validate"):
+                getattr(engine, phase)(ctx)
+            out[case] = {"ok": True, "new_is_bound": rt.replicate_group is ctx.new and ctx.new is not old,
+                         "name": tc.group_name(ctx.new), "generation": rt.control.generation}
+        except FailStop as stop:
+            out[case] = {"ok": False, "reason": stop.reason, "exit": stop.exit_code}
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+''')
+
+
+@pytest.fixture(scope="module")
+def results():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_replace_rebind_validate_on_a_real_group(results):
+    clean = results["clean"]
+    assert clean["ok"] and clean["new_is_bound"], clean
+    assert clean["name"] == "accelpact-replicate-0-g1" and clean["generation"] == 1
+
+
+def test_a_reference_the_rebinders_miss_fails_the_invariant_scan(results):
+    stale = results["stale"]
+    assert not stale["ok"] and stale["exit"] == 75, stale
+    assert "rebinding invariant violated: 1 reference(s) to the retired group remain" in stale["reason"], stale
+    assert "cached" in stale["reason"]
