@@ -101,19 +101,23 @@ def test_negative_control_without_the_extra_state_the_restart_ends_elsewhere(run
     (load,) = _kinds(broken["events"], "restart_load")
     assert load["step"] == 8  # the weights and optimizer came back; RNG, data position and scheduler did not
     assert broken["summary"]["final_state_digest"] != base["summary"]["final_state_digest"]
+    assert broken["summary"]["losses"][:8] == base["summary"]["losses"][:8]
+    assert broken["summary"]["losses"][8:] != base["summary"]["losses"][8:]  # the training itself went elsewhere
 
 
-def test_mixed_precision_fsdp1_restart_ends_in_the_uninterrupted_state(tmp_path):
-    """The vision example with FSDP1 MixedPrecision (bf16 compute, fp32 weights and reductions), gradient
-    accumulation and clipping: an L2 restart replays bitwise and ends in the uninterrupted state."""
+@pytest.mark.parametrize("fsdp", ["fsdp1", "fsdp2"])
+def test_mixed_precision_restart_ends_in_the_uninterrupted_state(tmp_path, fsdp):
+    """The vision example in bf16 (FSDP1 MixedPrecision or FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights
+    and reductions), gradient accumulation and clipping: an L2 restart replays bitwise and ends in the
+    uninterrupted state."""
     config = _job(tmp_path, "vision")
-    text = Path(config).read_text().replace("precision: fp32 ", "precision: bf16 ").replace("fsdp: fsdp2 ", "fsdp: fsdp1 ")
+    text = Path(config).read_text().replace("precision: fp32 ", "precision: bf16 ").replace("fsdp: fsdp2 ", f"fsdp: {fsdp} ")
     Path(config).write_text(text)
     base = _run(tmp_path, config, "base")
     l2 = _run(tmp_path, config, "l2", "forward:10:3")
     for r in (base, l2):
         assert r["proc"].returncode == 0, r["proc"].stdout[-3000:] + r["proc"].stderr[-2000:]
-    assert _kinds(base["events"], "protected")[0]["fsdp"] == "fsdp1"
+    assert _kinds(base["events"], "protected")[0]["fsdp"] == fsdp
     (check,) = _kinds(l2["events"], "replay_check")
     assert check["verdict"] == "match", check
     assert l2["summary"]["final_state_digest"] == base["summary"]["final_state_digest"]

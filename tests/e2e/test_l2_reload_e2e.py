@@ -77,8 +77,11 @@ def _flip_a_weight_byte(step_dir):
 
 
 def _forge_a_consistent_corruption(step_dir):
-    """Damage ``layers.0.qkv.weight`` enough to move the loss and re-hash the manifest: only the replay can tell."""
+    """Damage ``layers.0.qkv.weight`` enough to move the loss, re-hash the manifest and sign it with the run's key
+    (a consistent wrong snapshot, as a capture bug would write it): only the replay can tell."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from ckpt_service.auth import load_key, sign
 
     md = FileSystemReader(str(step_dir)).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "model.layers.0.qkv.weight")
@@ -90,7 +93,7 @@ def _forge_a_consistent_corruption(step_dir):
     shard.write_bytes(bytes(data))
     manifest = json.loads((step_dir / "manifest.json").read_text())
     manifest["files"][info.relative_path]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
-    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    (step_dir / "manifest.json").write_text(json.dumps(sign(manifest, load_key(str(step_dir.parents[2])))))
 
 
 def _as_if_requeued_after(src, dst):
