@@ -85,6 +85,10 @@ class SnapshotClient:
             state = self.wait(step, self.cfg.timeouts.startup_s)
             self.rt.control.barrier("ckpt-exit-after-verified", timeout_s=self.cfg.timeouts.startup_s)
             log.warning("fault injection: exiting after snapshot %d (%s)", step, state)
+            if self.events is not None:  # a decided stop (exit 75 without a requeue request), not a crash
+                self.events.emit("fail_stop", reason=f"fault injection: exit after snapshot {step} ({state})",
+                                 exit_code=EXIT_REQUEUE, phase="committed", frontier=step, decision_s=None,
+                                 decision="restart", key=None)
             raise SystemExit(EXIT_REQUEUE)
 
     def snapshot(self, step: int) -> bool:

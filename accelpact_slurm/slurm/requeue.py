@@ -87,3 +87,38 @@ def request_requeue(job_id: str, reason: str, events: EventLog | None, environ: 
     if not ok:
         log.error("scontrol requeue %s failed: %s", job_id, detail)
     return ok
+
+
+def step_outcome(events: Iterable[dict], restart: int) -> int | None:
+    """The exit code the ranks of start ``restart`` decided on (76 wins over 75), ``None`` when none did (pure).
+
+    The batch script asks this when the training step ended with a status that is none of the documented
+    codes: srun reports 143 once ``--kill-on-bad-exit`` terminated the ranks that were still running after
+    the first one left, whether that one fail-stopped or crashed.  A decided stop is not a crash.
+    """
+    codes = {e.get("exit_code") for e in events if e.get("event") == "fail_stop" and e.get("restart") == restart}
+    for code in (76, 75):
+        if code in codes:
+            return code
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART``: print 75, 76 or ``none``."""
+    import os
+    import sys
+
+    from accelpact_slurm.core.events import EVENTS_FILE, read_events
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "outcome":
+        print("usage: python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART", file=sys.stderr)
+        return 2
+    path = os.path.join(args[1], EVENTS_FILE)
+    code = step_outcome(read_events(path), int(args[2])) if os.path.exists(path) else None
+    print(code if code is not None else "none")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
