@@ -27,7 +27,7 @@ from accelpact_slurm.ops import cadence as cd
 from accelpact_slurm.ops import failure_logs as fl
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_USAGE, ConfigError
-from accelpact_slurm.core.events import BadLine
+from accelpact_slurm.core.events import BadLine, finite
 from accelpact_slurm.ops.termchart import line_chart
 
 log = logging.getLogger(__name__)
@@ -417,13 +417,7 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _finite(obj: Any) -> Any:
     """JSON has no infinity: ``inf`` (nothing fails) becomes ``null``."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    return finite(obj)
 
 
 if __name__ == "__main__":

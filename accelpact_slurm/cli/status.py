@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
 from typing import Any, Sequence
 
 from accelpact_slurm.core import settings
-from accelpact_slurm.core.events import printable_tree
+from accelpact_slurm.core.events import finite, printable_tree
 from accelpact_slurm.ops import status as st
 from accelpact_slurm.ops.cadence import format_duration
 
@@ -103,13 +102,7 @@ def to_json(doc: dict[str, Any]) -> str:
 
 def _finite(obj: Any) -> Any:
     """``obj`` with NaN and infinities replaced by None; Python's json would write them as invalid JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    return finite(obj)
 
 
 # --------------------------------------------------------------------------- rendering

@@ -252,3 +252,14 @@ def printable_tree(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [printable_tree(v) for v in obj]
     return obj
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities replaced by None: JSON has neither (Python's json would write invalid JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
