@@ -89,7 +89,7 @@ def rendezvous_ports(ctx: SlurmContext, environ: Mapping[str, str]) -> tuple[int
         try:
             port = int(explicit)
         except ValueError:
-            raise ConfigError("ACCELPACT_MASTER_PORT", explicit, "must be a TCP port number") from None
+            raise ConfigError(settings.MASTER_PORT, explicit, "must be a TCP port number") from None
         control = int(control_port or port + 1)
         return port, control
     digits = "".join(ch for ch in ctx.job_id if ch.isdigit()) or "0"
