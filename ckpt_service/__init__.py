@@ -7,9 +7,9 @@ Modules, one concern each:
 - :mod:`.staging`    the shared-memory format a rank stages its shards in
 - :mod:`.writer`     reassembly of the node's full tensors, DCP write, manifest, atomic commit
 - :mod:`.verify`     checksums, metadata coverage, replay in a fresh process
-- :mod:`.retention`  pure: which snapshots to delete
+- :mod:`.retention`  pure: which snapshots to delete (node directory, shared tier), the newest common step
 - :mod:`.index`      pure selection + state records + the login-node index
-- :mod:`.tiers`      asynchronous, atomic copy of milestones to the shared tier
+- :mod:`.tiers`      which snapshots go to the shared tier (once per job), the atomic copy, the tier's retention
 - :mod:`.daemon`     ``accelpact-ckptd``
 - :mod:`.client`     the rank side: stage, hand over, restore
 - :mod:`.faults`     fault-injection points for the kill -9 tests

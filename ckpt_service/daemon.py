@@ -6,8 +6,12 @@ Threads (all named, each fed by a queue with a sentinel, joined with a deadline)
 - ``ckptd-writer``: writes a step straight from the ranks' shared-memory slots (boxes as DCP chunks,
   no reassembly) and commits it once every rank of the node staged it;
 - ``ckptd-verifier``: checksums and coverage -> verified | rejected;
-- ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal;
-- ``ckptd-tier``: milestone copies to the shared tier.
+- ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal.  It never
+  deletes the newest step verified on every node (read from the other nodes' published indexes), so a
+  node whose writes keep failing still shares a step with the others;
+- ``ckptd-tier``: verified copies to the shared tier, once per job (:func:`ckpt_service.tiers.should_upload`:
+  every ``shared_every``-th snapshot by a rotating node, every milestone by every node), then the tier's
+  retention; one ``shared_upload`` event per copy.
 
 A training rank that dies after staging does not stop its snapshot: the staged
 slots and descriptors belong to the daemon once every rank of the node has staged.
@@ -33,10 +37,11 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
 from ckpt_service import faults, staging
-from ckpt_service.index import publish_index, read_record, record_state, scan
+from ckpt_service.index import dir_size, publish_index, read_indexes, read_record, record_state, scan
 from ckpt_service.layout import DEL_PREFIX, LOCK, MAX_STEP, daemon_failed_marker, private_dir, shared_dir as default_shared, socket_path, staging_root
 from ckpt_service.protocol import peer_allowed, peer_uid, recv_line, send_line
-from ckpt_service.retention import Snap, is_milestone, plan_retention
+from ckpt_service.retention import Snap, newest_common, plan_retention
+from ckpt_service.tiers import copy_to_shared, prune_shared, should_upload
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +55,25 @@ class AlreadyRunning(CheckpointError):
 
 @dataclass
 class DaemonOptions:
+    """What one node's daemon needs (built by ``accelpact-ckptd`` from the job file and its flags).
+
+    ``node_index``, ``num_nodes`` and ``every_steps`` choose which node uploads which snapshot to the
+    shared tier (:func:`ckpt_service.tiers.should_upload`); ``shared_every`` 0 sends only milestones.
+    """
+
     node: str
     node_dir: str
     run_dir: str
     shared_dir: str | None = None
     node_index: int | None = None
+    num_nodes: int | None = None
     job_id: str | None = None
     restart: int = 0
+    every_steps: int = 0
     keep_last: int = 2
     milestone_every: int = 0
+    shared_every: int = 2
+    shared_keep: int = 2
     compress: bool = False
     faults: TestFaults = NO_FAULTS  # test-only fault injection (accelpact_slurm.core.faults)
     drain_s: float = 120.0
@@ -353,13 +368,23 @@ class Daemon:
         state = "verified" if ok else "rejected"
         record_state(rec.path, state, None if ok else reason)
         self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)
-        if ok and is_milestone(step, self.o.milestone_every):
-            self.q_tier.put(rec.path)
+        if ok:
+            o = self.o
+            up, why = should_upload(step, every_steps=o.every_steps, shared_every=o.shared_every,
+                                    milestone_every=o.milestone_every, node_index=o.node_index, num_nodes=o.num_nodes)
+            log.debug("shared tier, step %d: %s", step, why)
+            if up:  # the step is this node's newest: retention keeps it until keep_last newer ones are verified
+                self.q_tier.put((step, rec.path, why))
         self.q_delete.put(None)
 
     def _delete_loop(self, _item: Any) -> None:
-        snaps = [Snap(r.step, r.state) for r in scan(self.ndir, self.o.milestone_every)]
-        deletions, why = plan_retention(snaps, self.o.keep_last, self.o.milestone_every)
+        records = scan(self.ndir, self.o.milestone_every)
+        snaps = [Snap(r.step, r.state) for r in records]
+        common, common_why = self._newest_common(records)
+        deletions, why = plan_retention(snaps, self.o.keep_last, self.o.milestone_every,
+                                        protect=() if common is None else (common,))
+        if common is not None and any(s.step == common for s in snaps):
+            log.debug("retention keeps step %d: %s", common, common_why)
         for step, reason in deletions:
             src = os.path.join(self.ndir, f"step-{step:010d}")
             aside = os.path.join(self.ndir, f"{DEL_PREFIX}step-{step:010d}-{os.getpid()}")
@@ -372,8 +397,36 @@ class Daemon:
         if deletions:
             self._publish()
 
-    def _tier_loop(self, path: str) -> None:
-        from ckpt_service.tiers import copy_to_shared
+    def _newest_common(self, records: list[Any]) -> tuple[int | None, str]:
+        """The newest step verified here and on every other node that published an index (their files are
+        read now: a node whose daemon never started has a ``daemon-failed`` marker, no index)."""
+        per_node = {node: [s["step"] for s in snaps if s.get("state") == "verified" and isinstance(s.get("step"), int)]
+                    for node, snaps in read_indexes(self.o.run_dir, exclude=self.o.node).items()}
+        if not per_node:
+            return None, "no other node has published an index"
+        per_node[self.o.node] = [r.step for r in records if r.state == "verified"]
+        return newest_common(per_node)
 
-        dst, why = copy_to_shared(path, self.shared, self.o.node)
-        log.info("shared tier: %s", why)
+    def _tier_loop(self, item: tuple[int, str, str]) -> None:
+        """Copy one verified snapshot to the shared tier, then apply the tier's retention; one event."""
+        step, path, due = item
+        t0 = time.monotonic()
+        try:
+            dst, why = copy_to_shared(path, self.shared, self.o.node)
+        except OSError as exc:  # a full or unreachable shared file system: the node's copy is still there
+            seconds = time.monotonic() - t0
+            log.warning("could not copy step %d to the shared tier %s: %s", step, self.shared, exc)
+            self.events.emit("shared_upload", step=step, ok=False, source=path, path=None, size_bytes=None,
+                             copy_s=round(seconds, 3), hostname=self.o.node, reason=f"{due}; copy failed: {exc}")
+            return
+        seconds = time.monotonic() - t0
+        if dst is None:  # another node's copy won the rename (a milestone, or a restart copy)
+            log.info("shared tier, step %d: %s", step, why)
+            return
+        size = dir_size(dst)
+        pruned = prune_shared(self.shared, self.o.shared_keep, self.o.milestone_every, self.o.node)
+        log.info("uploaded step %d to the shared tier: %d bytes in %.2f s (%s)%s", step, size, seconds, due,
+                 f"; deleted shared step(s) {[s for s, _ in pruned]}" if pruned else "")
+        self.events.emit("shared_upload", step=step, ok=True, source=path, path=dst, size_bytes=size,
+                         copy_s=round(seconds, 3), hostname=self.o.node, reason=due,
+                         pruned=[s for s, _ in pruned])

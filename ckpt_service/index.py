@@ -5,7 +5,8 @@ the temporary directory to ``step-N`` is the commit point, so a ``step-N`` with
 a manifest but no state record (the writer died between rename and record) is
 *committed* and will be verified.  The index ``RUN_DIR/ckpt-index/<node>.json``
 is derived from the records and rewritten atomically after every transition;
-``accelpact-status`` reads exactly this file.
+``accelpact-status`` reads exactly this file, and every daemon reads the other nodes' before it
+deletes anything (:func:`read_indexes`: the newest step verified on every node is kept).
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from accelpact_slurm.core.atomic import fsync_dir, write_json_atomic  # noqa: F401  (re-exported)
 
-from ckpt_service.layout import INDEX_DIR, MANIFEST, STATE, step_of
+from ckpt_service.layout import DAEMON_FAILED_SUFFIX, INDEX_DIR, MANIFEST, STATE, step_of
 from ckpt_service.retention import is_milestone
 
 log = logging.getLogger(__name__)
 
 STATES = ("committed", "verified", "rejected")
-
-
+#: The source name of the shared tier in :func:`restart_source` (node names are host names: no spaces).
+SHARED_SOURCE = "shared tier"
 
 
 def read_json(path: str) -> Any:
@@ -145,7 +146,76 @@ def common_step(available: Sequence[Iterable[int]]) -> tuple[int | None, str]:
     return best, why
 
 
+def restart_source(per_source: Mapping[str, Iterable[Any]]) -> tuple[int | None, str | None, str]:
+    """The step a restart loads and where from: ``(step, source, reason)``.  Pure.
+
+    The rule of the restore (:mod:`accelpact_slurm.runtime.restore`): the newest step that is
+    ``verified`` on at least one node's copy or in the shared tier; a node lacking it loads it through the
+    shared tier (the restore copies it there first when the tier does not hold it yet).
+    ``per_source`` maps each node's name, and :data:`SHARED_SOURCE`, to its records (dicts or
+    :class:`SnapshotRecord`).  ``source`` is the first holder: a node (by name) before the shared tier,
+    as the restore prefers a node's own copy.  Who calls: ``accelpact-status``.
+    """
+    holders: dict[int, list[str]] = {}
+    nodes = sorted(src for src in per_source if src != SHARED_SOURCE)
+    order = nodes + ([SHARED_SOURCE] if SHARED_SOURCE in per_source else [])
+    seen = 0
+    for src in order:
+        for rec in per_source[src]:
+            seen += 1
+            if _field(rec, "state") == "verified" and isinstance(_field(rec, "step"), int):
+                holders.setdefault(_field(rec, "step"), [])
+                if src not in holders[_field(rec, "step")]:
+                    holders[_field(rec, "step")].append(src)
+    if not holders:
+        if seen == 0:
+            return None, None, "no snapshot on any node or in the shared tier"
+        return None, None, f"none of {seen} snapshot(s) on the nodes or in the shared tier is verified"
+    step = max(holders)
+    have = holders[step]
+    lacking = [n for n in nodes if n not in have]
+    on = [f"on {', '.join(n for n in have if n != SHARED_SOURCE)}"] if any(n != SHARED_SOURCE for n in have) else []
+    where = " and ".join(on + (["in the shared tier"] if SHARED_SOURCE in have else []))
+    why = f"step {step} is the newest step verified anywhere ({where})"
+    if lacking:
+        via = ("the shared tier's copy" if SHARED_SOURCE in have
+               else f"a copy {have[0]} makes in the shared tier at the restart")
+        why += f"; {', '.join(lacking)} load{'s' if len(lacking) == 1 else ''} it through {via}"
+    elif nodes:
+        why += "; every node loads its own copy"
+    return step, have[0], why
+
+
+def _field(rec: Any, name: str) -> Any:
+    return rec.get(name) if isinstance(rec, dict) else getattr(rec, name, None)
+
+
 # --------------------------------------------------------------------------- login-node index
+
+
+def read_indexes(run_dir: str, exclude: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every node's published index: ``{node: [snapshot dicts]}`` (``exclude``: leave this node out).
+
+    Who calls: the daemon before each retention pass (the newest common step).  The
+    ``<node>.daemon-failed.json`` markers are no index; an unreadable or half-written file is skipped
+    (each is replaced atomically, so that is a file of something else).
+    """
+    d = os.path.join(run_dir, INDEX_DIR)
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith(".json") and not n.endswith(DAEMON_FAILED_SUFFIX))
+    except OSError:
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        doc = read_json(os.path.join(d, name))
+        if not isinstance(doc, dict) or not isinstance(doc.get("snapshots"), list):
+            continue
+        node = str(doc.get("node") or name[:-len(".json")])
+        if node == exclude:
+            continue
+        out[node] = [s for s in doc["snapshots"] if isinstance(s, dict)]
+    return out
+
 
 
 INDEX_LOCK_TIMEOUT_S = 10.0

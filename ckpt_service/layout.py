@@ -29,6 +29,7 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 LOCK = "ckptd.lock"
 INDEX_DIR = "ckpt-index"
+DAEMON_FAILED_SUFFIX = ".daemon-failed.json"
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 #: Steps the service accepts: step directory names hold ten digits.
 MAX_STEP = 10**10 - 1
@@ -58,7 +59,7 @@ def shared_dir(run_dir: str, configured: str | None = None) -> str:
 
 def daemon_failed_marker(run_dir: str, node: str) -> str:
     """Where a node's daemon that could not start says why (on the shared run directory: the ranks read it)."""
-    return os.path.join(run_dir, INDEX_DIR, f"{node}.daemon-failed.json")
+    return os.path.join(run_dir, INDEX_DIR, f"{node}{DAEMON_FAILED_SUFFIX}")
 
 
 def _key(ndir: str) -> str:

@@ -15,18 +15,26 @@ one is still busy.  The descriptor records the slot file's inode: a slot replace
 
 Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` and :mod:`.writer`
 (``read_descriptor``, ``map_slot``), which also remove a step's descriptors once it is settled.
+A daemon drops its whole staging root at its start and at a clean exit; what a daemon killed by
+``kill -9`` left behind, the launchers drop once the job has ended (:func:`drop_unserved`, also
+``python -m ckpt_service.staging --drop NODE_DIR``).
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
+import fcntl
 import json
 import logging
 import mmap
 import os
 import shutil
-from typing import Any
+import sys
+from typing import Any, Sequence
 
-from ckpt_service.layout import private_dir
+from accelpact_slurm.core.errors import CheckpointError
+from ckpt_service.layout import LOCK, check_private, private_dir, socket_path, staging_root
 
 log = logging.getLogger(__name__)
 
@@ -160,3 +168,80 @@ def drop_step(root: str, step: int) -> None:
 
 def drop_all(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
+
+
+#: What :func:`drop_unserved` did: removed the leftovers, found none, left a live daemon's alone, or failed.
+REMOVED, NOTHING, SERVED, FAILED = "removed", "nothing", "served", "failed"
+
+
+def drop_unserved(ndir: str) -> tuple[str, str]:
+    """Remove the staging root (and the socket) that no live daemon of node directory ``ndir`` serves.
+
+    Returns ``(REMOVED | NOTHING | SERVED | FAILED, why)``.
+
+    Who calls: the embedded default's launcher once a start's ranks and daemons are gone
+    (:mod:`accelpact_slurm.launch.local`), and on Slurm the template's daemon step after its daemon exited,
+    however it exited (``accelpact-ckptd --drop-staging``).  A daemon drops its staging root itself at its
+    start and at a clean exit; one killed by ``kill -9`` (or the OOM killer) cannot, and its slots -- each as
+    large as a rank's share of the state, in RAM-backed ``/dev/shm`` -- would stay until that node
+    directory's next daemon, which may never come to this node.
+
+    The node directory's daemon lock (``ckptd.lock``, flock) is taken non-blocking first and held while
+    removing: while a live daemon holds it, nothing is touched (``SERVED``).  The kernel releases a dead
+    daemon's lock, ``kill -9`` included.  Without a node directory no daemon can have served it and there
+    is no lock to take: the staging root, if any, is left alone (``NOTHING``).
+    """
+    ndir = os.path.abspath(ndir)
+    root = staging_root(ndir)
+    sock = socket_path(ndir)
+    if not os.path.isdir(ndir):
+        return NOTHING, f"no node directory {ndir}: no daemon served it here"
+    try:
+        fd = os.open(os.path.join(ndir, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        return FAILED, f"cannot open the daemon lock of {ndir}: {exc.strerror or exc}"
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return FAILED, f"cannot lock {os.path.join(ndir, LOCK)}: {exc.strerror or exc}"
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            return SERVED, f"a live daemon (pid {holder}) serves {ndir}: its staging is left alone"
+        # The lock is ours: no daemon serves ndir now, and none can start until we close fd.
+        if not os.path.lexists(root) and not os.path.lexists(sock):
+            return NOTHING, f"nothing staged for {ndir}"
+        try:
+            if os.path.lexists(root):
+                check_private(os.path.dirname(root))  # never follow a link another user planted
+                check_private(root)
+                shutil.rmtree(root)
+            if os.path.lexists(sock):
+                os.unlink(sock)
+        except (OSError, CheckpointError) as exc:
+            return FAILED, f"cannot remove the leftovers of {ndir}'s daemon: {exc}"
+        return REMOVED, f"removed {root}, left by a daemon of {ndir} that did not exit cleanly"
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ckpt_service.staging --drop NODE_DIR...``: exit 1 when some leftovers could not be removed."""
+    p = argparse.ArgumentParser(
+        prog="python -m ckpt_service.staging",
+        description="Remove the shared-memory staging (/dev/shm/accelpact-<uid>/<key>/) and the socket that a "
+                    "checkpoint daemon killed by kill -9 left behind for a node directory. A node directory "
+                    "whose daemon still runs (it holds NODE_DIR/ckptd.lock) is left alone.")
+    p.add_argument("--drop", nargs="+", required=True, metavar="NODE_DIR",
+                   help="the node directories (checkpoint.local_dir/<node>, else RUN_DIR/node-local/<node>)")
+    args = p.parse_args(argv)
+    failed = False
+    for ndir in args.drop:
+        what, why = drop_unserved(ndir)
+        print(why, file=sys.stderr if what == FAILED else sys.stdout)
+        failed = failed or what == FAILED
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,22 +1,68 @@
-"""The shared tier: milestones copied asynchronously and atomically to the job's shared directory.
+"""The shared tier: verified snapshots copied asynchronously and atomically to the job's shared directory.
 
-The copy goes to ``<shared>/.tmp-step-N-<node>-<pid>``, every file and the
-directory fsynced, then renamed to ``<shared>/step-N``.  Every node may copy the
-same milestone; the first rename wins and the others discard their copy, so a
-half-copied milestone is never visible.
+What goes there (pure :func:`should_upload`, asked by the daemon once a snapshot is verified):
+
+- every ``checkpoint.shared_every``-th snapshot, written **once per job**: snapshot number
+  ``n = step // every_steps`` goes up when ``n % shared_every == 0``, copied by the node with index
+  ``(n // shared_every) % num_nodes`` (the uploader rotates, so no node's disk or link carries every copy);
+- every milestone (``checkpoint.milestone_every``): every node copies it, the first rename wins.
+
+The copy (:func:`copy_to_shared`) goes to ``<shared>/.tmp-step-N-<node>-<pid>``, every file and the
+directory fsynced, then renamed to ``<shared>/step-N``; the first rename wins and the others discard
+their copy, so a half-copied snapshot is never visible.  The source is the node's *verified* copy, and
+its ``state.json`` (``verified``) travels with it.
+
+After an upload the uploading daemon prunes the tier (:func:`prune_shared`, rules in
+:func:`ckpt_service.retention.plan_shared_retention`): rename to ``.del-...`` first, then remove, so two
+daemons pruning at once never list or load a half-deleted snapshot.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
-from ckpt_service.index import fsync_dir
-from ckpt_service.layout import TMP_PREFIX
+from ckpt_service.index import fsync_dir, scan
+from ckpt_service.layout import DEL_PREFIX, TMP_PREFIX, step_dirname
+from ckpt_service.retention import Snap, is_milestone, plan_shared_retention
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- pure decision
+
+
+def should_upload(step: int, *, every_steps: int, shared_every: int, milestone_every: int,
+                  node_index: int | None, num_nodes: int | None) -> tuple[bool, str]:
+    """Whether this node copies its verified snapshot of ``step`` to the shared tier, and why.  Pure.
+
+    Who calls: the daemon's verifier, once per verified snapshot.  ``every_steps`` <= 0 counts every
+    step as a snapshot.  Without a usable ``node_index``/``num_nodes`` every node copies a due snapshot
+    and the first rename wins (the same result, at the cost of the other copies).
+    """
+    if is_milestone(step, milestone_every):
+        return True, f"step {step} is a milestone (every {milestone_every}): every node copies it, the first wins"
+    if shared_every <= 0:
+        return False, "checkpoint.shared_every is 0: only milestones go to the shared tier"
+    every = every_steps if every_steps > 0 else 1
+    n = step // every
+    if n % shared_every:
+        return False, f"snapshot number {n} (step {step} // {every}) is not a multiple of shared_every {shared_every}"
+    if node_index is None or not num_nodes or not 0 <= node_index < num_nodes:
+        return True, (f"snapshot number {n} is due; node index {node_index} of {num_nodes} nodes is unknown or out "
+                      f"of range, so every node copies it and the first wins")
+    turn = (n // shared_every) % num_nodes
+    if turn != node_index:
+        return False, f"snapshot number {n} is due, uploaded by node index {turn} of {num_nodes}, not this one"
+    return True, f"snapshot number {n} is due (every {shared_every}), node index {turn} of {num_nodes} uploads it"
+
+
+# --------------------------------------------------------------------------- I/O
 
 
 def copy_to_shared(src: str, shared: str, node: str) -> tuple[str | None, str]:
-    """Copy the committed snapshot ``src`` into ``shared``; return ``(path or None, reason)``."""
+    """Copy the snapshot ``src`` into ``shared``; return ``(path or None, reason)``."""
     name = os.path.basename(src.rstrip("/"))
     final = os.path.join(shared, name)
     if os.path.exists(final):
@@ -44,3 +90,39 @@ def copy_to_shared(src: str, shared: str, node: str) -> tuple[str | None, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, f"copied to {final}"
+
+
+def prune_shared(shared: str, shared_keep: int, milestone_every: int, node: str) -> list[tuple[int, str]]:
+    """Delete what :func:`plan_shared_retention` says of ``shared``; return ``[(step, why)]`` actually deleted.
+
+    Who calls: the daemon that has just uploaded (``ckptd-tier`` thread).  Each deletion renames the
+    snapshot to ``.del-step-N-<node>-<pid>`` first: a restore scanning the tier meanwhile never sees half of
+    one, and when two daemons prune at once the second rename fails (the first took it) and is skipped.
+    Leftover ``.del-`` directories (a daemon killed while removing one) are removed too.
+    """
+    snaps = [Snap(r.step, r.state) for r in scan(shared, milestone_every)]
+    plan, why = plan_shared_retention(snaps, shared_keep, milestone_every)
+    done: list[tuple[int, str]] = []
+    for step, reason in plan:
+        src = os.path.join(shared, step_dirname(step))
+        aside = os.path.join(shared, f"{DEL_PREFIX}{step_dirname(step)}-{node}-{os.getpid()}")
+        try:
+            os.rename(src, aside)
+        except FileNotFoundError:  # another daemon pruned it first
+            continue
+        except OSError:
+            log.warning("could not delete shared step %d", step, exc_info=True)
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+        done.append((step, reason))
+        log.info("deleted shared step %d: %s", step, reason)
+    try:
+        leftovers = [n for n in os.listdir(shared) if n.startswith(DEL_PREFIX)]
+    except OSError:
+        leftovers = []
+    for n in leftovers:
+        shutil.rmtree(os.path.join(shared, n), ignore_errors=True)
+    if done:
+        fsync_dir(shared)
+    log.debug("shared tier retention: %s", why)
+    return done

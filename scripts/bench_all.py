@@ -12,7 +12,7 @@ results are merged into ``benchmarks/results/<date>.json``::
 
 and ``docs/benchmarks.md`` is written from that file alone: a header with the machine, an overview table of
 every part's summary ``rows`` (what / baseline / ratio / spread / n / note), then each part's own block
-(``markdown(res)`` of its script) in a fixed order: repair, peers, ckpt, paper, status, and the GPU check
+(``markdown(res)`` of its script) in a fixed order: repair, peers, ckpt, paper, status, shared, and the GPU check
 when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps the block it
 has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
 
@@ -69,9 +69,11 @@ PARTS = {p.name: p for p in (
     Part("paper", "paper_experiment.py", "<!-- paper-experiment -->", 360,
          "L1 against L2: the paper's whole-run experiment"),
     Part("status", "bench_status.py", "<!-- status-bench -->", 120, "accelpact-status"),
+    Part("shared", "bench_shared.py", "<!-- shared-bench -->", 300, "Shared tier: what the uploads cost"),
 )}
-# Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) last.
-RUN_ORDER = ["status", "repair", "paper", "peers", "ckpt"]
+# Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) after
+# them; the shared tier's cost last, with what is left of the budget (or alone: --parts shared).
+RUN_ORDER = ["status", "repair", "paper", "peers", "ckpt", "shared"]
 GPU_MARK = "<!-- gpu-check -->"
 GPU_JSON = RESULTS / "gpu-check.json"
 TOTAL_BUDGET_S = 1710  # 28.5 min: with one kill grace period still under 30 min

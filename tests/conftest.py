@@ -6,10 +6,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tests never read the user's own configuration (an envelope the user earned with accelpact-qualify lives
+# there and would change which action a test's fault gets); subprocesses inherit this.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="accelpact-test-config-")
 
 
 def run_cli(args, *, env=None, timeout=600, cwd=REPO):
@@ -35,6 +39,42 @@ def job_text(path: str = DECODER_JOB) -> str:
 
 def decoder_text() -> str:
     return job_text(DECODER_JOB)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, args, world: int, out, deadline_s: float) -> dict:
+    """Run ``worker(rank, *args)`` on ``world`` spawned processes with a deadline; return every rank's
+    ``out/rank-R.json`` (each worker writes its results there)."""
+    import json
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=args, nprocs=world, join=False)
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+            if time.monotonic() > end:
+                pytest.fail(f"the {world} ranks did not finish within {deadline_s:g} s")
+    except mp.ProcessRaisedException as exc:
+        pytest.fail(f"a rank raised: {exc}")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = {}
+    for r in range(world):
+        path = out / f"rank-{r}.json"
+        assert path.exists(), f"rank {r} wrote no result"
+        results[r] = json.loads(path.read_text())
+    return results
 
 
 @pytest.fixture

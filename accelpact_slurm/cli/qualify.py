@@ -1,11 +1,20 @@
 """``accelpact-qualify CONFIG``: earn (or refuse) the envelope entry for L1 Preserve on this platform.
 
-Runs one uninterrupted reference run, then N runs that each inject a real boundary
-fault (a rank withholds its part of the replication collective) with Preserve
-attempted.  A trial succeeds when the run repairs in process (a ``repair`` event,
-no fail-stop) and ends with the reference run's ``final_state_digest``.  The
-entry for <platform, profile, committed, exact> is written with the evidence
-(trials, successes, date, torch and backend versions) into the envelope file.
+Runs one uninterrupted reference run of the job, then N trial runs that each inject a
+real fault in the failure phase being qualified, with Preserve attempted.  Today that
+phase is ``committed``: a rank withholds its part of the replication collective at the
+committed boundary after an update.  A trial succeeds when the run repairs in process (a
+``repair`` event, no ``fail_stop``), exits 0 and ends with the reference run's
+``final_state_digest``.  The key <platform, profile, phase, objective> comes from the job
+itself (the reference run's ``protected`` event); the objective is ``exact``.
+
+The entry is written with its evidence (trials, successes, date, torch and backend
+versions, and each failed trial with its reason) into --envelope FILE, else
+$ACCELPACT_ENVELOPE, else the user's $XDG_CONFIG_HOME/accelpact/envelope.yaml
+(~/.config/accelpact/envelope.yaml without XDG_CONFIG_HOME), which the runtime layers
+over the envelope shipped in the package, so the user's next job uses it.  All trials
+passing qualifies the key (preserve, restart); any failed trial records restart only,
+which overrides a shipped entry for that key.
 """
 
 from __future__ import annotations
@@ -13,89 +22,313 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from typing import Sequence
+import time
+from typing import Any, Mapping, Sequence
 
-from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.core.config import load_config
-from accelpact_slurm.core.errors import EXIT_USAGE, AccelpactError
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.config import JobConfig, load_config
+from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError
 from accelpact_slurm.core.events import read_events
+from accelpact_slurm.runtime import envelope as env_mod
+
+#: accelpact-qualify's exit codes (a trial run's own exit code is accelpact-run's and only goes into its line).
+EXIT_QUALIFIED = EXIT_OK
+EXIT_NOT_QUALIFIED = 1
+EXIT_CODES = {
+    EXIT_QUALIFIED: "qualified: every trial repaired in process; the entry allows preserve",
+    EXIT_NOT_QUALIFIED: "not qualified: a trial failed (restart only is recorded for the key),\n"
+                        "     or the reference run failed (nothing is written)",
+    EXIT_USAGE: "bad input: job file, flag or envelope file (nothing is run)",
+}
+
+#: The failure phases accelpact-qualify can earn an entry for: phase -> (the fault PHASE each trial injects,
+#: what that fault is).  A ``backward`` key will join ``committed`` here.
+PHASES: dict[str, tuple[str, str]] = {
+    "committed": ("boundary", "a rank withholds its part of the replication collective at the committed boundary "
+                              "after update STEP"),
+}
+DEFAULT_PHASE = "committed"
+#: A trial's output (launcher and rank 0) goes to this file in its run directory.
+OUTPUT_FILE = "accelpact-run.out"
+#: How often a wait for a run looks at its deadline and at a stop request.
+POLL_S = 0.2
+
+EPILOG = "\n\n".join(__doc__.split("\n\n")[1:]).replace("``", "") + "\n\nexit codes:\n" + "\n".join(
+    f"  {code}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
 
-def _run(config: str, run_dir: str, extra: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, dict | None]:
-    cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config, "--run-dir", run_dir, *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="accelpact-qualify", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", metavar="CONFIG",
+                   help="job file whose platform, topology and FSDP flavour are qualified (its faults list must be "
+                        "empty: the trials inject their own)")
+    p.add_argument("--trials", type=int, default=env_mod.MIN_TRIALS, metavar="N",
+                   help=f"fault-and-repair trials, at least {env_mod.MIN_TRIALS} (default {env_mod.MIN_TRIALS}, "
+                        f"the minimum that qualifies a key)")
+    p.add_argument("--envelope", metavar="FILE",
+                   help=f"envelope file to update (default: ${settings.ENVELOPE} if set, else "
+                        f"$XDG_CONFIG_HOME/accelpact/envelope.yaml or ~/.config/accelpact/envelope.yaml, which the "
+                        f"runtime layers over the shipped envelope); created if missing")
+    p.add_argument("--steps", type=int, default=12, metavar="N",
+                   help="updates per run, at least 3 (default 12)")
+    p.add_argument("--work-dir", metavar="DIR",
+                   help="folder under which a fresh folder holds the runs' directories (default: the system's "
+                        "temporary folder); they are kept for inspection")
+    return p
+
+
+def trial_faults(phase: str, trials: int, steps: int, world: int) -> list[str]:
+    """The fault each trial injects (``PHASE:STEP:RANK``): varying updates and ranks, rank 1 first."""
+    if phase not in PHASES:
+        raise ConfigError("phase", phase, f"accelpact-qualify qualifies the phase(s) {', '.join(PHASES)}")
+    kind = PHASES[phase][0]
+    return [f"{kind}:{1 + (i * 3) % (steps - 1)}:{(i + 1) % world}" for i in range(trials)]
+
+
+def judge_trial(rc: int | None, events: list[dict[str, Any]], summary: dict[str, Any] | None,
+                reference_digest: str, timeout_s: float) -> tuple[bool, str]:
+    """Did a trial repair in process and end in the reference state?  ``(ok, reason)``; ``rc`` None: timed out."""
+    if rc is None:
+        return False, f"timed out after {timeout_s:g} s (stopped)"
+    stops = [e for e in events if e.get("event") == "fail_stop"]
+    if stops:
+        s = stops[0]
+        reason = " ".join(str(s.get("reason")).split())
+        return False, f"fail-stop at F={s.get('frontier')} (phase {s.get('phase')}): {reason} (exit {rc})"
+    if rc != 0:
+        return False, f"the run exited {rc} without a fail-stop event"
+    repairs = [e for e in events if e.get("event") == "repair"]
+    if not repairs:
+        return False, "no repair event: the injected fault was not repaired in process"
+    if summary is None:
+        return False, "the run exited 0 but wrote no summary.json"
+    if summary.get("final_state_digest") != reference_digest:
+        return False, "its final_state_digest differs from the reference run's: the repair changed the training state"
+    r = repairs[0]
+    return True, (f"repaired at F={r.get('frontier')} (generation {r.get('generation')}), final state equal to "
+                  f"the reference run's")
+
+
+def envelope_target(flag: str | None, environ: Mapping[str, str]) -> tuple[str, str, str]:
+    """``(file to write, the setting that chose it, a note for the user)``: flag > ``ACCELPACT_ENVELOPE`` > the
+    user's file."""
+    configured = settings.envelope_path(environ)
+    if flag:
+        read = configured or env_mod.user_path(environ)
+        jobs_read = [read] if configured else [read, env_mod.SHIPPED]
+        if os.path.abspath(flag) in {os.path.abspath(p) for p in jobs_read}:
+            return flag, "--envelope", "named with --envelope"
+        how = f"${settings.ENVELOPE}" if configured else "layered over the shipped one"
+        return flag, "--envelope", (f"named with --envelope; note: jobs read {read} ({how}), so they use this "
+                                    f"entry only with {settings.ENVELOPE}={flag}")
+    if configured:
+        return configured, settings.ENVELOPE, f"${settings.ENVELOPE}, the file jobs read"
+    return env_mod.user_path(environ), "envelope", ("the default in your configuration directory; jobs read it "
+                                                    "layered over the shipped envelope")
+
+
+def check_envelope_file(path: str, field: str) -> None:
+    """Fail before minutes of trials, not after: the file must parse and its folder must be writable."""
+    if os.path.isdir(path):
+        raise ConfigError(field, path, "is a folder; name an envelope file (e.g. envelope.yaml in it)")
+    env_mod.load_file(path)
+    folder = os.path.dirname(os.path.abspath(path))
     try:
-        with open(os.path.join(run_dir, "summary.json")) as fh:
-            return proc.returncode, json.load(fh)
-    except FileNotFoundError:
-        return proc.returncode, None
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(field, path, f"cannot create its folder ({exc.strerror or exc}); name another file "
+                                        f"with --envelope") from None
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(field, path, f"its folder {folder} is not writable; name another file with --envelope")
+
+
+def check_job(cfg: JobConfig, trials: int, steps: int) -> None:
+    if trials < env_mod.MIN_TRIALS:
+        raise ConfigError("--trials", trials, f"a key qualifies only on at least {env_mod.MIN_TRIALS} trials; "
+                                              f"pass --trials {env_mod.MIN_TRIALS} or more")
+    if steps < 3:
+        raise ConfigError("--steps", steps, "a run needs at least 3 updates (a fault, its repair, an update after "
+                                            "it); pass --steps 3 or more")
+    if cfg.faults:
+        raise ConfigError("faults", [str(f) for f in cfg.faults],
+                          "the reference run must be uninterrupted and each trial injects its own fault; "
+                          "use a copy of the job file with faults: []")
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """Stop a run and everything it started (its own process group): SIGTERM, then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its ranks and daemons, then exits
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # whatever is left of the run (a launcher that did not stop, a rank it left behind)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(timeout=30)
+
+
+def run_job(config: str, run_dir: str, extra: list[str], env: Mapping[str, str], timeout_s: float,
+            grace_s: float, stop: Mapping[str, int | None]
+            ) -> tuple[int | None, list[dict[str, Any]], dict[str, Any] | None]:
+    """One ``accelpact-run`` of the job into ``run_dir``: ``(exit code, events, summary)``.
+
+    The exit code is None when the run was stopped: past ``timeout_s``, or once ``stop["signal"]`` is set.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config, "--run-dir", run_dir, *extra]
+    deadline = time.monotonic() + timeout_s
+    rc: int | None = None
+    with open(os.path.join(run_dir, OUTPUT_FILE), "w", encoding="utf-8") as out:
+        # Its own session: the terminal's Ctrl-C reaches only us, and a stopped run goes with every rank and
+        # daemon it started (its process group), none left running on its own.
+        proc = subprocess.Popen(cmd, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while rc is None:
+                try:
+                    rc = proc.wait(timeout=POLL_S)
+                except subprocess.TimeoutExpired:
+                    if stop["signal"] is not None or time.monotonic() > deadline:
+                        _stop(proc, grace_s)
+                        break
+        except BaseException:
+            _stop(proc, grace_s)
+            raise
+    events = list(read_events(os.path.join(run_dir, "events.jsonl")))
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except (OSError, ValueError):
+        summary = None
+    return rc, events, summary
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = [line.strip() for line in fh if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def _stopped(stop: Mapping[str, int | None]) -> int:
+    signum = stop["signal"] or signal.SIGTERM
+    print(f"accelpact-qualify: stopped by {signal.Signals(signum).name}: the running run was stopped; nothing "
+          f"written", file=sys.stderr)
+    return 128 + signum
+
+
+def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trials: int, steps: int,
+            work: str, phase: str = DEFAULT_PHASE, environ: Mapping[str, str] | None = None,
+            stop: Mapping[str, int | None] | None = None) -> int:
+    """Run the reference and the trials for ``phase``, write the entry, and return the exit code.
+
+    ``stop["signal"]``, once set (by ``main``'s SIGINT/SIGTERM handler), stops the running run and returns
+    128 + the signal without writing anything.
+    """
+    import torch
+
+    environ = os.environ if environ is None else environ
+    stop = {"signal": None} if stop is None else stop
+    faults = trial_faults(phase, trials, steps, cfg.world_size)
+    env = dict(environ)
+    env.pop(settings.QUALIFYING, None)
+    timeout = cfg.timeouts.startup_s + 60 + steps * 10
+    grace = cfg.timeouts.shutdown_s + 5
+    kind, what = PHASES[phase]
+    print(f"[qualify] phase {phase}: each trial injects {kind}:STEP:RANK ({what}); Preserve is attempted", flush=True)
+    print(f"[qualify] envelope file {envelope_path} ({note})", flush=True)
+    print(f"[qualify] {trials} trials of {steps} updates; runs in {work}", flush=True)
+    ref_dir = os.path.join(work, "reference")
+    rc, events, ref = run_job(config, ref_dir, ["--steps", str(steps)], env, timeout, grace, stop)
+    if stop["signal"] is not None:
+        return _stopped(stop)
+    if rc != 0 or ref is None or not ref.get("final_state_digest"):
+        why = f"timed out after {timeout:g} s" if rc is None else f"exit {rc}"
+        last = _last_line(os.path.join(ref_dir, OUTPUT_FILE))
+        print(f"accelpact-qualify: error: the uninterrupted reference run failed ({why}): {last or 'no output'} "
+              f"(see {os.path.join(ref_dir, OUTPUT_FILE)}); nothing written", file=sys.stderr)
+        return EXIT_NOT_QUALIFIED
+    protected = [e for e in events if e["event"] == "protected"]
+    if not protected:
+        print("accelpact-qualify: error: the reference run never called job.protect, so it has no envelope key; "
+              "nothing written", file=sys.stderr)
+        return EXIT_NOT_QUALIFIED
+    key = env_mod.Key(protected[0]["platform"], protected[0]["profile"], phase)
+    print(f"[qualify] key {key}", flush=True)
+    env[settings.QUALIFYING] = "1"
+    failures: list[str] = []
+    failed: list[str] = []
+    for i, fault in enumerate(faults):
+        run_dir = os.path.join(work, f"trial-{i + 1}")
+        rc, events, summary = run_job(config, run_dir, ["--steps", str(steps), "--inject-fault", fault], env,
+                                      timeout, grace, stop)
+        if stop["signal"] is not None:
+            return _stopped(stop)
+        ok, reason = judge_trial(rc, events, summary, ref["final_state_digest"], timeout)
+        line = f"trial {i + 1}/{trials} {fault}: " + (f"ok: {reason}" if ok else
+                                                     f"FAILED: {reason}; see {os.path.join(run_dir, OUTPUT_FILE)}")
+        print(f"[qualify] {line}", flush=True)
+        if not ok:
+            failed.append(str(i + 1))
+            failures.append(f"trial {i + 1} {fault}: {reason}")
+    successes = trials - len(failures)
+    evidence: dict[str, Any] = {"trials": trials, "successes": successes, "date": env_mod.today(),
+                                "torch": str(torch.__version__), "backend": "gloo", "steps": steps}
+    if failures:
+        evidence["failures"] = failures
+    actions = (env_mod.RESTART,) if failures else (env_mod.PRESERVE, env_mod.RESTART)
+    try:
+        envelope = env_mod.load_file(envelope_path)  # again: another qualification may have written meanwhile
+        envelope.upsert(env_mod.Entry(key, actions, evidence))
+        env_mod.save(envelope, envelope_path)
+    except (ConfigError, OSError) as exc:
+        print(f"accelpact-qualify: error: cannot write {envelope_path} ({exc}); the entry was "
+              f"{env_mod.Entry(key, actions, evidence).as_dict()}", file=sys.stderr)
+        return EXIT_USAGE
+    if failures:
+        print(f"accelpact-qualify: {key} NOT qualified: trial(s) {', '.join(failed)} of {trials} failed "
+              f"(reasons above); recorded restart only for it in {envelope_path}", file=sys.stderr)
+        return EXIT_NOT_QUALIFIED
+    print(f"[qualify] {key} qualified: {successes}/{trials} trials repaired in process; preserve recorded in "
+          f"{envelope_path}", flush=True)
+    return EXIT_QUALIFIED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="accelpact-qualify", description=__doc__.split("\n\n")[0],
-                                epilog=" ".join(__doc__.split("\n\n")[1].split()))
-    p.add_argument("config", metavar="CONFIG", help="job file whose topology and FSDP flavour are qualified")
-    p.add_argument("--trials", type=int, default=env_mod.MIN_TRIALS, metavar="N",
-                   help=f"fault-and-repair trials (default {env_mod.MIN_TRIALS}, the minimum that qualifies)")
-    p.add_argument("--envelope", metavar="FILE", default=env_mod.SHIPPED,
-                   help="envelope file to update (default: the one shipped in the package)")
-    p.add_argument("--steps", type=int, default=12, metavar="N", help="updates per trial run (default 12)")
-    p.add_argument("--work-dir", metavar="DIR", help="where trial run directories go (default: a temporary dir)")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config)
-    except AccelpactError as exc:
+        check_job(cfg, args.trials, args.steps)
+        path, field, note = envelope_target(args.envelope, os.environ)
+        check_envelope_file(path, field)
+        if args.work_dir:
+            os.makedirs(args.work_dir, exist_ok=True)
+        # A fresh folder every time: a trial must never reload an earlier run's snapshots.
+        work = tempfile.mkdtemp(prefix="accelpact-qualify-", dir=args.work_dir)
+    except (AccelpactError, OSError) as exc:
         print(f"accelpact-qualify: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.trials < 1 or args.steps < 3:
-        print("accelpact-qualify: error: --trials must be >= 1 and --steps >= 3", file=sys.stderr)
-        return EXIT_USAGE
-    import torch
+    stop: dict[str, int | None] = {"signal": None}
 
-    from accelpact_slurm.core import settings
+    def on_signal(signum, frame):  # only records it: the wait for the running run sees it and stops that run
+        stop["signal"] = signum
 
-    work = args.work_dir or tempfile.mkdtemp(prefix="accelpact-qualify-")
-    env = dict(os.environ)
-    env.pop(settings.QUALIFYING, None)
-    timeout = 60 + args.steps * 10
-    print(f"[qualify] {args.trials} trials of {args.steps} updates in {work}", flush=True)
-    rc, ref = _run(args.config, os.path.join(work, "reference"), ["--steps", str(args.steps)], env, timeout)
-    if rc != 0 or ref is None:
-        print(f"accelpact-qualify: error: the uninterrupted reference run failed (exit {rc})", file=sys.stderr)
-        return 1
-    # The key comes from the job itself: the platform and the wrapping its entry point chose.
-    protected = [e for e in read_events(os.path.join(work, "reference", "events.jsonl")) if e["event"] == "protected"]
-    if not protected:
-        print("accelpact-qualify: error: the reference run never called job.protect", file=sys.stderr)
-        return 1
-    key = env_mod.Key(protected[0]["platform"], protected[0]["profile"], "committed")
-    print(f"[qualify] key {key}", flush=True)
-    env[settings.QUALIFYING] = "1"
-    world = cfg.world_size
-    successes = 0
-    for i in range(args.trials):
-        step, rank = 1 + (i * 3) % (args.steps - 1), (i + 1) % world
-        run_dir = os.path.join(work, f"trial-{i}")
-        rc, summary = _run(args.config, run_dir, ["--steps", str(args.steps), "--inject-fault",
-                                                  f"boundary:{step}:{rank}"], env, timeout)
-        repaired = any(e["event"] == "repair" for e in read_events(os.path.join(run_dir, "events.jsonl")))
-        ok = rc == 0 and repaired and summary is not None and \
-            summary["final_state_digest"] == ref["final_state_digest"]
-        successes += ok
-        print(f"[qualify] trial {i + 1}/{args.trials}: boundary fault after update {step} on rank {rank}: "
-              f"{'repaired, digest equal' if ok else f'FAILED (exit {rc}, repaired={repaired})'}", flush=True)
-    envelope = env_mod.load(args.envelope)
-    evidence = {"trials": args.trials, "successes": successes, "date": env_mod.today(),
-                "torch": str(torch.__version__), "backend": "gloo", "steps": args.steps}
-    actions = (env_mod.PRESERVE, env_mod.RESTART) if successes == args.trials else (env_mod.RESTART,)
-    envelope.upsert(env_mod.Entry(key, actions, evidence))
-    env_mod.save(envelope, args.envelope)
-    verdict = "qualified" if successes == args.trials and args.trials >= env_mod.MIN_TRIALS else "NOT qualified"
-    print(f"[qualify] {successes}/{args.trials} successful: Preserve {verdict} for {key}; wrote {args.envelope}")
-    return 0 if successes == args.trials else 1
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return qualify(args.config, cfg, envelope_path=path, note=note, trials=args.trials, steps=args.steps,
+                       work=work, stop=stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -111,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if in_slurm(env):
             from accelpact_slurm.slurm import signals
 
-            signals.install()  # first thing: an unhandled USR2 would kill the task
+            # First thing: an unhandled USR2 would kill the task.  In a real Slurm task SIGTERM (a preemption's
+            # notice) asks for the same snapshot-then-requeue; on the embedded default it still stops the rank.
+            signals.install(signals.stop_signals(settings.emulated(env)))
             ctx = SlurmContext.from_environ(env)
             cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes,
                                        "topology.ranks_per_node": ctx.ranks_per_node})

@@ -117,17 +117,19 @@ def render(doc: dict[str, Any], detailed: bool) -> str:
 
 
 def render_list(jobs: list[dict[str, Any]]) -> str:
-    head = ("JOB", "STATE", "RESTARTS", "FRONTIER", "AGE", "STEP/S", "L1", "VERIFIED", "WARNINGS")
+    head = ("JOB", "STATE", "RESTARTS", "FRONTIER", "AGE", "STEP/S", "L1", "VERIFIED", "RESTART", "WARNINGS")
     rows = []
     for j in jobs:
         fr = j["frontier"]
         best = j["snapshots"]["newest_verified"]
         rate = j["step_rate"]["steps_per_s"]
+        rs = j["snapshots"]["restart"]
         rows.append((
             j["job_id"], j["state"], str(j["restarts"]),
             "-" if fr is None else str(fr["step"]), "-" if fr is None else _ago(fr["age_s"]),
             "-" if rate is None else f"{rate:.3g}", str(j["l1"]["count"]),
             "-" if best is None else f"{best['step']}@{best['node']}",
+            "-" if rs["step"] is None else f"{rs['step']}@{_where(rs['source'])}",
             "; ".join(j["warnings"]) or "-",
         ))
     return _table(head, rows)
@@ -176,15 +178,21 @@ def render_job(j: dict[str, Any]) -> str:
     else:
         line("snapshots", f"newest verified: step {best['step']} on {best['node']} "
                           f"({_size(best['size_bytes'])}, {_ago(best['age_s'])} old)")
+    rs, common, shared = snaps["restart"], snaps["newest_common"], snaps["shared"]
+    line("restart loads", f"nothing: {rs['reason']}" if rs["step"] is None
+         else f"step {rs['step']} from {rs['source']}: {rs['reason']}")
+    line("common step", f"none: {common['reason']}" if common["step"] is None else f"step {common['step']}: "
+                                                                                  f"{common['reason']}")
     rows = []
     for n in snaps["nodes"]:
         counts = ", ".join(f"{k} {v}" for k, v in sorted(n["counts"].items()))
         shown = min(_SNAPSHOTS_SHOWN, len(n["snapshots"]))
         line("", f"  {n['node']}: {counts or 'no snapshots'}; index updated {_ago(n['age_s'])} ago"
                  + (f" (newest {shown} of {len(n['snapshots'])} below)" if shown < len(n["snapshots"]) else ""))
-        for s in n["snapshots"][-_SNAPSHOTS_SHOWN:]:
-            rows.append((n["node"], str(s["step"]), str(s["state"]), _size(s["size_bytes"]),
-                         _ago(s["age_s"]), "yes" if s["milestone"] else "", s["reason"] or ""))
+        rows += _snapshot_rows(n["snapshots"])
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(shared["counts"].items()))
+    line("", f"  {st.SHARED_SOURCE}: {counts or 'no snapshots'} in {shared['dir']}")
+    rows += _snapshot_rows(shared["snapshots"])
     if rows:
         out.extend("    " + r for r in _table(("NODE", "STEP", "STATE", "SIZE", "AGE", "MILESTONE", "REASON"),
                                               rows).splitlines())
@@ -199,6 +207,17 @@ def render_job(j: dict[str, Any]) -> str:
     if len(j["bad_lines"]) > 10:
         line("skipped", f"... and {len(j['bad_lines']) - 10} more")
     return "\n".join(out)
+
+
+def _snapshot_rows(snapshots: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The newest snapshots of one node (or of the shared tier) as table rows."""
+    return [(s["node"], str(s["step"]), str(s["state"]), _size(s["size_bytes"]), _ago(s["age_s"]),
+             "yes" if s["milestone"] else "", s["reason"] or "") for s in snapshots[-_SNAPSHOTS_SHOWN:]]
+
+
+def _where(source: str | None) -> str:
+    """A restart source in one word, for the job list (``shared`` for the shared tier)."""
+    return "shared" if source == st.SHARED_SOURCE else str(source)
 
 
 def _l2_lines(l2: dict[str, Any]) -> list[str]:

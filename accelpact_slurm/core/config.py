@@ -48,6 +48,8 @@ class CheckpointConfig:
     compress: bool = False
     local_dir: str | None = None
     shared_dir: str | None = None
+    shared_every: int = 2  # every K-th snapshot also goes to the shared tier, once per job (0: milestones only)
+    shared_keep: int = 2  # non-milestone copies the shared tier keeps (the newest verified ones)
     daemon_nice: int = 10  # the node daemon's CPU niceness: its writes yield to training on a busy CPU
 
 
@@ -346,6 +348,13 @@ def validate(cfg: JobConfig) -> None:
         )
     if c.milestone_every < 0:
         raise ConfigError("checkpoint.milestone_every", c.milestone_every, "must be >= 0 (0: no milestones)")
+    if c.shared_every < 0:
+        raise ConfigError("checkpoint.shared_every", c.shared_every,
+                          "must be >= 0 (every K-th snapshot goes to the shared tier; 0: only milestones)")
+    if c.shared_keep < 1:
+        raise ConfigError("checkpoint.shared_keep", c.shared_keep,
+                          "must be >= 1: the shared tier is what a node that lost its disk resumes from, so it "
+                          "keeps at least its newest verified copy")
     if not 0 <= c.daemon_nice <= 19:
         raise ConfigError("checkpoint.daemon_nice", c.daemon_nice,
                           "must be a niceness from 0 (same CPU priority as training) to 19 (lowest)")

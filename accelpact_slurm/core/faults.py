@@ -9,6 +9,8 @@ Switches (all off by default):
 - ``ACCELPACT_TEST_FRONTIER_SKEW=RANK:STEP``: RANK reports a frontier one ahead in the vote of update STEP.
 - ``ACCELPACT_TEST_SKIP_RELOAD_CHECK=1``: restore loads without re-reading checksums and without the
   replay check (negative control of the corruption tests).
+- ``ACCELPACT_TEST_NO_RESTORE_COPY=1``: restore loads only a step every rank reaches, never copying one to
+  the shared tier for the ranks that lack it (negative control of the node-loss tests).
 - ``ACCELPACT_TEST_SKIP_REBIND=1``: the repair skips rebinding and its invariant scan.
 - ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1``: restore loads weights and optimizer but not the extra state
   (RNG, data loader, scheduler, user state): the negative control of the bitwise-resume tests.
@@ -32,6 +34,7 @@ from accelpact_slurm.core.errors import ConfigError
 FRONTIER_SKEW = "ACCELPACT_TEST_FRONTIER_SKEW"
 SKIP_RELOAD_CHECK = "ACCELPACT_TEST_SKIP_RELOAD_CHECK"
 SKIP_REBIND = "ACCELPACT_TEST_SKIP_REBIND"
+NO_RESTORE_COPY = "ACCELPACT_TEST_NO_RESTORE_COPY"
 SKIP_EXTRA_RESTORE = "ACCELPACT_TEST_SKIP_EXTRA_RESTORE"
 PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
 KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
@@ -50,6 +53,7 @@ class TestFaults:
     frontier_skew: tuple[int, int] | None = None
     skip_reload_check: bool = False
     skip_rebind: bool = False
+    no_restore_copy: bool = False
     skip_extra_restore: bool = False
     pause_at: tuple[str, int | None] | None = None
     kill_after_staged: tuple[int, int] | None = None
@@ -80,6 +84,7 @@ class TestFaults:
             frontier_skew=_pair(env, FRONTIER_SKEW),
             skip_reload_check=env.get(SKIP_RELOAD_CHECK) == "1",
             skip_rebind=env.get(SKIP_REBIND) == "1",
+            no_restore_copy=env.get(NO_RESTORE_COPY) == "1",
             skip_extra_restore=env.get(SKIP_EXTRA_RESTORE) == "1",
             pause_at=pause,
             kill_after_staged=_pair(env, KILL_AFTER_STAGED),

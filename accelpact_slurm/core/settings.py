@@ -24,7 +24,7 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
     return (environ.get(LOG_LEVEL) or "WARNING").upper()
 
 
-#: Path of the envelope file (default: the one shipped in the package).
+#: Path of the one envelope file to read (default: the user's file layered over the one shipped in the package).
 ENVELOPE = "ACCELPACT_ENVELOPE"
 #: Set by accelpact-qualify for its trials: attempt Preserve on an unqualified key to earn the entry.
 QUALIFYING = "ACCELPACT_QUALIFYING"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -28,18 +29,26 @@ def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, enviro
     """Start one daemon per emulated node (none when snapshots are off)."""
     if cfg.checkpoint.every_steps <= 0:
         return []
-    return [spawn_daemon(config_path, run_dir, f"node{i + 1}", i, job_id, environ, restart=restart, drain_s=drain_s)
+    return [spawn_daemon(config_path, run_dir, f"node{i + 1}", i, job_id, environ, restart=restart, drain_s=drain_s,
+                         num_nodes=cfg.topology.nodes, every_steps=cfg.checkpoint.every_steps)
             for i in range(cfg.topology.nodes)]
 
 
 def spawn_daemon(config_path: str, run_dir: str, node: str, node_index: int, job_id: str,
                  environ: Mapping[str, str], *, restart: int, drain_s: float,
-                 preexec_fn: Callable[[], None] | None = None) -> LocalDaemon:
-    """Start one node's ``accelpact-ckptd``, its output appended to ``RUN_DIR/logs/ckptd-<node>.log``."""
+                 preexec_fn: Callable[[], None] | None = None, num_nodes: int | None = None,
+                 every_steps: int | None = None, keep_serving_on_sigterm: bool = False) -> LocalDaemon:
+    """Start one node's ``accelpact-ckptd``, its output appended to ``RUN_DIR/logs/ckptd-<node>.log``.
+
+    ``num_nodes`` and ``every_steps``: the job's, for the shared-tier rotation (:func:`.ranks.daemon_command`).
+    ``keep_serving_on_sigterm``: in a real Slurm task, where a preemption's SIGTERM reaches the daemon too
+    (:func:`stop_daemons` stops it with SIGINT either way).
+    """
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     log_path = os.path.join(logs, f"ckptd-{node}.log")
-    cmd = daemon_command(config_path, run_dir, node, node_index, job_id, restart=restart, drain_s=drain_s)
+    cmd = daemon_command(config_path, run_dir, node, node_index, job_id, restart=restart, drain_s=drain_s,
+                         num_nodes=num_nodes, every_steps=every_steps, keep_serving_on_sigterm=keep_serving_on_sigterm)
     with open(log_path, "ab") as fh:
         proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
@@ -47,10 +56,14 @@ def spawn_daemon(config_path: str, run_dir: str, node: str, node_index: int, job
 
 
 def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None:
-    """SIGTERM, wait for the drain (bounded), then SIGKILL."""
+    """SIGINT, wait for the drain (bounded), then SIGKILL.
+
+    SIGINT, not SIGTERM: a daemon started with ``keep_serving_on_sigterm`` ignores SIGTERM; every daemon
+    stops on SIGINT.
+    """
     for d in daemons:
         if d.proc.poll() is None:
-            d.proc.terminate()
+            d.proc.send_signal(signal.SIGINT)
     for d in daemons:
         try:
             d.proc.wait(timeout=drain_s + 15)
@@ -58,3 +71,21 @@ def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None
             log.warning("daemon of %s did not stop; killing it", d.node)
             d.proc.kill()
             d.proc.wait(timeout=10)
+
+
+def drop_leftover_staging(daemons: Sequence[LocalDaemon], run_dir: str, local_dir: str | None) -> None:
+    """After :func:`stop_daemons`: remove the shared-memory staging of every daemon that did not exit cleanly.
+
+    Who calls: the embedded default's launcher at the end of every start, however it ended.  A daemon
+    killed by ``kill -9`` leaves its staging slots in ``/dev/shm`` (RAM); a node directory whose daemon
+    still runs is left alone (:func:`ckpt_service.staging.drop_unserved` takes its lock first).
+    """
+    from ckpt_service.layout import node_dir
+    from ckpt_service.staging import FAILED, REMOVED, drop_unserved
+
+    for d in daemons:
+        what, why = drop_unserved(node_dir(run_dir, d.node, local_dir))
+        if what == FAILED:
+            log.warning("%s", why)
+        elif what == REMOVED:
+            log.info("%s", why)

@@ -5,7 +5,9 @@ process per rank (``nodes x ranks_per_node`` of the job file), each seeing the
 variables ``srun --nodes=N --ntasks-per-node=R`` would give it, and supervises
 them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on
 their own, then SIGTERM, then SIGKILL.  Rank 0's output goes to the terminal;
-every rank's output is also kept under ``RUN_DIR/logs/``.
+every rank's output is also kept under ``RUN_DIR/logs/``.  Once a start's ranks and
+daemons are gone, however they ended (``kill -9`` included), the shared-memory
+staging a daemon could not drop itself is removed.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def launch_local(
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     data_port, control_port = free_port_pair()
-    from accelpact_slurm.launch.daemons import start_local_daemons, stop_daemons
+    from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
     ranks: list[RankProcess] = []
@@ -145,11 +147,14 @@ def launch_local(
     except OSError as exc:
         _terminate(ranks, grace_s=0)
         stop_daemons(daemons)
+        drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
         return _supervise(ranks, cfg.timeouts.shutdown_s, out)
     finally:
-        stop_daemons(daemons)  # SIGTERM: the daemons finish in-flight snapshots (bounded), then exit
+        stop_daemons(daemons)  # SIGINT: the daemons finish in-flight snapshots (bounded), then exit
+        # A daemon killed by kill -9 could not drop its /dev/shm slots; nothing of this start serves them now.
+        drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
 
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:

@@ -33,7 +33,20 @@ def rank_environ(base: Mapping[str, str], job_id: str, rank: int, nodes: int, ra
 
 
 def daemon_command(config_path: str, run_dir: str, node: str, node_index: int, job_id: str, *, restart: int,
-                   drain_s: float) -> list[str]:
-    """The command line of one node's ``accelpact-ckptd`` (the sbatch template spells the same one in shell)."""
-    return [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir, "--node", node,
-            "--node-index", str(node_index), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
+                   drain_s: float, num_nodes: int | None = None, every_steps: int | None = None,
+                   keep_serving_on_sigterm: bool = False) -> list[str]:
+    """The command line of one node's ``accelpact-ckptd`` (the sbatch template spells the same one in shell).
+
+    ``num_nodes`` and ``every_steps`` (with ``node_index``) decide which node uploads which snapshot to the
+    shared tier; left out, the daemon takes them from Slurm's environment and the job file.
+    ``keep_serving_on_sigterm``: under Slurm, where a preemption's SIGTERM reaches the daemon too.
+    """
+    cmd = [sys.executable, "-m", "accelpact_slurm.cli.ckptd", config_path, "--run-dir", run_dir, "--node", node,
+           "--node-index", str(node_index), "--job-id", job_id, "--drain-s", str(drain_s), "--restart", str(restart)]
+    if num_nodes is not None:
+        cmd += ["--num-nodes", str(num_nodes)]
+    if every_steps is not None:
+        cmd += ["--every-steps", str(every_steps)]
+    if keep_serving_on_sigterm:
+        cmd += ["--keep-serving-on-sigterm"]
+    return cmd

@@ -41,9 +41,14 @@ How submitit's Checkpointable mechanism maps onto our snapshot-then-requeue path
   ``recovery.max_restarts`` (see :func:`relaunch_decision`); without ``--wait``, use ``accelpact-run`` to get
   relaunches locally.
 
-The node's daemon is a child of local rank 0: it ignores USR2 (Slurm signals every process of the step, and the
-daemon must stay up for the snapshot the signal asks for) and gets SIGTERM when its parent dies (``os._exit`` on a
-fail-stop skips every ``finally``), so a daemon never outlives its task.
+A preemption's SIGTERM (Slurm sends it to every task of a preempted job, then SIGKILL after the grace time)
+takes the USR2 path too on Slurm (:func:`~accelpact_slurm.slurm.signals.stop_signals`), in place of submitit's
+handler, which only logs it and trains on until the SIGKILL; on the local executor SIGTERM keeps that handler.
+
+The node's daemon is a child of local rank 0: it ignores USR2, and on Slurm SIGTERM as well
+(``--keep-serving-on-sigterm``): Slurm signals every process of the step, and the daemon must stay up for the
+snapshot the signal asks for.  It gets SIGINT when its parent dies (``os._exit`` on a fail-stop skips every
+``finally``), so a daemon never outlives its task.
 """
 
 from __future__ import annotations
@@ -159,7 +164,9 @@ class RankTask(submitit.helpers.Checkpointable):
     def __call__(self) -> dict[str, Any]:
         from accelpact_slurm.slurm import signals
 
-        signals.install()  # first thing: replaces submitit's USR2 handler, which would requeue mid-update
+        # First thing: replaces submitit's USR2 handler, which would requeue mid-update (and, on Slurm, SIGTERM's
+        # default action: a preemption's SIGTERM asks for the same snapshot-then-requeue).
+        signals.install(signals.stop_signals(emulated=self.spec.backend == "local"))
         from accelpact_slurm.core.config import load_config, with_overrides
         from accelpact_slurm.slurm.env import SlurmContext, in_slurm
 
@@ -208,7 +215,7 @@ class RankTask(submitit.helpers.Checkpointable):
 
 
 def _child_setup(parent_pid: int):
-    """preexec_fn of the daemon: ignore USR2 (inherited across exec) and die with the parent (Linux)."""
+    """preexec_fn of the daemon: ignore USR2 (inherited across exec) and stop with the parent (Linux)."""
     prctl = None
     try:
         import ctypes
@@ -220,7 +227,9 @@ def _child_setup(parent_pid: int):
     def setup() -> None:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm signals every process of the step
         if prctl is not None:
-            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: os._exit on a fail-stop must not orphan the daemon
+            # PR_SET_PDEATHSIG: os._exit on a fail-stop must not orphan the daemon.  SIGINT: on Slurm the daemon
+            # ignores SIGTERM (--keep-serving-on-sigterm); it stops on SIGINT everywhere.
+            prctl(1, signal.SIGINT)
         if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
             os._exit(0)
 
@@ -261,7 +270,9 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
     if not wait_lock_free(os.path.join(ndir, LOCK), cfg.timeouts.startup_s):
         log.warning("a daemon of an earlier attempt still holds %s; the ranks go on without a new one", ndir)
     return spawn_daemon(spec.config_path, run_dir, node, ctx.node_index, ctx.job_id, os.environ,
-                        restart=ctx.restart_count, drain_s=spec.drain_s, preexec_fn=_child_setup(os.getpid()))
+                        restart=ctx.restart_count, drain_s=spec.drain_s, preexec_fn=_child_setup(os.getpid()),
+                        num_nodes=ctx.num_nodes, every_steps=cfg.checkpoint.every_steps,
+                        keep_serving_on_sigterm=spec.backend != "local")
 
 
 # --------------------------------------------------------------------------- the submitting side

@@ -1,9 +1,12 @@
 """Collect one job's status from its run directory (and Slurm, when it answers).
 
 Reads only ``events.jsonl`` (one pass, constant memory per event kind),
-``summary.json`` and ``ckpt-index/<node>.json``; asks ``squeue``/``sacct`` with a
-short timeout when they exist.  Returns plain dicts whose keys are the stable
-``--json`` schema documented in ``docs/operator-tools.md`` (``accelpact-status/1``).
+``summary.json``, ``ckpt-index/<node>.json`` and the shared tier's snapshot records
+(``checkpoint.shared_dir`` of the ``job_start`` event, else ``RUN_DIR/shared-ckpt``); asks
+``squeue``/``sacct`` with a short timeout when they exist.  The step a restart would load
+comes from :func:`ckpt_service.index.restart_source`, the rule the restore applies.  Returns
+plain dicts whose keys are the stable ``--json`` schema documented in ``docs/operator-tools.md``
+(``accelpact-status/1``).
 
 This module must not import torch: it runs on login nodes.
 """
@@ -24,6 +27,9 @@ from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
 from accelpact_slurm.core.events import (
     EVENTS_FILE, SUMMARY_FILE, BadLine, TooDeep, finite_number, parse_json, read_events,
 )
+from ckpt_service.index import SHARED_SOURCE, restart_source, scan
+from ckpt_service.layout import DAEMON_FAILED_SUFFIX, shared_dir
+from ckpt_service.retention import newest_common
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +44,7 @@ SLURM_TIMEOUT_S = 1.5
 RECENT = 20
 _RATE_WINDOW = 64
 #: Events that may follow a fail-stop without meaning the run is alive again.
-_BOOKKEEPING = {"requeue", "checkpoint", "membership"}
+_BOOKKEEPING = {"requeue", "checkpoint", "membership", "shared_upload"}
 _END_FIELDS = ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code")
 #: Larger integers are no step count; a 400-digit one overflows float() in the step rate.
 _MAX_COUNT = 2 ** 53
@@ -197,6 +203,11 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
     nodes = _read_index(os.path.join(run_dir, INDEX_DIR), bad, now)
     all_snaps = [s for n in nodes for s in n["snapshots"]]
     best, best_reason = newest_verified(all_snaps)
+    shared = _read_shared(run_dir, ev["shared_dir"], ev["milestone_every"], now)
+    restart_step, restart_from, restart_why = restart_source(
+        {**{n["node"]: n["snapshots"] for n in nodes}, SHARED_SOURCE: shared["snapshots"]})
+    common, common_why = newest_common({n["node"]: [s["step"] for s in n["snapshots"] if s["state"] == "verified"]
+                                        for n in nodes})
 
     step_s = ev["step_s"]
     # Only the documented fields: summary.json also holds e.g. every step's loss.
@@ -233,7 +244,9 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
         "l2": {"count": ev["max_restart"], "fail_stops": ev["fail_stops"][-RECENT:],
                "requeues": ev["requeues"][-RECENT:], "restart_loads": ev["restart_loads"][-RECENT:]},
         "snapshots": {"nodes": nodes, "newest_verified": best, "newest_verified_reason": best_reason,
-                      "counts": _count_states(all_snaps)},
+                      "counts": _count_states(all_snaps), "shared": shared,
+                      "restart": {"step": restart_step, "source": restart_from, "reason": restart_why},
+                      "newest_common": {"step": common, "reason": common_why}},
         "envelope": ev["decision"],
         "final": final,
         "last_event_ts": ev["last_ts"],
@@ -286,6 +299,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     seen_faults: set[tuple[Any, Any, Any]] = set()
     decision = None
     every_steps = None
+    shared = None
+    milestone_every = 0
     job_end = None
     for rec in read_events(path, bad):
         count += 1
@@ -348,6 +363,9 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
             ck = cfg.get("checkpoint") if isinstance(cfg, dict) else None
             if isinstance(ck, dict) and isinstance(ck.get("every_steps"), int):
                 every_steps = ck["every_steps"]
+            if isinstance(ck, dict):
+                shared = ck.get("shared_dir") if isinstance(ck.get("shared_dir"), str) else None
+                milestone_every = _count(ck.get("milestone_every")) or 0
         elif kind == "job_end":
             job_end = {k: rec.get(k) for k in _END_FIELDS}
     rate = None
@@ -361,7 +379,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                    for n, v in phases.items()},
         "fail_stops": sorted(fail_stops.values(), key=_by_ts), "requeues": requeues,
         "restart_loads": sorted(restart_loads.values(), key=_by_ts), "faults": faults,
-        "decision": decision, "every_steps": every_steps, "job_end": job_end,
+        "decision": decision, "every_steps": every_steps, "job_end": job_end, "shared_dir": shared,
+        "milestone_every": milestone_every,
     }
 
 
@@ -394,8 +413,8 @@ def _phases(value: Any) -> dict[str, float]:
 
 def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str, Any]]:
     nodes = []
-    try:
-        names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json"))
+    try:  # a daemon that could not start leaves <node>.daemon-failed.json there: word for the ranks, no index
+        names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json") and not n.endswith(DAEMON_FAILED_SUFFIX))
     except OSError:
         return nodes
     for name in names:
@@ -422,6 +441,15 @@ def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str
         nodes.append({"node": node, "updated": updated, "age_s": None if updated is None else now - updated,
                       "snapshots": snaps, "counts": _count_states(snaps)})
     return nodes
+
+
+def _read_shared(run_dir: str, configured: str | None, milestone_every: int, now: float) -> dict[str, Any]:
+    """The shared tier's snapshots (``scan``: the records beside the data), in the index's snapshot form."""
+    where = shared_dir(run_dir, configured)
+    snaps = [{"node": SHARED_SOURCE, "step": r.step, "state": r.state, "size_bytes": r.size_bytes,
+              "created": r.created, "age_s": now - r.created, "path": r.path, "milestone": r.milestone,
+              "reason": r.reason} for r in scan(where, milestone_every)]
+    return {"dir": where, "snapshots": snaps, "counts": _count_states(snaps)}
 
 
 def _read_json(path: str, bad: list[BadLine]) -> Any:

@@ -60,6 +60,35 @@ def rebind_all(model: nn.Module, fsdp: str, mesh: Any, replicate_dim: int,
     return counts
 
 
+def rebind_groups(model: nn.Module, fsdp: str, mesh: Any,
+                  mapping: dict[dist.ProcessGroup, dist.ProcessGroup]) -> dict[str, int]:
+    """Point every framework reference to each key of ``mapping`` (an old group) at its value (the new one).
+
+    Covers both HSDP groups at once (shard and replication): FSDP1's per-unit, per-handle and
+    execution-order slots, FSDP2's mesh-info slots, and every mesh dimension naming an old group.
+    Returns how many slots changed, per kind.  Idempotent: a second call changes nothing.
+    """
+    by_id = {id(old): new for old, new in mapping.items()}
+    counts = {"mesh": 0}
+    if mesh is not None:
+        for m in (mesh, mesh._get_root_mesh()):
+            for dim, name in enumerate(list(tc.mesh_dim_group_names(m))):
+                for old, new in mapping.items():
+                    if name == old.group_name:
+                        counts["mesh"] += tc.mesh_set_dim_group(m, dim, new)
+    if fsdp == "fsdp2":
+        slots = [slot for info in tc.fsdp2_mesh_infos(model) for slot in tc.fsdp2_group_slots(info)]
+    else:
+        slots = [slot for unit in tc.fsdp1_units(model) for slot in tc.fsdp1_group_slots(unit)]
+    counts[fsdp] = 0
+    for obj, attr in slots:
+        new = by_id.get(id(getattr(obj, attr)))
+        if new is not None:
+            setattr(obj, attr, new)
+            counts[fsdp] += 1
+    return counts
+
+
 #: Values the scan never enters: no group can hide inside them (a group other than the retired one included).
 _LEAF_TYPES = (str, int, float, bool, bytes, type(None), torch.Tensor, torch.device, torch.dtype, type,
                types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType,

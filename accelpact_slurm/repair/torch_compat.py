@@ -13,6 +13,13 @@ Slots rebound (torch 2.13):
   c10d's registry) and ``_pg_registry[name]``.
 * FSDP2 (``fully_shard``): ``mesh_info.replicate_process_group`` on every
   ``FSDPParamGroup`` and every ``FSDPParam`` (they may share one object).
+
+When the shard groups are replaced too (:func:`fsdp1_group_slots`, :func:`fsdp2_group_slots`): FSDP1's
+state and handle ``process_group`` per unit and the execution-order data's ``process_group`` (one per
+tree); FSDP2's ``mesh_info.shard_process_group`` (and ``reduce_scatter_process_group`` where set).
+
+Discarding a failed iteration (:func:`fsdp1_discard_iteration`, :func:`fsdp2_discard_iteration`) and
+the fault injection's patch point (:func:`replication_all_reduce_sites`) live here for the same reason.
 """
 
 from __future__ import annotations
@@ -189,6 +196,10 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
     if units:
         bad = [u for u in units if u.sharding_strategy not in (ShardingStrategy.HYBRID_SHARD,
                                                                   ShardingStrategy._HYBRID_SHARD_ZERO2)]
+        if bad and bad[0].sharding_strategy == ShardingStrategy.NO_SHARD and getattr(bad[0], "world_size", 0) == 1:
+            raise ValueError("FSDP1 sharding_strategy is NO_SHARD: with one rank per node FSDP1 turns HYBRID_SHARD "
+                             "into NO_SHARD, which never averages gradients across nodes; use FSDP2 (fully_shard on "
+                             "job.mesh) for one rank per node, or two or more ranks per node")
         if bad:
             raise ValueError(f"FSDP1 sharding_strategy is {bad[0].sharding_strategy.name}; wrap with "
                              f"sharding_strategy=ShardingStrategy.HYBRID_SHARD on job.mesh or job.groups")
@@ -210,3 +221,184 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
     raise ValueError("the model is not wrapped for HSDP: wrap it with FullyShardedDataParallel(model, "
                      "sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=job.mesh) or with "
                      "fully_shard(module, mesh=job.mesh) before job.protect")
+
+
+# ------------------------------------------------------------------ both HSDP groups (shard and replicate)
+
+
+def fsdp1_group_slots(unit: nn.Module) -> list[tuple[object, str]]:
+    """Every (object, attribute) slot of one FSDP1 unit that holds its shard or its replication group.
+
+    Shard group: the state's ``process_group``, its handle's ``process_group`` and the execution-order
+    data's ``process_group`` (one object shared by every unit of the tree).  Replication group:
+    :func:`fsdp1_slots`.
+    """
+    slots: list[tuple[object, str]] = [(unit, "process_group")]
+    handle = getattr(unit, "_handle", None)
+    if handle is not None and hasattr(handle, "process_group"):
+        slots.append((handle, "process_group"))
+    exec_order = getattr(unit, "_exec_order_data", None)
+    if exec_order is not None and hasattr(exec_order, "process_group"):
+        slots.append((exec_order, "process_group"))
+    return slots + fsdp1_slots(unit)
+
+
+def fsdp2_group_slots(info: object) -> list[tuple[object, str]]:
+    """Every slot of one FSDP2 mesh-info object that holds a process group (shard, replicate, and a
+    dedicated reduce-scatter group where ``set_separate_reduce_scatter_group`` set one)."""
+    return [(info, attr) for attr in ("shard_process_group", "replicate_process_group",
+                                      "reduce_scatter_process_group")
+            if getattr(info, attr, None) is not None]
+
+
+def hsdp_groups(model: nn.Module, fsdp: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(shard group, replication group)`` as the wrapped model itself uses them (its first unit)."""
+    if fsdp == "fsdp2":
+        groups = fsdp2_param_groups(model)
+        if not groups:
+            raise ValueError("fully_shard holds no parameters")
+        info = groups[0].mesh_info
+        return info.shard_process_group, info.replicate_process_group
+    units = fsdp1_units(model)
+    if not units:
+        raise ValueError("the model has no FSDP1 unit")
+    return units[0].process_group, units[0]._inter_node_pg
+
+
+def replication_all_reduce_sites() -> list[tuple[object, str]]:
+    """The ``(module, attribute)`` pairs through which FSDP's backward resolves ``dist.all_reduce``.
+
+    FSDP1 (``torch/distributed/fsdp/_runtime_utils.py``, ``_reduce_grad``) calls
+    ``dist.all_reduce(new_sharded_grad, group=state._inter_node_pg)``; FSDP2
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, ``foreach_reduce``) calls
+    ``dist.all_reduce(reduce_output, group=all_reduce_group, ...)``.  Both look ``dist`` up in their own
+    module's globals at call time, so replacing that one global intercepts exactly these calls.
+    """
+    from torch.distributed.fsdp import _runtime_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    sites = []
+    for module in (_runtime_utils, _fsdp_collectives):
+        if getattr(module, "dist", None) is not dist:
+            raise RuntimeError(f"{module.__name__} no longer resolves all_reduce through its 'dist' global")
+        sites.append((module, "dist"))
+    return sites
+
+
+# ------------------------------------------------------------------ discarding a failed iteration
+
+
+def fsdp1_discard_iteration(model: nn.Module) -> dict[str, int]:
+    """Put every FSDP1 unit back where its post-backward callback would have left it, gradients dropped.
+
+    What ``_post_backward_final_callback`` (``torch/distributed/fsdp/_runtime_utils.py``) does at the
+    end of a backward, for an iteration that never reached it, on every unit: each line below names
+    the failure it prevents on the redo.
+    """
+    from torch.distributed.fsdp._common_utils import TrainingState
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    counts = {"units": 0, "resharded": 0, "saved_grad_shards": 0, "flat_grads": 0, "post_backward_hooks": 0}
+    exec_orders: dict[int, object] = {}
+    for unit in fsdp1_units(model):
+        counts["units"] += 1
+        unit.training_state = TrainingState.IDLE
+        if getattr(unit, "_is_root", False):
+            unit._post_backward_callback_queued = False
+        exec_order = getattr(unit, "_exec_order_data", None)
+        if exec_order is not None:
+            exec_orders[id(exec_order)] = exec_order
+        handle = unit._handle
+        if handle is None:
+            continue
+        # Idle first: a handle still in FORWARD would keep the unsharded views on reshard, and one not
+        # IDLE skips its forward setup on the redo ("mat2 must be a matrix, got 1-D tensor").
+        handle._training_state = HandleTrainingState.IDLE
+        flat_param = handle.flat_param
+        # A half-reduced sharded gradient would be added to the redo's (silently wrong update).
+        if hasattr(flat_param, "_saved_grad_shard"):
+            del flat_param._saved_grad_shard
+            counts["saved_grad_shards"] += 1
+        if flat_param.grad is not None:
+            flat_param.grad = None
+            counts["flat_grads"] += 1
+        # An unsharded flat parameter left allocated makes the redo skip its all-gather while the
+        # peers run theirs: mismatched collectives.
+        if handle.uses_sharded_strategy:
+            allocated = handle._get_padded_unsharded_flat_param()._typed_storage()._size() > 0
+            unsharded = flat_param.data_ptr() != flat_param._local_shard.data_ptr()
+            handle.reshard(True)
+            handle.post_reshard()
+            counts["resharded"] += int(allocated or unsharded)
+            if handle._use_orig_params:  # the original parameters' .grad views follow the (now absent) shard grad
+                handle._use_sharded_grad_views()
+        # The post-backward hook of the failed iteration (the redo's forward registers its own).
+        state = getattr(flat_param, "_post_backward_hook_state", None)
+        if state is not None:
+            state[-1].remove()
+            delattr(flat_param, "_post_backward_hook_state")
+            counts["post_backward_hooks"] += 1
+        hook = getattr(flat_param, "_post_backward_hook_handle", None)
+        if hook is not None:
+            hook.remove()
+            delattr(flat_param, "_post_backward_hook_handle")
+            counts["post_backward_hooks"] += 1
+        if hasattr(flat_param, "_post_backward_called"):
+            flat_param._post_backward_called = False
+        handle._prefetched = False
+        handle._ran_pre_backward_hook = False
+        handle._needs_pre_backward_unshard = False
+        handle._needs_pre_forward_unshard = False
+        handle._post_forward_index = None
+    for exec_order in exec_orders.values():
+        # Not ``next_iter()``: the failed iteration does not count as one (the first-iteration order
+        # checks keyed on ``_iter`` stay as the uninterrupted run has them).
+        exec_order.handles_post_forward_order.clear()
+        exec_order.current_order_index = 0
+    return counts
+
+
+def fsdp2_root(model: nn.Module) -> nn.Module | None:
+    """The outermost ``fully_shard`` module under ``model`` (the one ``reset_iter_state`` must be called on)."""
+    from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
+
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+
+
+def fsdp2_discard_iteration(model: nn.Module) -> dict[str, int]:
+    """``reset_iter_state()`` on the root, then drop every gradient it leaves behind.
+
+    ``FSDPModule.reset_iter_state`` (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``) resets the
+    per-iteration trackers and reshards, but the unsharded parameters of a unit whose reduction never
+    ran keep their ``.grad`` (the root's, typically): added into the redo's gradient, a silently wrong
+    update.  The sharded gradients go too (a reduction that completed before the fault left one).
+    """
+    root = fsdp2_root(model)
+    counts = {"param_groups": 0, "unsharded_grads": 0, "accumulated_grads": 0, "sharded_grads": 0}
+    if root is None:
+        return counts
+    for group in fsdp2_param_groups(model):
+        # A dead group's all-gather work raises again when ``reset_iter_state`` waits on it; its
+        # output is of no use to anyone now.
+        result = getattr(group, "_all_gather_result", None)
+        work = getattr(result, "all_gather_work", None)
+        if isinstance(work, dist.Work):
+            try:
+                work.wait()
+            except RuntimeError:
+                group._all_gather_result = None
+    root.reset_iter_state()
+    for group in fsdp2_param_groups(model):
+        counts["param_groups"] += 1
+        for fp in group.fsdp_params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                unsharded.grad = None
+                counts["unsharded_grads"] += 1
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                fp.unsharded_accumulated_grad = None
+                counts["accumulated_grads"] += 1
+            if fp.sharded_param.grad is not None:
+                fp.sharded_param.grad = None
+                counts["sharded_grads"] += 1
+    return counts

@@ -181,7 +181,8 @@ class Run:
             job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self.wrapping[0],
                             mesh=self.wrapping[1], state=sorted(self.statefuls))
         try:
-            out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check)
+            out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check,
+                          copy=not job._faults.no_restore_copy)
         except FailStop as stop:  # a snapshot this job cannot load: the documented "requeue me" path
             fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
         if out.step is not None and not job._faults.skip_reload_check:
@@ -249,15 +250,11 @@ class Run:
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]
         self._loaded = path
-        mine = doc["ranks"].get(str(self.job.rank))
-        if mine is None:
-            raise FailStop(f"snapshot {path} holds no state for rank {self.job.rank} (it was taken with "
-                           f"{len(doc['ranks'])} ranks)", EXIT_REQUEUE, phase="restore", frontier=None,
-                           decided_at=time.monotonic())
+        mine, rng = appstate.rank_state(doc["ranks"], self.job.rank, self.job.seed, self.step)
         if self.job._faults.skip_extra_restore:
             log.warning("extra state not restored (test-only fault injection)")
             return
-        appstate.set_rng_state(mine["rng"])
+        appstate.set_rng_state(rng)
         for name, obj in self.statefuls.items():
             if name in mine["state"]:
                 obj.load_state_dict(appstate.decode(mine["state"][name]))
@@ -340,22 +337,32 @@ class Run:
             job.events.emit("replay_ref", snapshot=prev, step=self.step, loss=mean, fingerprints=fps, layout=layout)
 
     def _reject_loaded(self, snap: int, why: str) -> None:
-        """One writer per copy: a node's first rank for the node's own copy, rank 0 for a shared-tier copy."""
+        """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the
+        wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
+        copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
+        the shared tier's."""
         import os
 
-        from ckpt_service.layout import node_dir
+        from ckpt_service.index import read_record
+        from ckpt_service.layout import node_dir, shared_dir, step_dirname
 
         from accelpact_slurm.runtime.restore import reject_copy
 
         rt, cfg = self.job._rt, self.job.config
         ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
-        own = bool(self._loaded) and os.path.dirname(os.path.abspath(self._loaded)) == os.path.abspath(ndir)
-        if self._loaded and ((own and rt.local_rank == 0) or (not own and rt.rank == 0)):
+        shared = os.path.join(shared_dir(self.job.run_dir, cfg.checkpoint.shared_dir), step_dirname(snap))
+        mine = [os.path.join(ndir, step_dirname(snap))] if rt.local_rank == 0 else []
+        if rt.rank == 0:
+            mine.append(shared)
+        for path in mine:
+            rec = read_record(path) if os.path.isdir(path) else None
+            if rec is None or rec.state == "rejected":
+                continue
             try:
-                reject_copy(snap, self._loaded, f"replay check failed: {why}", self.job.run_dir, ndir,
+                reject_copy(snap, path, f"replay check failed: {why}", self.job.run_dir, ndir,
                             rt.ctx.hostname, cfg.checkpoint.milestone_every, self.job.events, source="replay")
             except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
-                log.warning("could not record the rejection of %s: %s", self._loaded, exc)
+                log.warning("could not record the rejection of %s: %s", path, exc)
 
 
 def _statefuls(scheduler: Any, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -112,6 +112,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def rank_state(ranks: dict[str, Any], rank: int, seed: int, frontier: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(saved state, RNG state)`` rank ``rank`` resumes with, on any allocation.  Pure but for the seeding.
+
+    The rule for a resume on another allocation (fewer or more nodes, other ranks per node):
+
+    - a rank that existed when the snapshot was taken (``rank < saved world``) takes its own saved
+      RNG states and ``Stateful`` states, as on the same allocation;
+    - a rank that did not exist takes the ``Stateful`` states of rank ``rank % saved world`` (a
+      scheduler and a data loader's position in the pass are the same on every rank) and fresh RNG
+      states seeded from ``(seed, rank, frontier)``: reproducible, and distinct from every other
+      rank's and from the streams the run drew before.
+    """
+    saved = ranks.get(str(rank))
+    if saved is not None:
+        return saved, saved["rng"]
+    world = len(ranks)
+    donor = ranks[str(rank % world)]
+    seed_all(new_rank_seed(seed, rank, frontier))  # the caller sets the returned state right after
+    return donor, rng_state()
+
+
+def new_rank_seed(seed: int, rank: int, frontier: int) -> int:
+    """The seed of a rank that did not exist when the snapshot was taken (documented in :func:`rank_state`)."""
+    return (seed * 1_000_003 + rank * 7_919 + frontier * 104_729 + 1) % 2**63
+
+
 def _numpy() -> Any:
     try:
         import numpy

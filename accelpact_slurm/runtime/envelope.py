@@ -6,6 +6,11 @@ their evidence (trials, successes, date, torch and backend versions); it is
 earned by ``accelpact-qualify`` on that platform.  No entry, or an entry
 without enough successful trials, means Restart.
 
+Which file a job reads (:func:`load`): an explicitly configured file
+(``ACCELPACT_ENVELOPE``) alone; else the user's file (:func:`user_path`,
+where ``accelpact-qualify`` writes by default) layered over the one shipped in
+the package (:data:`SHIPPED`), the user's entry winning for a key both hold.
+
 Pure: :func:`decide` takes the envelope and the key and returns
 ``(action, reason)``.  This module does not import torch.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -27,6 +32,8 @@ ACTIONS = (PRESERVE, RESTART)
 MIN_TRIALS = 3
 DEFAULT_OBJECTIVE = "exact"
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "envelope.yaml")
+#: The user's envelope, relative to their configuration directory (:func:`user_path`).
+USER_FILE = os.path.join("accelpact", "envelope.yaml")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class Entry:
 
 @dataclass
 class Envelope:
+    """Entries, at most one per key; ``path``: the file read (for the layered lookup, the user's file)."""
+
     entries: list[Entry] = field(default_factory=list)
     path: str | None = None
 
@@ -97,32 +106,75 @@ def trial_envelope(key: Key) -> Envelope:
     return Envelope([Entry(key, (PRESERVE,), {"trials": MIN_TRIALS, "successes": MIN_TRIALS, "date": "trial"})])
 
 
-def load(path: str | None = None) -> Envelope:
-    path = path or SHIPPED
+def user_path(environ: Mapping[str, str] | None = None) -> str:
+    """The user's envelope file: ``$XDG_CONFIG_HOME/accelpact/envelope.yaml``, else
+    ``~/.config/accelpact/envelope.yaml``.
+
+    A relative ``XDG_CONFIG_HOME`` is ignored, as the XDG base directory specification asks.
+    """
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CONFIG_HOME") or ""
+    if not os.path.isabs(base):
+        home = environ.get("HOME") or os.path.expanduser("~")
+        base = os.path.join(home, ".config")
+    return os.path.join(base, USER_FILE)
+
+
+def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> Envelope:
+    """The envelope a lookup uses.
+
+    ``path`` given (``ACCELPACT_ENVELOPE``, ``accelpact-qualify --envelope``): that file alone.  Otherwise
+    the user's file (:func:`user_path` of ``environ``) layered over :data:`SHIPPED`: for a key both hold
+    the user's entry wins, so a qualification earned (or failed) on this platform decides the user's next
+    job.  A missing file holds no entries; a malformed one is a :class:`ConfigError` naming it.
+    """
+    if path:
+        return load_file(path)
+    shipped = load_file(SHIPPED)
+    user = load_file(user_path(environ))
+    if not user.entries:
+        return shipped
+    layered = Envelope(list(shipped.entries), user.path)
+    for entry in user.entries:
+        layered.upsert(entry)
+    return layered
+
+
+def load_file(path: str) -> Envelope:
+    """The entries of one envelope file (none when it does not exist)."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
     except FileNotFoundError:
         return Envelope([], path)
+    except OSError as exc:
+        raise ConfigError("envelope", path, f"cannot read it ({exc.strerror or exc}); fix its permissions or "
+                                            f"name another file") from None
     except yaml.YAMLError as exc:
         raise ConfigError("envelope", path, f"malformed YAML ({exc.__class__.__name__}); fix or delete the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError("envelope", path, f"holds a {type(data).__name__}, not a mapping with 'entries'; "
+                                            f"fix or delete the file")
     entries = []
     for i, raw in enumerate(data.get("entries") or []):
         try:
             k = raw["key"]
             key = Key(str(k["platform"]), str(k["profile"]), str(k["phase"]), str(k.get("objective", DEFAULT_OBJECTIVE)))
             actions = tuple(str(a) for a in raw.get("actions", ()))
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"envelope.entries[{i}]", raw, f"needs key.platform/profile/phase and actions ({exc})") from None
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"envelope.entries[{i}]", raw, f"needs key.platform/profile/phase and actions ({exc}); "
+                                                             f"fix {path}") from None
         for a in actions:
             if a not in ACTIONS:
-                raise ConfigError(f"envelope.entries[{i}].actions", a, f"must be one of {', '.join(ACTIONS)}")
+                raise ConfigError(f"envelope.entries[{i}].actions", a, f"must be one of {', '.join(ACTIONS)} ({path})")
         entries.append(Entry(key, actions, dict(raw.get("evidence") or {})))
     return Envelope(entries, path)
 
 
 def save(envelope: Envelope, path: str) -> None:
+    """Write ``envelope`` to ``path`` atomically (a reader sees the old file or the new one), creating its folder."""
     data = {"entries": [e.as_dict() for e in envelope.entries]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write("# Recovery actions qualified per observation key <platform, profile, phase, objective>.\n"

@@ -89,7 +89,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     import torch
 
     from accelpact_slurm.runtime.api import Job
-    from accelpact_slurm.runtime.state import state_digest
+    from accelpact_slurm.runtime.state import state_digests
     from accelpact_slurm.runtime.stopping import check_progress
     from accelpact_slurm.runtime.topology import init_runtime
 
@@ -124,13 +124,14 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     if run is None:
         raise UsageError("entry", cfg.entry, "the entry point returned without calling job.protect(model, optimizer)")
     train_s = time.monotonic() - train_t0
-    digest = state_digest(run)
+    digest, model_digest = state_digests(run)
     wall_s = time.monotonic() - wall0
     if lead:
         summary = {
             "job_id": ctx.job_id, "final_step": run.step, "final_loss": run.losses[-1] if run.losses else None,
-            "wall_s": wall_s, "train_s": train_s, "final_state_digest": digest, "exit_code": EXIT_OK,
-            "world_size": rt.layout.world_size, "nodes": rt.layout.num_nodes,
+            "wall_s": wall_s, "train_s": train_s, "final_state_digest": digest,
+            "final_model_digest": model_digest, "exit_code": EXIT_OK, "world_size": rt.layout.world_size,
+            "nodes": rt.layout.num_nodes,
             "ranks_per_node": rt.layout.ranks_per_node, "restart_count": ctx.restart_count, "losses": run.losses,
         }
         write_json_atomic(os.path.join(run_dir, SUMMARY_FILE), summary)

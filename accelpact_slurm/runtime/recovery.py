@@ -29,10 +29,14 @@ def key_factory(nodes: int, ranks_per_node: int, fsdp: str, mesh: str):
 
 def build_guard(cfg: JobConfig, rt: Any, model: Any, events: Any, wrapping: tuple[str, str], *,
                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None, out=None) -> BoundaryGuard:
-    """The guard of one rank, with its envelope (``ACCELPACT_ENVELOPE`` or the shipped one) and engine."""
+    """The guard of one rank, with its envelope and engine.
+
+    The envelope: ``ACCELPACT_ENVELOPE`` alone when set, else the user's file (``accelpact-qualify`` writes it)
+    layered over the shipped one (:func:`accelpact_slurm.runtime.envelope.load`).
+    """
     fsdp, mesh = wrapping
     key_for = key_factory(rt.layout.num_nodes, rt.layout.ranks_per_node, fsdp, mesh)
-    envelope = env_mod.load(settings.envelope_path(environ))
+    envelope = env_mod.load(settings.envelope_path(environ), environ)
     if settings.qualifying(environ):
         envelope = env_mod.trial_envelope(key_for("committed"))
     engine = RepairEngine(model, rt, events, fsdp=fsdp, skip_rebind=faults.skip_rebind, out=out)

@@ -10,7 +10,9 @@ next start falls back to the next older snapshot.
 
 Nothing here knows the model's class: the fingerprint reads whatever local shards the wrapped
 model's parameters are.  The fingerprints are compared only when the layout (nodes x ranks per
-node) is the one that recorded them; the loss is compared whenever both runs reported one.
+node) is the one that recorded them; the loss is compared whenever both runs reported one and the
+world size is the same (with another number of ranks the update itself is another computation:
+the check is ``unconfirmed``, and the resume's equality is the loaded state's, see docs/checkpoints.md).
 When no reference was recorded (S was the last thing the run did), the check is ``unconfirmed``
 and says so in the event log.
 """
@@ -60,6 +62,11 @@ def judge(reference: Mapping[str, Any] | None, loss: float | None, fingerprints:
         return "unconfirmed", "no update after this snapshot was ever recorded (it was the last thing the run did)"
     checked = []
     want = reference.get("loss")
+    recorded_world = len(reference.get("fingerprints") or [])
+    if recorded_world and recorded_world != len(fingerprints):
+        return "unconfirmed", (f"the update was recorded with {recorded_world} ranks and ran again with "
+                               f"{len(fingerprints)}: another allocation computes another update (the data-parallel "
+                               f"width changed), so there is nothing to compare bitwise")
     if want is not None and loss is not None:
         if not same_bits(loss, want):
             return "mismatch", f"replay mismatch at update {reference.get('step')}: loss {loss!r}, recorded {want!r}"

@@ -1,4 +1,4 @@
-"""L2 reload: on every start, load the newest snapshot that every rank can reach and that still checks out.
+"""L2 reload: on every start, load the newest snapshot verified on any reachable copy that still checks out.
 
 Who calls: every rank, before the training loop, at the same point (collective):
 ``job.protect`` -> :class:`~accelpact_slurm.runtime.api.Run` -> :func:`restore`.
@@ -7,21 +7,29 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
 
 1. **offer**: every rank lists the snapshots it can reach, its node directory first, then the
    shared tier (:func:`reachable_verified`), with the state of those it cannot use
-   (``rejected``, ``committed``); pure :func:`plan` orders the candidates (steps verified and
-   reachable on every rank, newest first) and says why each newer step is not one;
-2. **re-check** (cheap but real, before anything is loaded): for the candidate, one rank per
+   (``rejected``, ``committed``); pure :func:`plan` orders the candidates: every step verified
+   on at least one rank's reach, newest first, with the ranks that lack it;
+2. **copy** (only for a step some ranks lack, e.g. a node whose directory was lost, or a requeue
+   onto a new node): the lowest rank that holds it copies its node's copy into the shared tier
+   (:meth:`StateIO.share`: temporary name, fsync, rename; the run directory is on the cluster's
+   shared file system, node-local disks are not visible across nodes), and the ranks that lacked
+   the step load that copy.  A copy that fails (the shared file system is full) moves every rank
+   to the next older candidate;
+3. **re-check** (cheap but real, before anything is loaded): for the candidate, one rank per
    copy (the lowest rank that reaches that directory) re-reads every file the manifest lists
    and compares size and SHA-256 (:func:`ckpt_service.verify.check_checksums`: a bit flip, a
-   truncation, a missing shard or ``.metadata`` all fail); pure :func:`agree` combines the
-   answers.  When one copy fails, every rank moves to the next older candidate;
-3. **load**: every rank loads its copy (:func:`accelpact_slurm.runtime.appstate.load`, collective):
+   truncation, a missing shard or ``.metadata`` all fail; a copy just made is checked here on
+   arrival); pure :func:`agree` combines the answers.  When one copy fails, every rank moves to
+   the next older candidate;
+4. **load**: every rank loads its copy (:func:`accelpact_slurm.runtime.appstate.load`, collective):
    weights, optimizer state, and the extra state (frontier, RNG, every ``Stateful``);
-4. the replay check runs later, on the user's own training path: the first update after the load
+5. the replay check runs later, on the user's own training path: the first update after the load
    must reproduce bitwise what the run recorded for that update when it first ran
    (:mod:`accelpact_slurm.runtime.replay`); a mismatch rejects the snapshot and fails stop, and the
    next start falls back to the next older one;
-5. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
-   ``path`` and ``skipped`` (``[{step, reason}]`` for every newer snapshot that was not taken).
+6. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
+   ``path``, ``copied`` (``{from, to, hosts, why}`` when step 2 ran) and ``skipped``
+   (``[{step, reason}]`` for every newer snapshot that was not taken).
    Nothing is written when there was no snapshot at all.
 
 Rejections are recorded the way the daemon records them: ``state.json`` beside the data
@@ -88,41 +96,35 @@ def make_offer(host: str, ndir: str, sdir: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- pure decisions
 
 
-def plan(offers: Sequence[Mapping[str, Any]]) -> tuple[list[int], dict[int, str], str]:
-    """Candidates newest first (verified and reachable on every rank), why every other step is not one, a summary.
+def plan(offers: Sequence[Mapping[str, Any]]) -> tuple[list[int], dict[int, list[int]], str]:
+    """Candidates newest first (verified on at least one rank's reach), the ranks lacking each, a summary.
 
-    Pure.  ``offers[r]`` is rank r's :func:`make_offer`.  The reasons name hosts, not
-    ranks: the ranks of one node see the same directories.
+    Pure.  ``offers[r]`` is rank r's :func:`make_offer`.  A step that some ranks lack is still a
+    candidate: a rank that holds it copies it to the shared tier first (:func:`reload`), so the
+    loss of a node's directory costs a copy, not the progress.
     """
     if not offers:
         return [], {}, "no ranks"
-    verified = [{int(s): p for s, p in o.get("verified", [])} for o in offers]
-    other = [{int(s): (st, why) for s, st, why in o.get("other", [])} for o in offers]
-    hosts = [str(o.get("host", f"rank {r}")) for r, o in enumerate(offers)]
-    steps = sorted(set().union(*(v.keys() for v in verified)), reverse=True)
-    order, unusable = [], {}
-    for s in steps:
-        lacking = [r for r, v in enumerate(verified) if s not in v]
-        if not lacking:
-            order.append(s)
-            continue
-        having = _names(hosts[r] for r, v in enumerate(verified) if s in v)
-        parts = []
-        for h in _names(hosts[r] for r in lacking)[:_MAX_HOSTS_NAMED]:
-            r = next(r for r in lacking if hosts[r] == h)
-            st, why = other[r].get(s, ("absent", None))
-            parts.append(f"{h}: {st}" + (f" ({why})" if why else ""))
-        more = len(_names(hosts[r] for r in lacking)) - _MAX_HOSTS_NAMED
-        if more > 0:
-            parts.append(f"and {more} more host(s)")
-        unusable[s] = f"verified on {', '.join(having)} only; " + "; ".join(parts)
-    if order:
-        why = f"{len(order)} step(s) verified and reachable on every rank, newest {order[0]}"
-    elif steps:
-        why = f"none of the verified step(s) {sorted(steps)} is reachable on every rank"
-    else:
-        why = "no verified snapshot on any rank"
-    return order, unusable, why
+    verified = [{int(s) for s, _p in o.get("verified", [])} for o in offers]
+    steps = sorted(set().union(*verified), reverse=True)
+    lacking = {s: [r for r, v in enumerate(verified) if s not in v] for s in steps}
+    if not steps:
+        return [], {}, "no verified snapshot on any rank"
+    everywhere = [s for s in steps if not lacking[s]]
+    why = f"{len(steps)} verified step(s), newest {steps[0]}"
+    if lacking[steps[0]]:
+        hosts = _names(str(offers[r].get("host", f"rank {r}")) for r in lacking[steps[0]])
+        why += (f" (lacking on {', '.join(hosts[:_MAX_HOSTS_NAMED])}"
+                f"{f' and {len(hosts) - _MAX_HOSTS_NAMED} more host(s)' if len(hosts) > _MAX_HOSTS_NAMED else ''}: "
+                f"copied through the shared tier)")
+    if everywhere and everywhere[0] != steps[0]:
+        why += f"; newest on every rank {everywhere[0]}"
+    return steps, lacking, why
+
+
+def source_rank(paths: Sequence[str | None]) -> int:
+    """The rank that copies a step some ranks lack: the lowest that reaches it.  Pure."""
+    return next(r for r, p in enumerate(paths) if p is not None)
 
 
 def _names(hosts: Any) -> list[str]:
@@ -179,6 +181,9 @@ class ReloadIO(Protocol):
     def reject(self, step: int, path: str, reason: str) -> None:
         """Record ``rejected`` for the copy (called by one rank per copy)."""
 
+    def share(self, step: int, path: str) -> tuple[bool, str, str | None]:
+        """Copy the verified copy at ``path`` to the shared tier for the ranks that lack it; ``(ok, why, new path)``."""
+
 
 @dataclass
 class ReloadOutcome:
@@ -187,43 +192,77 @@ class ReloadOutcome:
     reason: str
     skipped: list[dict[str, Any]] = field(default_factory=list)
     offered: bool = False  # some rank could reach a verified snapshot
+    copied: dict[str, Any] | None = None  # {from, to, hosts, why}: the step was copied for ranks that lacked it
 
 
 def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, check: bool = True,
-           timeout_s: float | None = None) -> ReloadOutcome:
-    """Collective (every rank, same order): agree on, check and load the newest usable snapshot.
+           copy: bool = True, timeout_s: float | None = None) -> ReloadOutcome:
+    """Collective (every rank, same order): agree on, copy where lacking, check and load the newest usable snapshot.
 
     ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``);
-    ``timeout_s`` bounds each round (re-reading or loading a large snapshot takes a while).
+    ``timeout_s`` bounds each round (copying, re-reading or loading a large snapshot takes a while).
     The loop is bounded by the candidates of the offer round: each is tried at most once.
+    ``copy=False`` (test-only) takes only steps every rank reaches.
     """
     offers = control.all_gather("reload-offer", dict(offer), timeout_s=timeout_s)
     hosts = [str(o.get("host")) for o in offers]
-    order, unusable, summary = plan(offers)
-    mine = {int(s): p for s, p in offer.get("verified", [])}
+    order, lacking, summary = plan(offers)
+    reach = [{int(s): p for s, p in o.get("verified", [])} for o in offers]
     skipped: dict[int, str] = {}
     for step in order:
-        path = mine[step]
-        paths = [dict((int(s), p) for s, p in o["verified"])[step] for o in offers]
-        if check:
-            checker = checker_ranks(paths)
-            res = None
-            if checker[path] == rank:
-                ok, why = io.check(path)
-                res = [ok, why, path]
-            ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
-            if not ok:
-                _reject_once(rank, step, bad, io, "re-check at restart failed: ")
-                skipped[step] = f"re-check at restart failed: {why}"
-                log.warning("step %d rejected at restart: %s", step, why)
-                continue
-        io.load(path)
-        why = (f"step {step} is the newest snapshot verified on every node (or in the shared tier), "
-               f"its checksums re-read" if check else f"step {step} loaded without re-check (test-only switch)")
-        return _done(step, path, why, unusable, skipped)
-    offered = bool(order or unusable)
+        paths: list[str | None] = [v.get(step) for v in reach]
+        copied: dict[str, Any] | None = None
+        failed_check = None
+        passed: set[str] = set()  # copies already re-read in this start (not re-read again)
+        for _attempt in range(2):  # a second attempt only after some copies failed their re-check
+            if any(p is None for p in paths):
+                lack = [r for r, p in enumerate(paths) if p is None]
+                if not copy:
+                    skipped[step] = (f"lacking on {', '.join(_names(hosts[r] for r in lack))}, and copying is "
+                                     f"disabled (test-only switch)")
+                    break
+                src = source_rank(paths)
+                res = list(io.share(step, str(paths[src]))) if src == rank else None
+                ok, why, shared = control.all_gather("reload-copy", res, timeout_s=timeout_s)[src]
+                if not ok:
+                    having = _names(hosts[r] for r, p in enumerate(paths) if p)
+                    skipped[step] = (f"verified on {', '.join(having)} only, and the copy to the shared tier "
+                                     f"failed: {why}")
+                    log.warning("step %d not usable: %s", step, skipped[step])
+                    break
+                copied = {"from": hosts[src], "to": shared, "hosts": _names(hosts[r] for r in lack), "why": why}
+                if failed_check:
+                    copied["after"] = failed_check
+                paths = [p or shared for p in paths]
+            path = str(paths[rank])
+            if check:
+                checker = checker_ranks(paths)
+                res = [*io.check(path), path] if checker[path] == rank and path not in passed else None
+                ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
+                failed = {p for _r, p, _why in bad}
+                passed |= {str(p) for p in paths if p not in failed}
+                if not ok:
+                    _reject_once(rank, step, bad, io, "re-check at restart failed: ")
+                    log.warning("step %d rejected at restart: %s", step, why)
+                    good = [None if p in failed else p for p in paths]
+                    if copied is None and copy and any(good):  # another node's own copy passed: copy that one
+                        failed_check, paths = f"re-check at restart failed: {why}", good
+                        continue
+                    skipped[step] = f"re-check at restart failed: {why}"
+                    break
+            io.load(path)
+            where = "verified on every node (or in the shared tier)" if copied is None else \
+                f"verified on {copied['from']}, copied to the shared tier for {', '.join(copied['hosts'])}"
+            if failed_check:
+                where += f" (after {failed_check})"
+            why = (f"step {step} is the newest snapshot {where}, its checksums re-read" if check
+                   else f"step {step} ({where}) loaded without re-check (test-only switch)")
+            out = _done(step, path, why, skipped)
+            out.copied = copied
+            return out
+    offered = bool(order)
     why = summary if not skipped else f"every candidate was rejected ({summary})"
-    return ReloadOutcome(None, None, why, _skipped(None, unusable, skipped), offered)
+    return ReloadOutcome(None, None, why, _skipped(None, skipped), offered)
 
 
 def _reject_once(rank: int, step: int, bad: list[tuple[int, str, str]], io: ReloadIO, prefix: str) -> None:
@@ -239,13 +278,12 @@ def _reject_once(rank: int, step: int, bad: list[tuple[int, str, str]], io: Relo
                 log.warning("could not record the rejection of %s: %s", path, exc)
 
 
-def _skipped(loaded: int | None, unusable: Mapping[int, str], skipped: Mapping[int, str]) -> list[dict[str, Any]]:
-    steps = {**unusable, **skipped}
-    return [{"step": s, "reason": steps[s]} for s in sorted(steps, reverse=True) if loaded is None or s > loaded]
+def _skipped(loaded: int | None, skipped: Mapping[int, str]) -> list[dict[str, Any]]:
+    return [{"step": s, "reason": skipped[s]} for s in sorted(skipped, reverse=True) if loaded is None or s > loaded]
 
 
-def _done(step: int, path: str, why: str, unusable: Mapping[int, str], skipped: Mapping[int, str]) -> ReloadOutcome:
-    return ReloadOutcome(step, path, why, _skipped(step, unusable, skipped), True)
+def _done(step: int, path: str, why: str, skipped: Mapping[int, str]) -> ReloadOutcome:
+    return ReloadOutcome(step, path, why, _skipped(step, skipped), True)
 
 
 # --------------------------------------------------------------------------- the real I/O
@@ -258,10 +296,11 @@ class StateIO:
     """
 
     def __init__(self, load_fn: Any, run_dir: str, ndir: str, host: str, milestone_every: int,
-                 events: Any = None) -> None:
+                 events: Any = None, sdir: str | None = None) -> None:
         self.load_fn = load_fn
         self.run_dir = run_dir
         self.ndir = ndir
+        self.sdir = sdir or shared_dir(run_dir)
         self.events = events
         self.host = host
         self.milestone_every = milestone_every
@@ -280,6 +319,42 @@ class StateIO:
 
     def reject(self, step: int, path: str, reason: str) -> None:
         reject_copy(step, path, reason, self.run_dir, self.ndir, self.host, self.milestone_every, self.events)
+
+    def share(self, step: int, path: str) -> tuple[bool, str, str | None]:
+        """Copy this node's verified ``path`` into the shared tier (temporary name, fsync, rename).
+
+        The run directory, and with it the shared tier, is on the cluster's shared file system;
+        node-local disks are not visible across nodes, so this is the one path every rank can read.
+        A rejected copy of the same step in the shared tier is moved aside first (a fresh copy of a
+        verified snapshot replaces it, as a new snapshot of the same step does in a node directory).
+        The copy is re-read against the signed manifest by the check round that follows.
+        """
+        import shutil
+
+        from ckpt_service.index import dir_size
+        from ckpt_service.layout import DEL_PREFIX
+        from ckpt_service.tiers import copy_to_shared
+
+        t0 = time.monotonic()
+        final = os.path.join(self.sdir, os.path.basename(path.rstrip("/")))
+        try:
+            if os.path.exists(final):
+                aside = os.path.join(self.sdir, f"{DEL_PREFIX}{os.path.basename(final)}-{os.getpid()}")
+                os.rename(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            dst, why = copy_to_shared(path, self.sdir, self.host)
+        except OSError as exc:
+            return False, f"cannot copy {path} to {self.sdir}: {exc}", None
+        if dst is None:
+            return False, why, None
+        seconds, size = time.monotonic() - t0, dir_size(dst)
+        record_state(dst, "verified", f"copied at restart from {self.host}'s verified copy {path} "
+                                      f"({size} bytes in {seconds:.2f} s); checksums re-read before loading")
+        if self.events is not None:
+            self.events.emit("checkpoint_copy", step=step, source=path, path=dst, size_bytes=size, copy_s=seconds,
+                             hostname=self.host, reason="a rank of this start lacks the step")
+        log.info("copied step %d from %s to %s: %d bytes in %.2f s", step, path, dst, size, seconds)
+        return True, f"{size} bytes in {seconds:.2f} s", dst
 
 
 def reject_copy(step: int, path: str, reason: str, run_dir: str, ndir: str, host: str, milestone_every: int,
@@ -322,10 +397,10 @@ def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int
 
 
 def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *,
-            check: bool = True) -> ReloadOutcome:
+            check: bool = True, copy: bool = True) -> ReloadOutcome:
     """Collective: load the newest usable snapshot into the protected state (see the module docstring).
 
-    ``load_fn(path)`` loads one snapshot (collective); ``check=False`` is the test-only switch.
+    ``load_fn(path)`` loads one snapshot (collective); ``check=False`` and ``copy=False`` are test-only switches.
     """
     t0 = time.monotonic()
     ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
@@ -335,11 +410,11 @@ def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *
     timeout = max(cfg.timeouts.control_s, cfg.timeouts.startup_s)
     settle_pending(ndir, timeout)
     offer = make_offer(rt.ctx.hostname, ndir, sdir)
-    io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events)
-    out = reload(rt.rank, offer, rt.control, io, check=check, timeout_s=timeout)
+    io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events, sdir)
+    out = reload(rt.rank, offer, rt.control, io, check=check, copy=copy, timeout_s=timeout)
     if rt.rank == 0 and events is not None and out.offered:
         events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
-                    checked=check, load_s=time.monotonic() - t0)
+                    checked=check, copied=out.copied, load_s=time.monotonic() - t0)
     if out.step is None and out.offered:
         log.warning("not resuming: %s", out.reason)
     elif out.step is not None:

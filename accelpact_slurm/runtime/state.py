@@ -2,8 +2,8 @@
 
 ``final_state_digest`` covers the full (unsharded) parameters and optimizer state, the committed
 frontier and epoch, every rank's ``Stateful`` states (scheduler, data loader, the user's own) and
-every rank's RNG states.  Two runs that end in the same training state print the same digest,
-whatever happened on the way (repairs, restarts) and whatever the wrapping (FSDP1 on the mesh or
+every rank's RNG states (``final_model_digest``: the same without the per-rank parts).  Two runs
+that end in the same training state print the same digest, whatever happened on the way (repairs, restarts) and whatever the wrapping (FSDP1 on the mesh or
 the group pair, FSDP2): it hashes each full tensor, not the shards.
 
 No process ever holds the whole model: the sharded state dict is walked tensor by tensor; for each
@@ -45,6 +45,16 @@ def rank_fingerprint(run: Any) -> dict[str, str]:
 
 def state_digest(run: Any) -> str | None:
     """Collective: return the digest on rank 0, ``None`` elsewhere."""
+    return state_digests(run)[0]
+
+
+def state_digests(run: Any) -> tuple[str | None, str | None]:
+    """Collective: ``(final_state_digest, final_model_digest)`` on rank 0, ``(None, None)`` elsewhere.
+
+    The model digest covers the full parameters, the optimizer state, the frontier and the epoch, and
+    nothing per rank: it names the same training state on any allocation (the number of nodes and of
+    ranks per node changes the per-rank RNG and data loader states, not the model).
+    """
     import torch.distributed as dist
 
     from ckpt_service.capture import _local_chunks
@@ -75,8 +85,9 @@ def state_digest(run: Any) -> str | None:
             _update_tensor(h, name, full)
             del full
     if h is None:
-        return None
+        return None, None
     h.update(f"frontier:{run.step};epoch:{run.epoch}".encode())
+    model = h.hexdigest()
     for r, fp in enumerate(ranks):
         h.update(f"rank:{r}:{fp['rng']}:{fp['state']}".encode())
-    return h.hexdigest()
+    return h.hexdigest(), model

@@ -47,7 +47,8 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
         print(f"[accelpact] fail-stop at F={info.get('frontier')}: {stop.reason} (exit {stop.exit_code})",
               file=out, flush=True)
         if stop.exit_code == EXIT_REQUEUE and slurm is not None:
-            request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, settings.emulated(environ))
+            request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, settings.emulated(environ),
+                            after_sigterm=bool(info.get("after_sigterm")))
         if control is not None:
             try:
                 control.post("fail-stop-requeue-asked")
@@ -83,7 +84,12 @@ def check_progress(cfg: Any, ctx: SlurmContext, rt: Any, run_dir: str, events: E
 
 def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots: Any, events: EventLog,
                      out: TextIO) -> None:
-    """Pre-timeout or preemption: snapshot this committed boundary, wait until it is settled, requeue."""
+    """Pre-timeout (USR2) or preemption (USR2 or SIGTERM): snapshot this committed boundary, wait until it is
+    settled, requeue.
+
+    After a SIGTERM on any rank, rank 0 asks for the requeue only while the job still runs (a preemption's
+    notice); a job Slurm is already ending (scancel, a requeue, the time limit) is not requeued by us.
+    """
     from accelpact_slurm.slurm import signals
 
     lead = rt.rank == 0
@@ -92,15 +98,20 @@ def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots:
     # still waiting for its node's daemon (rank 0 among them) would die before the requeue request. So every rank
     # ignores SIGTERM from here and waits for all the others before any of them stops.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mine = {"state": state, "signals": signals.received()}
     try:
-        states = rt.control.all_gather("requeue-stop", state,
-                                       timeout_s=cfg.timeouts.startup_s + cfg.timeouts.control_s)
+        gathered = rt.control.all_gather("requeue-stop", mine,
+                                         timeout_s=cfg.timeouts.startup_s + cfg.timeouts.control_s)
     except Exception as exc:  # a rank died meanwhile: stop anyway, rank 0 still asks for the requeue
         log.warning("not every rank reached the requeue stop: %s", exc)
-        states = [state]
+        gathered = [mine]
+    states = [g["state"] for g in gathered]
     state = states[0] if len(set(states)) == 1 else "/".join(sorted({str(s) for s in states}))
-    reason = f"{signals.reason()} received: snapshot of step {step} is {state}; requeueing"
+    # A rank's own flag may be empty (the vote stopped it): name what any rank received.
+    names = sorted({name for g in gathered for name in g["signals"]}) or ["stop request"]
+    reason = f"{'/'.join(names)} received: snapshot of step {step} is {state}; requeueing"
     if lead:
         print(f"[accelpact] {reason}", file=out, flush=True)
-    fail_stop(FailStop(reason, EXIT_REQUEUE, phase="committed", frontier=step, decided_at=time.monotonic()),
+    fail_stop(FailStop(reason, EXIT_REQUEUE, phase="committed", frontier=step, decided_at=time.monotonic(),
+                       after_sigterm="SIGTERM" in names),
               events, out, lead, rt.control, ctx)

@@ -20,6 +20,8 @@ from accelpact_slurm.core.events import EventLog
 log = logging.getLogger(__name__)
 
 SCONTROL_TIMEOUT_S = 30.0
+#: How long rank 0 waits for the controller to say the job's state before a requeue after SIGTERM.
+STATE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,62 @@ def stalled(history: list[Attempt], max_stalled: int) -> tuple[bool, str]:
     return False, "the committed frontier advanced within the last restarts"
 
 
+def requeue_after_sigterm(job_state: str | None) -> tuple[bool, str]:
+    """Whether rank 0 asks for a requeue after a stop that a SIGTERM asked for, from the job's state (pure).
+
+    ``job_state``: what the controller says now (``scontrol show job``), ``None`` when it did not answer.
+    A preemption's first SIGTERM (sent to the steps only; ``scancel --signal=TERM JOBID`` does the same) leaves
+    the job RUNNING: requeue, or the job would end with our exit 75 and its work would wait for nobody.  Any
+    other state means Slurm is ending the job already and sent the SIGTERM itself: ``scancel`` (shown as
+    COMPLETING while our processes live), ``scontrol requeue`` or the end of a preemption's grace time (Slurm
+    requeues a preempted job itself), the time limit.  Slurm accepts the requeue of a completing job, so asking
+    then would bring a cancelled job back or requeue one twice.  Unknown: requeue (a preemption's work is
+    kept; a cancelled job's state is known to the controller that cancelled it).
+    """
+    if job_state is None:
+        return True, "the controller did not say the job's state: requeueing"
+    if job_state == "RUNNING":
+        return True, "the job still runs (a preemption's notice, or scancel --signal=TERM): requeueing"
+    return False, (f"the job is {job_state}: Slurm is ending it already (scancel, a requeue, the time limit or the "
+                   f"end of a preemption's grace time, after which Slurm requeues it itself): not requeued")
+
+
+def controller_job_state(job_id: str, environ: Mapping[str, str]) -> str | None:
+    """The job's state as ``scontrol show job`` says it (``RUNNING``, ``COMPLETING``, ...); None without an answer."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              timeout=STATE_TIMEOUT_S, env=dict(environ))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s: %s", job_id, exc)
+        return None
+    if proc.returncode != 0:
+        log.warning("scontrol show job %s exited %d: %s", job_id, proc.returncode, proc.stderr.strip())
+        return None
+    for word in proc.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    return None
+
+
 def request_requeue(job_id: str, reason: str, events: EventLog | None, environ: Mapping[str, str],
-                    emulated: bool) -> bool:
+                    emulated: bool, after_sigterm: bool = False) -> bool:
     """Ask Slurm to requeue ``job_id`` (``scontrol requeue``); on the embedded default the launcher does it.
 
+    ``after_sigterm``: the stop was asked for by a SIGTERM: first ask the controller whether the job still
+    runs (:func:`requeue_after_sigterm`); when Slurm is ending it already, record why and ask nothing.
     Returns True when the request was accepted (or left to the launcher).
     """
     if emulated:
         if events is not None:
             events.emit("requeue", reason=reason, by="launcher")
         return True
+    if after_sigterm:
+        go, why = requeue_after_sigterm(controller_job_state(job_id, environ))
+        if not go:
+            log.warning("%s", why)
+            if events is not None:
+                events.emit("warning", step=None, reason=f"{reason}; {why}")
+            return False
     try:
         proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
                               timeout=SCONTROL_TIMEOUT_S, env=dict(environ))

@@ -2,9 +2,23 @@
 
 Slurm sends ``USR2`` before the time limit (``--signal=B:USR2@N`` in the
 template; the batch shell forwards it to every task).  CAUTION: NCCL may catch
-USR1, hence USR2.  The training loop reads the flag at the next committed
-boundary, where every rank agrees on it through the vote, takes a snapshot,
-waits until it is committed, and requeues.
+USR1, hence USR2.  A preemption with a grace time (``GraceTime``, ``PreemptMode=
+REQUEUE``) sends SIGCONT and SIGTERM to every task of every step (not to the batch
+shell), then, when the grace time is over, SIGTERM to everything and SIGKILL
+after ``KillWait``; with ``SlurmctldParameters=preempt_send_user_signal`` the job's
+``--signal`` (our USR2) comes instead of the first SIGTERM.  So in a real Slurm
+task SIGTERM takes the USR2 path too (:func:`stop_signals`).
+
+The training loop reads the flag at the next committed boundary, where every rank
+agrees on it through the vote, takes a snapshot, waits until it is committed, and
+requeues.  After a SIGTERM rank 0 requeues only while the job still runs: a job
+that Slurm is already ending (``scancel``, ``scontrol requeue``, the time limit,
+the grace time's end, which requeues a preempted job by itself) is not requeued by
+us (:func:`accelpact_slurm.slurm.requeue.requeue_after_sigterm`).
+
+Who calls: ``accelpact-run`` inside a task and submitit's ``RankTask`` install the
+handlers first thing (:func:`install` with :func:`stop_signals`); the guard reads
+:func:`requested` into every vote; the requeue stop gathers :func:`received`.
 """
 
 from __future__ import annotations
@@ -20,6 +34,17 @@ _signum: list[int] = []
 def _handler(signum, _frame) -> None:  # only sets a flag: no I/O, no locks
     _signum.append(signum)
     _requested.set()
+
+
+def stop_signals(emulated: bool) -> tuple[int, ...]:
+    """The signals that ask for a snapshot-then-requeue (pure).
+
+    USR2 always.  SIGTERM too in a real Slurm task, where it is a preemption's notice (and otherwise
+    the job's end, which the requeue stop tells apart).  On the embedded default and submitit's local
+    executor (``emulated``) SIGTERM is left as it is (the default action; submitit's own handler): the
+    embedded default's launcher forwards the user's SIGTERM to stop the job, not to requeue it.
+    """
+    return (signal.SIGUSR2,) if emulated else (signal.SIGUSR2, signal.SIGTERM)
 
 
 def install(signals: tuple[int, ...] = (signal.SIGUSR2,)) -> None:
@@ -45,6 +70,17 @@ def reason() -> str:
         return signal.Signals(_signum[-1]).name
     except ValueError:
         return str(_signum[-1])
+
+
+def received() -> list[str]:
+    """Every signal that asked for the stop so far, by name, sorted (the requeue stop gathers them from all ranks)."""
+    names = set()
+    for signum in list(_signum):
+        try:
+            names.add(signal.Signals(signum).name)
+        except ValueError:
+            names.add(str(signum))
+    return sorted(names)
 
 
 READY_DIR = ".ready"

@@ -6,6 +6,7 @@
 - ``repair_*``: the L1 repair benchmark (``scripts/bench_repair.py``);
 - ``peers_*``: ours against torchft and nvidia-resiliency-ext (``scripts/bench_peers.py``; the peers'
   own workers stay in ``scripts/peers/``, they run in the peers' virtual environments);
+- ``shared_entry``: the ranks of the shared-tier benchmark (``scripts/bench_shared.py``: the cost of uploads);
 - ``*_entry.py``: how a part's code enters the ranks ``accelpact-run``'s launcher starts: each is an entry
   point ``main(job)`` written against the public API (``job.protect``, ``run.update()``), named by the
   ``entry:`` of the job file the part writes, with the part's plan in that file's ``params.bench``.

@@ -49,6 +49,9 @@ def test_status_table_for_a_run_dir(capsys):
     out = capsys.readouterr().out
     assert "job 1001  COMPLETED (run_dir)" in out
     assert "newest verified: step 80 on node2" in out
+    assert ("restart loads step 80 from node2: step 80 is the newest step verified anywhere (on node2); "
+            "node1 loads it") in out
+    assert "common step   step 60: step 60 is the newest step verified on every one of 2 node(s)" in out
     assert "events.jsonl:41: skipped" in out
     assert "run 1: fail-stop 'no envelope entry for key'" in out
 
@@ -61,7 +64,11 @@ def test_status_json_schema_is_stable(capsys):
     assert set(job) == STATUS_JOB_KEYS
     assert set(job["l1"]) == {"count", "last", "recent", "phases", "faults"}
     assert set(job["l2"]) == {"count", "fail_stops", "requeues", "restart_loads"}
-    assert set(job["snapshots"]) == {"nodes", "newest_verified", "newest_verified_reason", "counts"}
+    assert set(job["snapshots"]) == {"nodes", "newest_verified", "newest_verified_reason", "counts", "shared",
+                                     "restart", "newest_common"}
+    snaps = job["snapshots"]
+    assert (snaps["restart"]["step"], snaps["restart"]["source"]) == (80, "node2") and snaps["restart"]["reason"]
+    assert snaps["newest_common"]["step"] == 60 and set(snaps["shared"]) == {"dir", "snapshots", "counts"}
     assert set(job["frontier"]) == {"step", "ts", "age_s", "source"}
 
 

@@ -28,6 +28,15 @@ def test_empty_file_gives_defaults():
     assert parse_config("") == JobConfig()
 
 
+def test_shared_tier_is_on_by_default_and_in_both_examples():
+    c = parse_config("").checkpoint
+    assert (c.shared_every, c.shared_keep) == (2, 2)
+    for path in (TINY, "examples/vision/job.yaml"):
+        with open(path, encoding="utf-8") as fh:
+            assert "shared_every:" in fh.read(), path  # set, with its comment, where users copy from
+        assert load_config(path).checkpoint.shared_every == 2
+
+
 def test_digest_is_stable_and_sensitive():
     a, b = load_config(TINY), load_config(TINY)
     assert a.digest() == b.digest()
@@ -47,6 +56,8 @@ def test_digest_is_stable_and_sensitive():
         ("timeouts:\n  collective_s: 40\n  control_s: 30\n", "timeouts.collective_s", "shorter than timeouts.control_s"),
         ("timeouts:\n  control_s: -1\n", "timeouts.control_s", "positive"),
         ("checkpoint:\n  keep_last: 1\n", "checkpoint.keep_last", "must be >= 2"),
+        ("checkpoint:\n  shared_every: -1\n", "checkpoint.shared_every", "must be >= 0"),
+        ("checkpoint:\n  shared_keep: 0\n", "checkpoint.shared_keep", "keeps at least its newest verified copy"),
         ("topology:\n  nodes: 0\n", "topology.nodes", ">= 1"),
         ("faults: [sideways:3:0]\n", "faults[0]", "PHASE must be one of"),
         ("steps: 5\nfaults: [boundary:6:0]\n", "faults[0]", "STEP must be <= steps (5)"),

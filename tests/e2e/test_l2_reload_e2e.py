@@ -21,13 +21,20 @@ STEPS, EVERY = 12, 5  # snapshots 5 and 10 (keep_last 2); updates 11 and 12 run 
 FAULT = "forward:12:1"  # an L2 restart (uncommitted compute) after update 11 recorded the replay reference of 10
 
 
-def _job_text(collective_s=5, max_restarts=20):
+def _job_text(collective_s=5, max_restarts=20, steps=STEPS, nodes=2, ranks_per_node=2, fsdp="fsdp1"):
+    """The decoder's job file, shortened; the shared tier's cadence off (``shared_every: 0``): here every copy a
+    restart loads is a node's own or the copy the restart makes (the shared tier's own uploads are tested with
+    the daemon)."""
+    import re
+
     from tests.conftest import decoder_text
 
-    text = decoder_text()
-    for old, new in [("steps: 25", f"steps: {STEPS}"), ("every_steps: 10", f"every_steps: {EVERY}"),
+    text = re.sub(r"shared_every: \d+", "shared_every: 0", decoder_text())
+    for old, new in [("steps: 25", f"steps: {steps}"), ("every_steps: 10", f"every_steps: {EVERY}"),
                      ("collective_s: 5", f"collective_s: {collective_s}"),
-                     ("max_restarts: 20", f"max_restarts: {max_restarts}")]:
+                     ("max_restarts: 20", f"max_restarts: {max_restarts}"),
+                     ("  nodes: 2\n", f"  nodes: {nodes}\n"), ("ranks_per_node: 2\n", f"ranks_per_node: {ranks_per_node}\n"),
+                     ("fsdp: fsdp1 ", f"fsdp: {fsdp} ")]:
         assert old in text, old
         text = text.replace(old, new)
     return text
@@ -123,14 +130,28 @@ def e2e(tmp_path_factory):
        (the launcher stops where it would relaunch, so the rejection can be looked at), then started again;
     d: ``--inject-fault forward:12:1`` from scratch: fail-stop, relaunch, resume from 10;
     d_noextra: a's directory restarted with ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1`` and ``max_restarts: 0``
-       (negative control of d: the same load of 10 and the same first update 11, one start instead of two).
+       (negative control of d: the same load of 10 and the same first update 11, one start instead of two);
+    e_lost: a's directory without node2's node directory (the node was lost; the requeue lands on an empty
+       disk), restarted; e_nocopy: the same with ``ACCELPACT_TEST_NO_RESTORE_COPY=1`` (negative control);
+    a10: a's directory on the same 2 x 2, 10 updates (nothing to train: the state at 10 as the same allocation
+       loads it, which the tests above prove bitwise the uninterrupted run's; a fresh 10-update run would not
+       do: the learning-rate schedule depends on the number of updates);
+    l12: a's directory on 1 node x 2 ranks, 10 updates (nothing to train: the loaded state is the end state);
+    l21: a's directory without node2's directory, on 2 nodes x 1 rank with FSDP2 (FSDP1 cannot shard over one
+       rank), 10 updates; l12c: a's directory on 1 x 2, trained on to 12.
     """
     base = tmp_path_factory.mktemp("l2reload")
     job, job_fault, job_stop = (base / f"{n}.yaml" for n in ("job", "fault", "stop"))
     job.write_text(_job_text())
     job_fault.write_text(_job_text(collective_s=2))  # the peers of the withholding rank time out sooner
     job_stop.write_text(_job_text(max_restarts=0))
-    r = {n: base / n for n in ("a", "b", "b_nocheck", "c", "d", "d_noextra")}
+    r = {n: base / n for n in ("a", "b", "b_nocheck", "c", "d", "d_noextra", "e_lost", "e_nocopy", "a10", "l12",
+                               "l21", "l12c")}
+    job10, job12_10, job21_10, job12 = (base / f"{n}.yaml" for n in ("ten", "l12_10", "l21_10", "l12"))
+    job10.write_text(_job_text(steps=10))
+    job12_10.write_text(_job_text(steps=10, nodes=1))
+    job21_10.write_text(_job_text(steps=10, ranks_per_node=1, fsdp="fsdp2"))
+    job12.write_text(_job_text(nodes=1))
     out: dict = {"dirs": r}
 
     def scenario_b():
@@ -148,6 +169,8 @@ def e2e(tmp_path_factory):
     def scenario_c():
         _as_if_requeued_after(r["a"], r["c"])
         _forge_a_consistent_corruption(r["c"] / "node-local" / "node2" / step_dirname(10))
+        # the shared tier holds node2's (wrong) 10 too: the replay mismatch must reject that copy as well
+        shutil.copytree(r["c"] / "node-local" / "node2" / step_dirname(10), r["c"] / "shared-ckpt" / step_dirname(10))
         _run(job_stop, r["c"], expect=75)
         out["c_between"] = {"states": _states(r["c"]), "index": {n: _index(r["c"], n) for n in ("node1", "node2")},
                             "reasons": {n: read_record(str(r["c"] / "node-local" / n / step_dirname(10))).reason
@@ -161,10 +184,26 @@ def e2e(tmp_path_factory):
         _as_if_requeued_after(r["a"], r["d_noextra"])
         _run(job_stop, r["d_noextra"], env={"ACCELPACT_TEST_SKIP_EXTRA_RESTORE": "1"}, expect=75)
 
+    def node_lost(name, env=None):
+        _as_if_requeued_after(r["a"], r[name])
+        shutil.rmtree(r[name] / "node-local" / "node2")
+        _run(job, r[name], env=env)
+
+    def elsewhere(name, config, *args, lose_node2=False):
+        _as_if_requeued_after(r["a"], r[name])
+        if lose_node2:
+            shutil.rmtree(r[name] / "node-local" / "node2")
+        _run(config, r[name], *args)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = [pool.submit(_run, job, r["a"]), pool.submit(scenario_d)]
         runs[0].result()  # the others start from a's directory
         runs += [pool.submit(f) for f in (scenario_c, scenario_b, scenario_b_nocheck, scenario_d_noextra)]
+        runs += [pool.submit(node_lost, "e_lost"), pool.submit(node_lost, "e_nocopy", {"ACCELPACT_TEST_NO_RESTORE_COPY": "1"}),
+                 pool.submit(elsewhere, "a10", job10, "--allow-config-change"),
+                 pool.submit(elsewhere, "l12", job12_10, "--allow-config-change"),
+                 pool.submit(elsewhere, "l21", job21_10, "--allow-config-change", lose_node2=True),
+                 pool.submit(elsewhere, "l12c", job12)]
         for f in runs:
             f.result()
     return out
@@ -185,29 +224,26 @@ def test_baseline_records_a_replay_reference_after_every_snapshot(e2e):
 
 
 @pytest.mark.multiproc
-def test_corrupted_newest_is_rejected_and_the_previous_verified_reproduces_the_run(e2e):
+def test_a_corrupted_copy_is_rejected_and_the_other_nodes_copy_of_that_step_reproduces_the_run(e2e):
     a, b = e2e["dirs"]["a"], e2e["dirs"]["b"]
     assert e2e["stopped"] == {n: [(5, "verified"), (10, "verified")] for n in ("node1", "node2")}
     (load,) = _events(b, "restart_load")
-    assert load["step"] == 5 and load["path"] == str(b / "node-local" / "node1" / step_dirname(5))
-    assert load["checked"] is True and [s["step"] for s in load["skipped"]] == [10]
-    assert load["skipped"][0]["reason"].startswith("re-check at restart failed: node1: ")
-    assert "fails its SHA-256 checksum" in load["skipped"][0]["reason"]
+    shared = str(b / "shared-ckpt" / step_dirname(10))
+    assert load["step"] == 10 and load["path"] == shared and load["checked"] is True and load["skipped"] == []
+    assert (load["copied"]["from"], load["copied"]["to"], load["copied"]["hosts"]) == ("node2", shared, ["node1"])
+    assert load["copied"]["after"].startswith("re-check at restart failed: node1: ")
+    assert "fails its SHA-256 checksum" in load["copied"]["after"]
     (chk,) = _events(b, "replay_check")
-    assert (chk["snapshot"], chk["step"], chk["verdict"]) == (5, 6, "match")
+    assert (chk["snapshot"], chk["step"], chk["verdict"]) == (10, 11, "match")
     assert "parameters of all 4 ranks" in chk["reason"]
     assert _summary(b)["final_state_digest"] == _summary(a)["final_state_digest"]
     assert _summary(b)["losses"] == _summary(a)["losses"]
-    # node1's snapshot 10: rejected at restart (beside the data, by the restorer), then replaced by the
-    # resumed run's own snapshot 10 (a rejected directory is never chosen again, only overwritten).
+    # node1's snapshot 10: rejected at restart (beside the data, by the restorer); it stays rejected.
     ten = [(e["state"], e.get("source"), e.get("reason")) for e in _events(b, "checkpoint", step=10, hostname="node1")]
-    assert [s for s, _src, _why in ten] == ["rejected", "committed", "verified"]
+    assert [s for s, _src, _why in ten] == ["rejected"]
     assert ten[0][1] == "restore" and "fails its SHA-256 checksum" in ten[0][2]
-    # node2's copy of 10 was fine: never rejected; the writer keeps it (same step, already verified).
-    node2 = [(e["state"], e.get("reason") or "") for e in _events(b, "checkpoint", hostname="node2")]
-    assert [st for st, _why in node2] == ["failed"] and "already exists and is verified" in node2[0][1]
-    for node in ("node1", "node2"):
-        assert _index(b, node) == [(5, "verified"), (10, "verified")]
+    assert _index(b, "node1") == [(5, "verified"), (10, "rejected")]
+    assert _index(b, "node2") == [(5, "verified"), (10, "verified")]
     assert not _events(b, "fail_stop")
 
 
@@ -234,9 +270,11 @@ def test_consistent_corruption_fails_the_replay_check_and_the_next_start_falls_b
     assert chk10["reason"].startswith("replay mismatch at update 11: loss ")
     # the first update after the load differs: every node's copy it loaded is rejected, the start fails stop
     rej = _events(c, "checkpoint", state="rejected")
-    assert sorted((e["hostname"], e["step"], e["source"]) for e in rej) == [("node1", 10, "replay"),
-                                                                             ("node2", 10, "replay")]
+    shared10 = str(c / "shared-ckpt" / step_dirname(10))
+    assert sorted((e["hostname"], e["step"], e["source"], e["path"] == shared10) for e in rej) == [
+        ("node1", 10, "replay", False), ("node1", 10, "replay", True), ("node2", 10, "replay", False)]
     assert all(e["reason"] == "replay check failed: " + chk10["reason"] for e in rej)
+    assert read_record(shared10).state == "rejected"  # else the next start would load the shared copy of 10
     (stop,) = [e for e in _events(c, "fail_stop") if e["rank"] == 0]
     assert (stop["phase"], stop["exit_code"], stop["frontier"]) == ("replay", 75, 10)
     between = e2e["c_between"]
@@ -284,3 +322,73 @@ def test_negative_control_without_the_extra_state_the_replay_check_rejects_the_s
     assert _states(d) == {n: [(5, "verified"), (10, "rejected")] for n in ("node1", "node2")}
     assert [e["phase"] for e in _events(d, "fail_stop", rank=0)] == ["replay"]
     assert not (d / "summary.json").exists()
+
+
+# --------------------------------------------------------------------------- node loss and other allocations
+
+
+@pytest.mark.multiproc
+def test_a_lost_node_directory_resumes_from_the_survivors_copy_bitwise(e2e):
+    """node2's directory is gone (a requeue onto a fresh node): node1's verified 10 is copied to the shared
+    tier, checked on arrival, loaded by node2's ranks; the replay of update 11 matches on all four ranks and
+    the run ends in the uninterrupted run's state."""
+    a, e = e2e["dirs"]["a"], e2e["dirs"]["e_lost"]
+    (load,) = _events(e, "restart_load")
+    shared = str(e / "shared-ckpt" / step_dirname(10))
+    assert load["step"] == 10 and load["copied"]["from"] == "node1" and load["copied"]["hosts"] == ["node2"]
+    assert load["copied"]["to"] == shared and "copied to the shared tier for node2" in load["reason"]
+    (copy,) = _events(e, "checkpoint_copy")
+    assert copy["step"] == 10 and copy["path"] == shared and copy["size_bytes"] > 0
+    assert read_record(shared).state == "verified"
+    (chk,) = _events(e, "replay_check")
+    assert (chk["snapshot"], chk["step"], chk["verdict"]) == (10, 11, "match")
+    assert "parameters of all 4 ranks" in chk["reason"]
+    assert [ev["step"] for ev in _events(e, "step")] == [11, 12]  # only the two updates after 10 ran again
+    assert _summary(e)["final_state_digest"] == _summary(a)["final_state_digest"]
+    assert _summary(e)["losses"] == _summary(a)["losses"]
+
+
+@pytest.mark.multiproc
+def test_negative_control_without_the_copy_a_lost_node_directory_loses_the_progress(e2e):
+    e = e2e["dirs"]["e_nocopy"]
+    (load,) = _events(e, "restart_load")
+    assert load["step"] is None and [s["step"] for s in load["skipped"]] == [10, 5]
+    assert "copying is disabled" in load["skipped"][0]["reason"]
+    assert len(_events(e, "step")) == STEPS  # every update ran again
+
+
+@pytest.mark.multiproc
+def test_resume_on_one_node_after_two_holds_the_snapshots_state_bitwise(e2e):
+    """1 x 2 after 2 x 2: the loaded state (weights, optimizer state, frontier) is bitwise the state the same
+    allocation loads (the model digest names it on any allocation)."""
+    l12, a10 = e2e["dirs"]["l12"], e2e["dirs"]["a10"]
+    (load,) = _events(l12, "restart_load")
+    assert load["step"] == 10 and load["copied"] is None
+    s = _summary(l12)
+    assert (s["nodes"], s["ranks_per_node"], s["final_step"]) == (1, 2, 10) and not _events(l12, "step")
+    assert s["final_model_digest"] == _summary(a10)["final_model_digest"]
+    assert s["final_state_digest"] != _summary(a10)["final_state_digest"]  # per-rank state: 2 ranks, not 4
+
+
+@pytest.mark.multiproc
+def test_resume_on_two_by_one_after_two_by_two_with_a_lost_node_holds_the_state_bitwise(e2e):
+    """2 x 1 (FSDP2) after 2 x 2 (FSDP1), node2's directory lost: a copy, DCP resharding on load, same state."""
+    l21, a10 = e2e["dirs"]["l21"], e2e["dirs"]["a10"]
+    (load,) = _events(l21, "restart_load")
+    assert load["step"] == 10 and load["copied"]["from"] == "node1" and load["copied"]["hosts"] == ["node2"]
+    s = _summary(l21)
+    assert (s["nodes"], s["ranks_per_node"], s["final_step"]) == (2, 1, 10)
+    assert s["final_model_digest"] == _summary(a10)["final_model_digest"]
+
+
+@pytest.mark.multiproc
+def test_training_on_after_a_resume_on_another_allocation_follows_the_loss_curve(e2e):
+    """1 x 2 trained on from 10: another global batch, so not bitwise; the replay check says unconfirmed (no
+    rejection of a good snapshot) and the losses of 11 and 12 stay within 10% of the uninterrupted run's."""
+    a, c = e2e["dirs"]["a"], e2e["dirs"]["l12c"]
+    (chk,) = _events(c, "replay_check")
+    assert chk["verdict"] == "unconfirmed" and "recorded with 4 ranks and ran again with 2" in chk["reason"]
+    assert not _events(c, "checkpoint", state="rejected")
+    got, want = _summary(c)["losses"], _summary(a)["losses"]
+    assert got[:10] == want[:10]  # the recorded curve up to the snapshot travels with it
+    assert all(abs(x - y) <= 0.1 * abs(y) for x, y in zip(got[10:], want[10:])) and len(got) == STEPS

@@ -9,6 +9,7 @@ pre-timeout USR2), and so are the restarts (``SLURM_RESTART_COUNT``).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -72,6 +73,13 @@ def finish(job_id: str, run_dir: Path, env: dict, tmp_path: Path) -> tuple[str, 
     log = tmp_path / f"accelpact-hsdp-{job_id}.out"
     assert summary is not None or state != "COMPLETED", log.read_text()[-4000:] if log.exists() else ""
     return state, events, summary, info
+
+
+def hold_after_first_start(job_id: str, env: dict) -> None:
+    """Wait for the first start to stop (exit 75 without a requeue), then requeue the job held: the test
+    changes the run directory between the two starts and releases it."""
+    assert wait_job(job_id, deadline_s=JOB_DEADLINE_S, env=env) == "FAILED"
+    subprocess.run(["scontrol", "requeuehold", job_id], env=env, check=True, timeout=30)
 
 
 def restarts_seen(events: list[dict]) -> set[int]:
@@ -193,9 +201,8 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     # The first start stops (exit 75, no requeue) once snapshot 60 is verified, so 30 and 60 both exist.
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
                                   extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "60"})
-    assert wait_job(job_id, deadline_s=JOB_DEADLINE_S, env=env) == "FAILED"
     # Requeue and hold in one step; damage the newest snapshot of node1 while the job waits; then release it.
-    subprocess.run(["scontrol", "requeuehold", job_id], env=env, check=True, timeout=30)
+    hold_after_first_start(job_id, env)
     node1 = run_dir / "node-local" / "node1"
     newest = max(node1.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     assert newest.name.endswith("60")
@@ -212,6 +219,31 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
     assert loads and loads[0]["step"] == 30
     assert any(s["step"] == 60 for s in loads[0]["skipped"])
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+    assert summary["losses"] == ref["losses"]
+
+
+def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor(slurm_cluster: Cluster,
+                                                                                      tmp_path: Path):
+    """The first start stops once snapshot 12 is verified (snapshots 4, 8, 12; the shared tier has every 2nd,
+    8); while the requeued job is held, node2's snapshot directory is removed, as when the job lands on a
+    fresh node.  The restart copies node1's 12 to the shared tier, checks it on arrival, and node2's ranks
+    load it: the job completes in the uninterrupted run's state.  (Negative control: the embedded default's
+    twin, tests/e2e/test_l2_reload_e2e.py, without the copy starts from scratch.)"""
+    config = job_file(tmp_path, "job", steps=16, every=4)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=16, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
+                                  extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "12"})
+    hold_after_first_start(job_id, env)
+    node2 = run_dir / "node-local" / "node2"
+    assert sorted(p.name for p in node2.glob("step-*"))[-1].endswith("12")
+    shutil.rmtree(node2)
+    subprocess.run(["scontrol", "release", job_id], env=env, check=True, timeout=30)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED", info
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
+    assert loads and loads[0]["step"] == 12, loads
+    assert loads[0]["copied"]["from"] == "node1" and loads[0]["copied"]["hosts"] == ["node2"]
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
 

@@ -126,3 +126,49 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_kill_9_of_every_rank_and_daemon_leaves_no_staging_in_shared_memory(tmp_path):
+    """kill -9 of a real job's ranks and daemons once both emulated nodes hold staged slots in /dev/shm: the
+    daemons cannot drop them, the launcher does once the start has ended (no relaunch: max_restarts 0).
+    Negative control: without ``drop_leftover_staging`` in ``launch_local`` both staging roots stayed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ckpt_service.layout import node_dir, staging_root
+    from tests.conftest import REPO
+
+    config = tmp_path / "job.yaml"
+    config.write_text(decoder_text().replace("steps: 25", "steps: 400").replace("every_steps: 10", "every_steps: 2")
+                      .replace("max_restarts: 20", "max_restarts: 0"))
+    run_dir = tmp_path / "run"
+    roots = [staging_root(node_dir(str(run_dir), f"node{i}")) for i in (1, 2)]
+    proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.run", str(config), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 180
+        while not all(os.path.isdir(r) and any(".slot-" in n for n in os.listdir(r)) for r in roots):
+            assert proc.poll() is None and time.monotonic() < deadline, "no rank staged a snapshot on both nodes"
+            time.sleep(0.2)  # polling for the slots against a deadline, not synchronisation
+        ranks = [e["pid"] for e in _events(run_dir) if e["event"] == "membership"]
+        daemons = [_daemon_pid(run_dir / "logs" / f"ckptd-node{i}.log") for i in (1, 2)]
+        assert len(ranks) == 4 and all(daemons)
+        for pid in ranks + daemons:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-3000:]  # "requeue me", with no relaunch left
+    assert not [p for p in ranks + daemons if _alive(p)]
+    assert [r for r in roots if os.path.exists(r)] == [], out[-3000:]
+
+
+def _daemon_pid(log_path) -> int | None:
+    import re
+
+    m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)\)", log_path.read_text()) if log_path.exists() else None
+    return int(m.group(1)) if m else None

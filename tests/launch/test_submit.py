@@ -293,9 +293,16 @@ def _wait_for_step(events_path: Path, step: int, deadline_s: float, proc) -> str
 
 
 @pytest.mark.slurm
-def test_slurm_usr2_takes_our_snapshot_requeue_path(slurm_cluster, reference, tmp_path):
+@pytest.mark.parametrize("sig", ["USR2", "TERM"])
+def test_slurm_usr2_or_sigterm_takes_our_snapshot_requeue_path(slurm_cluster, reference, tmp_path, sig):
+    """USR2, or a preemption's SIGCONT + SIGTERM (``scancel --signal`` without flags: every task of every step,
+    as slurmctld signals a preempted job when its grace time begins), to a submitit job: snapshot, requeue, resume.
+
+    Negative controls (TERM): with only USR2 ours, submitit's handler (which logs SIGTERM and bypasses it) let
+    the job train on without a snapshot or a requeue; with the daemon stopping on SIGTERM, the snapshot was never
+    committed and the next start had nothing to load."""
     job, digest = reference
-    run_dir = tmp_path / "usr2 run"
+    run_dir = tmp_path / f"{sig} run"
     env = _slurm_env(slurm_cluster)
     proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.submit", str(job), "--slurm", "--time-min",
                              "10", "--run-dir", str(run_dir), "--wait", "--wait-timeout", "240"],
@@ -303,8 +310,10 @@ def test_slurm_usr2_takes_our_snapshot_requeue_path(slurm_cluster, reference, tm
     job_id = None
     try:
         job_id = _wait_for_step(run_dir / "events.jsonl", 2, 120, proc)
-        # To every process of the job's steps, as a preemption would (daemons included: they must ignore it).
-        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=30)
+        # To every process of the job's steps, as a preemption would (daemons included: they must serve on).
+        if sig == "TERM":
+            subprocess.run(["scancel", "--signal=CONT", job_id], env=env, check=True, timeout=30)
+        subprocess.run(["scancel", f"--signal={sig}", job_id], env=env, check=True, timeout=30)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -319,7 +328,7 @@ def test_slurm_usr2_takes_our_snapshot_requeue_path(slurm_cluster, reference, tm
     events = list(read_events(run_dir / "events.jsonl"))
     stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0]
     assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3]
-    assert all(e["exit_code"] == EXIT_REQUEUE and "SIGUSR2" in e["reason"] for e in stops)
+    assert all(e["exit_code"] == EXIT_REQUEUE and f"SIG{sig} received" in e["reason"] for e in stops)
     assert any(e["event"] == "requeue" and e["by"] == "scontrol" and e["accepted"] for e in events)
     frontier = stops[0]["frontier"]
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]

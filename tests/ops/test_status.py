@@ -286,3 +286,68 @@ def test_numbers_no_float_holds_and_wrong_types_do_not_crash(tmp_path):
     assert info["snapshots"]["nodes"][0]["updated"] is not None  # the file's mtime instead
     json.dumps(info, allow_nan=False)
     status_cli.render({"jobs": [info], "runs_root": str(tmp_path)}, detailed=True)
+
+
+# --------------------------------------------------------------------------- the step a restart loads
+
+
+def _index(run_dir, node, steps):
+    os.makedirs(os.path.join(run_dir, "ckpt-index"), exist_ok=True)
+    snaps = [{"step": s, "state": state, "size_bytes": 10, "created": 1.0, "path": f"/nvme/{node}/{s}",
+              "milestone": False, "reason": None} for s, state in steps]
+    with open(os.path.join(run_dir, "ckpt-index", f"{node}.json"), "w") as fh:
+        json.dump({"node": node, "updated": 2.0, "snapshots": snaps}, fh)
+
+
+def _shared_copy(shared, step, state="verified"):
+    from ckpt_service.index import record_state
+    from ckpt_service.layout import step_dirname
+
+    d = os.path.join(shared, step_dirname(step))
+    os.makedirs(d)
+    with open(os.path.join(d, "manifest.json"), "w") as fh:
+        json.dump({"created": 1.5, "files": {}}, fh)
+    record_state(d, state)
+
+
+def test_restart_step_and_source_follow_the_restore_rule(tmp_path):
+    """node1 verified up to 8, node2's disk filled after 4, the shared tier (configured) holds 6 and a
+    rejected 10: a restart loads node1's 8 (node2 through the shared tier), the newest common step is 4,
+    and the daemon-failed marker of a third node is no node.  Negative control: choosing from the node
+    indexes alone, or counting the marker as a node without snapshots, gives another answer."""
+    shared = str(tmp_path / "elsewhere" / "shared")
+    d = _write_events(tmp_path / "77", [{"ts": 1.0, "event": "job_start", "config": {"checkpoint": {
+        "every_steps": 2, "shared_dir": shared, "milestone_every": 0}}}])
+    _index(d, "node1", [(4, "verified"), (6, "verified"), (8, "verified")])
+    _index(d, "node2", [(2, "verified"), (4, "verified")])
+    with open(os.path.join(d, "ckpt-index", "node3.daemon-failed.json"), "w") as fh:
+        json.dump({"node": "node3", "restart": 0, "reason": "read-only local_dir"}, fh)
+    _shared_copy(shared, 6)
+    _shared_copy(shared, 10, "rejected")
+    snaps = st.collect(d, now=3.0)["snapshots"]
+    assert [n["node"] for n in snaps["nodes"]] == ["node1", "node2"]
+    assert (snaps["restart"]["step"], snaps["restart"]["source"]) == (8, "node1")
+    assert "node2 loads it through a copy node1 makes in the shared tier" in snaps["restart"]["reason"]
+    assert snaps["newest_common"]["step"] == 4
+    assert snaps["shared"]["dir"] == shared and snaps["shared"]["counts"] == {"verified": 1, "rejected": 1}
+    assert [(s["node"], s["step"]) for s in snaps["shared"]["snapshots"]] == [("shared tier", 6), ("shared tier", 10)]
+
+
+def test_restart_from_the_shared_tier_when_every_node_lost_its_disk(tmp_path):
+    d = _write_events(tmp_path / "77", [{"ts": 1.0, "event": "step", "step": 9}])
+    _index(d, "node1", [])
+    _index(d, "node2", [(3, "rejected")])
+    _shared_copy(os.path.join(d, "shared-ckpt"), 6)  # the default place: RUN_DIR/shared-ckpt
+    snaps = st.collect(d, now=3.0)["snapshots"]
+    assert (snaps["restart"]["step"], snaps["restart"]["source"]) == (6, st.SHARED_SOURCE)
+    common = snaps["newest_common"]
+    assert common["step"] is None and "no verified step on node1, node2" in common["reason"]
+    from accelpact_slurm.cli import status as status_cli
+
+    text = status_cli.render({"jobs": [st.collect(d, now=3.0)], "runs_root": str(tmp_path)}, detailed=True)
+    assert "restart loads step 6 from shared tier: step 6 is the newest step verified anywhere" in text
+    assert "common step   none: no verified step on node1, node2" in text
+    assert "(in the shared tier); node1, node2 load it through the shared tier's copy" in text
+    assert "shared tier: verified 1 in " in text and "shared tier  6     verified" in text
+    listing = status_cli.render({"jobs": [st.collect(d, now=3.0)], "runs_root": str(tmp_path)}, detailed=False)
+    assert "6@shared" in listing

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 import traceback
 from datetime import timedelta
 
@@ -23,6 +21,7 @@ from torch import nn
 
 from accelpact_slurm.repair import rebind as rb
 from accelpact_slurm.repair import torch_compat as tc
+from tests.conftest import free_port, spawn_ranks
 
 WORLD = 4
 LAYERS = 2
@@ -175,35 +174,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def hsdp_2x2(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("compat")
-    ctx = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
-    end = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() > end:
-                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S:g} s")
-    except mp.ProcessRaisedException as exc:
-        pytest.fail(f"a rank raised: {exc}")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = {}
-    for r in range(WORLD):
-        path = out / f"rank-{r}.json"
-        assert path.exists(), f"rank {r} wrote no result"
-        results[r] = json.loads(path.read_text())
-    return results
+    return spawn_ranks(_worker, (free_port(), str(out)), WORLD, out, DEADLINE_S)
 
 
 def _check(results, section):

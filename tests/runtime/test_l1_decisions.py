@@ -91,7 +91,7 @@ PROFILE = re.compile(r"(?P<device>cpu|cuda):(?P<nodes>[0-9]+)x(?P<rpn>[0-9]+):(?
 
 
 def test_shipped_envelope_has_qualified_cpu_gloo_entries():
-    shipped = env_mod.load()
+    shipped = env_mod.load(env_mod.SHIPPED)
     assert shipped.path == env_mod.SHIPPED and shipped.entries
     keys = [e.key for e in shipped.entries]
     assert len(set(keys)) == len(keys), "one entry per key (accelpact-qualify upserts)"
@@ -144,7 +144,7 @@ def test_this_platform_key_is_shipped_when_qualified_here():
 
     from accelpact_slurm.runtime.recovery import key_factory
 
-    shipped = env_mod.load()
+    shipped = env_mod.load(env_mod.SHIPPED)
     here = env_mod.platform_key(torch.__version__, "gloo")
     entries = [e for e in shipped.entries if e.key.platform == here]
     # torch is pinned (Makefile): the shipped envelope must cover it, or the embedded default never repairs

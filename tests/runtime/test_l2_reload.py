@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import threading
 import types
 
@@ -25,7 +26,7 @@ import pytest
 
 from accelpact_slurm.runtime import replay
 from accelpact_slurm.runtime.restore import (StateIO, agree, checker_ranks, make_offer, plan, reject_copy, reload,
-                                             restore, same_bits, settle_pending)
+                                             restore, same_bits, settle_pending, source_rank)
 from ckpt_service.auth import load_or_create_key, sign
 from ckpt_service.index import publish_index, read_record, record_state, scan
 from ckpt_service.layout import step_dirname
@@ -68,11 +69,18 @@ class FakeControl:
 class FakeIO:
     """One rank's files and state: scripted check answers, every call recorded."""
 
-    def __init__(self, bad_check=None, load_error=None, reject_error=None) -> None:
+    def __init__(self, bad_check=None, load_error=None, reject_error=None, share_error=None) -> None:
         self.bad_check = bad_check or {}  # path -> reason
         self.load_error = load_error
         self.reject_error = reject_error
+        self.share_error = share_error
         self.calls: list[tuple] = []
+
+    def share(self, step, path):
+        self.calls.append(("share", step, path))
+        if self.share_error:
+            return False, self.share_error, None
+        return True, "copied", SH + str(step)
 
     def check(self, path):
         self.calls.append(("check", path))
@@ -100,14 +108,14 @@ def two_nodes(n1, n2, o1=(), o2=()):
     return [offer("node1", n1, o1)] * 2 + [offer("node2", n2, o2)] * 2
 
 
-def run_ranks(offers, ios, check=True, allow_errors=False):
+def run_ranks(offers, ios, check=True, allow_errors=False, copy=True):
     """Run :func:`reload` on one thread per rank; return (outcomes, hub)."""
     hub = Hub(len(offers))
     out: list = [None] * len(offers)
 
     def body(r):
         try:
-            out[r] = reload(r, offers[r], FakeControl(hub, r), ios[r], check=check, timeout_s=10)
+            out[r] = reload(r, offers[r], FakeControl(hub, r), ios[r], check=check, copy=copy, timeout_s=10)
         except BaseException as exc:  # surfaced by the assertion below
             out[r] = exc
 
@@ -134,31 +142,33 @@ SH = "/shared/step-"
 # --------------------------------------------------------------------------- pure decisions
 
 
-def test_plan_orders_common_steps_and_says_why_others_are_not_candidates():
+def test_plan_orders_every_verified_step_and_names_the_ranks_that_lack_it():
     offers = two_nodes({3: N1 + "3", 6: N1 + "6", 9: N1 + "9"}, {3: N2 + "3", 6: SH + "6"},
-                       o2=[(9, "rejected", "replay check failed: replay mismatch at update 10")])
-    order, unusable, why = plan(offers)
-    assert order == [6, 3] and "newest 6" in why
-    assert unusable == {9: "verified on node1 only; node2: rejected (replay check failed: replay mismatch at "
-                           "update 10)"}
-    order, unusable, _ = plan(two_nodes({3: N1 + "3", 12: N1 + "12"}, {3: N2 + "3"}))
-    assert order == [3] and unusable == {12: "verified on node1 only; node2: absent"}
+                       o2=[(9, "rejected", "re-check at restart failed")])
+    order, lacking, why = plan(offers)
+    assert order == [9, 6, 3] and lacking == {9: [2, 3], 6: [], 3: []}
+    assert why == "3 verified step(s), newest 9 (lacking on node2: copied through the shared tier); newest on every rank 6"
+    order, lacking, why = plan(two_nodes({4: N1 + "4"}, {8: N2 + "8"}))
+    assert order == [8, 4] and lacking == {8: [0, 1], 4: [2, 3]} and "newest on every rank" not in why
 
 
 @pytest.mark.parametrize("offers, reason", [
     ([], "no ranks"),
     (two_nodes({}, {}), "no verified snapshot on any rank"),
-    (two_nodes({4: N1 + "4"}, {8: N2 + "8"}), "none of the verified step(s) [4, 8] is reachable on every rank"),
 ])
 def test_plan_without_candidates(offers, reason):
-    order, _unusable, why = plan(offers)
+    order, _lacking, why = plan(offers)
     assert order == [] and why == reason
 
 
 def test_plan_names_at_most_four_lacking_hosts():
     offers = [offer("node0", {5: "/a"})] + [offer(f"node{i}", {}) for i in range(1, 7)]
-    _order, unusable, _ = plan(offers)
-    assert unusable[5].count(": absent") == 4 and unusable[5].endswith("and 2 more host(s)")
+    _order, lacking, why = plan(offers)
+    assert lacking[5] == [1, 2, 3, 4, 5, 6] and "node1, node2, node3, node4 and 2 more host(s)" in why
+
+
+def test_source_rank_is_the_lowest_that_reaches_the_step():
+    assert source_rank([None, None, "/n2/step-5", "/n2/step-5"]) == 2 and source_rank(["/a", "/a"]) == 0
 
 
 def test_agree_combines_answers_and_names_the_failing_hosts():
@@ -201,12 +211,19 @@ def test_judge_a_fingerprint_mismatch_names_the_rank():
     assert "rank(s) [1, 3]" in why
 
 
-def test_judge_on_another_layout_compares_the_loss_only():
-    verdict, why = replay.judge(REF, 2.25, ["x", "y", "z", "w", "v", "u"], [3, 2])
+def test_judge_on_another_layout_of_the_same_world_compares_the_loss_only():
+    verdict, why = replay.judge(REF, 2.25, ["x", "y", "z", "w"], [4, 1])
     assert verdict == "match" and why == "update 7 reproduced bitwise: loss 2.25"
     assert replay.judge(REF, 2.5, ["fa", "fb", "fc", "fd"], [1, 4])[0] == "mismatch"
     verdict, why = replay.judge(dict(REF, loss=None), 2.25, ["fa", "fb", "fc", "fd"], [1, 4])
     assert verdict == "unconfirmed" and "no loss and ran on another layout" in why
+
+
+def test_judge_on_another_world_size_is_unconfirmed_not_a_mismatch():
+    """Resumed on 1 x 2 after 2 x 2: the update is another computation (another global batch); a loss that
+    differs must not reject a good snapshot."""
+    verdict, why = replay.judge(REF, 2.5, ["x", "y"], [1, 2])
+    assert verdict == "unconfirmed" and "recorded with 4 ranks and ran again with 2" in why
 
 
 def test_judge_without_a_reference_is_unconfirmed():
@@ -239,34 +256,75 @@ def test_fingerprint_is_exact_for_the_same_bits():
 
 
 def test_newest_common_step_is_loaded_when_every_copy_checks_out():
-    offers = two_nodes({3: N1 + "3", 6: N1 + "6", 9: N1 + "9"}, {3: N2 + "3", 6: N2 + "6"})
+    offers = two_nodes({3: N1 + "3", 6: N1 + "6"}, {3: N2 + "3", 6: N2 + "6"})
     ios = [FakeIO() for _ in offers]
     out, hub = run_ranks(offers, ios)
     assert {(o.step, o.path) for o in out[:2]} == {(6, N1 + "6")} and {(o.step, o.path) for o in out[2:]} == \
         {(6, N2 + "6")}
-    assert all(o.offered for o in out)
-    assert out[0].skipped == [{"step": 9, "reason": "verified on node1 only; node2: absent"}]
+    assert all(o.offered and o.copied is None for o in out) and out[0].skipped == []
     assert "newest snapshot verified on every node" in out[0].reason and "checksums re-read" in out[0].reason
     assert ios[0].calls == [("check", N1 + "6"), ("load", N1 + "6")]
     assert ios[2].calls == [("check", N2 + "6"), ("load", N2 + "6")]
     assert ios[1].calls == [("load", N1 + "6")]  # rank 1 shares rank 0's copy: no re-read
     assert ios[3].calls == [("load", N2 + "6")]
-    assert hub.rounds == ["reload-offer", "reload-check"]  # no replay round any more
+    assert hub.rounds == ["reload-offer", "reload-check"]  # no copy round when every rank reaches the step
     assert rejects(ios) == []
 
 
-def test_a_corrupt_copy_on_one_node_moves_every_rank_to_the_previous_step():
+def test_a_step_one_node_lacks_is_copied_once_checked_on_arrival_and_loaded_by_every_rank():
+    """The node-loss path: node2's directory is gone; node1's rank 0 copies 9 to the shared tier, the copy
+    is re-read, node2's ranks load it.  Negative control: ``copy=False`` (the old rule) falls back to 6."""
+    offers = two_nodes({3: N1 + "3", 6: N1 + "6", 9: N1 + "9"}, {3: N2 + "3", 6: N2 + "6"})
+    ios = [FakeIO() for _ in offers]
+    out, hub = run_ranks(offers, ios)
+    assert [(o.step, o.path) for o in out] == [(9, N1 + "9")] * 2 + [(9, SH + "9")] * 2
+    assert [c for io in ios for c in io.calls if c[0] == "share"] == [("share", 9, N1 + "9")]
+    assert ios[0].calls == [("share", 9, N1 + "9"), ("check", N1 + "9"), ("load", N1 + "9")]
+    assert ios[2].calls == [("check", SH + "9"), ("load", SH + "9")]  # the arrival re-read
+    assert hub.rounds == ["reload-offer", "reload-copy", "reload-check"]
+    assert out[3].copied == {"from": "node1", "to": SH + "9", "hosts": ["node2"], "why": "copied"}
+    assert "verified on node1, copied to the shared tier for node2" in out[0].reason
+    ios = [FakeIO() for _ in offers]
+    out, hub = run_ranks(offers, ios, copy=False)
+    assert [o.step for o in out] == [6] * 4 and "copying is disabled" in out[0].skipped[0]["reason"]
+
+
+def test_a_failed_copy_moves_every_rank_to_the_next_candidate():
+    offers = two_nodes({6: N1 + "6", 9: N1 + "9"}, {6: N2 + "6"})
+    ios = [FakeIO(share_error="No space left on device") for _ in offers]
+    out, _ = run_ranks(offers, ios)
+    assert [o.step for o in out] == [6] * 4 and out[2].copied is None
+    assert out[0].skipped == [{"step": 9, "reason": "verified on node1 only, and the copy to the shared tier "
+                                                    "failed: No space left on device"}]
+
+
+def test_a_copy_that_fails_its_arrival_check_is_rejected_and_the_next_step_taken():
+    offers = two_nodes({6: N1 + "6", 9: N1 + "9"}, {6: N2 + "6"})
+    ios = [FakeIO(bad_check={SH + "9": "__0_0.distcp fails its SHA-256 checksum"}) for _ in offers]
+    out, _ = run_ranks(offers, ios)
+    assert [o.step for o in out] == [6] * 4
+    assert rejects(ios) == [(2, 9, SH + "9", "re-check at restart failed: __0_0.distcp fails its SHA-256 checksum")]
+
+
+def test_a_corrupt_copy_on_one_node_is_replaced_by_a_copy_of_the_other_nodes():
+    """node1's 6 fails its re-check, node2's passes: node2's is copied to the shared tier for node1 (checked on
+    arrival); nothing is loaded before every copy checked out, and 3 is never needed."""
     offers = two_nodes({3: N1 + "3", 6: N1 + "6"}, {3: N2 + "3", 6: N2 + "6"})
     bad = {N1 + "6": "__0_0.distcp fails its SHA-256 checksum (corrupted)"}
     ios = [FakeIO(bad_check=bad) for _ in offers]
     out, hub = run_ranks(offers, ios)
-    assert [o.step for o in out] == [3, 3, 3, 3] and [o.path for o in out] == [N1 + "3"] * 2 + [N2 + "3"] * 2
-    assert out[3].skipped == [{"step": 6, "reason": "re-check at restart failed: node1: __0_0.distcp fails its "
-                                                    "SHA-256 checksum (corrupted)"}]
+    assert [(o.step, o.path) for o in out] == [(6, SH + "6")] * 2 + [(6, N2 + "6")] * 2
     assert rejects(ios) == [(0, 6, N1 + "6", "re-check at restart failed: " + bad[N1 + "6"])]  # node2's copy is fine
-    assert all(c[0] != "load" or c[1].endswith("-3") for io in ios for c in io.calls)  # nothing loaded before checks
-    assert ios[2].calls == [("check", N2 + "6"), ("check", N2 + "3"), ("load", N2 + "3")]
-    assert hub.rounds == ["reload-offer", "reload-check", "reload-check"]
+    assert ios[2].calls == [("check", N2 + "6"), ("share", 6, N2 + "6"), ("load", N2 + "6")]
+    assert ios[0].calls == [("check", N1 + "6"), ("reject", 6, N1 + "6", "re-check at restart failed: " + bad[N1 + "6"]),
+                            ("check", SH + "6"), ("load", SH + "6")]
+    assert hub.rounds == ["reload-offer", "reload-check", "reload-copy", "reload-check"]
+    assert out[0].copied["after"] == "re-check at restart failed: node1: " + bad[N1 + "6"]
+    assert "copied to the shared tier for node1 (after re-check at restart failed" in out[0].reason
+    ios = [FakeIO(bad_check=bad) for _ in offers]
+    out, _ = run_ranks(offers, ios, copy=False)  # without copies: the previous step every rank reaches
+    assert [o.step for o in out] == [3] * 4 and out[3].skipped == [
+        {"step": 6, "reason": "re-check at restart failed: node1: " + bad[N1 + "6"]}]
 
 
 def test_a_shared_copy_is_checked_and_rejected_once_for_every_rank_that_reaches_it():
@@ -288,14 +346,15 @@ def test_a_rejection_that_cannot_be_written_still_moves_on():
 
 def test_every_candidate_rejected_before_loading_starts_fresh():
     offers = two_nodes({3: N1 + "3"}, {3: N2 + "3"})
-    ios = [FakeIO(bad_check={N2 + "3": "manifest.json missing or unreadable"}) for _ in offers]
+    ios = [FakeIO(bad_check={N2 + "3": "manifest.json missing or unreadable", N1 + "3": "corrupted"}) for _ in offers]
     out, _ = run_ranks(offers, ios)
     assert all(o.step is None and o.path is None and o.offered for o in out)
     assert out[0].reason.startswith("every candidate was rejected (")
-    assert out[0].skipped == [{"step": 3, "reason": "re-check at restart failed: node2: manifest.json missing or "
-                                                    "unreadable"}]
+    assert out[0].skipped == [{"step": 3, "reason": "re-check at restart failed: node1: corrupted; node2: "
+                                                    "manifest.json missing or unreadable"}]
     assert not [c for io in ios for c in io.calls if c[0] == "load"]
-    assert rejects(ios) == [(2, 3, N2 + "3", "re-check at restart failed: manifest.json missing or unreadable")]
+    assert rejects(ios) == [(0, 3, N1 + "3", "re-check at restart failed: corrupted"),
+                            (2, 3, N2 + "3", "re-check at restart failed: manifest.json missing or unreadable")]
 
 
 def test_nothing_to_reload_is_not_an_event():
@@ -305,11 +364,11 @@ def test_nothing_to_reload_is_not_an_event():
     assert out[0].reason == "no verified snapshot on any rank" and all(io.calls == [] for io in ios)
 
 
-def test_steps_verified_on_one_node_only_are_offered_but_not_loaded():
+def test_steps_verified_on_one_node_only_load_the_newest_through_a_copy():
     ios = [FakeIO() for _ in range(4)]
     out, hub = run_ranks(two_nodes({4: N1 + "4"}, {8: N2 + "8"}), ios)
-    assert all(o.step is None and o.offered for o in out) and hub.rounds == ["reload-offer"]
-    assert [s["step"] for s in out[0].skipped] == [8, 4] and all(io.calls == [] for io in ios)
+    assert [(o.step, o.path) for o in out] == [(8, SH + "8")] * 2 + [(8, N2 + "8")] * 2
+    assert hub.rounds == ["reload-offer", "reload-copy", "reload-check"] and ios[2].calls[0] == ("share", 8, N2 + "8")
 
 
 def test_check_disabled_loads_the_newest_common_step_unchecked():
@@ -383,6 +442,34 @@ def test_state_io_checks_the_copy_on_disk(tmp_path):
     loaded = []
     StateIO(loaded.append, str(tmp_path), str(ndir), "node1", 0).load(path)
     assert loaded == [path]
+
+
+def test_state_io_share_copies_atomically_records_the_copy_and_replaces_a_rejected_one(tmp_path):
+    run = tmp_path / "run"
+    ndir, sdir = run / "node-local" / "node1", run / "shared-ckpt"
+    path = _snapshot(ndir, 6, payload=b"metadata bytes")
+    old = _snapshot(sdir, 6, payload=b"stale bytes")
+    record_state(old, "rejected", "bit flip")
+    events = Events()
+    io = StateIO(lambda p: None, str(run), str(ndir), "node1", 0, events, str(sdir))
+    ok, why, dst = io.share(6, path)
+    assert ok and dst == str(sdir / step_dirname(6)) and why.endswith(" s")
+    assert (sdir / step_dirname(6) / ".metadata").read_bytes() == b"metadata bytes"
+    assert io.check(dst) == (True, "1 file(s) match their checksums")  # the arrival re-read
+    rec = read_record(dst)
+    assert rec.state == "verified" and "copied at restart from node1's verified copy" in rec.reason
+    assert sorted(os.listdir(sdir)) == [step_dirname(6)]  # no temporary or moved-aside directory left
+    assert [e["event"] for e in events.records] == ["checkpoint_copy"] and events.records[0]["step"] == 6
+
+
+def test_state_io_share_says_why_a_copy_failed(tmp_path):
+    run = tmp_path / "run"
+    ndir = run / "node-local" / "node1"
+    path = _snapshot(ndir, 6, payload=b"x")
+    blocker = tmp_path / "file-in-the-way"
+    blocker.write_text("")
+    ok, why, dst = StateIO(lambda p: None, str(run), str(ndir), "node1", 0, None, str(blocker / "shared")).share(6, path)
+    assert not ok and dst is None and why.startswith(f"cannot copy {path} to {blocker / 'shared'}: ")
 
 
 def test_reject_records_state_beside_the_data_event_and_index(tmp_path):

@@ -1,0 +1,80 @@
+"""Dropping the /dev/shm staging a killed daemon left behind, never a live daemon's.
+
+A real ``accelpact-ckptd`` process holds its node directory's lock; a file in its staging root stands for a
+rank's slot.  No sleeps: every wait polls against a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ckpt_service.layout import node_dir, socket_path, staging_root
+from ckpt_service.staging import NOTHING, REMOVED, SERVED, drop_unserved, main
+from tests.conftest import REPO, decoder_text
+
+
+def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)  # polling interval, not synchronisation
+
+
+def test_a_live_daemons_staging_is_left_alone_and_a_killed_ones_is_dropped(tmp_path):
+    """Negative control: while the daemon lives, its slot stays (SERVED); after its kill -9 it goes (REMOVED)."""
+    config = tmp_path / "job.yaml"
+    config.write_text(decoder_text())
+    run_dir = tmp_path / "run"
+    ndir = node_dir(str(run_dir), "nodeA")
+    root = staging_root(ndir)
+    log = open(tmp_path / "ckptd.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.ckptd", str(config), "--run-dir",
+                             str(run_dir), "--node", "nodeA", "--node-index", "0", "--num-nodes", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        _wait(lambda: os.path.exists(socket_path(ndir)) or proc.poll() is not None, 120, "the daemon's socket")
+        assert proc.poll() is None, (tmp_path / "ckptd.log").read_text()
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        slot = os.path.join(root, "rank-0.slot-0")  # what a rank stages into
+        with open(slot, "wb") as fh:
+            fh.write(b"\0" * 4096)
+
+        what, why = drop_unserved(ndir)
+        assert what == SERVED and str(proc.pid) in why and os.path.exists(slot)
+
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert os.path.exists(slot) and os.path.exists(socket_path(ndir))  # kill -9: nobody dropped them
+        what, why = drop_unserved(ndir)
+        assert what == REMOVED, why
+        assert not os.path.exists(root) and not os.path.exists(socket_path(ndir))
+        assert drop_unserved(ndir)[0] == NOTHING
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+
+
+def test_without_a_node_directory_nothing_is_touched(tmp_path):
+    ndir = str(tmp_path / "never-served")
+    assert drop_unserved(ndir)[0] == NOTHING and not os.path.exists(ndir)  # no directory created either
+
+
+def test_the_module_entry_drops_and_reports(tmp_path, capsys):
+    ndir = str(tmp_path / "node-local" / "n1")
+    os.makedirs(ndir)
+    root = staging_root(ndir)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    assert main(["--drop", ndir, str(tmp_path / "absent")]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {root}" in out and "no node directory" in out
+    assert not os.path.exists(root)
+    proc = subprocess.run([sys.executable, "-m", "ckpt_service.staging", "--help"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0 and "--drop NODE_DIR" in proc.stdout

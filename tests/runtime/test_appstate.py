@@ -1,0 +1,40 @@
+"""The per-rank part of a snapshot on any allocation: who takes which saved state, and the RNG rule for new ranks."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from accelpact_slurm.runtime import appstate
+
+
+def _saved(world):
+    """What a snapshot of ``world`` ranks holds per rank: each rank's RNG and a Stateful naming its rank."""
+    out = {}
+    for r in range(world):
+        appstate.seed_all(100 + r)
+        out[str(r)] = {"rng": appstate.rng_state(), "state": {"loader": appstate.encode({"rank": r}, "loader")}}
+    return out
+
+
+def test_a_rank_that_existed_takes_its_own_state_and_rng():
+    ranks = _saved(4)
+    state, rng = appstate.rank_state(ranks, 2, seed=7, frontier=10)
+    assert state is ranks["2"] and rng is ranks["2"]["rng"]
+
+
+def test_a_new_rank_takes_a_donors_statefuls_and_a_fresh_documented_rng():
+    ranks = _saved(2)
+    state, rng = appstate.rank_state(ranks, 3, seed=7, frontier=10)
+    assert appstate.decode(state["state"]["loader"]) == {"rank": 1}  # rank 3 % 2 saved ranks
+    appstate.set_rng_state(rng)
+    got = (torch.rand(3), random.random())
+    appstate.seed_all(appstate.new_rank_seed(7, 3, 10))
+    assert torch.equal(got[0], torch.rand(3)) and got[1] == random.random()  # the rule, reproducible
+    for r in ("0", "1"):  # and not any existing rank's stream
+        appstate.set_rng_state(ranks[r]["rng"])
+        assert not torch.equal(got[0], torch.rand(3))
+    _, other = appstate.rank_state(ranks, 2, seed=7, frontier=10)
+    appstate.set_rng_state(other)
+    assert not torch.equal(got[0], torch.rand(3))  # two new ranks draw distinct streams
