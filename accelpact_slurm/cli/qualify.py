@@ -1,9 +1,10 @@
 """``accelpact-qualify CONFIG``: earn (or refuse) the envelope entry for L1 Preserve on this platform.
 
 Runs one uninterrupted reference run of the job, then N trial runs that each inject a
-real fault in the failure phase being qualified, with Preserve attempted.  Today that
-phase is ``committed``: a rank withholds its part of the replication collective at the
-committed boundary after an update.  A trial succeeds when the run repairs in process (a
+real fault in the failure phase being qualified (--phase), with Preserve attempted:
+``committed`` (a rank withholds its part of the replication collective at the committed
+boundary of an update) or ``backward`` (a rank withholds every replication all-reduce of
+an update's backward; the update is discarded and runs again).  A trial succeeds when the run repairs in process (a
 ``repair`` event, no ``fail_stop``), exits 0 and ends with the reference run's
 ``final_state_digest``.  The key <platform, profile, phase, objective> comes from the job
 itself (the reference run's ``protected`` event); the objective is ``exact``.
@@ -46,10 +47,12 @@ EXIT_CODES = {
 }
 
 #: The failure phases accelpact-qualify can earn an entry for: phase -> (the fault PHASE each trial injects,
-#: what that fault is).  A ``backward`` key will join ``committed`` here.
+#: what that fault is).
 PHASES: dict[str, tuple[str, str]] = {
     "committed": ("boundary", "a rank withholds its part of the replication collective at the committed boundary "
                               "after update STEP"),
+    "backward": ("backward", "a rank withholds every replication all-reduce FSDP issues in the backward of update "
+                             "STEP; the update is discarded and runs again"),
 }
 DEFAULT_PHASE = "committed"
 #: A trial's output (launcher and rank 0) goes to this file in its run directory.
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"runtime layers over the shipped envelope); created if missing")
     p.add_argument("--steps", type=int, default=12, metavar="N",
                    help="updates per run, at least 3 (default 12)")
+    p.add_argument("--phase", choices=sorted(PHASES), default=DEFAULT_PHASE,
+                   help="the failure phase to qualify: committed (a fault at the guard's collective; default) or "
+                        "backward (a replication fault during backward: the update is discarded and runs again)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="folder under which a fresh folder holds the runs' directories (default: the system's "
                         "temporary folder); they are kept for inspection")
@@ -264,7 +270,7 @@ def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trial
         return EXIT_NOT_QUALIFIED
     key = env_mod.Key(protected[0]["platform"], protected[0]["profile"], phase)
     print(f"[qualify] key {key}", flush=True)
-    env[settings.QUALIFYING] = "1"
+    env[settings.QUALIFYING] = phase
     failures: list[str] = []
     failed: list[str] = []
     for i, fault in enumerate(faults):
@@ -325,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return qualify(args.config, cfg, envelope_path=path, note=note, trials=args.trials, steps=args.steps,
-                       work=work, stop=stop)
+                       work=work, phase=args.phase, stop=stop)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

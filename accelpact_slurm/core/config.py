@@ -27,7 +27,7 @@ import yaml
 
 from accelpact_slurm.core.errors import ConfigError
 
-FAULT_PHASES = ("boundary", "forward", "backward")
+FAULT_PHASES = ("boundary", "forward", "backward", "backward-all")
 ENTRY_RE = re.compile(r"^([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
 

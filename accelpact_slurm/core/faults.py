@@ -12,6 +12,9 @@ Switches (all off by default):
 - ``ACCELPACT_TEST_NO_RESTORE_COPY=1``: restore loads only a step every rank reaches, never copying one to
   the shared tier for the ranks that lack it (negative control of the node-loss tests).
 - ``ACCELPACT_TEST_SKIP_REBIND=1``: the repair skips rebinding and its invariant scan.
+- ``ACCELPACT_TEST_SKIP_DISCARD=1``: the repair of a backward fault skips discarding the update (FSDP's
+  per-iteration state and the gradients stay); ``ACCELPACT_TEST_SKIP_REDO_RNG=1``: the update runs again
+  without the RNG states it began with (negative controls of the backward-fault tests).
 - ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1``: restore loads weights and optimizer but not the extra state
   (RNG, data loader, scheduler, user state): the negative control of the bitwise-resume tests.
 - ``ACCELPACT_CKPTD_PAUSE_AT=PHASE[:STEP]``: the daemon writes ``<node dir>/.paused-PHASE`` and blocks there.
@@ -35,6 +38,8 @@ FRONTIER_SKEW = "ACCELPACT_TEST_FRONTIER_SKEW"
 SKIP_RELOAD_CHECK = "ACCELPACT_TEST_SKIP_RELOAD_CHECK"
 SKIP_REBIND = "ACCELPACT_TEST_SKIP_REBIND"
 NO_RESTORE_COPY = "ACCELPACT_TEST_NO_RESTORE_COPY"
+SKIP_DISCARD = "ACCELPACT_TEST_SKIP_DISCARD"
+SKIP_REDO_RNG = "ACCELPACT_TEST_SKIP_REDO_RNG"
 SKIP_EXTRA_RESTORE = "ACCELPACT_TEST_SKIP_EXTRA_RESTORE"
 PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
 KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
@@ -54,6 +59,8 @@ class TestFaults:
     skip_reload_check: bool = False
     skip_rebind: bool = False
     no_restore_copy: bool = False
+    skip_discard: bool = False
+    skip_redo_rng: bool = False
     skip_extra_restore: bool = False
     pause_at: tuple[str, int | None] | None = None
     kill_after_staged: tuple[int, int] | None = None
@@ -85,6 +92,8 @@ class TestFaults:
             skip_reload_check=env.get(SKIP_RELOAD_CHECK) == "1",
             skip_rebind=env.get(SKIP_REBIND) == "1",
             no_restore_copy=env.get(NO_RESTORE_COPY) == "1",
+            skip_discard=env.get(SKIP_DISCARD) == "1",
+            skip_redo_rng=env.get(SKIP_REDO_RNG) == "1",
             skip_extra_restore=env.get(SKIP_EXTRA_RESTORE) == "1",
             pause_at=pause,
             kill_after_staged=_pair(env, KILL_AFTER_STAGED),

@@ -43,9 +43,13 @@ def envelope_path(environ: Mapping[str, str] | None = None) -> str | None:
     return environ.get(ENVELOPE) or None
 
 
-def qualifying(environ: Mapping[str, str] | None = None) -> bool:
+def qualifying(environ: Mapping[str, str] | None = None) -> str | None:
+    """The failure phase a qualification trial attempts Preserve for (``committed`` or ``backward``), else None."""
     environ = os.environ if environ is None else environ
-    return environ.get(QUALIFYING) == "1"
+    value = environ.get(QUALIFYING)
+    if not value:
+        return None
+    return "committed" if value == "1" else value
 
 
 def emulated(environ: Mapping[str, str] | None = None) -> bool:

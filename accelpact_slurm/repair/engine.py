@@ -7,6 +7,15 @@ rebind, the others take part in the barriers only.
 
     observe -> guard_sync -> control_barrier -> replace -> rebind -> validate -> done
 
+That is the repair of a fault at the committed boundary (``scope="replicate"``: the replication
+group(s) of the faulted ranks).  A fault in backward (``scope="update"``) leaves FSDP mid-flight and
+possibly every group of the mesh dead; every rank then runs
+
+    observe -> discard -> guard_sync -> control_barrier -> replace_all -> validate_all -> done
+
+(:mod:`accelpact_slurm.repair.discard`: the update dropped, both HSDP groups replaced and rebound on
+every rank), and the caller runs the update again.
+
 Any exception in a phase becomes a fail-stop (``FailStop``, "requeue me"):
 L1 never continues on a state it could not validate.
 """
@@ -37,6 +46,15 @@ TRANSITIONS: dict[str, str] = {
     "rebind": "validate",
     "validate": "done",
 }
+UPDATE_PHASES = ("observe", "discard", "guard_sync", "control_barrier", "replace_all", "validate_all")
+UPDATE_TRANSITIONS: dict[str, str] = {
+    "observe": "discard",
+    "discard": "guard_sync",
+    "guard_sync": "control_barrier",
+    "control_barrier": "replace_all",
+    "replace_all": "validate_all",
+    "validate_all": "done",
+}
 
 
 @dataclass
@@ -54,6 +72,10 @@ class RepairContext:
     rebound: dict[str, int] = field(default_factory=dict)
     durations: dict[str, float] = field(default_factory=dict)
     lead_view: dict[str, Any] = field(default_factory=dict)
+    scope: str = "replicate"  # replicate | update
+    optimizer: Any = None
+    step: int | None = None  # the update discarded (scope "update")
+    discarded: dict[str, int] = field(default_factory=dict)
 
 
 def rss_bytes() -> int:
@@ -74,20 +96,26 @@ class RepairEngine:
     ``skip_rebind`` is the negative control of the rebinding tests (never set in production).
     """
 
-    def __init__(self, model, rt, events, *, fsdp: str, skip_rebind: bool = False, out=None) -> None:
+    def __init__(self, model, rt, events, *, fsdp: str, skip_rebind: bool = False, skip_discard: bool = False,
+                 out=None) -> None:
         self.model = model
         self.rt = rt
         self.events = events
         self.fsdp = fsdp
         self.skip_rebind = skip_rebind
+        self.skip_discard = skip_discard
         self.out = out
         self.generation = 0
         self.repairs = 0
 
     # ------------------------------------------------------------------ driver
 
-    def repair(self, *, frontier: int, ranks: list[int], observed: float, key: str, reason: str) -> RepairContext:
-        ctx = RepairContext(frontier=frontier, ranks=ranks, observed=observed, key=key, reason=reason)
+    def repair(self, *, frontier: int, ranks: list[int], observed: float, key: str, reason: str,
+               scope: str = "replicate", optimizer: Any = None, step: int | None = None) -> RepairContext:
+        ctx = RepairContext(frontier=frontier, ranks=ranks, observed=observed, key=key, reason=reason, scope=scope,
+                            optimizer=optimizer, step=step)
+        transitions = UPDATE_TRANSITIONS if scope == "update" else TRANSITIONS
+        failed_phase = "backward" if scope == "update" else "committed"
         phase = "observe"
         t_start = time.monotonic()
         while phase != "done":
@@ -98,10 +126,10 @@ class RepairEngine:
                 raise
             except Exception as exc:
                 raise FailStop(f"L1 repair failed in phase {phase}: {type(exc).__name__}: {exc}", EXIT_REQUEUE,
-                               phase="committed", frontier=frontier, decided_at=time.monotonic(),
+                               phase=failed_phase, frontier=frontier, decided_at=time.monotonic(),
                                key=key) from exc
             ctx.durations[phase] = time.monotonic() - t0
-            phase = TRANSITIONS[phase]
+            phase = transitions[phase]
         total = time.monotonic() - t_start
         self.repairs += 1
         self.events.emit("repair_rank", generation=ctx.generation, frontier=frontier, member=ctx.member,
@@ -111,14 +139,17 @@ class RepairEngine:
                 "repair", generation=ctx.generation, frontier=frontier, ranks=ranks,
                 rebound=sum(ctx.rebound.values()), rebound_by_kind=ctx.rebound, phases=ctx.durations,
                 total_s=total, fault_to_resume_s=time.monotonic() - observed, decision="preserve", key=key,
-                reason=reason,
+                reason=reason, scope=scope, discarded_update=step if scope == "update" else None,
+                replayed_updates=1 if scope == "update" else 0, discarded=ctx.discarded or None,
             )
         log.info("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
                  total * 1000, ctx.rebound)
         if self.rt.rank == 0:
-            phases = {**ctx.lead_view.get("phases", {}), "validate": ctx.durations["validate"]}
+            last = "validate_all" if scope == "update" else "validate"
+            phases = {**ctx.lead_view.get("phases", {}), last: ctx.durations[last]}
             detail = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items())
-            print(f"[accelpact] L1 repair (generation {ctx.generation}) at F={frontier}, ranks {ranks}: "
+            what = f"update {step} discarded, every group replaced; " if scope == "update" else ""
+            print(f"[accelpact] L1 repair (generation {ctx.generation}) at F={frontier}, ranks {ranks}: {what}"
                   f"{ctx.lead_view.get('rebound', 0)} references rebound; {detail}; total {total * 1000:.1f} ms, "
                   f"fault to resume {time.monotonic() - observed:.2f} s", file=self.out, flush=True)
         return ctx
@@ -135,13 +166,15 @@ class RepairEngine:
         ctx.old = self.rt.replicate_group
 
     def guard_sync(self, ctx: RepairContext) -> None:
-        """Drain the device and check that no FSDP unit is mid-step and no gradient is pending."""
+        """Drain the device and check that no FSDP unit is mid-step (and, after a discard, no gradient is left)."""
         if torch.cuda.is_available():  # pragma: no cover - GPU only
             torch.cuda.synchronize()
         ok, why = tc.fsdp_idle(self.model, self.fsdp)
         if not ok:
             raise RepairError(f"guard check failed: {why}")
-        pending = [n for n, p in self.model.named_parameters() if p.grad is not None]
+        # At the committed boundary the update's reduced gradients are still to be stepped on: they stay.  After
+        # a discard none may be left.
+        pending = [n for n, p in self.model.named_parameters() if p.grad is not None] if ctx.scope == "update" else []
         if pending:
             raise RepairError(f"guard check failed: {len(pending)} outstanding gradients (e.g. {pending[0]})")
 
@@ -195,6 +228,43 @@ class RepairEngine:
             dist.all_reduce(t, group=ctx.new)
             if int(t) != len(ctx.members):
                 raise RepairError(f"validation all-reduce gave {int(t)}, expected {len(ctx.members)}")
+        view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
+                                                             "rebound": sum(ctx.rebound.values())})
+        ctx.lead_view = view[min(ctx.ranks)]
+
+    # ------------------------------------------------------------------ phases of a backward fault
+
+    def discard(self, ctx: RepairContext) -> None:
+        """Every rank drops the update: FSDP back to idle and resharded, every gradient gone."""
+        from accelpact_slurm.repair.discard import discard_update
+
+        if self.skip_discard:
+            log.warning("discarding the update skipped (test-only fault injection)")
+            return
+        ctx.discarded = discard_update(self.model, ctx.optimizer, self.fsdp)
+
+    def replace_all(self, ctx: RepairContext) -> None:
+        """Both HSDP groups of this rank replaced (identical membership, fresh prefix) and rebound."""
+        from accelpact_slurm.repair.discard import replace_broken_groups
+
+        rt = self.rt
+
+        def rebound(new: dict[str, Any]) -> None:
+            rt.replicate_group, rt.shard_group = new["replicate"], new["shard"]
+
+        res = replace_broken_groups(self.model, self.fsdp, store=rt.control.base_store,
+                                    tag=f"accelpact/l1/g{rt.control.generation}", timeout_s=rt.collective_timeout_s,
+                                    mesh=rt.mesh, on_rebound=rebound)
+        ctx.member, ctx.new = True, res.new
+        ctx.rebound = dict(res.rebound)
+
+    def validate_all(self, ctx: RepairContext) -> None:
+        """Integer all-reduce on each new group, then the world's release barrier."""
+        for name, pg in ctx.new.items():
+            t = torch.ones(1, dtype=torch.int64)
+            dist.all_reduce(t, group=pg)
+            if int(t) != pg.size():
+                raise RepairError(f"validation all-reduce on the new {name} group gave {int(t)}, expected {pg.size()}")
         view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
                                                              "rebound": sum(ctx.rebound.values())})
         ctx.lead_view = view[min(ctx.ranks)]

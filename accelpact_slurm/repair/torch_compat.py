@@ -113,7 +113,6 @@ def mesh_set_dim_group(mesh, dim: int, pg: dist.ProcessGroup) -> int:
 
 def fsdp2_mesh_infos(model: nn.Module) -> Iterator[object]:
     """Every distinct mesh-info object of every ``fully_shard`` state under ``model``."""
-    from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
     seen: set[int] = set()
     for group in fsdp2_param_groups(model):

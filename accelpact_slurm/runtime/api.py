@@ -37,7 +37,7 @@ from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, UsageError
 from accelpact_slurm.core.events import EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import appstate, replay
-from accelpact_slurm.runtime.phases import PhaseTracker, Withheld
+from accelpact_slurm.runtime.phases import PhaseTracker, Redo, Withheld
 from accelpact_slurm.runtime.sampler import ShardedSampler
 from accelpact_slurm.runtime.stopping import fail_stop, stop_for_requeue
 
@@ -117,12 +117,22 @@ class Job:
 
 
 class Update:
-    """The context of one update (``with run.update() as update``).  Set ``update.loss`` to report it."""
+    """The context of one update (``with run.update() as update``).
+
+    Set ``update.loss`` to report the update's loss, before ``optimizer.step()``: it travels in the vote
+    taken there (a loss set later is not reported).
+    """
 
     def __init__(self, run: "Run") -> None:
         self.run = run
         self.step = run.step + 1  # the update this context runs (F + 1)
         self.loss: Any = None
+        self.redoable = run._take_yielded()  # its batch came from run.batches: it can run again
+        self.rng: Any = None
+        self.decided: str | None = None  # the vote's outcome once taken (continue | redo)
+        self.mean: float | None = None
+        self.votes: list[dict[str, Any]] = []
+        self.need_fp = False
 
     def __enter__(self) -> "Update":
         job = self.run.job
@@ -132,6 +142,8 @@ class Update:
 
             log.warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", job.rank, self.step)
             os.kill(os.getpid(), signal.SIGKILL)
+        self.rng = appstate.rng_snapshot()  # an update discarded by L1 runs again with these
+        self.run._current = self
         self.run._tracker.begin(self.step)
         return self
 
@@ -170,11 +182,16 @@ class Run:
         appstate.seed_all(job.seed * 1000 + job.rank + 1)
         self._guard = build_guard(cfg, rt, model, job.events, self.wrapping, faults=job._faults,
                                   environ=job._environ, out=job._out)
-        self._tracker = PhaseTracker(model, optimizer, self._guard.injector)
+        self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self.wrapping[0])
+        self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
         self._replay: tuple[int, dict[str, Any] | None] | None = None
         self._warned_no_step = False
+        self._warned_late_loss = False
+        self._yielded = False  # run.batches yielded an item the next update may run again
+        self._redo = False  # the last update was discarded: run.batches yields its batch again
+        self._current: Update | None = None
         self._loaded: str | None = None
         key = self._guard.key_for("committed")
         if job.is_lead:
@@ -217,11 +234,11 @@ class Run:
             torch.set_rng_state(rng)
             got = first is not _END
             if got:
-                yield first
+                yield from self._again(first)
                 if self.step >= self.job.steps:
                     return
                 for item in it:
-                    yield item
+                    yield from self._again(item)
                     if self.step >= self.job.steps:
                         return
             empty = 0 if got else empty + 1
@@ -230,6 +247,19 @@ class Run:
                                  f"the iterable yielded nothing in epochs {self.epoch - 1} and {self.epoch}: "
                                  f"pass a data loader with at least one batch per rank")
             self.epoch += 1
+
+    def _again(self, item: Any) -> Iterator[Any]:
+        """Yield ``item``, and again as long as the update that used it was discarded by an L1 repair."""
+        while True:
+            self._yielded = True
+            yield item
+            if not self._redo:
+                return
+            self._redo = False
+
+    def _take_yielded(self) -> bool:
+        got, self._yielded = self._yielded, False
+        return got
 
     def update(self) -> Update:
         """The context of one update: forward, backward and ``optimizer.step`` go inside it."""
@@ -261,10 +291,40 @@ class Run:
 
     # ------------------------------------------------------------------ the end of an update
 
+    def _decide(self, update: Update, fault: str | None, error: str | None) -> str:
+        """The update's one vote (collective): at its first ``optimizer.step``, or at its end when it raised or
+        never stepped.  Returns ``continue`` or ``redo``; fails stop (exits) on a Restart decision."""
+        job, rt = self.job, self.job._rt
+        loss = None if fault else _as_float(update.loss)
+        if update.loss is None and not fault and self.losses and self.losses[-1] is not None \
+                and not self._warned_late_loss:
+            self._warned_late_loss = True
+            log.warning("update %d reached optimizer.step() without update.loss: set it before the step "
+                        "(the loss travels in the vote taken there)", update.step)
+        update.need_fp = not fault and (self.step in self._snapshots.taken or self._replay is not None)
+        extra = {"fp": replay.fingerprint(self.model, self.optimizer)} if update.need_fp else None
+        try:
+            outcome, mean, raw = self._guard.decide(update.step, fault, error, loss, extra,
+                                                    redoable=update.redoable, optimizer=self.optimizer)
+        except FailStop as stop:
+            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+        update.decided, update.mean, update.votes = outcome, mean, raw
+        if outcome == "redo":
+            if not job._faults.skip_redo_rng:
+                appstate.rng_restore(update.rng)
+            self._redo = True
+        elif update.need_fp:
+            self._replay_bookkeeping(self.step, update.step, mean, [d.get("fp") for d in raw])
+        return outcome
+
     def _finish(self, update: Update, ev: BaseException | None) -> bool:
         job, rt, tracker = self.job, self.job._rt, self._tracker
+        self._current = None
         fault = error = None
         phase = tracker.phase
+        if isinstance(ev, Redo):
+            tracker.end()
+            return True  # the vote discarded the update: run.batches yields its batch again
         if ev is not None:
             tracker.end()
             if not isinstance(ev, Exception) or isinstance(ev, UsageError):
@@ -275,10 +335,20 @@ class Run:
                                               "every op deterministic: use another op, or job.protect(..., "
                                               "exact=False) to give up bitwise recovery") from ev
             fault = phase if phase != "committed" else "forward"
+            if update.decided:  # after the vote (in the optimizer step or later): peers may have stepped
+                fault = "optimizer"
             if isinstance(ev, Withheld):
                 error = f"injected fault: rank {job.rank} withheld its part in {ev.args[0]} of update {update.step}"
             else:
                 error = f"{type(ev).__name__}: {(str(ev).splitlines() or [''])[0][:300]}"
+            if update.decided:
+                # Vote again with the old frontier: the others' next vote reports the new one, and the
+                # frontier mismatch fails every rank stop (no rank can repair a state it does not share).
+                try:
+                    self._guard.decide(update.step, fault, error, None, None, redoable=False)
+                except FailStop as stop:
+                    fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+                raise AssertionError("unreachable: a fault after the vote always fails stop")  # pragma: no cover
         elif not tracker.stepped and not self._warned_no_step:
             # A gradient scaler skips the step when it finds inf/NaN gradients; anything else is a loop that
             # forgot optimizer.step().  Either way the update commits; say it once.
@@ -288,18 +358,12 @@ class Run:
             if job.is_lead:
                 job.events.emit("warning", step=update.step, reason="update ended without optimizer.step()")
         tracker.end()
-        loss = None if fault else _as_float(update.loss)
-        prev = self.step
-        need_fp = not fault and (prev in self._snapshots.taken or self._replay is not None)
-        extra = {"fp": replay.fingerprint(self.model)} if need_fp else None
-        try:
-            mean, raw = self._guard.finish(update.step, fault, error, loss, extra)
-        except FailStop as stop:
-            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+        if not update.decided:
+            if self._decide(update, fault, error) == "redo":
+                return True
+        mean = update.mean
         self.step = update.step
         self.losses.append(mean)
-        if need_fp:
-            self._replay_bookkeeping(prev, mean, [d.get("fp") for d in raw])
         now = time.monotonic()
         dt, self._t_last = now - self._t_last, now
         if job.is_lead:
@@ -314,8 +378,11 @@ class Run:
         self._t_last = time.monotonic()
         return True
 
-    def _replay_bookkeeping(self, prev: int, mean: float | None, fps: list[str | None]) -> None:
-        """Record the update after a snapshot; check the first update after a load (see :mod:`.replay`)."""
+    def _replay_bookkeeping(self, prev: int, step: int, mean: float | None, fps: list[str | None]) -> None:
+        """Record the update after a snapshot; check the first update after a load (see :mod:`.replay`).
+
+        At the update's vote, before its optimizer step: ``fps`` fingerprint each rank's weights, optimizer
+        state and reduced gradients, which determine the step."""
         job, rt = self.job, self.job._rt
         layout = [rt.layout.num_nodes, rt.layout.ranks_per_node]
         record = prev in self._snapshots.taken
@@ -326,7 +393,7 @@ class Run:
                 "unconfirmed", "job.protect(..., exact=False): the first update after a load is not compared bitwise")
             record = record or verdict == "unconfirmed"
             if job.is_lead:
-                job.events.emit("replay_check", snapshot=snap, step=self.step, verdict=verdict, reason=why)
+                job.events.emit("replay_check", snapshot=snap, step=step, verdict=verdict, reason=why)
                 print(f"[accelpact] replay check of snapshot {snap}: {verdict}: {why}", file=job._out, flush=True)
             if verdict == "mismatch":
                 self._reject_loaded(snap, why)
@@ -334,7 +401,7 @@ class Run:
                                    decided_at=time.monotonic()), job.events, job._out, job.is_lead, rt.control,
                           rt.ctx, job._environ)
         if record and job.is_lead:
-            job.events.emit("replay_ref", snapshot=prev, step=self.step, loss=mean, fingerprints=fps, layout=layout)
+            job.events.emit("replay_ref", snapshot=prev, step=step, loss=mean, fingerprints=fps, layout=layout)
 
     def _reject_loaded(self, snap: int, why: str) -> None:
         """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the

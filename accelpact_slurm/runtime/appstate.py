@@ -112,6 +112,31 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def rng_snapshot() -> tuple[Any, ...]:
+    """This rank's RNG states as live objects (cheap; no encoding): taken as every update begins, so that an
+    update discarded by an L1 repair runs again with the random numbers it first drew (dropout masks)."""
+    import random
+
+    np = _numpy()
+    cuda = (torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None)  # pragma: no branch - GPU only
+    return (torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None, cuda)
+
+
+def rng_restore(snap: tuple[Any, ...]) -> None:
+    """Inverse of :func:`rng_snapshot`."""
+    import random
+
+    cpu, py, npy, cuda = snap
+    torch.set_rng_state(cpu)
+    random.setstate(py)
+    np = _numpy()
+    if npy is not None and np is not None:
+        np.random.set_state(npy)
+    if cuda is not None:  # pragma: no cover - GPU only
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def rank_state(ranks: dict[str, Any], rank: int, seed: int, frontier: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(saved state, RNG state)`` rank ``rank`` resumes with, on any allocation.  Pure but for the seeding.
 

@@ -85,9 +85,18 @@ def profile_key(device: str, nodes: int, ranks_per_node: int, fsdp: str, mesh: s
     return f"{device}:{nodes}x{ranks_per_node}:{fsdp}-{mesh}"
 
 
+#: Phases whose faults L1 may repair when the envelope qualifies the key.
+QUALIFIABLE_PHASES = ("committed", "backward")
+
+
 def decide(envelope: Envelope, key: Key, min_trials: int = MIN_TRIALS) -> tuple[str, str]:
-    """Preserve only where the key is qualified; everything else is Restart."""
-    if key.phase != "committed":
+    """Preserve only where the key is qualified; everything else is Restart.
+
+    Two phases can be qualified: ``committed`` (a fault at the guard's own collective) and ``backward``
+    (a replication fault during backward: the update is discarded and run again).  Any other phase
+    (forward, the optimizer step) is Restart.
+    """
+    if key.phase not in QUALIFIABLE_PHASES:
         return RESTART, f"fault in uncommitted compute (phase {key.phase}): only a restart is safe"
     entry = envelope.find(key)
     if entry is None:

@@ -1,14 +1,26 @@
-"""The boundary guard: phases, the committed frontier F and the per-update vote.
+"""The guard: phases, the committed frontier F and the per-update vote.
 
-Every update runs forward -> backward -> optimizer -> committed.  At the committed
-boundary the guard runs one small collective on the replication group (every
-replica must agree on the new frontier), then every rank of the world votes over
-the control plane: its frontier, whether it saw a fault and in which phase, and
-its loss.  All ranks decide from the same votes, so all stop at the same boundary
-and take the same action (:func:`decide_votes`, pure).
+Every update runs forward -> backward -> (decision) -> optimizer -> committed.  The decision is
+taken once per update, before any optimizer steps: at the first ``optimizer.step`` of the update
+(its pre-hook), or at the end of the update when it raised or never stepped.  There the guard runs
+one small collective on the replication group (every replica must be at the same frontier; it also
+proves the group alive after backward), then every rank of the world votes over the control plane:
+its frontier, whether it saw a fault and in which phase, its loss.  All ranks decide from the same
+votes (:func:`decide_votes`, pure), so all take the same branch, in the manner of a two-phase commit:
 
-The frontier F advances (``Run`` commits the update) only after the vote shows that
-``optimizer.step`` returned on every rank.
+- no fault: every rank steps, and the update commits (F advances);
+- a fault at the guard's own collective (``committed``: backward completed on every rank, its
+  gradients reduced) and the envelope allows Preserve: the replication group is repaired, then
+  every rank steps on the gradients it has;
+- a fault in ``backward`` (FSDP's replication all-reduce, and every group a stuck rank drags down)
+  and the envelope allows Preserve: every rank discards the update, every group is replaced and
+  rebound, and the update runs again from its batch and the RNG states it began with;
+- anything else (a fault in forward or in the optimizer step, an unqualified key, a frontier
+  mismatch, an update whose batch did not come from ``run.batches``): fail stop, L2.
+
+No rank can step while a peer's update failed: the vote comes first.  A rank whose optimizer step
+itself raised (after the vote) votes again at the end of its update with the old frontier, and the
+others' next vote reports the new one: a frontier mismatch, fail stop.
 """
 
 from __future__ import annotations
@@ -24,11 +36,12 @@ import torch.distributed as dist
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.runtime.phases import COMMITTED, Withheld
+from accelpact_slurm.runtime.phases import BACKWARD, COMMITTED, Withheld
 
 log = logging.getLogger(__name__)
 
 CONTINUE = "continue"
+REDO = "redo"
 
 @dataclass
 class Vote:
@@ -43,10 +56,12 @@ class Vote:
         return cls(rank, int(d["F"]), d.get("fault"), d.get("error"), d.get("loss"))
 
 
-def decide_votes(votes: list[Vote], lookup: Callable[[str], tuple[str, str]]) -> tuple[str, str]:
+def decide_votes(votes: list[Vote], lookup: Callable[[str], tuple[str, str]],
+                 redoable: bool = True) -> tuple[str, str]:
     """Pure decision from every rank's vote: ``(continue | preserve | restart, reason)``.
 
-    ``lookup(phase)`` returns the envelope's ``(action, reason)`` for a fault in ``phase``.
+    ``lookup(phase)`` returns the envelope's ``(action, reason)`` for a fault in ``phase``;
+    ``redoable``: every rank's update can run again (its batch came from ``run.batches``).
     """
     frontiers = {v.frontier for v in votes}
     faults = [v for v in votes if v.fault]
@@ -59,12 +74,21 @@ def decide_votes(votes: list[Vote], lookup: Callable[[str], tuple[str, str]]) ->
         return CONTINUE, "no fault"
     phases = sorted({v.fault for v in faults})
     first = faults[0]
-    if phases != [COMMITTED]:
-        uncommitted = [p for p in phases if p != COMMITTED][0]
-        return env_mod.RESTART, (f"fault in uncommitted compute ({uncommitted}) on rank(s) "
-                                 f"{[v.rank for v in faults]}: {first.error}")
-    action, reason = lookup(COMMITTED)
-    return action, f"communicator fault at the committed boundary on rank(s) {[v.rank for v in faults]}: {reason}"
+    ranks = [v.rank for v in faults]
+    if phases == [COMMITTED]:
+        action, reason = lookup(COMMITTED)
+        return action, f"communicator fault at the committed boundary on rank(s) {ranks}: {reason}"
+    if not set(phases) <= {COMMITTED, BACKWARD}:
+        uncommitted = [p for p in phases if p not in (COMMITTED, BACKWARD)][0]
+        return env_mod.RESTART, (f"fault in uncommitted compute ({uncommitted}) on rank(s) {ranks}: {first.error}")
+    action, reason = lookup(BACKWARD)
+    if action != env_mod.PRESERVE:
+        return env_mod.RESTART, (f"fault in uncommitted compute (backward) on rank(s) {ranks}: {first.error}; "
+                                 f"{reason}")
+    if not redoable:
+        return env_mod.RESTART, (f"fault in backward on rank(s) {ranks}, but the update cannot run again: its batch "
+                                 f"did not come from run.batches")
+    return action, f"fault in backward on rank(s) {ranks} ({first.error}): {reason}; the update runs again"
 
 
 def affected_ranks(votes: list[Vote], replicate_ranks: Callable[[int], list[int]],
@@ -80,8 +104,8 @@ def affected_ranks(votes: list[Vote], replicate_ranks: Callable[[int], list[int]
 class BoundaryGuard:
     """Decides one update on one rank; see the module docstring.
 
-    Who calls: :class:`accelpact_slurm.runtime.api.Update` on every rank, at the end of every update
-    (:meth:`finish`), in the same order.
+    Who calls: :class:`accelpact_slurm.runtime.api.Run` on every rank, at the decision point of every
+    update (:meth:`decide`), in the same order.
     """
 
     def __init__(self, rt, events, envelope: env_mod.Envelope, key_for: Callable[[str], env_mod.Key], engine,
@@ -98,27 +122,30 @@ class BoundaryGuard:
     def lookup(self, phase: str) -> tuple[str, str]:
         return env_mod.decide(self.envelope, self.key_for(phase))
 
-    def finish(self, step: int, fault: str | None, error: str | None, loss: float | None,
-               extra: dict[str, Any] | None = None) -> tuple[float | None, list[dict[str, Any]]]:
-        """Boundary collective, vote, decision for update ``step`` (= F + 1).
+    def decide(self, step: int, fault: str | None, error: str | None, loss: float | None,
+               extra: dict[str, Any] | None = None, *, redoable: bool = True,
+               optimizer: Any = None) -> tuple[str, float | None, list[dict[str, Any]]]:
+        """Boundary collective, vote, decision for update ``step`` (= F + 1), before any optimizer stepped.
 
         ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None).
-        ``extra`` rides along in this rank's vote (the replay fingerprint).  Returns the job's mean
-        loss (None when no rank reported one) and every rank's raw vote.
+        ``extra`` rides along in this rank's vote (the replay fingerprint).  Returns ``(outcome, the
+        job's mean loss or None, every rank's raw vote)``; ``outcome`` is ``continue`` (step and commit)
+        or ``redo`` (the update was discarded and every group repaired: run it again).
 
         Raises:
             FailStop: the decision is Restart.  After a Preserve decision the engine has repaired
-                the replication group before this returns.
+                the group(s) before this returns.
         """
         rt = self.rt
-        frontier = step - 1 if fault else step
+        frontier = step - 1
         if not fault:
             try:
-                if self.injector.fires("boundary", step):
+                if self.injector.fires("boundary", frontier):  # boundary:STEP: the boundary after update STEP
                     raise Withheld("boundary")
-                self._boundary_collective(step)
+                self._boundary_collective(frontier)
             except Withheld:
-                fault, error = COMMITTED, f"injected fault: rank {rt.rank} withheld its part in boundary of update {step}"
+                fault, error = COMMITTED, (f"injected fault: rank {rt.rank} withheld its part in the boundary after update "
+                                           f"{frontier}")
             except RuntimeError as exc:  # a real collective failure (Gloo timeout, closed pair)
                 fault, error = COMMITTED, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         reported = frontier
@@ -131,29 +158,36 @@ class BoundaryGuard:
         from accelpact_slurm.slurm import signals
 
         raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss,
-                                             "stop": signals.requested(), **(extra or {})})
+                                             "stop": signals.requested(), "redo": redoable, **(extra or {})})
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
         self.stop_requested = any(d.get("stop") for d in raw)
         votes = [Vote.from_json(r, d) for r, d in enumerate(raw)]
-        action, reason = decide_votes(votes, self.lookup)
+        action, reason = decide_votes(votes, self.lookup, all(d.get("redo", True) for d in raw))
         decided = time.monotonic()
         losses = [v.loss for v in votes if v.loss is not None]
         mean = sum(losses) / len(losses) if losses else None
         if action == CONTINUE:
-            return mean, raw
-        phase = next((v.fault for v in votes if v.fault), COMMITTED)
+            return CONTINUE, mean, raw
+        phases = {v.fault for v in votes if v.fault}
+        # The phase that decided: any other than the two repairable ones, else backward, else the boundary.
+        others = sorted(phases - {BACKWARD, COMMITTED})
+        phase = others[0] if others else BACKWARD if BACKWARD in phases else COMMITTED
         key = self.key_for(phase)
         if action == env_mod.PRESERVE:
             ranks = affected_ranks(votes, rt.layout.replicate_ranks, rt.layout.local_of)
+            if phase == BACKWARD:
+                self.engine.repair(frontier=frontier, ranks=list(range(rt.layout.world_size)), observed=observed,
+                                   key=str(key), reason=reason, scope="update", optimizer=optimizer, step=step)
+                return REDO, None, raw
             self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason)
-            return mean, raw
+            return CONTINUE, mean, raw
         raise FailStop(reason, EXIT_REQUEUE, phase=phase, frontier=min(v.frontier for v in votes),
                        decided_at=decided, key=str(key))
 
-    def _boundary_collective(self, step: int) -> None:
-        """Every replica of this shard must have committed the same update."""
-        t = torch.tensor([step], dtype=torch.int64)
+    def _boundary_collective(self, frontier: int) -> None:
+        """Every replica of this shard must be at the same committed frontier (and the group alive)."""
+        t = torch.tensor([frontier], dtype=torch.int64)
         dist.all_reduce(t, group=self.rt.replicate_group)
-        expected = step * self.rt.layout.num_nodes
+        expected = frontier * self.rt.layout.num_nodes
         if int(t) != expected:
             raise RuntimeError(f"replicas disagree on the committed update: sum {int(t)} != {expected}")

@@ -5,9 +5,17 @@ forward (a forward of the protected model began) -> backward (it returned: loss 
 forward and backward several times before the step.  The guard reads :attr:`PhaseTracker.phase`
 when a fault surfaces and :attr:`PhaseTracker.stepped` at the end of the update.
 
+The decision point of an update is the first ``optimizer.step`` of it (the step pre-hook calls
+:attr:`PhaseTracker.decide`, set by the run): every rank votes there, before any optimizer has
+stepped, so a fault anywhere in forward or backward is known to every rank while every rank still
+holds the committed state.  A decision to run the update again raises :class:`Redo` out of
+``optimizer.step`` (the update context swallows it and ``run.batches`` yields the same batch again).
+
 Injected faults for tests (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds
-this rank's part of the whole forward, ``backward`` its part of the whole backward (its peers then
-hit the data plane's timeout), ``boundary`` its part of the guard's own collective.
+this rank's part of the whole forward (a shard-group fault: FSDP's all-gathers), ``backward`` every
+replication all-reduce FSDP issues in this update's backward (the fault of an inter-node link: its
+replication peers time out in theirs, and the shard peers behind them), ``backward-all`` its part of
+the whole backward (a shard-group fault first), ``boundary`` its part of the guard's own collective.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ FORWARD, BACKWARD, OPTIMIZER, COMMITTED = "forward", "backward", "optimizer", "c
 
 class Withheld(Exception):
     """This rank is the injected faulting member (raised inside the update, latched by the guard)."""
+
+
+class Redo(Exception):
+    """The vote decided to discard this update and run it again (raised out of ``optimizer.step``)."""
 
 
 class FaultInjector:
@@ -38,13 +50,18 @@ class FaultInjector:
 class PhaseTracker:
     """Hooks on the protected model and optimizer; see the module docstring."""
 
-    def __init__(self, model: Any, optimizer: Any, injector: FaultInjector | None = None) -> None:
+    def __init__(self, model: Any, optimizer: Any, injector: FaultInjector | None = None, fsdp: str = "fsdp1") -> None:
         self.injector = injector
+        self.model, self.fsdp = model, fsdp
         self.active = False
         self.step = 0
         self.phase = COMMITTED
         self.stepped = False
         self.forwards = 0
+        self.decided = False
+        #: Called at the first optimizer.step of an update (set by the run): the vote; returns the outcome.
+        self.decide: Any = None
+        self._withholding: Any = None
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward),
             model.register_forward_hook(self._post_forward),
@@ -54,10 +71,17 @@ class PhaseTracker:
 
     def begin(self, step: int) -> None:
         self.active, self.step, self.phase, self.stepped, self.forwards = True, step, FORWARD, False, 0
+        self.decided = False
 
     def end(self) -> None:
         self.active = False
         self.phase = COMMITTED
+        self.stop_withholding()
+
+    def stop_withholding(self) -> None:
+        if self._withholding is not None:
+            cm, self._withholding = self._withholding, None
+            cm.__exit__(None, None, None)
 
     def close(self) -> None:
         for h in self._handles:
@@ -76,12 +100,24 @@ class PhaseTracker:
         if not self.active:
             return
         self.phase = BACKWARD
-        if self.injector is not None and self.injector.fires("backward", self.step):
+        if self.injector is None:
+            return
+        if self.injector.fires("backward-all", self.step):
             raise Withheld("backward")
+        if self._withholding is None and self.injector.fires("backward", self.step):
+            from accelpact_slurm.repair.discard import withhold_replication
+
+            self._withholding = withhold_replication(self.model, self.fsdp)
+            self._withholding.__enter__()
 
     def _pre_step(self, *_: Any) -> None:
-        if self.active:
-            self.phase = OPTIMIZER
+        if not self.active:
+            return
+        self.phase = OPTIMIZER
+        if not self.decided and self.decide is not None:
+            self.decided = True
+            if self.decide() == "redo":
+                raise Redo()
 
     def _post_step(self, *_: Any) -> None:
         if self.active:

@@ -37,8 +37,10 @@ def build_guard(cfg: JobConfig, rt: Any, model: Any, events: Any, wrapping: tupl
     fsdp, mesh = wrapping
     key_for = key_factory(rt.layout.num_nodes, rt.layout.ranks_per_node, fsdp, mesh)
     envelope = env_mod.load(settings.envelope_path(environ), environ)
-    if settings.qualifying(environ):
-        envelope = env_mod.trial_envelope(key_for("committed"))
-    engine = RepairEngine(model, rt, events, fsdp=fsdp, skip_rebind=faults.skip_rebind, out=out)
+    trial_phase = settings.qualifying(environ)
+    if trial_phase:
+        envelope = env_mod.trial_envelope(key_for(trial_phase))
+    engine = RepairEngine(model, rt, events, fsdp=fsdp, skip_rebind=faults.skip_rebind,
+                          skip_discard=faults.skip_discard, out=out)
     injector = FaultInjector(cfg.faults, rt.rank, rt.ctx.restart_count)
     return BoundaryGuard(rt, events, envelope, key_for, engine, injector, faults)

@@ -2,7 +2,8 @@
 
 When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a
 ``replay_ref`` event with the job's mean loss of that update and every rank's fingerprint of its
-parameter shards right after ``optimizer.step`` (:func:`fingerprint`).  When a later start loads S,
+parameter, reduced-gradient and optimizer-state shards at the update's vote, right before
+``optimizer.step`` (:func:`fingerprint`; they determine the step).  When a later start loads S,
 its first update is the same update S + 1, from the same weights, optimizer state, data loader
 position and RNG: it must reproduce both bitwise.  A mismatch means the snapshot (or its extra
 state) does not hold the training state it claims: it is rejected and the start fails stop; the
@@ -27,23 +28,38 @@ import torch
 from accelpact_slurm.runtime.restore import same_bits
 
 
-def fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 over this rank's local parameter shards: per parameter, the float64 sum and a position-weighted sum
-    (a permutation or cancelling changes inside a shard move the second).  Cheap, and exact for the same bits."""
+def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """SHA-256 over this rank's local shards of the parameters, their reduced gradients and the optimizer
+    state: per tensor, the float64 sum and a position-weighted sum (a permutation or cancelling changes inside a
+    shard move the second).  Taken at the update's vote, before its step: these determine the step exactly.
+    Cheap, and exact for the same bits."""
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            local = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
-            h.update(name.encode())
-            if not local.numel():
-                h.update(b"-")
-                continue
-            v = local.double()
-            idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
-            w = 1.0 + ((idx * 2654435761) % 65536).double() / 65536.0
-            h.update(float(v.sum()).hex().encode())
-            h.update(float((v * w).sum()).hex().encode())
+            _hash_local(h, name, p)
+            if p.grad is not None:
+                _hash_local(h, f"{name}.grad", p.grad)
+        if optimizer is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+            for p, state in optimizer.state.items():
+                for k in sorted(state, key=str):
+                    v = state[k]
+                    if isinstance(v, torch.Tensor):
+                        _hash_local(h, f"{names.get(id(p), '?')}.{k}", v)
     return h.hexdigest()
+
+
+def _hash_local(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
+    local = (t.to_local() if hasattr(t, "to_local") else t).detach().reshape(-1)
+    h.update(name.encode())
+    if not local.numel():
+        h.update(b"-")
+        return
+    v = local.double()
+    idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
+    w = 1.0 + ((idx * 2654435761) % 65536).double() / 65536.0
+    h.update(float(v.sum()).hex().encode())
+    h.update(float((v * w).sum()).hex().encode())
 
 
 def find_reference(events: Iterable[Mapping[str, Any]], snapshot: int) -> dict[str, Any] | None:

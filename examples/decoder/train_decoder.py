@@ -62,7 +62,7 @@ def main(job: Job) -> None:
         with run.update() as update:
             loss = lm_loss(model, tokens)
             loss.backward()
+            update.loss = loss  # before the step: it travels in the update's vote
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-            update.loss = loss

@@ -153,8 +153,8 @@ def main(job: Job) -> None:
                 (loss / k).backward()
                 total += loss.detach()
             clip()
+            u.loss = total / k  # before the step: it travels in the update's vote
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            u.loss = total / k
     job.log(f"vision: finished {job.steps} updates")

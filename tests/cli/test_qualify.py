@@ -282,12 +282,13 @@ def test_a_malformed_users_file_is_an_error_naming_it(tmp_path):
         assert str(user) in str(err.value)
 
 
-def test_trial_faults_for_the_committed_phase_only():
+def test_trial_faults_for_each_qualifiable_phase():
     faults = q.trial_faults("committed", 3, STEPS, 4)
     assert faults == ["boundary:1:1", "boundary:4:2", "boundary:2:3"]
     assert all(1 <= int(f.split(":")[1]) < STEPS for f in q.trial_faults("committed", 20, STEPS, 4))
-    with pytest.raises(ConfigError, match="phase: invalid value 'backward'"):
-        q.trial_faults("backward", 3, STEPS, 4)
+    assert q.trial_faults("backward", 3, STEPS, 4) == ["backward:1:1", "backward:4:2", "backward:2:3"]
+    with pytest.raises(ConfigError, match="phase: invalid value 'forward'"):
+        q.trial_faults("forward", 3, STEPS, 4)
 
 
 def ev(kind: str, **fields):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiproc
 
 # (job file, steps, checkpoint cadence, L1 fault, L2 fault)
 EXAMPLES = {
-    "decoder": (DECODER_JOB, 12, 4, "boundary:7:1", "backward:10:2"),
+    "decoder": (DECODER_JOB, 12, 4, "boundary:7:1", "forward:10:2"),
     "vision": (VISION_JOB, 12, 4, "boundary:6:2", "forward:11:1"),
 }
 
@@ -108,16 +108,23 @@ def test_negative_control_without_the_extra_state_the_restart_ends_elsewhere(run
 @pytest.mark.parametrize("fsdp", ["fsdp1", "fsdp2"])
 def test_mixed_precision_restart_ends_in_the_uninterrupted_state(tmp_path, fsdp):
     """The vision example in bf16 (FSDP1 MixedPrecision or FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights
-    and reductions), gradient accumulation and clipping: an L2 restart replays bitwise and ends in the
-    uninterrupted state."""
+    and reductions), gradient accumulation and clipping: an L2 restart replays bitwise, and an L1 redo of an update
+    whose backward lost its replication group ends in the uninterrupted state."""
     config = _job(tmp_path, "vision")
     text = Path(config).read_text().replace("precision: fp32 ", "precision: bf16 ").replace("fsdp: fsdp2 ", f"fsdp: {fsdp} ")
     Path(config).write_text(text)
     base = _run(tmp_path, config, "base")
     l2 = _run(tmp_path, config, "l2", "forward:10:3")
-    for r in (base, l2):
+    l1 = _run(tmp_path, config, "l1", "backward:7:1")
+    for r in (base, l2, l1):
         assert r["proc"].returncode == 0, r["proc"].stdout[-3000:] + r["proc"].stderr[-2000:]
     assert _kinds(base["events"], "protected")[0]["fsdp"] == fsdp
     (check,) = _kinds(l2["events"], "replay_check")
     assert check["verdict"] == "match", check
     assert l2["summary"]["final_state_digest"] == base["summary"]["final_state_digest"]
+    # A replication fault in the backward of a micro-batch of update 7 (its clipping all-reduce not reached):
+    # discarded, every group replaced, the update (both micro-batches) run again: the same state, no L2.
+    (repair,) = _kinds(l1["events"], "repair")
+    assert repair["scope"] == "update" and repair["discarded_update"] == 7
+    assert not _kinds(l1["events"], "fail_stop")
+    assert l1["summary"]["final_state_digest"] == base["summary"]["final_state_digest"]

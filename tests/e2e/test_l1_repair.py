@@ -106,14 +106,19 @@ def test_ten_successive_faults_all_repaired_without_memory_growth(baseline, tmp_
 
 
 def test_negative_control_without_rebinding_the_next_backward_fails(tmp_path):
+    """Without rebinding, FSDP keeps the retired replication group after the boundary repair at F=15: update 16
+    steps on the gradients reduced before the fault, and update 17's backward fails on the retired group at once
+    (not by a timeout), a fault the rebinding prevents.  (The backward repair then replaces every group and
+    rebinds every reference, wherever it points: the run recovers in process.)"""
     proc, events, summary = run(tmp_path, "run", make_config(tmp_path), "boundary:15:1",
                                 env={"ACCELPACT_TEST_SKIP_REBIND": "1"})
-    assert proc.returncode == EXIT_REQUEUE, proc.stdout[-3000:]
-    assert summary is None
-    faults = [e for e in events if e["event"] == "fault" and e["step"] == 16]
-    assert faults and {e["phase"] for e in faults} <= {"forward", "backward"}
+    first, *rest = [e for e in events if e["event"] == "repair"]
+    assert first["scope"] == "replicate" and first["rebound"] == 0
+    faults = [e for e in events if e["event"] == "fault" and e["step"] == 17]
+    assert faults and {e["phase"] for e in faults} <= {"forward", "backward", "committed"}
     # The members of the repaired group fail on the retired group at once, not by a timeout.
     assert any(e["rank"] in (1, 3) and "injected" not in e["error"] for e in faults)
+    assert [r["scope"] for r in rest] == ["update"] and proc.returncode == 0, proc.stdout[-3000:]
 
 
 def test_frontier_disagreement_fails_stop_naming_both_frontiers(tmp_path):
@@ -122,29 +127,70 @@ def test_frontier_disagreement_fails_stop_naming_both_frontiers(tmp_path):
     assert proc.returncode == EXIT_REQUEUE
     stops = [e for e in events if e["event"] == "fail_stop"]
     assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3]
-    for e in stops:
-        assert "F=5" in e["reason"] and "F=6" in e["reason"]
+    for e in stops:  # the vote of update 5, before any step: F=4, and rank 2 claims 5
+        assert "F=4" in e["reason"] and "F=5" in e["reason"]
     assert summary is None
 
 
-def test_backward_fault_fails_stop_fast_and_writes_nothing_after(tmp_path):
-    proc, events, summary = run(tmp_path, "run", make_config(tmp_path, steps=12), "backward:10:2")
+def test_forward_fault_fails_stop_fast_and_writes_nothing_after(tmp_path):
+    proc, events, summary = run(tmp_path, "run", make_config(tmp_path, steps=12), "forward:10:2")
     assert proc.returncode == EXIT_REQUEUE
     assert summary is None and not os.path.exists(tmp_path / "run" / "summary.json")
     stops = [e for e in events if e["event"] == "fail_stop"]
     assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3]
-    assert all(e["exit_code"] == EXIT_REQUEUE and e["phase"] == "backward" for e in stops)
+    assert all(e["exit_code"] == EXIT_REQUEUE and e["phase"] == "forward" for e in stops)
     assert all(e["decision_s"] < 0.1 for e in stops)
     first_fault = min(e["ts"] for e in events if e["event"] == "fault")
     after = [e for e in events if e["ts"] > first_fault and e["event"] in ("step", "checkpoint", "job_end")]
     assert after == []
-    assert max(e["step"] for e in events if e["event"] == "step") == 9
 
 
-def test_the_envelope_decides(tmp_path):
-    proc, events, _ = run(tmp_path, "run", make_config(tmp_path, steps=8), "boundary:5:1",
-                          env={"ACCELPACT_ENVELOPE": str(tmp_path / "empty.yaml")})
-    assert proc.returncode == EXIT_REQUEUE
-    stops = [e for e in events if e["event"] == "fail_stop"]
-    assert stops and all("no envelope entry" in e["reason"] for e in stops)
-    assert not [e for e in events if e["event"] == "repair"]
+# --------------------------------------------------------------------------- faults in backward (L1 with a redo)
+
+
+@pytest.mark.parametrize("fsdp, mesh", [("fsdp1", "device_mesh"), ("fsdp1", "group_pair"), ("fsdp2", "device_mesh")])
+def test_backward_fault_is_discarded_repaired_and_run_again_bitwise(baseline, tmp_path, fsdp, mesh):
+    """Rank 1 withholds every replication all-reduce of update 16's backward (its peers time out in theirs, and
+    the groups behind them): every rank votes before stepping, discards update 16, replaces every group, and
+    runs update 16 again from its batch and RNG states; the run ends in the uninterrupted state, no L2."""
+    proc, events, summary = run(tmp_path, "run", make_config(tmp_path, fsdp, mesh), "backward:16:1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r,) = [e for e in events if e["event"] == "repair"]
+    assert (r["scope"], r["frontier"], r["discarded_update"], r["replayed_updates"]) == ("update", 15, 16, 1)
+    assert set(r["phases"]) == {"observe", "discard", "guard_sync", "control_barrier", "replace_all", "validate_all"}
+    assert r["ranks"] == [0, 1, 2, 3] and r["rebound"] > 0
+    faults = [e for e in events if e["event"] == "fault"]
+    assert {e["step"] for e in faults} == {16} and "backward" in {e["phase"] for e in faults}
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))
+    assert summary["losses"] == baseline["losses"]
+    assert summary["final_state_digest"] == baseline["final_state_digest"]
+    assert not [e for e in events if e["event"] in ("fail_stop", "restart_load")]
+
+
+@pytest.mark.parametrize("switch", ["ACCELPACT_TEST_SKIP_REDO_RNG", "ACCELPACT_TEST_SKIP_DISCARD"])
+def test_negative_controls_of_the_backward_redo(baseline, tmp_path, switch):
+    """Without the RNG states the update began with, the redo draws other dropout masks: another state.  Without
+    discarding the update, FSDP is left mid-flight: the repair's guard check refuses it and the job fails stop."""
+    proc, events, summary = run(tmp_path, "run", make_config(tmp_path), "backward:16:1", env={switch: "1"})
+    if switch == "ACCELPACT_TEST_SKIP_REDO_RNG":
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert summary["final_state_digest"] != baseline["final_state_digest"]
+    else:
+        assert proc.returncode == EXIT_REQUEUE and summary is None
+        stops = [e for e in events if e["event"] == "fail_stop"]
+        assert stops and all("L1 repair failed in phase guard_sync" in e["reason"] for e in stops)
+
+
+def test_ten_successive_backward_faults_all_redone_without_memory_growth(baseline, tmp_path):
+    faults = [f"backward:{2 * i + 3}:{(i * 3 + 1) % 4}" for i in range(10)]  # varying ranks, every other update
+    config = make_config(tmp_path)  # without snapshots: their shared-memory slots would count as growth
+    Path(config).write_text(Path(config).read_text().replace("every_steps: 10", "every_steps: 0"))
+    proc, events, summary = run(tmp_path, "run", config, *faults)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    repairs = [e for e in events if e["event"] == "repair"]
+    assert [e["discarded_update"] for e in repairs] == [2 * i + 3 for i in range(10)]
+    assert summary["final_state_digest"] == baseline["final_state_digest"]
+    for rank in range(4):
+        rss = [e["rss_bytes"] for e in events if e["event"] == "repair_rank" and e["rank"] == rank]
+        assert len(rss) == 10
+        assert rss[-1] < rss[0] * 1.05, (rank, rss)

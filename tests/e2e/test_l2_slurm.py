@@ -101,10 +101,10 @@ def test_boundary_fault_is_repaired_in_process_without_requeue(slurm_cluster: Cl
 
 
 @pytest.mark.parametrize("example", ["decoder", "vision"])
-def test_backward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path,
+def test_forward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path,
                                                                  example: str):
     config = job_file(tmp_path, "job", steps=12, every=4, example=example,
-                      **{"faults: []": 'faults: ["backward:10:2"]'})
+                      **{"faults: []": 'faults: ["forward:10:2"]'})
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0, example=example))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
@@ -216,9 +216,11 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     rejected = [e for e in events if e["event"] == "checkpoint" and e.get("step") == 60
                 and e.get("state") == "rejected"]
     assert rejected, "step 60 was not rejected"
+    # node2's copy of 60 is sound: it is copied to the shared tier for node1 (checked on arrival) and loaded.
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
-    assert loads and loads[0]["step"] == 30
-    assert any(s["step"] == 60 for s in loads[0]["skipped"])
+    assert loads and loads[0]["step"] == 60 and loads[0]["skipped"] == []
+    assert loads[0]["copied"]["from"] == "node2" and loads[0]["copied"]["hosts"] == ["node1"]
+    assert "fails its SHA-256 checksum" in loads[0]["copied"]["after"]
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
 

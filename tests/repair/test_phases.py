@@ -153,16 +153,17 @@ def test_driver_passes_a_control_barrier_fail_stop_through_unchanged():
 
 def test_driver_turns_a_phase_exception_into_a_requeue_fail_stop_naming_the_phase():
     model = torch.nn.Linear(2, 2)
-    model(torch.ones(1, 2)).sum().backward()  # a gradient still pending: guard_sync refuses
+    model(torch.ones(1, 2)).sum().backward()  # a gradient left after a (skipped) discard: guard_sync refuses
     engine, _, events = make_engine(1, FakeControl(), model=model)
+    engine.skip_discard = True
     with pytest.raises(FailStop) as info:
-        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test", scope="update", step=8)
     stop = info.value
     assert stop.exit_code == EXIT_REQUEUE == 75
     assert "L1 repair failed in phase guard_sync" in stop.reason and "RepairError" in stop.reason, stop.reason
     assert "outstanding gradients" in stop.reason
     assert isinstance(stop.__cause__, RepairError)
-    assert stop.context == {**stop.context, "phase": "committed", "frontier": 7, "key": "<k>"}
+    assert stop.context == {**stop.context, "phase": "backward", "frontier": 7, "key": "<k>"}
     assert engine.generation == 1, "observe ran before the failing phase"
     assert events.emitted == []
 

@@ -47,16 +47,42 @@ def test_weak_evidence_means_restart(envelope, words):
     assert action == "restart" and words in reason
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
-def test_uncommitted_faults_restart_even_when_qualified(phase):
+def qualified_backward(**kw):
+    env = qualified(**kw)
+    bwd = env_mod.Key(KEY.platform, KEY.profile, "backward")
+    return env_mod.Envelope([*env.entries, env_mod.Entry(bwd, ("preserve",), {"trials": 3, "successes": 3, "date": "d"})])
+
+
+@pytest.mark.parametrize("phase", ["forward", "optimizer"])
+def test_faults_in_forward_or_the_optimizer_step_restart_even_when_qualified(phase):
     v = votes((3, None), (3, phase))
-    action, reason = decide_votes(v, lookup_with(qualified()))
+    action, reason = decide_votes(v, lookup_with(qualified_backward()))
     assert action == "restart" and phase in reason
 
 
-def test_mixed_phases_restart():
-    v = votes((3, "committed"), (3, "backward"))
-    assert decide_votes(v, lookup_with(qualified()))[0] == "restart"
+def test_a_backward_fault_restarts_without_its_own_qualified_key():
+    """The boundary key does not cover backward: it has its own, earned by its own trials."""
+    v = votes((3, None), (3, "backward"))
+    action, reason = decide_votes(v, lookup_with(qualified()))
+    assert action == "restart" and "backward" in reason and "no envelope entry" in reason
+
+
+def test_a_backward_fault_is_preserved_and_redone_where_qualified():
+    # the faulting rank saw it in backward, a peer whose backward finished in the guard's own collective
+    v = votes((3, "backward"), (3, "committed"), (3, None), (3, "backward"))
+    action, reason = decide_votes(v, lookup_with(qualified_backward()))
+    assert action == "preserve" and "the update runs again" in reason and "rank(s) [0, 1, 3]" in reason
+
+
+def test_a_backward_fault_whose_batch_cannot_run_again_restarts():
+    v = votes((3, "backward"), (3, None))
+    action, reason = decide_votes(v, lookup_with(qualified_backward()), redoable=False)
+    assert action == "restart" and "did not come from run.batches" in reason
+
+
+def test_backward_mixed_with_forward_restarts():
+    v = votes((3, "forward"), (3, "backward"))
+    assert decide_votes(v, lookup_with(qualified_backward()))[0] == "restart"
 
 
 def test_frontier_mismatch_names_both_frontiers():
@@ -106,7 +132,7 @@ def test_shipped_envelope_has_qualified_cpu_gloo_entries():
         nodes, rpn = int(m["nodes"]), int(m["rpn"])
         assert nodes >= 2 and rpn >= 1, e.key.profile
         assert env_mod.profile_key(m["device"], nodes, rpn, m["fsdp"], m["mesh"]) == e.key.profile
-        assert e.key.phase == "committed", f"{e.key}: only a committed-phase fault can be preserved"
+        assert e.key.phase in env_mod.QUALIFIABLE_PHASES, f"{e.key}: only committed and backward faults can be preserved"
         assert e.key.objective == env_mod.DEFAULT_OBJECTIVE
         # The evidence is what accelpact-qualify writes for a passed qualification.
         assert isinstance(ev["trials"], int) and ev["successes"] == ev["trials"] >= env_mod.MIN_TRIALS, ev
@@ -115,9 +141,10 @@ def test_shipped_envelope_has_qualified_cpu_gloo_entries():
         assert _dt.date(2024, 1, 1) <= qualified_on <= _dt.date.today(), ev["date"]
         assert int(ev.get("steps", 3)) >= 3
 
-    gloo_cpu = {e.key.profile.split(":")[-1] for e in shipped.entries
-                if e.key.platform.endswith("/gloo") and e.key.profile.startswith("cpu:")}
-    assert {"-".join(w) for w in WRAPPINGS} <= gloo_cpu
+    for phase in env_mod.QUALIFIABLE_PHASES:  # both repairable phases, for every wrapping
+        gloo_cpu = {e.key.profile.split(":")[-1] for e in shipped.entries
+                    if e.key.platform.endswith("/gloo") and e.key.profile.startswith("cpu:") and e.key.phase == phase}
+        assert {"-".join(w) for w in WRAPPINGS} <= gloo_cpu, phase
 
     # decide() preserves exactly the shipped keys: every key a job could present, over the shipped
     # platforms and one that is not shipped, every profile of the shipped world sizes and one other,
@@ -153,6 +180,6 @@ def test_this_platform_key_is_shipped_when_qualified_here():
         m = PROFILE.fullmatch(e.key.profile)
         if m["device"] != ("cuda" if torch.cuda.is_available() else "cpu"):
             continue
-        key = key_factory(int(m["nodes"]), int(m["rpn"]), m["fsdp"], m["mesh"])("committed")
+        key = key_factory(int(m["nodes"]), int(m["rpn"]), m["fsdp"], m["mesh"])(e.key.phase)
         assert key == e.key
         assert env_mod.decide(shipped, key)[0] == env_mod.PRESERVE
