@@ -14,7 +14,8 @@ versions, and each failed trial with its reason) into --envelope FILE, else
 $ACCELPACT_ENVELOPE, else the user's $XDG_CONFIG_HOME/accelpact/envelope.yaml
 (~/.config/accelpact/envelope.yaml without XDG_CONFIG_HOME), which the runtime layers
 over the envelope shipped in the package, so the user's next job uses it.  All trials
-passing qualifies the key (preserve, restart); any failed trial records restart only,
+passing qualifies the key (preserve, restart); the first failed trial ends the qualification (the
+remaining trials are not run) and records restart only,
 which overrides a shipped entry for that key.
 """
 
@@ -286,8 +287,12 @@ def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trial
         if not ok:
             failed.append(str(i + 1))
             failures.append(f"trial {i + 1} {fault}: {reason}")
-    successes = trials - len(failures)
-    evidence: dict[str, Any] = {"trials": trials, "successes": successes, "date": env_mod.today(),
+            if i + 1 < trials:  # one failed trial decides the key: the others would only cost their minutes
+                print(f"[qualify] the key cannot qualify any more: trial(s) {i + 2}-{trials} not run", flush=True)
+            break
+    ran = int(failed[-1]) if failed else trials
+    successes = ran - len(failures)
+    evidence: dict[str, Any] = {"trials": ran, "successes": successes, "date": env_mod.today(),
                                 "torch": str(torch.__version__), "backend": "gloo", "steps": steps}
     if failures:
         evidence["failures"] = failures
