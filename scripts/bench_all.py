@@ -12,9 +12,9 @@ results are merged into ``benchmarks/results/<date>.json``::
 
 and ``docs/benchmarks.md`` is written from that file alone: a header with the machine, an overview table of
 every part's summary ``rows`` (what / baseline / ratio / spread / n / note), then each part's own block
-(``markdown(res)`` of its script) in a fixed order: repair, peers, ckpt, paper, status, shared, and the GPU check
-when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps the block it
-has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
+(``markdown(res)`` of its script) in a fixed order: repair, guard, l1backward, peers, ckpt, paper, status, shared,
+and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps
+the block it has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
 
 Parts that are not selected with ``--parts`` are carried over from an earlier merged file of the same date
 when there is one.  The part contract is stated in ``scripts/bench/harness.py`` (the harness every part
@@ -64,6 +64,9 @@ class Part:
 # In the order of docs/benchmarks.md. Deadlines are hard limits; the parts' own budgets are smaller.
 PARTS = {p.name: p for p in (
     Part("repair", "bench_repair.py", "<!-- repair-bench -->", 360, "L1 repair"),
+    Part("guard", "bench_guard.py", "<!-- guard-bench -->", 150, "Guard: per-update cost against the earlier code"),
+    Part("l1backward", "bench_l1backward.py", "<!-- l1backward-bench -->", 300,
+         "L1 backward: faults at random moments of the update"),
     Part("peers", "bench_peers.py", "<!-- peers-bench -->", 480, "Against other recovery systems"),
     Part("ckpt", "bench_ckpt.py", "<!-- ckpt-bench -->", 780, "Checkpoint service"),
     Part("paper", "paper_experiment.py", "<!-- paper-experiment -->", 360,
@@ -73,7 +76,7 @@ PARTS = {p.name: p for p in (
 )}
 # Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) after
 # them; the shared tier's cost last, with what is left of the budget (or alone: --parts shared).
-RUN_ORDER = ["status", "repair", "paper", "peers", "ckpt", "shared"]
+RUN_ORDER = ["status", "repair", "guard", "paper", "peers", "l1backward", "ckpt", "shared"]
 GPU_MARK = "<!-- gpu-check -->"
 GPU_JSON = RESULTS / "gpu-check.json"
 TOTAL_BUDGET_S = 1710  # 28.5 min: with one kill grace period still under 30 min

@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench.harness import row as _row  # noqa: E402  (stdlib only: the device machine has just torch)
 from bench.harness import spread as _spread  # noqa: E402
+from bench import gpu_project as gp  # noqa: E402  (the project's own checks: runs accelpact-run etc.)
 
 MiB = 1 << 20
 
@@ -174,7 +175,10 @@ def slot_staging(total_mib: int, pairs: int, work: str) -> dict[str, Any]:
     plan = Plan([Entry(("model", f"p{i}"), [t.numel()], t.dtype, [Box([0], [t.numel()], src=t)])
                  for i, t in enumerate(tensors)], {}, "state_dict")
     nbytes = plan.layout()
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else work
+    # A private folder (0700), as the client's own staging root is: the slot refuses a folder others can write.
+    root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"accelpact-gpu-check-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    os.chmod(root, 0o700)
     paths = [os.path.join(root, f"accelpact-gpu-check-{os.getpid()}.slot-{k}") for k in ("pinned", "plain")]
     pinned_slot, plain_slot = Slot(paths[0]), Slot(paths[1])
     try:
@@ -434,6 +438,31 @@ def reading(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def project_checks(parts: set[str], work: str, device: str) -> dict[str, Any]:
+    """The project's own checks (``scripts/bench/gpu_project.py``) that ``parts`` names, each guarded."""
+    res: dict[str, Any] = {}
+    for name, fn in (("examples", lambda: gp.examples(work, device)), ("qualify", lambda: gp.qualify(work, device)),
+                     ("floor", lambda: gp.floor(work, device)), ("multigpu", lambda: gp.multigpu(work))):
+        if name not in parts:
+            continue
+        _log(f"project check: {name}")
+        try:
+            res[name] = fn()
+        except Exception as exc:  # noqa: BLE001
+            res[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+            _log(f"{name} failed: {exc}")
+    return res
+
+
+def _write(res: dict[str, Any], path: str, t_all: float) -> None:
+    """Write what is measured so far (a later part that hangs past the deadline loses only itself)."""
+    res["total_wall_s"] = time.monotonic() - t_all
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_json = (os.path.join(os.environ["OUT"], "gpu-check.json") if os.environ.get("OUT")
@@ -446,15 +475,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allreduce-mib", type=int, default=64)
     ap.add_argument("--work", default="/tmp/accelpact-gpu-check")
     ap.add_argument("--slot-mib", type=int, default=1024, help="size of the client slot copy (MiB)")
-    ap.add_argument("--parts", default="staging,slot,comm",
-                    help="comma-separated sections to run (default: %(default)s)")
+    ap.add_argument("--parts", default="examples,qualify,floor,multigpu,staging,slot,comm",
+                    help="comma-separated sections to run (default: %(default)s); the project's own checks "
+                         "(examples, qualify, floor, multigpu) are in scripts/bench/gpu_project.py")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="device of the project's checks (cpu: a rehearsal of them on a machine without a GPU)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the sections of an existing --json file that this run does not redo")
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - {"staging", "slot", "comm"}
+    known = ("examples", "qualify", "floor", "multigpu", "staging", "slot", "comm")
+    unknown = parts - set(known)
     if unknown:
-        ap.error(f"--parts: unknown section(s) {sorted(unknown)}; choose from staging, slot, comm")
+        ap.error(f"--parts: unknown section(s) {sorted(unknown)}; choose from {', '.join(known)}")
+    if args.device == "cpu":
+        parts &= {"examples", "qualify", "floor"}
+        os.makedirs(args.work, exist_ok=True)
+        res = project_checks(parts, args.work, "cpu")
+        res["rows"] = gp.rows(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=1, default=str)[:6000])
+        for r in res["rows"]:
+            print(f"- {r['what']} vs {r['baseline']}: {r['ratio']} ({r['spread']}) {r['note']}")
+        return 0 if all(res[p].get("ok", True) for p in parts if isinstance(res.get(p), dict)) else 1
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible to torch; nothing to measure", file=sys.stderr)
         return 2
@@ -474,7 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and os.path.exists(args.json):
         with open(args.json, encoding="utf-8") as fh:
             old = json.load(fh)
-        res.update({k: v for k, v in old.items() if k in ("staging", "slot", "comm_world1", "comm_world2")})
+        res.update({k: v for k, v in old.items() if k in ("staging", "slot", "comm_world1", "comm_world2", "examples",
+                                                         "qualify", "floor", "multigpu")})
+    res.update(project_checks(parts, args.work, "cuda"))
+    _write(res, args.json, t_all)
     for name, fn in (("staging", lambda: staging([int(s) for s in args.sizes_mib.split(",")], args.pairs)),
                      ("slot", lambda: slot_staging(args.slot_mib, args.pairs, args.work))):
         if name not in parts:
@@ -485,13 +530,22 @@ def main(argv: list[str] | None = None) -> int:
             res[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             _log(f"{name} failed: {exc}")
         torch.cuda.empty_cache()
+        _write(res, args.json, t_all)
     for world, port in ((1, 29611), (2, 29621)) if "comm" in parts else ():
         _log(f"NCCL communicators, world size {world}")
         res[f"comm_world{world}"] = communicators(world, args.comm_reps, args.allreduce_mib * MiB, args.work,
                                                   port, deadline_s=90 if world == 1 else 60)
         _log(json.dumps({k: v for k, v in res[f"comm_world{world}"].items() if k != "traceback"})[:600])
-    res["rows"] = rows(res)
-    res["reading"] = reading(res)
+    try:
+        legacy = rows(res)
+    except (KeyError, TypeError) as exc:  # a section that did not run or failed
+        legacy = []
+        _log(f"rows of the staging/comm sections incomplete: {exc!r}")
+    res["rows"] = gp.rows(res) + legacy
+    try:
+        res["reading"] = reading(res)
+    except (KeyError, TypeError):
+        res["reading"] = []
     res["total_wall_s"] = time.monotonic() - t_all
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as fh:

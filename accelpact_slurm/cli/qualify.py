@@ -293,7 +293,7 @@ def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trial
     ran = int(failed[-1]) if failed else trials
     successes = ran - len(failures)
     evidence: dict[str, Any] = {"trials": ran, "successes": successes, "date": env_mod.today(),
-                                "torch": str(torch.__version__), "backend": "gloo", "steps": steps}
+                                "torch": str(torch.__version__), "backend": key.platform.partition("/")[2], "steps": steps}
     if failures:
         evidence["failures"] = failures
     actions = (env_mod.RESTART,) if failures else (env_mod.PRESERVE, env_mod.RESTART)

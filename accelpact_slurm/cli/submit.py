@@ -2,7 +2,8 @@
 
 One submitit task per rank (``nodes x ranks_per_node``, defaults from the job file's topology); each task joins as
 its rank exactly as ``accelpact-run`` does inside an allocation.  Slurm is used when ``sbatch`` is on the PATH,
-else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.  With
+else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
+``--gpus-per-node`` equal to the ranks per node makes it a GPU job, one GPU per rank.  With
 ``--wait`` the command waits (with a deadline) and prints the summary's ``final_state_digest``.  The mapping of
 submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.launch.submission`.
 """
@@ -46,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive, metavar="N", help="nodes (default: the file's topology.nodes)")
     p.add_argument("--ranks-per-node", type=_positive, metavar="R",
                    help="ranks (tasks) per node (default: the file's topology.ranks_per_node)")
+    p.add_argument("--gpus-per-node", type=_non_negative, default=0, metavar="G",
+                   help="GPUs per node (default: %(default)s, a CPU job). One GPU per rank: G must equal the ranks "
+                        "per node; every rank sees its node's G GPUs and takes cuda:LOCAL_RANK (topology.device "
+                        "auto or cuda). On the local executor every emulated node is this machine: it gives "
+                        "nodes x G GPUs, one per rank")
+    p.add_argument("--cpus-per-task", type=_positive, metavar="C",
+                   help="CPUs per rank, each rank bound to its cores (Slurm only; default: the cluster's); set "
+                        "topology.threads_per_rank to match")
     p.add_argument("--partition", metavar="P", help="Slurm partition (default: the cluster's)")
     p.add_argument("--time-min", type=_positive, default=60, metavar="M",
                    help="time limit in minutes (default: %(default)s); USR2 comes before it and the job "
@@ -72,6 +81,30 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
+def check_gpus(gpus_per_node: int, cfg: JobConfig) -> None:
+    """One GPU per rank: ``--gpus-per-node`` is 0 (a CPU job) or the job's ranks per node.
+
+    Raises:
+        SubmitUsageError: Any other count, with the fix.
+    """
+    rpn = cfg.topology.ranks_per_node
+    if gpus_per_node and gpus_per_node != rpn:
+        raise SubmitUsageError(
+            f"--gpus-per-node {gpus_per_node}: the job runs {rpn} ranks per node (--ranks-per-node, else the file's "
+            f"topology.ranks_per_node) and each rank drives one GPU: give --gpus-per-node {rpn}, or "
+            f"--ranks-per-node {gpus_per_node} to use every GPU")
 
 
 def detect_backend(forced: str | None, which: Callable[[str], str | None] = shutil.which) -> tuple[str, str]:
@@ -115,8 +148,22 @@ def make_executor(backend: str, folder: str, cfg: JobConfig, args: argparse.Name
                       slurm_additional_parameters={"requeue": True})
         if args.partition:
             params["slurm_partition"] = args.partition
+        # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): the step asks for it again.  Every
+        # rank sees all of its node's GPUs (no per-task binding, whatever the site's default) and takes
+        # cuda:LOCAL_RANK: NCCL keeps its direct GPU-to-GPU path between the ranks of a node.
+        srun_args = []
+        if args.cpus_per_task:
+            params["cpus_per_task"] = args.cpus_per_task
+            srun_args += [f"--cpus-per-task={args.cpus_per_task}", "--cpu-bind=cores"]
+        if args.gpus_per_node:
+            params["gpus_per_node"] = args.gpus_per_node
+            srun_args.append("--gpu-bind=none")
+        if srun_args:
+            params["slurm_srun_args"] = srun_args
     else:  # submitit's local executor knows one node: every emulated node's ranks run here
         params.update(nodes=1, tasks_per_node=nodes * rpn)
+        # CUDA_VISIBLE_DEVICES lists nodes x G GPUs (none when G is 0); the emulated rank r takes cuda:r.
+        params["gpus_per_node"] = nodes * args.gpus_per_node
     ex.update_parameters(**params)
     return ex
 
@@ -127,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = effective_config(args)
+        check_gpus(args.gpus_per_node, cfg)
         backend, why = detect_backend(args.backend)
         return submit_and_report(args, cfg, backend, why)
     except AccelpactError as exc:
@@ -139,6 +187,10 @@ def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, wh
 
     if args.partition and backend == "local":
         print(f"{PROG}: note: --partition applies to Slurm only; ignored on the local executor", file=sys.stderr)
+    if args.cpus_per_task and backend == "local":
+        print(f"{PROG}: note: --cpus-per-task applies to Slurm only; ignored on the local executor", file=sys.stderr)
+    for note in gpu_notes(args.gpus_per_node, cfg, backend):
+        print(f"{PROG}: note: {note}", file=sys.stderr)
     runs_root = os.path.abspath(settings.runs_root())
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else None
     if run_dir:
@@ -159,6 +211,20 @@ def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, wh
     print(f"{PROG}: job {job.job_id} {outcome.state}: {outcome.detail} (accelpact-status {spec.run_dir}; "
           f"logs {job.paths.folder})", file=sys.stderr)
     return EXIT_NOT_COMPLETED
+
+
+def gpu_notes(gpus_per_node: int, cfg: JobConfig, backend: str) -> list[str]:
+    """What the job file's ``topology.device`` makes of the GPUs asked for, when it is not what was meant (pure)."""
+    device, rpn = cfg.topology.device, cfg.topology.ranks_per_node
+    if gpus_per_node and device == "cpu":
+        return [f"--gpus-per-node {gpus_per_node} with topology.device: cpu: the ranks train on the CPU and the GPUs "
+                f"stay idle (set topology.device: auto or cuda)"]
+    if not gpus_per_node and device == "cuda":
+        what = ("the local executor hides every GPU, so the ranks stop" if backend == "local"
+                else "unless the cluster gives GPUs by default, the ranks see none and stop")
+        return [f"topology.device: cuda without --gpus-per-node: {what} with a configuration error; pass "
+                f"--gpus-per-node {rpn}"]
+    return []
 
 
 def _submit(executor, spec):

@@ -27,6 +27,7 @@ import yaml
 
 from accelpact_slurm.core.errors import ConfigError
 
+DEVICES = ("auto", "cpu", "cuda")
 FAULT_PHASES = ("boundary", "forward", "backward", "backward-all")
 ENTRY_RE = re.compile(r"^([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
@@ -38,6 +39,7 @@ class TopologyConfig:
     nodes: int = 2
     ranks_per_node: int = 2
     threads_per_rank: int = 1  # torch.set_num_threads on every rank (the embedded default shares one machine)
+    device: str = "auto"  # auto (a GPU per rank when the allocation gives one, else the CPU) | cpu | cuda
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,6 +338,9 @@ def validate(cfg: JobConfig) -> None:
     positive("topology.ranks_per_node", cfg.topology.ranks_per_node, "must be >= 1")
     positive("log_every", cfg.log_every, "must be >= 1 (updates between progress lines)")
     positive("topology.threads_per_rank", cfg.topology.threads_per_rank, "must be >= 1")
+    if cfg.topology.device not in DEVICES:
+        raise ConfigError("topology.device", cfg.topology.device,
+                          f"must be one of {', '.join(DEVICES)} (auto: a GPU per rank when the allocation has one)")
     if cfg.entry and not ENTRY_RE.match(cfg.entry):
         raise ConfigError("entry", cfg.entry, "write the entry point as module:function or path/to/file.py:function, e.g. train:main")
     c = cfg.checkpoint

@@ -16,6 +16,12 @@ with ``ACCELPACT_EMULATED=1`` and the rendezvous ports the submitting process pi
 one node only (its ``JobEnvironment`` says ``num_nodes=1``); the emulated nodes come from the spec, and rank ``r``
 sits on emulated node ``r // ranks_per_node``, as under ``srun --ntasks-per-node``.
 
+GPUs (``accelpact-submit --gpus-per-node G``, G equal to the ranks per node): on Slurm the job asks for
+``--gpus-per-node=G`` and its step for ``--gpu-bind=none``, so every task sees its node's G GPUs and the runtime
+gives each rank ``cuda:LOCAL_RANK`` (:mod:`accelpact_slurm.runtime.hardware`).  On the local executor submitit
+sets ``CUDA_VISIBLE_DEVICES`` of every task to ``nodes x G`` GPUs of this machine, and the emulated rank ``r``
+takes ``cuda:r``; with G = 0 it lists none: a CPU job.
+
 How submitit's Checkpointable mechanism maps onto our snapshot-then-requeue path (submitit 1.5.4):
 
 * submitit's ``process_job`` installs ``SignalHandler.checkpoint_and_try_requeue`` on USR2 just before it calls

@@ -159,7 +159,7 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
                           mesh: Any = None, dims: tuple[str, ...] = ("replicate", "shard"),
                           extra_roots: tuple[Any, ...] = (),
                           on_rebound: Callable[[dict[str, dist.ProcessGroup]], None] | None = None,
-                          retire: bool = True) -> GroupReplacement:
+                          retire: bool = True, device: Any = None) -> GroupReplacement:
     """Replace this rank's HSDP groups named in ``dims`` by new ones and rebind every reference to them.
 
     Called on every rank, in the same order relative to other group constructions, after
@@ -181,7 +181,8 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
     ``replicate_group``), before the reference scan over the framework's objects plus ``extra_roots``
     must find no reference to an old group left, else :class:`RepairError` is raised and nothing is
     retired.  ``retire`` unregisters the old groups from c10d (on Gloo that does not touch peers, dead
-    or not).
+    or not; an NCCL communicator is aborted in the background).  ``device``: on a GPU the new groups get
+    an NCCL communicator there (:func:`torch_compat.build_group`).
     """
     t0 = time.monotonic()
     shard, replicate = tc.hsdp_groups(model, fsdp)
@@ -204,8 +205,8 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
         first = min(members)
         prefix = f"{tag}/{dim}/{first}"
         old[dim] = current[dim]
-        new[dim] = tc.build_gloo_group(members, dist.PrefixStore(prefix, store), f"accelpact-{dim}-{first}-{tag}",
-                                       timeout_s)
+        new[dim] = tc.build_group(members, dist.PrefixStore(prefix, store), f"accelpact-{dim}-{first}-{tag}",
+                                  timeout_s, device)
     t1 = time.monotonic()
     rebound = rb.rebind_groups(model, fsdp, mesh, {old[d]: new[d] for d in old})
     if on_rebound is not None:

@@ -76,6 +76,7 @@ class RepairContext:
     optimizer: Any = None
     step: int | None = None  # the update discarded (scope "update")
     discarded: dict[str, int] = field(default_factory=dict)
+    retired: list[Any] = field(default_factory=list)  # the replaced groups, retired after the release
 
 
 def rss_bytes() -> int:
@@ -107,6 +108,20 @@ class RepairEngine:
         self.out = out
         self.generation = 0
         self.repairs = 0
+        self.retiring: list[Any] = []  # background aborts of retired NCCL communicators (joined by close)
+
+    @property
+    def device(self) -> torch.device:
+        """The rank's training device (new groups get an NCCL communicator there when it is a GPU)."""
+        return getattr(self.rt, "device", None) or torch.device("cpu")
+
+    def close(self, deadline_s: float = 10.0) -> int:
+        """Wait up to ``deadline_s`` for the background retirements; return how many are still running."""
+        end = time.monotonic() + deadline_s
+        for t in self.retiring:
+            t.join(max(0.0, end - time.monotonic()))
+        self.retiring = [t for t in self.retiring if t.is_alive()]
+        return len(self.retiring)
 
     # ------------------------------------------------------------------ driver
 
@@ -166,9 +181,13 @@ class RepairEngine:
         ctx.old = self.rt.replicate_group
 
     def guard_sync(self, ctx: RepairContext) -> None:
-        """Drain the device and check that no FSDP unit is mid-step (and, after a discard, no gradient is left)."""
-        if torch.cuda.is_available():  # pragma: no cover - GPU only
-            torch.cuda.synchronize()
+        """Drain the device and check that no FSDP unit is mid-step (and, after a discard, no gradient is left).
+
+        On a GPU the failed NCCL work was aborted where its wait raised (so no kernel of it is left to wait
+        for); the device is drained before the checks.
+        """
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            torch.cuda.synchronize(self.device)
         ok, why = tc.fsdp_idle(self.model, self.fsdp)
         if not ok:
             raise RepairError(f"guard check failed: {why}")
@@ -201,7 +220,7 @@ class RepairEngine:
         gen = self.rt.control.generation
         store = dist.PrefixStore(f"accelpact/replicate/{self.rt.local_rank}/g{gen}", self.rt.control.base_store)
         name = f"accelpact-replicate-{self.rt.local_rank}-g{gen}"
-        ctx.new = tc.build_gloo_group(ctx.members, store, name, self.rt.collective_timeout_s)
+        ctx.new = tc.build_group(ctx.members, store, name, self.rt.collective_timeout_s, self.device)
 
     def rebind(self, ctx: RepairContext) -> None:
         """Every cached reference to the retired group now names the new one; none remains."""
@@ -219,18 +238,34 @@ class RepairEngine:
             raise FailStop(f"rebinding invariant violated: {len(left)} reference(s) to the retired group remain, "
                            f"e.g. {left[:3]}", EXIT_REQUEUE, phase="committed", frontier=ctx.frontier,
                            decided_at=time.monotonic(), key=ctx.key)
-        tc.retire_group(old)
+        ctx.retired.append(old)
 
     def validate(self, ctx: RepairContext) -> None:
         """Integer all-reduce on the new group, then the world's release barrier."""
         if ctx.member:
-            t = torch.ones(1, dtype=torch.int64)
-            dist.all_reduce(t, group=ctx.new)
-            if int(t) != len(ctx.members):
-                raise RepairError(f"validation all-reduce gave {int(t)}, expected {len(ctx.members)}")
+            self._check_group("replication", ctx.new)
         view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
                                                              "rebound": sum(ctx.rebound.values())})
         ctx.lead_view = view[min(ctx.ranks)]
+        self._retire(ctx)
+
+    def _check_group(self, name: str, pg: dist.ProcessGroup) -> None:
+        """An integer all-reduce on ``pg``: on the CPU (Gloo), and on a GPU over its NCCL communicator too."""
+        devices = [torch.device("cpu")] + ([self.device] if self.device.type == "cuda" else [])
+        for dev in devices:
+            t = torch.ones(1, dtype=torch.int64, device=dev)
+            dist.all_reduce(t, group=pg)
+            if int(t) != pg.size():
+                raise RepairError(f"validation all-reduce on the new {name} group ({dev.type}) gave {int(t)}, "
+                                  f"expected {pg.size()}")
+
+    def _retire(self, ctx: RepairContext) -> None:
+        """After the release: unregister the replaced groups; an NCCL communicator is aborted in the background."""
+        for pg in ctx.retired:
+            thread = tc.retire_group(pg)
+            if thread is not None:  # pragma: no cover - GPU only
+                self.retiring.append(thread)
+        ctx.retired = []
 
     # ------------------------------------------------------------------ phases of a backward fault
 
@@ -254,17 +289,16 @@ class RepairEngine:
 
         res = replace_broken_groups(self.model, self.fsdp, store=rt.control.base_store,
                                     tag=f"accelpact/l1/g{rt.control.generation}", timeout_s=rt.collective_timeout_s,
-                                    mesh=rt.mesh, on_rebound=rebound)
+                                    mesh=rt.mesh, on_rebound=rebound, retire=False, device=self.device)
         ctx.member, ctx.new = True, res.new
+        ctx.retired = list(res.old.values())
         ctx.rebound = dict(res.rebound)
 
     def validate_all(self, ctx: RepairContext) -> None:
         """Integer all-reduce on each new group, then the world's release barrier."""
         for name, pg in ctx.new.items():
-            t = torch.ones(1, dtype=torch.int64)
-            dist.all_reduce(t, group=pg)
-            if int(t) != pg.size():
-                raise RepairError(f"validation all-reduce on the new {name} group gave {int(t)}, expected {pg.size()}")
+            self._check_group(name, pg)
         view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
                                                              "rebound": sum(ctx.rebound.values())})
         ctx.lead_view = view[min(ctx.ranks)]
+        self._retire(ctx)

@@ -24,43 +24,112 @@ the fault injection's patch point (:func:`replication_all_reduce_sites`) live he
 
 from __future__ import annotations
 
+import logging
+import threading
 from datetime import timedelta
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ process groups
 
 
-def build_gloo_group(members: list[int], store: dist.Store, name: str, timeout_s: float) -> dist.ProcessGroup:
-    """Create a Gloo group over ``members`` from ``store`` (a fresh prefix), registered under ``name``.
+def build_group(members: list[int], store: dist.Store, name: str, timeout_s: float,
+                device: torch.device | None = None) -> dist.ProcessGroup:
+    """Create a group over ``members`` from ``store`` (a fresh prefix), registered under ``name``.
 
-    Only the members call this (unlike ``new_group``, which needs the whole world
-    and reuses a store prefix derived from the membership, where stale keys of the
-    retired group live).
+    Only the members call this (unlike ``new_group``, which needs the whole world and reuses a store
+    prefix derived from the membership, where stale keys of the retired group live).  On the CPU
+    (``device`` None or ``cpu``) the group is Gloo; on a GPU it is Gloo for CPU tensors and NCCL for
+    ``device``'s, the NCCL communicator created eagerly here, bound to ``device`` (the job's world group
+    is never bound to a device, so this is a members-only build, not a split of the world).
     """
     from torch.distributed import distributed_c10d as c10d
 
     me = dist.get_rank()
+    cuda = device is not None and device.type == "cuda"
+    extra = {"device_id": device} if cuda else {}
     pg, _ = c10d._new_process_group_helper(
-        len(members), members.index(me), members, "gloo", store, group_name=name,
-        timeout=timedelta(seconds=timeout_s), group_desc=name,
+        len(members), members.index(me), members, "cpu:gloo,cuda:nccl" if cuda else "gloo", store,
+        group_name=name, timeout=timedelta(seconds=timeout_s), group_desc=name, **extra,
     )
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(members)}
     return pg
+
+
+def build_gloo_group(members: list[int], store: dist.Store, name: str, timeout_s: float) -> dist.ProcessGroup:
+    """:func:`build_group` on the CPU."""
+    return build_group(members, store, name, timeout_s)
 
 
 def group_name(pg: dist.ProcessGroup) -> str:
     return pg.group_name
 
 
-def retire_group(pg: dist.ProcessGroup) -> None:
-    """Unregister a dead group from c10d (so it can be freed).  On Gloo this does not touch peers."""
+def nccl_backend(pg: dist.ProcessGroup) -> object | None:
+    """The group's NCCL backend, or None for a group without one (Gloo only)."""
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return None
+    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
+
+
+def _unregister(pg: dist.ProcessGroup) -> None:
+    """Remove ``pg`` from every registry of c10d without touching its backends (what an abort leaves to do)."""
     from torch.distributed import distributed_c10d as c10d
 
-    if pg in c10d._world.pg_map:
+    w = c10d._world
+    for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_coalesce_state):
+        table.pop(pg, None)
+    tag = w.pg_to_tag.pop(pg, None)
+    for t in (tag, ""):
+        if t is not None and pg in w.tags_to_pg.get(t, []):
+            w.tags_to_pg[t].remove(pg)
+    if tag and not w.tags_to_pg.get(tag, [None]):
+        del w.tags_to_pg[tag]
+    c10d._unregister_process_group(pg.group_name)
+
+
+def retire_group(pg: dist.ProcessGroup) -> threading.Thread | None:
+    """Unregister a dead group from c10d (so it can be freed).
+
+    A Gloo group is destroyed at once (that does not touch peers).  A group with an NCCL communicator is
+    unregistered at once and its communicator aborted on a background thread, which this returns: an
+    abort takes about a second and must not hold up training, and ``destroy_process_group`` would wait
+    for the failed communicator's kernels, which may never end.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if pg not in c10d._world.pg_map:
+        return None
+    if pg is c10d._world.default_pg:
+        # DeviceMesh hands out the default group for a dimension spanning the whole world (the replication
+        # dimension of N nodes x 1 rank, the shard dimension of one node).  Destroying it destroys every group
+        # of the process, the replacements included; the library issues no collective on it, so it stays.
+        return None
+    backend = nccl_backend(pg)
+    if backend is None:
+        tag = c10d._world.pg_to_tag.get(pg)
         dist.destroy_process_group(pg)
+        if tag and not c10d._world.tags_to_pg.get(tag, [None]):  # it leaves the group's own tag, listing nothing
+            del c10d._world.tags_to_pg[tag]
+        return None
+    _unregister(pg)
+
+    def abort() -> None:
+        try:
+            backend.abort()
+        except Exception:  # pragma: no cover - GPU only; an abort that fails leaves a communicator to the exit
+            log.warning("aborting the retired communicator %s failed", pg.group_name, exc_info=True)
+
+    thread = threading.Thread(target=abort, name=f"accelpact-retire-{pg.group_name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def registered_groups() -> int:
@@ -364,6 +433,72 @@ def fsdp2_root(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
+def _fsdp2_reset_iter_state(root: nn.Module) -> None:
+    """What ``FSDPModule.reset_iter_state`` does (torch 2.12+), for a torch without it: wait on every in-flight
+    collective's event, drop the per-iteration communication state, set every state and group IDLE and
+    reshard.  Every attribute is read with a default, since they moved between releases."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = root._get_fsdp_state()
+    handle = getattr(state, "_device_handle", None)
+    stream = handle.current_stream() if handle is not None and hasattr(handle, "current_stream") else None
+
+    def wait(event: object) -> None:
+        if event is not None and stream is not None:
+            stream.wait_event(event)
+
+    ctx = state._comm_ctx
+    ag = getattr(ctx, "all_gather_state", None)
+    if ag is not None:
+        wait(getattr(ag, "event", None))
+        ctx.all_gather_state = None
+    for rs in getattr(ctx, "reduce_scatter_states", ()):
+        wait(getattr(rs, "event", None))
+    if hasattr(ctx, "reduce_scatter_states"):
+        ctx.reduce_scatter_states.clear()
+    for event in getattr(ctx, "_last_post_reduce_events", {}).values():
+        wait(event)
+    for name in ("_last_post_reduce_events", "post_forward_order"):
+        if hasattr(ctx, name):
+            getattr(ctx, name).clear()
+    for st in state._state_ctx.all_states:
+        if hasattr(st, "_modules_to_run_forward"):
+            st._modules_to_run_forward.clear()
+        st._training_state = TrainingState.IDLE
+        groups = getattr(st, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group or None
+            groups = [st._fsdp_param_group] if getattr(st, "_fsdp_param_group", None) is not None else []
+        for group in groups:
+            result = getattr(group, "_all_gather_result", None)
+            if result is not None:
+                wait(getattr(result, "all_gather_event", None))
+                work = getattr(result, "all_gather_work", None)
+                if isinstance(work, dist.Work):
+                    try:
+                        work.wait()
+                    except RuntimeError:  # a dead group's all-gather: its output is of no use now
+                        pass
+                group._all_gather_result = None
+            for name in ("_post_reduce_event", "_all_reduce_state"):
+                value = getattr(group, name, None)
+                wait(value if name == "_post_reduce_event" else getattr(value, "event", None))
+                if hasattr(group, name):
+                    setattr(group, name, None)
+            event = getattr(group, "_reshard_after_forward_event", None)
+            if event is not None:
+                if hasattr(group, "_wait_all_gather_streams_on_event"):
+                    group._wait_all_gather_streams_on_event(event)
+                group._reshard_after_forward_event = None
+            if hasattr(group, "_partial_reduce_output"):
+                group._partial_reduce_output = None
+            if hasattr(group, "_post_forward_indices"):
+                group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
 def fsdp2_discard_iteration(model: nn.Module) -> dict[str, int]:
     """``reset_iter_state()`` on the root, then drop every gradient it leaves behind.
 
@@ -386,7 +521,10 @@ def fsdp2_discard_iteration(model: nn.Module) -> dict[str, int]:
                 work.wait()
             except RuntimeError:
                 group._all_gather_result = None
-    root.reset_iter_state()
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+    else:  # torch before 2.12 has no reset_iter_state: the same steps, on the attributes it has
+        _fsdp2_reset_iter_state(root)
     for group in fsdp2_param_groups(model):
         counts["param_groups"] += 1
         for fp in group.fsdp_params:

@@ -37,7 +37,7 @@ from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, UsageError
 from accelpact_slurm.core.events import EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import appstate, replay
-from accelpact_slurm.runtime.phases import PhaseTracker, Redo, Withheld
+from accelpact_slurm.runtime.phases import TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault
 from accelpact_slurm.runtime.sampler import ShardedSampler
 from accelpact_slurm.runtime.stopping import fail_stop, stop_for_requeue
 
@@ -56,7 +56,8 @@ class Job:
     Attributes:
         rank, world_size, node, num_nodes, local_rank, ranks_per_node: this rank's place; rank ``r``
             sits on node ``r // ranks_per_node``.
-        device: the device to train on (``cpu``: the data plane is Gloo on the CPU for now).
+        device: the device to train on: ``cuda:N`` (one GPU per rank, NCCL data plane) or ``cpu`` (Gloo), from
+            the job file's ``topology.device`` and the allocation (``docs/gpus.md``).
         mesh: the 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (nodes x ranks of a node).
         groups: ``(shard_group, replicate_group)``, the explicit pair for FSDP1 ``process_group=``.
         run_dir: the job's run directory (shared by all nodes); events: its event log.
@@ -74,7 +75,7 @@ class Job:
         self.rank, self.world_size = rt.rank, rt.layout.world_size
         self.node, self.num_nodes = rt.node, rt.layout.num_nodes
         self.local_rank, self.ranks_per_node = rt.local_rank, rt.layout.ranks_per_node
-        self.device = torch.device("cpu")
+        self.device = torch.device(getattr(rt, "device", "cpu"))
         self.mesh = rt.mesh
         self.groups = (rt.shard_group, rt.replicate_group)
         self.run_dir = run_dir
@@ -335,6 +336,8 @@ class Run:
                                               "every op deterministic: use another op, or job.protect(..., "
                                               "exact=False) to give up bitwise recovery") from ev
             fault = phase if phase != "committed" else "forward"
+            if not communication_fault(ev):  # the training code's own error: a redo would fail the same way
+                fault = TRAINING_CODE
             if update.decided:  # after the vote (in the optimizer step or later): peers may have stepped
                 fault = "optimizer"
             if isinstance(ev, Withheld):

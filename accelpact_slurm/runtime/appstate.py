@@ -90,7 +90,7 @@ def rng_state() -> dict[str, Any]:
 
     out = {"cpu": encode(torch.get_rng_state(), "rng.cpu"), "python": encode(random.getstate(), "rng.python")}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - GPU only
-        out["cuda"] = [encode(s, "rng.cuda") for s in torch.cuda.get_rng_state_all()]
+        out["cuda"] = [encode(torch.cuda.get_rng_state(), "rng.cuda")]  # this rank's GPU only
     np = _numpy()
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -105,7 +105,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "python" in state:
         random.setstate(decode(state["python"]))
     if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - GPU only
-        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+        torch.cuda.set_rng_state(decode(state["cuda"][0]))
     np = _numpy()
     if "numpy" in state and np is not None:
         name, keys, pos, has_gauss, cached = state["numpy"]
@@ -118,7 +118,8 @@ def rng_snapshot() -> tuple[Any, ...]:
     import random
 
     np = _numpy()
-    cuda = (torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+    # The rank's own GPU only: the *_all variants would create a context on every GPU the rank can see.
+    cuda = (torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else None)  # pragma: no branch - GPU only
     return (torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None, cuda)
 
@@ -134,7 +135,7 @@ def rng_restore(snap: tuple[Any, ...]) -> None:
     if npy is not None and np is not None:
         np.random.set_state(npy)
     if cuda is not None:  # pragma: no cover - GPU only
-        torch.cuda.set_rng_state_all(cuda)
+        torch.cuda.set_rng_state(cuda)
 
 
 def rank_state(ranks: dict[str, Any], rank: int, seed: int, frontier: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 CONTINUE = "continue"
 REDO = "redo"
+#: How many times one update may be discarded and run again in a row before the job restarts instead.
+MAX_REDOS = 3
 
 @dataclass
 class Vote:
@@ -118,6 +121,7 @@ class BoundaryGuard:
         self.injector = injector
         self.faults = faults
         self.stop_requested = False
+        self._redos: dict[int, int] = {}  # update -> times it was discarded and run again in a row
 
     def lookup(self, phase: str) -> tuple[str, str]:
         return env_mod.decide(self.envelope, self.key_for(phase))
@@ -176,6 +180,12 @@ class BoundaryGuard:
         if action == env_mod.PRESERVE:
             ranks = affected_ranks(votes, rt.layout.replicate_ranks, rt.layout.local_of)
             if phase == BACKWARD:
+                redos = self._redos.get(step, 0) + 1
+                if redos > MAX_REDOS:  # the same on every rank: all took the same branches before
+                    raise FailStop(f"update {step} was discarded {MAX_REDOS} times in a row and failed again in "
+                                   f"backward ({reason}): a fault that recurs is a restart's business",
+                                   EXIT_REQUEUE, phase=phase, frontier=frontier, decided_at=decided, key=str(key))
+                self._redos = {step: redos}
                 self.engine.repair(frontier=frontier, ranks=list(range(rt.layout.world_size)), observed=observed,
                                    key=str(key), reason=reason, scope="update", optimizer=optimizer, step=step)
                 return REDO, None, raw
@@ -186,8 +196,18 @@ class BoundaryGuard:
 
     def _boundary_collective(self, frontier: int) -> None:
         """Every replica of this shard must be at the same committed frontier (and the group alive)."""
-        t = torch.tensor([frontier], dtype=torch.int64)
-        dist.all_reduce(t, group=self.rt.replicate_group)
+        device = getattr(self.rt, "device", None)
+        if device is not None and device.type == "cuda":  # pragma: no cover - GPU only
+            # Over NCCL, queued behind FSDP's replication all-reduce on the same communicator: a withheld or
+            # stuck one surfaces here, as the wait's timeout raising in this thread (which aborts the work's
+            # communicator), instead of a kernel that never ends.
+            t = torch.tensor([frontier], dtype=torch.int64, device=device)
+            work = dist.all_reduce(t, group=self.rt.replicate_group, async_op=True)
+            work.wait(timedelta(seconds=self.rt.collective_timeout_s))
+            t = t.cpu()
+        else:
+            t = torch.tensor([frontier], dtype=torch.int64)
+            dist.all_reduce(t, group=self.rt.replicate_group)
         expected = frontier * self.rt.layout.num_nodes
         if int(t) != expected:
             raise RuntimeError(f"replicas disagree on the committed update: sum {int(t)} != {expected}")

@@ -112,7 +112,9 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     if lead:
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,
                     nodes=rt.layout.num_nodes, ranks_per_node=rt.layout.ranks_per_node,
-                    hostnames=list(ctx.nodelist), run_dir=os.path.abspath(run_dir), entry=cfg.entry)
+                    hostnames=list(ctx.nodelist), run_dir=os.path.abspath(run_dir), entry=cfg.entry,
+                    device=rt.hardware.device, backend=rt.hardware.backend, device_reason=rt.hardware.reason,
+                    versions=rt.hardware.versions)
     events.emit("membership", local_rank=rt.local_rank, hostname=ctx.hostname or socket.gethostname(),
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
@@ -143,6 +145,9 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
               f"[accelpact] summary: {os.path.join(run_dir, SUMMARY_FILE)}", file=out, flush=True)
     run._snapshots.close()
     run._tracker.close()
+    left = run._guard.engine.close(cfg.timeouts.shutdown_s)  # background aborts of replaced NCCL communicators
+    if left:  # pragma: no cover - GPU only
+        log.warning("%d retired communicator(s) still aborting at the end of the job", left)
     rt.control.barrier("job-end")
     rt.control.leave("job-end", cfg.timeouts.shutdown_s)
     events.close()

@@ -29,6 +29,30 @@ class Withheld(Exception):
     """This rank is the injected faulting member (raised inside the update, latched by the guard)."""
 
 
+#: The fault phase of an exception that is not a failed collective (always L2).
+TRAINING_CODE = "training-code"
+#: Words of the errors a broken peer or link gives in a collective, where torch raises a plain RuntimeError
+#: (Gloo's timeouts and closed pairs); NCCL's and the c10d store's are ``torch.distributed.DistError``.
+COMMUNICATION_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "timed out waiting",
+                       "broken pipe", "socket timeout")
+
+
+def communication_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective (a dead peer or link), not an error of the training code.
+
+    Only a communication fault may be repaired in process: a redo of an update that failed on its own
+    (a shape or device mismatch in the user's loss) would fail again the same way.
+    """
+    import torch.distributed as dist
+
+    if isinstance(exc, Withheld) or type(exc).__name__ == "ReplicationWithheld":
+        return True
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in COMMUNICATION_WORDS)
+
+
 class Redo(Exception):
     """The vote decided to discard this update and run it again (raised out of ``optimizer.step``)."""
 

@@ -15,10 +15,19 @@ from accelpact_slurm.runtime.guard import BoundaryGuard
 from accelpact_slurm.runtime.phases import FaultInjector
 
 
-def key_factory(nodes: int, ranks_per_node: int, fsdp: str, mesh: str):
-    """``key_for(phase)``: the envelope key of this job (platform, resource profile) for a fault in ``phase``."""
-    platform = env_mod.platform_key(torch.__version__, "gloo")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def key_factory(nodes: int, ranks_per_node: int, fsdp: str, mesh: str, hardware: Any = None):
+    """``key_for(phase)``: the envelope key of this job (platform, resource profile) for a fault in ``phase``.
+
+    The platform is torch's version and the data plane's backend, with the NCCL and CUDA versions on a GPU
+    (:attr:`accelpact_slurm.runtime.hardware.Hardware.platform`): what was qualified on one platform is
+    allowed there only.
+    """
+    if hardware is None:
+        platform = env_mod.platform_key(torch.__version__, "gloo")
+        device = "cpu"
+    else:
+        platform = hardware.platform if hardware.is_cuda else env_mod.platform_key(torch.__version__, "gloo")
+        device = "cuda" if hardware.is_cuda else "cpu"
     profile = env_mod.profile_key(device, nodes, ranks_per_node, fsdp, mesh)
 
     def key_for(phase: str) -> env_mod.Key:
@@ -35,7 +44,7 @@ def build_guard(cfg: JobConfig, rt: Any, model: Any, events: Any, wrapping: tupl
     layered over the shipped one (:func:`accelpact_slurm.runtime.envelope.load`).
     """
     fsdp, mesh = wrapping
-    key_for = key_factory(rt.layout.num_nodes, rt.layout.ranks_per_node, fsdp, mesh)
+    key_for = key_factory(rt.layout.num_nodes, rt.layout.ranks_per_node, fsdp, mesh, getattr(rt, "hardware", None))
     envelope = env_mod.load(settings.envelope_path(environ), environ)
     trial_phase = settings.qualifying(environ)
     if trial_phase:

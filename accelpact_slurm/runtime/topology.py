@@ -18,18 +18,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.runtime.control import ControlPlane
+from accelpact_slurm.runtime.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.slurm.env import SlurmContext
 
 log = logging.getLogger(__name__)
 
 MESH_DIMS = ("replicate", "shard")
+CPU = Hardware("cpu", "gloo", "gloo", "the CPU")
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ class Runtime:
     replicate_group: dist.ProcessGroup
     mesh: DeviceMesh
     collective_timeout_s: float
+    hardware: Hardware = CPU
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank trains on (``cpu`` or ``cuda:N``)."""
+        return torch.device(self.hardware.device)
 
     def close(self) -> None:
         try:
@@ -106,9 +115,23 @@ def layout_from(ctx: SlurmContext) -> Layout:
 
 
 def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] | None = None) -> Runtime:
-    """Join the job as ``ctx.rank``: stores, Gloo world, HSDP groups, control plane."""
+    """Join the job as ``ctx.rank``: device, stores, world (Gloo, or Gloo + NCCL on GPUs), HSDP groups, control plane."""
     environ = os.environ if environ is None else environ
     layout = layout_from(ctx)
+    hw = select(cfg.topology.device, rank=ctx.rank, local_rank=layout.local_of(ctx.rank),
+                ranks_per_node=layout.ranks_per_node, world_size=layout.world_size,
+                emulated=settings.emulated(environ))
+    log.info("rank %d trains on %s (%s)", ctx.rank, hw.device, hw.reason)
+    if hw.is_cuda:
+        torch.cuda.set_device(torch.device(hw.device))
+        # Deterministic cuBLAS (job.protect(exact=True) turns on torch's deterministic algorithms, which need it
+        # set before the first cuBLAS call); a value the user set wins.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        for warning in nccl_environment():  # read by each NCCL process group as it is created
+            log.warning(warning)
+        if nccl_abort_hangs(hw.versions.get("nccl", "")):
+            log.warning("NCCL %s is known to hang in communicator abort (fixed in 2.26.2): a replaced communicator "
+                        "is retired in the background and may never finish; upgrade NCCL", hw.versions["nccl"])
     host = settings.rendezvous(environ)[0] or ctx.rendezvous_host
     data_port, control_port = rendezvous_ports(ctx, environ)
     startup = timedelta(seconds=cfg.timeouts.startup_s)
@@ -117,14 +140,15 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     data_store = dist.TCPStore(host, data_port, layout.world_size, is_master, timeout=startup)
     control_store = dist.TCPStore(host, control_port, layout.world_size, is_master, timeout=startup)
     collective = timedelta(seconds=cfg.timeouts.collective_s)
+    # No device_id: a bound world group would turn every members-only group build into a world-wide split.
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("data", data_store), rank=ctx.rank,
+        hw.backend, store=dist.PrefixStore("data", data_store), rank=ctx.rank,
         world_size=layout.world_size, timeout=collective,
     )
     control = ControlPlane(control_store, ctx.rank, layout.world_size, cfg.timeouts.control_s)
     node, local = layout.node_of(ctx.rank), layout.local_of(ctx.rank)
     # One 2-D mesh; its groups are also the explicit (shard, replicate) pair the job hands out.
-    mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh("cuda" if hw.is_cuda else "cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
     shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
     from accelpact_slurm.repair.torch_compat import set_group_timeout
 
@@ -134,5 +158,5 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     return Runtime(
         ctx=ctx, layout=layout, rank=ctx.rank, node=node, local_rank=local, data_store=data_store,
         control=control, shard_group=shard_pg, replicate_group=rep_pg, mesh=mesh,
-        collective_timeout_s=cfg.timeouts.collective_s,
+        collective_timeout_s=cfg.timeouts.collective_s, hardware=hw,
     )

@@ -49,7 +49,7 @@ def schedule(steps: int, warmup: int, floor: float):
 
 def main(job: Job) -> None:
     p = job.params
-    model = wrap(build_model(job.seed, **{k: p[k] for k in SHAPE}), job, p.get("fsdp", "fsdp1"),
+    model = wrap(build_model(job.seed, **{k: p[k] for k in SHAPE}).to(job.device), job, p.get("fsdp", "fsdp1"),
                  p.get("mesh", "device_mesh"))
     beta1, beta2 = p.get("betas", (0.9, 0.95))
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=(beta1, beta2), weight_decay=p["weight_decay"],
@@ -60,7 +60,7 @@ def main(job: Job) -> None:
     run = job.protect(model, opt, scheduler=sched, state={"data": loader})
     for tokens in run.batches(loader):
         with run.update() as update:
-            loss = lm_loss(model, tokens)
+            loss = lm_loss(model, tokens.to(job.device))
             loss.backward()
             update.loss = loss  # before the step: it travels in the update's vote
             opt.step()

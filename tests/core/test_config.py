@@ -37,6 +37,22 @@ def test_shared_tier_is_on_by_default_and_in_both_examples():
         assert load_config(path).checkpoint.shared_every == 2
 
 
+def test_gpu_example_loads_with_one_gpu_per_rank():
+    path = "examples/vision/job-gpu.yaml"
+    cpu, gpu = load_config("examples/vision/job.yaml"), load_config(path)
+    t = gpu.topology
+    assert (t.device, t.nodes, t.ranks_per_node) == ("cuda", 2, 4)
+    assert gpu.entry == cpu.entry and gpu.params["precision"] == "bf16" and gpu.params["fsdp"] == "fsdp2"
+    assert gpu.checkpoint.shared_every == 2 and gpu.faults == ()
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    # The submission commands in its comments ask for what its topology says: a GPU and the threads per rank.
+    rpn, threads = t.ranks_per_node, t.threads_per_rank
+    assert (f"sbatch --nodes={t.nodes} --ntasks-per-node={rpn} --gpus-per-node={rpn} --cpus-per-task={threads} "
+            f"sbatch_templates/hsdp.sbatch {path}") in text
+    assert f"accelpact-submit {path} --gpus-per-node {rpn} --cpus-per-task {threads}" in text
+
+
 def test_digest_is_stable_and_sensitive():
     a, b = load_config(TINY), load_config(TINY)
     assert a.digest() == b.digest()

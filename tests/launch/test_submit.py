@@ -213,6 +213,82 @@ def test_slurm_sbatch_script_asks_for_requeue_and_usr2(tmp_path):
     for line in ("#SBATCH --requeue", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --time=7",
                  "#SBATCH --partition=debug", "#SBATCH --signal=USR2@90"):
         assert line in text.splitlines(), text
+    assert "--gpu-bind" not in text and "cpus-per-task" not in text  # a CPU job, as before
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+def test_gpus_and_cpus_per_task_arguments():
+    args = cli.build_parser().parse_args(["j.yaml"])
+    assert (args.gpus_per_node, args.cpus_per_task) == (0, None)
+    args = cli.build_parser().parse_args(["j.yaml", "--gpus-per-node", "4", "--cpus-per-task", "8"])
+    assert (args.gpus_per_node, args.cpus_per_task) == (4, 8)
+    for bad in (["j", "--gpus-per-node", "-1"], ["j", "--gpus-per-node", "x"], ["j", "--cpus-per-task", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.build_parser().parse_args(bad)
+        assert exc.value.code == EXIT_USAGE
+    assert "--gpus-per-node G" in cli.build_parser().format_help()
+
+
+def test_slurm_gpu_job_reaches_the_executor(tmp_path):
+    import shutil
+
+    if not shutil.which("srun"):
+        pytest.skip("submitit's Slurm executor needs srun on the PATH")
+    job = str(_job_file(tmp_path / "job.yaml"))
+    args = cli.build_parser().parse_args([job, "--ranks-per-node", "4", "--gpus-per-node", "4",
+                                          "--cpus-per-task", "8"])
+    cfg = cli.effective_config(args)
+    cli.check_gpus(args.gpus_per_node, cfg)
+    ex = cli.make_executor("slurm", str(tmp_path / "f"), cfg, args)
+    params = ex._executor.parameters
+    assert (params["nodes"], params["ntasks_per_node"]) == (2, 4)
+    assert (params["gpus_per_node"], params["cpus_per_task"]) == (4, 8)
+    assert params["srun_args"] == ["--cpus-per-task=8", "--cpu-bind=cores", "--gpu-bind=none"]
+    lines = ex._executor._make_submission_file_text("CMD", "uid").splitlines()
+    for line in ("#SBATCH --gpus-per-node=4", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=8",
+                 "#SBATCH --requeue"):
+        assert line in lines, lines
+    [srun] = [line for line in lines if line.startswith("srun ")]
+    assert srun.endswith(" --cpus-per-task=8 --cpu-bind=cores --gpu-bind=none CMD"), srun
+
+
+def test_local_gpu_job_makes_one_gpu_visible_per_emulated_rank(tmp_path):
+    job = str(_job_file(tmp_path / "job.yaml"))  # 2 nodes x 2 ranks
+    for flags, gpus in (([], 0), (["--gpus-per-node", "2"], 4)):
+        args = cli.build_parser().parse_args([job, *flags])
+        cfg = cli.effective_config(args)
+        cli.check_gpus(args.gpus_per_node, cfg)
+        params = cli.make_executor("local", str(tmp_path / "f"), cfg, args)._executor.parameters
+        assert (params["tasks_per_node"], params["gpus_per_node"]) == (4, gpus)
+
+
+@pytest.mark.parametrize("flags, rpn", [(["--gpus-per-node", "4"], 2),
+                                        (["--ranks-per-node", "4", "--gpus-per-node", "8"], 4)])
+def test_gpus_per_node_other_than_the_ranks_per_node_is_refused(tmp_path, capsys, flags, rpn):
+    job = _job_file(tmp_path / "job.yaml")
+    folder = tmp_path / "submitit"
+    assert cli.main([str(job), "--local", "--folder", str(folder), *flags]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    gpus = flags[-1]
+    assert err == (f"accelpact-submit: error: --gpus-per-node {gpus}: the job runs {rpn} ranks per node "
+                   f"(--ranks-per-node, else the file's topology.ranks_per_node) and each rank drives one GPU: "
+                   f"give --gpus-per-node {rpn}, or --ranks-per-node {gpus} to use every GPU")
+    assert not folder.exists()  # refused before anything was submitted
+
+
+def test_gpu_notes_on_the_job_files_device(tmp_path):
+    from accelpact_slurm.core.config import with_overrides
+
+    cfg = cli.effective_config(cli.build_parser().parse_args([str(_job_file(tmp_path / "job.yaml"))]))
+    assert cli.gpu_notes(0, cfg, "slurm") == [] and cli.gpu_notes(2, cfg, "slurm") == []  # auto
+    [note] = cli.gpu_notes(2, with_overrides(cfg, {"topology.device": "cpu"}), "slurm")
+    assert "topology.device: cpu" in note and "GPUs stay idle" in note
+    cuda = with_overrides(cfg, {"topology.device": "cuda"})
+    assert cli.gpu_notes(2, cuda, "local") == []
+    [note] = cli.gpu_notes(0, cuda, "local")
+    assert "the local executor hides every GPU" in note and note.endswith("pass --gpus-per-node 2")
 
 
 # --------------------------------------------------------------------------- real runs

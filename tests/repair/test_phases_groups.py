@@ -3,7 +3,9 @@
 A spawned process (Gloo's teardown stays out of pytest's) builds the replacement group under a fresh
 prefix, rebinds, scans and validates.  The rebinding scan must find a reference to the retired group
 that the framework's rebinders do not know about (the negative control of the invariant: a holder
-object left pointing at the old group), and the clean case must pass all three phases.
+object left pointing at the old group), and the clean case must pass all three phases.  A replaced group
+that is the default group (DeviceMesh's group for a dimension spanning the world) is not destroyed: that
+would destroy every other group of the process.
 """
 
 from __future__ import annotations
@@ -58,6 +60,31 @@ SCRIPT = textwrap.dedent('''
                          "name": tc.group_name(ctx.new), "generation": rt.control.generation}
         except FailStop as stop:
             out[case] = {"ok": False, "reason": stop.reason, "exit": stop.exit_code}
+
+    # DeviceMesh hands out the default group for a dimension spanning the world (the replication dimension of
+    # N nodes x 1 rank): retiring it after the repair must leave the other groups registered and usable.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed import distributed_c10d as c10d
+    world = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")).get_group("replicate")
+    was_default = world is dist.group.WORLD
+    shard = tc.build_gloo_group([0], dist.PrefixStore("shard-world", store), "shard-world", 5)
+    rt = SimpleNamespace(rank=0, layout=Layout(1, 1), local_rank=0, control=Control(7), replicate_group=world,
+                         shard_group=shard, mesh=None, collective_timeout_s=5)
+    engine = RepairEngine(torch.nn.Linear(2, 2), rt, SimpleNamespace(emit=lambda *a, **k: None), fsdp="fsdp1",
+                          out=io.StringIO())
+    ctx = RepairContext(frontier=3, ranks=[0], observed=0.0, key="<k>", reason="test")
+    for phase in ("observe", "control_barrier", "replace", "rebind", "validate"):
+        getattr(engine, phase)(ctx)
+    got = [None]
+    try:
+        dist.gather_object("digest", got, dst=0, group=rt.shard_group)  # what the final state digest does
+        gathered = got
+    except Exception as exc:
+        gathered = f"{type(exc).__name__}: {exc}"
+    out["world"] = {"was_default": was_default, "initialized": dist.is_initialized(),
+                    "registered": sorted(c10d._world.pg_names.get(g, "?") for g in (shard, ctx.new)
+                                         if g in c10d._world.pg_map),
+                    "gathered": gathered, "empty_tags": sorted(t for t, g in c10d._world.tags_to_pg.items() if not g)}
     print(json.dumps(out), flush=True)
     os._exit(0)
 ''')
@@ -82,3 +109,19 @@ def test_a_reference_the_rebinders_miss_fails_the_invariant_scan(results):
     assert not stale["ok"] and stale["exit"] == 75, stale
     assert "rebinding invariant violated: 1 reference(s) to the retired group remain" in stale["reason"], stale
     assert "cached" in stale["reason"]
+
+
+def test_retiring_the_default_group_leaves_every_other_group_registered(results):
+    """2 nodes x 1 rank: the replication group is the default group.  Destroying it at its repair would destroy
+    every group of the process (the new one and the untouched shard group included), and the final digest's
+    gather on the shard group would fail with "Group ... is not registered"."""
+    world = results["world"]
+    assert world["was_default"] and world["initialized"], world
+    assert world["registered"] == ["accelpact-replicate-0-g8", "shard-world"], world
+    assert world["gathered"] == ["digest"], world
+
+
+def test_a_retired_group_leaves_no_entry_in_the_registries(results):
+    """After the replaced groups of the clean and stale cases were retired, c10d's tag registry keeps no empty
+    entry for them (one per retired group would grow with every repair)."""
+    assert results["world"]["empty_tags"] == [], results["world"]

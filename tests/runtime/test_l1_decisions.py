@@ -183,3 +183,26 @@ def test_this_platform_key_is_shipped_when_qualified_here():
         key = key_factory(int(m["nodes"]), int(m["rpn"]), m["fsdp"], m["mesh"])(e.key.phase)
         assert key == e.key
         assert env_mod.decide(shipped, key)[0] == env_mod.PRESERVE
+
+
+def test_an_update_discarded_three_times_in_a_row_restarts_instead():
+    """A backward fault that recurs on every redo (a broken link that stays broken) ends in L2, not a loop."""
+    from types import SimpleNamespace
+
+    from accelpact_slurm.core.errors import FailStop
+    from accelpact_slurm.runtime.guard import MAX_REDOS, REDO, BoundaryGuard
+
+    layout = Layout(2, 1)
+    repairs = []
+    control = SimpleNamespace(all_gather=lambda tag, mine: [mine, {**mine, "fault": None, "error": None}])
+    rt = SimpleNamespace(rank=0, layout=layout, control=control)
+    engine = SimpleNamespace(repair=lambda **kw: repairs.append(kw["step"]))
+    events = SimpleNamespace(emit=lambda *a, **k: None)
+    guard = BoundaryGuard(rt, events, qualified_backward(), lambda phase: env_mod.Key(KEY.platform, KEY.profile, phase),
+                          engine, SimpleNamespace(fires=lambda *a: False))
+    for _ in range(MAX_REDOS):
+        assert guard.decide(7, "backward", "withheld", None)[0] == REDO
+    with pytest.raises(FailStop, match="discarded 3 times in a row"):
+        guard.decide(7, "backward", "withheld", None)
+    assert repairs == [7] * MAX_REDOS
+    assert guard.decide(8, "backward", "withheld", None)[0] == REDO  # another update starts its own count

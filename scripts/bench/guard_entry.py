@@ -1,0 +1,84 @@
+"""Guard benchmark, the ranks' side: the entry point of its jobs (``scripts/bench_guard.py``).
+
+The same file is the entry point of the jobs of both library versions measured: the current code and
+the code of an earlier commit (a worktree first on ``PYTHONPATH``).  It uses only the public API both
+versions have (``job.protect``, ``run.update``, ``update.loss``) and the control plane's ``barrier``.
+Each rank builds what the decoder example builds (``bench.workload.decoder_parts``: the model wrapped
+on the job's mesh, AdamW, its schedule and data), hands them to ``job.protect`` and then runs
+interleaved segments of
+
+    plain    the example's update body (forward, backward, optimizer step, schedule step)
+    guarded  the same body inside ``with run.update()``, ``update.loss`` set before the step (where the
+             current code's vote carries it; the earlier code reads it at the end of the update)
+
+``steps`` updates each, the order alternating from round to round, after ``warmup`` plain and
+``warmup`` guarded updates.  Rank 0 times each update of a segment (its forward waits for its shard peers
+in FSDP's all-gathers) and the whole segment, from a control-plane barrier to the next one (the same two
+barriers in both modes, so the segment ends when its slowest rank is done).  No snapshots: the guard's
+cost alone.  Rank 0 appends one JSON line per segment to the plan's ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[1]),) if p not in sys.path]
+
+from bench import harness as h  # noqa: E402
+
+
+def main(job: Any) -> None:
+    from bench.workload import batches_forever, decoder_parts, lm_loss
+
+    plan = job.params["bench"]
+    h.guard_rank(plan["deadline_s"])
+    parts = decoder_parts(job)
+    run = job.protect(parts.model, parts.optimizer, scheduler=parts.scheduler)
+    control = job._rt.control  # the barriers that delimit a segment (the same in both modes)
+    batches = batches_forever(parts.loader)
+    fd = os.open(plan["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if job.is_lead else None
+
+    def emit(kind: str, **fields: Any) -> None:
+        if fd is not None:
+            os.write(fd, (json.dumps({"ev": kind, "t": time.time(), **fields}) + "\n").encode())
+
+    def body(update: Any = None) -> None:
+        loss = lm_loss(parts.model, next(batches))
+        loss.backward()
+        if update is not None:
+            update.loss = loss
+        parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.scheduler.step()
+
+    def guarded() -> None:
+        with run.update() as u:
+            body(u)
+
+    for _ in range(plan["warmup"]):
+        body()
+        guarded()
+    emit("ready", library=os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["accelpact_slurm"].__file__))))
+    for r in range(plan["rounds"]):
+        for mode in h.abba(r, "plain", "guarded"):
+            control.barrier("bench-segment")
+            dts = []
+            start = time.perf_counter()
+            for _ in range(plan["steps"]):
+                t0 = time.perf_counter()
+                if mode == "plain":
+                    body()
+                else:
+                    guarded()
+                dts.append(time.perf_counter() - t0)
+            control.barrier("bench-segment-end")  # the segment ends when its slowest rank is done
+            emit("segment", mode=mode, round=r, n=plan["steps"], seg_s=time.perf_counter() - start, dts=dts)
+    control.barrier("bench-end")
+    emit("done", world=job.world_size)
+    if fd is not None:
+        os.close(fd)

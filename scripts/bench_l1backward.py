@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""L1 backward: the share of faults at random moments of an update recovered in process, and detection to commit.
+
+Our jobs are the decoder example's job file (2 emulated nodes x 2 ranks, FSDP1 HYBRID_SHARD on the device mesh,
+25 updates, a snapshot every 10) with a timed entry point (``scripts/bench/l1backward_entry.py``: the example's
+model, optimizer, schedule, data and update body; each rank times the update's phases: forward, backward incl.
+its replication all-reduce, the boundary (the guard's all-reduce and the vote), the optimizer step, what follows
+it), started by ``accelpact-run JOB.yaml --inject-fault PHASE:STEP:RANK`` itself (collective timeout 2 s, no
+relaunch).  Every fault lands in update 16:
+
+1. *Share recovered in process.*  A fault at a uniformly random moment of an update strikes the phase the moment
+   falls in.  Per run, N uniformly random moments (seeded ``random.Random``, the seed is in the result) over the
+   run's clean updates (every rank) are mapped to their phases; each phase is classified from real injected runs
+   (``backward:16:1`` and ``boundary:15:1``: L1 when there is a ``repair`` event and no ``fail_stop`` or
+   ``restart_load``; ``forward:16:1`` and rank 1's optimizer step of update 16 raising: L2 when they fail stop)
+   and, where nothing was run (after the step, or a class the budget left out), from the README's fault table,
+   which the result and the block say.  Reported: the share recovered in process now (the L1 phases' share of the
+   moments) against the boundary-only share (what L1 covered before), median over runs, min-max.
+2. *Detection to the next committed update.*  ``backward:16:1`` (rank 1 withholds every replication all-reduce
+   of update 16's backward; its peers hit the Gloo timeout; every rank discards the update, every group is
+   replaced, the update runs again): the last ``fault`` event of update 16 -> the ``step`` event of the redone
+   update 16 (``events.jsonl``).  Beside it, interleaved ABBA in each round, torchft's discard-and-heal on the
+   same model and fault (``scripts/peers/torchft_withhold_worker.py`` in torchft's own venv, built by
+   ``bench.peers_venvs``; skipped with the reason when it cannot be built): replica group 1 withholds its part
+   of update 16's gradient all-reduce, group 0's all-reduce times out (process group timeout = our collective
+   timeout), ``should_commit`` is False, the update runs again after a new quorum; its failed all-reduce ->
+   the later group's commit of update 16.  Ratio torchft / ours, paired per round.
+
+Every figure is a ratio against a baseline measured in the same run (median, min-max); absolute times are
+printed beside them for reference only (this machine is shared and noisy).
+
+Output: ``benchmarks/results/<date>-l1backward.json`` and the block between ``<!-- l1backward-bench -->``
+markers in ``docs/benchmarks.md`` (other blocks are kept).
+
+Usage: .venv/bin/python scripts/bench_l1backward.py [--repeats 3] [--draws 10000] [--seed N] [--no-torchft]
+       .venv/bin/python scripts/bench_l1backward.py --render benchmarks/results/<date>-l1backward.json
+
+About 3-4 minutes here (6 of our jobs, 3 torchft experiments); runs that would not fit the budget (``--budget-s``,
+lowered to ``ACCELPACT_BENCH_DEADLINE_S`` - 45 s from ``bench_all.py``) are left out, except the first round
+and the boundary run.  SIGTERM/SIGINT kill every child.
+
+The code is in ``scripts/bench/``: ``l1backward_entry`` (our ranks' entry point), ``l1backward_runs`` (one job,
+one torchft experiment), ``l1backward_analysis`` and ``l1backward_report`` (result and markdown),
+``l1backward_main``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import harness  # noqa: E402
+
+harness.add_paths()
+
+from bench.l1backward_main import main, markdown  # noqa: E402
+
+__all__ = ["main", "markdown"]  # bench_all.py renders with markdown
+
+if __name__ == "__main__":
+    sys.exit(main(doc=__doc__))

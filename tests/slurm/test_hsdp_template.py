@@ -1,0 +1,146 @@
+"""sbatch_templates/hsdp.sbatch without Slurm: its syntax, its GPU check alone, and the steps it would start.
+
+The template runs under bash with a made-up Slurm environment and a stand-in ``srun`` on the PATH that records
+its arguments instead of starting anything; the tests on the real dev cluster are in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch_templates" / "hsdp.sbatch"
+BASE_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+
+# Records its arguments (one a line) in $SRUN_LOG/daemons or $SRUN_LOG/training, and succeeds.
+FAKE_SRUN = """#!/bin/bash
+case " $* " in
+  *" --overlap "*) step=daemons ;;
+  *) step=training ;;
+esac
+printf '%s\\n' "$@" >"$SRUN_LOG/$step"
+"""
+
+
+def test_template_is_valid_bash():
+    proc = subprocess.run(["bash", "-n", str(TEMPLATE)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_template_passes_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    if not shellcheck:
+        pytest.skip("shellcheck is not installed")
+    proc = subprocess.run([shellcheck, "--severity=warning", str(TEMPLATE)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout
+
+
+def _check_gpus(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The template's check_gpus, alone, under ``env``; prints GPUS_PER_NODE when it passes."""
+    match = re.search(r"^check_gpus\(\) \{\n.*?^\}\n", TEMPLATE.read_text(), flags=re.M | re.S)
+    assert match, "no check_gpus() in the template"
+    script = f'set -euo pipefail\n{match.group(0)}check_gpus\necho "GPUS_PER_NODE=$GPUS_PER_NODE"\n'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**BASE_ENV, **env})
+
+
+@pytest.mark.parametrize("env, gpus", [
+    ({}, 0),  # a CPU job
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "0"}, 0),
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "4"}, 4),
+    ({"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_PER_NODE": "h100:4"}, 4),
+    ({"SLURM_TASKS_PER_NODE": "2,2", "SLURM_GPUS_PER_NODE": "2"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}, 8),
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_GPUS": "0-3"}, 4),
+    # This node's count wins over the request's.
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "4", "SLURM_GPUS_PER_NODE": "8"}, 4),
+])
+def test_gpu_check_accepts_one_gpu_per_task(env, gpus):
+    proc = _check_gpus(env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"GPUS_PER_NODE={gpus}" and proc.stderr == ""
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"},
+     ["4 GPUs per node (SLURM_GPUS_ON_NODE=4) but 2 tasks per node (SLURM_NTASKS_PER_NODE=2)",
+      "--ntasks-per-node=4 --gpus-per-node=4, or --ntasks-per-node=2 --gpus-per-node=2"]),
+    ({"SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_GPUS_PER_NODE": "a100:4"},
+     ["4 GPUs per node (SLURM_GPUS_PER_NODE=a100:4) but 8 tasks per node (SLURM_TASKS_PER_NODE=8(x2))"]),
+    ({"SLURM_TASKS_PER_NODE": "3,1", "SLURM_GPUS_PER_NODE": "2"},
+     ["SLURM_TASKS_PER_NODE=3,1: a GPU job needs the same number of tasks on every node",
+      "--ntasks-per-node=2 --gpus-per-node=2"]),
+    ({"SLURM_GPUS_ON_NODE": "4"}, ["cannot tell the tasks per node", "--ntasks-per-node=4 --gpus-per-node=4"]),
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_GPUS_PER_NODE": "four"},
+     ["SLURM_GPUS_PER_NODE=four: cannot tell the GPUs per node"]),
+])
+def test_gpu_check_rejects_unequal_counts_with_the_fix(env, words):
+    proc = _check_gpus(env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    err = proc.stderr.strip()
+    assert err.startswith("hsdp.sbatch: error: ") and "\n" not in err
+    for w in words:
+        assert w in err, err
+
+
+def _run_template(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
+    """The whole template with a stand-in srun; returns the process and where srun's arguments are."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "srun"
+    bin_dir.mkdir()
+    log.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    (tmp_path / "job.yaml").write_text("steps: 1\n")
+    full = {**BASE_ENV, "PATH": f"{bin_dir}:{BASE_ENV['PATH']}", "SRUN_LOG": str(log),
+            "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_TASKS_PER_NODE": "4(x2)", "ACCELPACT_PYTHON": "python-on-the-nodes", **env}
+    proc = subprocess.run(["bash", str(TEMPLATE), "job.yaml"], capture_output=True, text=True, timeout=60,
+                          env=full, cwd=tmp_path)
+    return proc, log
+
+
+def test_template_stops_before_any_step_when_gpus_and_tasks_differ(tmp_path):
+    proc, log = _run_template(tmp_path, {"SLURM_GPUS_ON_NODE": "8", "SLURM_GPUS_PER_NODE": "8"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "8 GPUs per node (SLURM_GPUS_ON_NODE=8) but 4 tasks per node" in proc.stderr
+    assert list(log.iterdir()) == []  # no srun: neither the daemons nor the training step
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gpu_job_steps_bind_gpus_and_cpus(tmp_path):
+    proc, log = _run_template(tmp_path, {"SLURM_GPUS_ON_NODE": "4", "SLURM_GPUS_PER_NODE": "4",
+                                         "SLURM_CPUS_PER_TASK": "8"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 GPUs per node, one per task" in proc.stdout
+    run_dir = tmp_path / "runs" / "42"
+    assert (log / "training").read_text().splitlines() == [
+        "--kill-on-bad-exit=1", "--cpus-per-task=8", "--cpu-bind=cores", "--gpu-bind=none",
+        "python-on-the-nodes", "-m", "accelpact_slurm.cli.run", str(tmp_path / "job.yaml"), "--run-dir",
+        str(run_dir)]
+    assert "--gpu-bind=none" not in (log / "daemons").read_text().splitlines()
+
+
+def test_cpu_job_step_is_unchanged(tmp_path):
+    proc, log = _run_template(tmp_path, {})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GPUs per node" not in proc.stdout
+    assert (log / "training").read_text().splitlines() == [
+        "--kill-on-bad-exit=1", "python-on-the-nodes", "-m", "accelpact_slurm.cli.run",
+        str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "runs" / "42")]
+    daemons = (log / "daemons").read_text().splitlines()
+    assert daemons[:5] == ["--ntasks=2", "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=0",
+                           "--disable-status"]
+
+
+def test_cpu_binding_without_gpus(tmp_path):
+    proc, log = _run_template(tmp_path, {"SLURM_CPUS_PER_TASK": "2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (log / "training").read_text().splitlines()[:3] == [
+        "--kill-on-bad-exit=1", "--cpus-per-task=2", "--cpu-bind=cores"]
+    assert "--gpu-bind=none" not in (log / "training").read_text().splitlines()
