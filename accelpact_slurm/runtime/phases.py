@@ -34,7 +34,7 @@ TRAINING_CODE = "training-code"
 #: Words of the errors a broken peer or link gives in a collective, where torch raises a plain RuntimeError
 #: (Gloo's timeouts and closed pairs); NCCL's and the c10d store's are ``torch.distributed.DistError``.
 COMMUNICATION_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "timed out waiting",
-                       "broken pipe", "socket timeout")
+                       "broken pipe", "socket timeout", "pair closure", "application timeout")
 
 
 def communication_fault(exc: BaseException) -> bool:
@@ -49,8 +49,17 @@ def communication_fault(exc: BaseException) -> bool:
         return True
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
+    if not isinstance(exc, RuntimeError):
+        return False
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in COMMUNICATION_WORDS)
+    if any(w in text for w in COMMUNICATION_WORDS):
+        return True
+    # Raised by a collective itself: the innermost Python frame is c10d's (the call into the backend).
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(
+        "torch/distributed/distributed_c10d.py")
 
 
 class Redo(Exception):

@@ -77,3 +77,20 @@ def test_only_failed_collectives_are_communication_faults():
                                                 "on cpu, different from other tensors on cuda:0"))
     assert not communication_fault(ValueError("shapes (4,8) and (9,2) not aligned"))
     assert TRAINING_CODE not in ("backward", "committed")
+
+
+def test_a_collective_raising_an_unfamiliar_error_is_still_a_communication_fault():
+    """Gloo words some of its errors without naming itself ("Application timeout caused pair closure"); an error
+    raised inside a c10d collective counts, whatever its words."""
+    assert communication_fault(RuntimeError("Application timeout caused pair closure"))
+    # an error raised inside c10d's collective call, whatever its words
+    raiser = compile("def collective():\n    raise RuntimeError('unfamiliar backend words')\n",
+                     "/x/site-packages/torch/distributed/distributed_c10d.py", "exec")
+    ns: dict = {}
+    exec(raiser, ns)
+    try:
+        ns["collective"]()
+    except RuntimeError as exc:
+        assert communication_fault(exc)
+    # the same words from the training code are not
+    assert not communication_fault(RuntimeError("unfamiliar backend words"))
