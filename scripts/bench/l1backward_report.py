@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import harness as h
-from bench.l1backward_analysis import CASE_RUN, PHASE_TITLES, PHASES, case_title
+from bench.l1backward_analysis import CASE_RUN, PHASE_TITLES, PHASES, case_label, case_title
 
 MARK = "<!-- l1backward-bench -->"
 PART = "l1backward"
@@ -75,11 +75,12 @@ def _cases(res: dict[str, Any]) -> list[str]:
         inj = f"`{inj}`" if cv.get("run_class") in CASE_RUN.values() and cv.get("injection") else inj
         mm = m.get(cv.get("run_class") or "", {})
         meas = (_s(mm.get("detect_spread_s")), _s(mm.get("detect_to_commit_s"))) if mm.get("n") else ("n/a", "n/a")
-        lines.append(f"| {case_title(c)} | {inj} | {_s(s['case_share'].get(c))} | {out}: {cv['evidence']} | "
+        lines.append(f"| {case_title(c, s['updates_of'].get(c, ()))} | {inj} | {_s(s['case_share'].get(c))} | {out}: {cv['evidence']} | "
                      f"{_ms(w.get('median_s'))} / {_ms(w.get('p90_s'))} | "
                      f"{h.fmt(_plus(w.get('median_s'), to), '{:.3f}')} ({h.fmt(_plus(w.get('mean_s'), to), '{:.3f}')}) | "
                      f"{meas[0]} | {meas[1]} |")
     others = sorted({o for x in s["per_run"] for o in x.get("other_collectives", [])})
+    per_rank = s["pooled_attempts"] / (s["runs_drawn"] * s["ranks"]) if s.get("runs_drawn") and s.get("ranks") else 0
     lines += [
         "",
         (f"Recovered in process now: {' + '.join(s['l1_cases']) or 'none'}, {_s(s['now'])} of the moments (goal "
@@ -94,11 +95,15 @@ def _cases(res: dict[str, Any]) -> list[str]:
          "`state_dict_plan` → `torch.distributed.checkpoint.state_dict.get_state_dict`), and under `HYBRID_SHARD` "
          "torch passes no group to `FSDP.optim_state_dict`, so its `all_gather_object` runs on the default group, "
          "across nodes; a link that fails after that update's boundary all-reduce and before that collective ends is "
-         "seen there, outside the guard."),
+         "seen there, outside the guard."
+         + (f" It runs once per start, so its share is that of one snapshot update among the ~{per_rank:.0f} drawn "
+            "updates of each rank here, and shrinks as a start runs more updates." if per_rank else "")),
         "",
-        "How the moments of each phase split between the cases (pooled over the runs):",
+        ("How the moments of each phase split between the cases, pooled over the runs (the case columns: share of "
+         "all drawn moments; the time share weighs each attempt by its length, the draws each run alike):"),
         "",
-        "| phase | mean ms per attempt | median ms | share of the drawn time | " + " | ".join(s["cases"]) + " |",
+        "| phase | mean ms per attempt | median ms | share of the time | "
+        + " | ".join(case_label(c, s["updates_of"].get(c, ())) for c in s["cases"]) + " |",
         "|---|---:|---:|---:|" + "---:|" * len(s["cases"]),
     ]
     tot = {c: sum(s["by_phase"].get(c, {}).values()) for c in s["cases"]}
