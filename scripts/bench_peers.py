@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Peers on the same machine: our L1 beside torchft 0.2.0 and nvidia-resiliency-ext 0.4.1.
+"""Peers on the same machine: our L1 beside torchft and nvidia-resiliency-ext, each at the newest release that
+installs and runs here (torchft's nightly build; nvidia-resiliency-ext 0.4.1, with both its in-process Wrapper
+and its in-job restart).
 
 Every system trains the same model (the decoder example's ``CausalDecoder`` at the sizes of the ``params`` of
 ``examples/decoder/job.yaml``, its AdamW, LR schedule and token stream, 4 sequences per process, 1 thread
@@ -18,7 +20,8 @@ ours      ``accelpact-run CONFIG --inject-fault boundary:15:1`` (CONFIG: the exa
           ranks, launcher and runtime as ``accelpact-run``; the example's model, optimizer and data given
           to ``job.protect``), segments of guarded (``with run.update()``) and plain updates (the same
           update body without it), interleaved, each timed between two control-plane barriers.
-torchft   a lighthouse (``torchft_lighthouse --min_replicas 1``) and two replica groups of one process
+torchft   (its nightly build, ``torchft-nightly``; the newest release, 0.2.0, when that does not work here)
+          a lighthouse (``torchft_lighthouse --min_replicas 1``) and two replica groups of one process
           (``scripts/peers/torchft_worker.py``: Manager, ProcessGroupGloo, ``manager.allreduce`` of the
           flattened gradients).  Group 1 SIGKILLs itself right after committing update 15; the survivor
           resumes once the lighthouse's heartbeat timeout has expired the dead group.  Fault-to-resume =
@@ -28,32 +31,48 @@ torchft   a lighthouse (``torchft_lighthouse --min_replicas 1``) and two replica
           quorum, healed from the survivor's live state), against the same group's first start -> first
           commit.  Per-update overhead: segments of managed updates and plain ``torch.distributed`` Gloo
           updates in the same two processes, interleaved.
-nvrx      two ranks under ``nvidia_resiliency_ext.inprocess.Wrapper`` (``scripts/peers/nvrx_worker.py``,
+nvrx      in-process restart: two ranks under ``nvidia_resiliency_ext.inprocess.Wrapper`` (``scripts/peers/nvrx_worker.py``,
           ``health_check=None``, other arguments at their defaults).  Rank 1 raises right after
           committing update 15; the Wrapper restarts the training function on both ranks in process,
           which resumes from the state kept in memory.  Fault-to-resume = the raise -> update 16
           committed.  Per-update overhead: a window of updates after the experiment, timed between two
           barriers, against the same window without the Wrapper (separate launch, same repeat).
+nvrx      in-job restart: ``ft_launcher`` (the peer's torchrun-like launcher: c10d rendezvous, one rank monitor
+(job)     per rank, ``--max-restarts 1``) starts two ranks (``scripts/peers/nvrx_injob_worker.py``: plain data
+          parallel over Gloo, a heartbeat to the rank monitor after every update, each rank's state written
+          every ``checkpoint.every_steps`` updates of the job file).  Rank 1's process SIGKILLs itself right after
+          committing update 15; the launcher stops the other rank and starts both again in the same job; they
+          load the update-10 checkpoint and replay 11-15.  Fault-to-resume = the fault record -> update 16
+          committed by the restarted rank 0, with the restart's stages (new processes started, imports, rank
+          monitors, Gloo, replay) beside it; restart = fault -> first update committed again, against the same
+          job's cold start (launcher started -> update 1 committed).
 
 The order of the runs rotates from repeat to repeat.  Figures are medians of ratios paired within one
 repeat (min-max over repeats, or over interleaved segments for the overheads); absolute seconds are
 printed beside them for reference and are never compared across runs.
 
-Each peer is installed by this script into its own virtual environment under ``benchmarks/.venvs/``
-(``torch==2.13.0`` and PyYAML first, then the pinned peer; reused while its stamp file matches).  A peer
-that cannot be installed or does not run is skipped with the reason in the JSON and the markdown.
+Each peer is installed by this script into its own virtual environment under ``benchmarks/.venvs/``, one per
+peer and release (``torch==2.13.0`` and PyYAML first, then the peer held to that torch by a constraints file;
+reused while its stamp file matches).  Each peer has candidate releases, newest first (``peers_runs.PEERS``):
+nvidia-resiliency-ext 0.7.0, 0.6.0 and 0.5.0 are on the package index only as manylinux_2_39 wheels (glibc
+2.39 or newer; 0.7.0 for CPython 3.12 only; 0.7.0 still ships ``inprocess``) and this machine has glibc 2.36
+and CPython 3.11, so 0.4.1 runs.
+Every candidate's outcome is in the JSON and the markdown; a peer, or one of its entry points, that cannot be
+installed or does not import is skipped with the reason.  The result records the commit it measured.
 
 The code is in ``scripts/bench/``: ``peers_runs`` (starting and timing the runs), ``peers_venvs``,
-``peers_entry`` (our ranks' overhead loop, the entry point of its job), ``peers_report`` (analysis and markdown), ``peers_main``; the
-peers' workers, which run in the peers' venvs, are in ``scripts/peers/``.
+``peers_entry`` (our ranks' overhead loop, the entry point of its job), ``peers_report`` (analysis and
+markdown), ``peers_main``; the peers' workers, which run in the peers' venvs, are in ``scripts/peers/``.
 
 Output: ``--json`` (default ``benchmarks/results/<date>-peers.json``) and the block between
 ``<!-- peers-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
 
 Usage: .venv/bin/python scripts/bench_peers.py [--repeats 3] [--short-timeout 1] [--peers torchft,nvrx]
+       .venv/bin/python scripts/bench_peers.py --setup-only [--recheck-peers]   (make the venvs, run nothing)
        .venv/bin/python scripts/bench_peers.py --render benchmarks/results/<date>-peers.json   (markdown only)
 
-About 4-5 minutes here with 3 repeats once the venvs exist (creating them takes a few minutes more).
+About 4 minutes here with 3 repeats once the venvs exist (creating them takes about 2 minutes more; make them
+beforehand with ``--setup-only`` when the part runs under ``bench_all.py``'s deadline).
 """
 
 from __future__ import annotations

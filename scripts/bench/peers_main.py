@@ -8,8 +8,10 @@ markdown block.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,11 +20,11 @@ from typing import Any
 
 from bench import harness as h
 from bench.peers_report import MARK, PART, analyse, markdown
-from bench.peers_runs import FAULT, FAULT_STEP, PEERS, STEPS, VENVS
+from bench.peers_runs import FAULT, FAULT_STEP, PEERS, REPO, STEPS
 
 __all__ = ["build_parser", "main", "markdown"]
 
-DEFAULT_BUDGET_S = 345
+DEFAULT_BUDGET_S = 400  # bench_all.py gives the part 480 s; a first run also makes the venvs (about 2 min)
 
 
 def build_parser(doc: str = "") -> argparse.ArgumentParser:
@@ -33,6 +35,10 @@ def build_parser(doc: str = "") -> argparse.ArgumentParser:
     ap.add_argument("--short-timeout", type=float, default=1.0,
                     help="second detection timeout, seconds, for both ours and torchft (default: %(default)s)")
     ap.add_argument("--peers", default="torchft,nvrx", help="peers to run, comma-separated (default: %(default)s)")
+    ap.add_argument("--setup-only", action="store_true",
+                    help="only make (or check) the peers' venvs, print what each got, and stop")
+    ap.add_argument("--recheck-peers", action="store_true",
+                    help="ask the package index again about candidate releases that failed before")
     ap.add_argument("--overhead-rounds", type=int, default=4,
                     help="interleaved segment pairs per repeat, ours and torchft (default: %(default)s)")
     ap.add_argument("--overhead-steps", type=int, default=10, help="updates per segment (default: %(default)s)")
@@ -69,16 +75,19 @@ def params_of(args: argparse.Namespace, budget: float) -> dict[str, Any]:
             "overhead_rounds": args.overhead_rounds, "overhead_steps": args.overhead_steps,
             "window_steps": args.window_steps,
             "topology": {"ours": f"{base.topology.nodes}x{base.topology.ranks_per_node}", "torchft": "2x1",
-                         "nvrx": "2"}, "budget_s": budget}
+                         "nvrx": "2", "nvrx_injob": "1x2"}, "budget_s": budget}
 
 
 def tasks_of(args: argparse.Namespace, res: dict[str, Any], work: Path
              ) -> list[tuple[str, Callable[[Path, int], dict[str, Any]]]]:
     """The runs of one repeat, by name (the peers that could not be installed left out)."""
-    from bench.peers_runs import run_nvrx, run_ours_fault, run_ours_overhead, run_torchft, write_config
+    from bench.peers_runs import (run_nvrx, run_nvrx_injob, run_ours_fault, run_ours_overhead, run_torchft,
+                                  write_config)
 
     T, S = res["params"]["main_timeout_s"], res["params"]["short_timeout_s"]
-    py = {n: VENVS / n / "bin" / "python" for n in PEERS if res["peers"][n]["status"] == "ok"}
+    every = res["params"]["checkpoint_every"]
+    py = {n: REPO / res["peers"][n]["venv"] / "bin" / "python" for n in PEERS if res["peers"][n]["status"] == "ok"}
+    feature = {n: {k for k, f in res["peers"][n].get("features", {}).items() if f.get("ok")} for n in py}
     cfg_T, cfg_S = work / "job-main.yaml", work / "job-short.yaml"
     write_config(cfg_T, T)
     write_config(cfg_S, S)
@@ -88,12 +97,14 @@ def tasks_of(args: argparse.Namespace, res: dict[str, Any], work: Path
         ("ours_S", lambda w, i: run_ours_fault(cfg_S, S, w, f"S{i}")),
         ("ours_overhead", lambda w, i: run_ours_overhead(T, w, *ovh)),
     ]
-    if "torchft" in py:
+    if "manager" in feature.get("torchft", ()):
         tasks += [("torchft_T", lambda w, i: run_torchft(py["torchft"], T, w, f"T{i}", ovh)),
                   ("torchft_S", lambda w, i: run_torchft(py["torchft"], S, w, f"S{i}", None))]
-    if "nvrx" in py:
+    if "inprocess" in feature.get("nvrx", ()):
         tasks += [("nvrx", lambda w, i: run_nvrx(py["nvrx"], "wrapped", T, w, f"w{i}", args.window_steps)),
                   ("nvrx_plain", lambda w, i: run_nvrx(py["nvrx"], "plain", T, w, f"p{i}", args.window_steps))]
+    if "injob" in feature.get("nvrx", ()):
+        tasks += [("nvrx_injob", lambda w, i: run_nvrx_injob(py["nvrx"], T, w, f"j{i}", every))]
     return tasks
 
 
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None, doc: str = "") -> int:
     log = h.logger("peers", budget.t0)
     h.stop_on_signals("peers", (signal.SIGTERM,))  # bench_all's deadline: stop, clean up, keep what is written
     res = h.new_result(PART, json=args.json, params=params_of(args, budget.budget_s), peers={}, runs=[],
-                       repeats_done=0)
+                       repeats_done=0, commit=commit_of())
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     wanted = [x.strip() for x in args.peers.split(",") if x.strip()]
     for w in wanted:
@@ -124,11 +135,22 @@ def main(argv: list[str] | None = None, doc: str = "") -> int:
     try:
         for name in PEERS:
             if name not in wanted:
-                res["peers"][name] = {"status": "skipped", "reason": "not selected (--peers)", "pin": PEERS[name]["pin"]}
+                res["peers"][name] = {"status": "skipped", "reason": "not selected (--peers)", "pin": None,
+                                      "title": PEERS[name]["name"], "attempts": []}
                 continue
-            res["peers"][name] = ensure_venv(name, log)
-            if res["peers"][name]["status"] != "ok":
-                log(f"SKIPPING {PEERS[name]['title']}: {res['peers'][name]['reason']}")
+            res["peers"][name] = info = ensure_venv(name, log, recheck=args.recheck_peers)
+            if info["status"] != "ok":
+                log(f"SKIPPING {info['title']}: {info['reason']}")
+                continue
+            log(f"{info['title']} ({info['pin']}, torch {info['torch']}, {info['venv']})"
+                + (f"; newer candidates that do not work here: {', '.join(info['fallback_from'])}"
+                   if info["fallback_from"] else ""))
+            for feat, f in info["features"].items():
+                if not f["ok"]:
+                    log(f"SKIPPING {info['title']} {feat}: {f['reason']}")
+        if args.setup_only:
+            print(json.dumps(res["peers"], indent=1), flush=True)
+            return 0
         tasks = tasks_of(args, res, work)
         t_runs = time.monotonic()
         for i in range(args.repeats):
@@ -175,10 +197,27 @@ def main(argv: list[str] | None = None, doc: str = "") -> int:
     return 0
 
 
+def commit_of() -> dict[str, Any]:
+    """The commit the benchmark's code and the library were at, and whether either had local changes."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, check=False, capture_output=True, text=True,
+                                  timeout=30).stdout.rstrip("\n")
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    sha = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--", "accelpact_slurm", "examples/decoder", "scripts/bench_peers.py",
+                "scripts/bench/peers_*", "scripts/bench/harness.py", "scripts/bench/workload.py", "scripts/peers")
+    return {"sha": sha.strip() or None, "short": sha.strip()[:10] or None,
+            "dirty": sorted({ln[3:] for ln in dirty.splitlines() if len(ln) > 3})}
+
+
 def _brief(r: dict[str, Any]) -> str:
     if not r.get("ok"):
         return f"FAILED ({(r.get('error') or '')[:300]})"
-    bits = [f"{k} {r[k]:.3f}" for k in ("fault_to_resume_s", "step_s", "rejoin_s") if r.get(k) is not None]
+    bits = [f"{k} {r[k]:.3f}" for k in ("fault_to_resume_s", "step_s", "rejoin_s", "relaunch_s", "replay_s")
+            if r.get(k) is not None]
     if r.get("ratios"):
         bits.append("ratios " + ", ".join(f"{x:.2f}" for x in r["ratios"]))
     if r.get("overhead", {}).get("ratios"):

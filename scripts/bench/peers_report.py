@@ -29,6 +29,27 @@ def _vals(runs: list[dict[str, Any]], run: str, key: str) -> list[float]:
     return [rep[run][key] for rep in runs if rep.get(run, {}).get("ok") and rep[run].get(key) is not None]
 
 
+def has(res: dict[str, Any], peer: str, feature: str) -> bool:
+    """Whether ``peer`` was installed with the entry point ``feature`` (results before the features were
+    recorded: torchft's manager and nvidia-resiliency-ext's in-process Wrapper, as then)."""
+    info = res["peers"].get(peer, {})
+    if info.get("status") != "ok":
+        return False
+    feats = info.get("features")
+    if feats is None:
+        return feature in ("manager", "inprocess")
+    return bool(feats.get(feature, {}).get("ok"))
+
+
+def title(res: dict[str, Any], peer: str) -> str:
+    """The peer and the release that ran (``torchft nightly 2026.10.26``)."""
+    info = res["peers"].get(peer, {})
+    if info.get("title") and info.get("status") == "ok":
+        return info["title"]
+    pin = info.get("pin") or ""
+    return pin.replace("==", " ") if "==" in pin else PEERS[peer]["name"]
+
+
 def analyse(res: dict[str, Any]) -> None:
     runs, p = res["runs"], res["params"]
     T, S = p["main_timeout_s"], p["short_timeout_s"]
@@ -43,46 +64,63 @@ def analyse(res: dict[str, Any]) -> None:
         row["key"] = key
         rows.append(row)
 
-    for sys_, run in (("ours", "ours_T"), ("ours", "ours_S"), ("torchft", "torchft_T"), ("torchft", "torchft_S"),
-                      ("nvrx", "nvrx")):
+    for run in ("ours_T", "ours_S", "torchft_T", "torchft_S", "nvrx", "nvrx_injob"):
         for k in ("fault_to_resume_s", "step_s", "goodput", "beyond_timeout_s", "recovery_work_s", "after_detect_s",
                   "repair_total_s", "window_step_s",
                   "detect_s", "restart_entered_s", "pg_ready_s", "rejoin_s", "initial_start_s", "rejoin_import_s",
-                  "rejoin_heal_step_s", "resume_step_s", "survivor_updates_before_rejoin"):
+                  "rejoin_heal_step_s", "resume_step_s", "survivor_updates_before_rejoin", "relaunch_s",
+                  "restart_imported_s", "restart_monitor_s", "restart_pg_ready_s", "load_s", "replayed_updates",
+                  "replay_s", "first_commit_after_fault_s", "save_s", "run_25_s"):
             v = _vals(runs, run, k)
             if v:
                 sm.setdefault("abs", {}).setdefault(run, {})[k] = h.spread(v)
 
-    ft_ok = res["peers"].get("torchft", {}).get("status") == "ok"
-    nv_ok = res["peers"].get("nvrx", {}).get("status") == "ok"
+    ft_ok = has(res, "torchft", "manager")
+    nv_ok = has(res, "nvrx", "inprocess")
+    nj_ok = has(res, "nvrx", "injob")
+    ft, nv = title(res, "torchft"), title(res, "nvrx")
     for run, t in (("T", T), ("S", S)):
         if not ft_ok:
             break
         st = h.ratio_stats(_pairs(runs, f"torchft_{run}", f"ours_{run}", "fault_to_resume_s"))
         dflt = " (torchft's default)" if t == 5 else ""
-        add(f"f2r_torchft_{run}", f"torchft survivor: fault → update 16 committed; heartbeat timeout {t:g} s{dflt}",
+        add(f"f2r_torchft_{run}", f"{ft} survivor: fault → update 16 committed; heartbeat timeout {t:g} s{dflt}",
             f"ours L1 (`accelpact-run`, {FAULT}), collective_s {t:g} s, same repeat", st,
             f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s",
             "torchft: peer process killed; ours: peer withholds its part of the boundary all-reduce")
     if ft_ok:
         st = h.ratio_stats(_pairs(runs, "torchft_T", "ours_T", "beyond_timeout_s"))
-        add("work_torchft_T", f"torchft: fault → update 16 minus the heartbeat timeout ({T:g} s)",
+        add("work_torchft_T", f"{ft}: fault → update 16 minus the heartbeat timeout ({T:g} s)",
             f"ours: fault → update 16 minus collective_s ({T:g} s), same repeat", st,
             f"{F(st['abs_test'], '{:.3f}')} s vs {F(st['abs_base'], '{:.3f}')} s",
             "what follows detection: quorum + PG reconfigure + update 16 (2 processes) vs vote + six-phase repair "
             "+ update 16 (4 processes on 2 cores)")
     if nv_ok:
         st = h.ratio_stats(_pairs(runs, "nvrx", "ours_T", "fault_to_resume_s"))
-        add("f2r_nvrx", "nvidia-resiliency-ext Wrapper: injected exception → update 16 committed (default intervals)",
+        add("f2r_nvrx", f"{nv} in-process Wrapper: injected exception → update 16 committed (default intervals)",
             f"ours L1: fault → update 16, collective_s {T:g} s, same repeat", st,
             f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s",
             "nvidia-resiliency-ext's fault raises on the faulting rank (no timeout to wait); ours must detect a "
             "silent one")
         st = h.ratio_stats(_pairs(runs, "nvrx", "ours_T", "fault_to_resume_s", "after_detect_s"))
-        add("f2r_nvrx_after_detect", "nvidia-resiliency-ext Wrapper: injected exception → update 16 committed",
+        add("f2r_nvrx_after_detect", f"{nv} in-process Wrapper: injected exception → update 16 committed",
             "ours L1: detection (last rank's fault event) → update 16, same repeat", st,
             f"{F(st['abs_test'])} s vs {F(st['abs_base'], '{:.3f}')} s",
             "both from the moment the fault is known to the recovery machinery")
+    if nj_ok:
+        every = p.get("checkpoint_every")
+        st = h.ratio_stats(_pairs(runs, "nvrx_injob", "ours_T", "fault_to_resume_s"))
+        add("f2r_nvrx_injob", f"{nv} in-job restart (`ft_launcher`): rank killed → update 16 committed",
+            f"ours L1: fault → update 16, collective_s {T:g} s, same repeat", st,
+            f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s",
+            f"the launcher sees the dead process, stops the other and starts both again; they resume from the "
+            f"update-{every} checkpoint and replay to 15 (ours: no process lost, zero replay)")
+        st = h.ratio_stats(_pairs(runs, "nvrx_injob", "nvrx_injob", "first_commit_after_fault_s", "initial_start_s"))
+        add("restart_nvrx_injob", f"{nv} in-job restart: rank killed → first update committed by the restarted "
+            "ranks", "the same job's cold start: launcher started → update 1 committed, same run", st,
+            f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s",
+            "both start new worker processes (imports, rank monitors, Gloo); the cold start also starts the "
+            "launcher")
 
     # Per-update overhead: each system against itself without its fault-tolerance layer.
     ov = [r for rep in runs for r in [rep.get("ours_overhead")] if r and r.get("ok")]
@@ -98,27 +136,29 @@ def analyse(res: dict[str, Any]) -> None:
         st = h.spread([x for r in ov for x in r["ratios"]])
         st["abs_test"] = h.med([x for r in ov for x in r["test_step_s"]])
         st["abs_base"] = h.med([x for r in ov for x in r["base_step_s"]])
-        add("ovh_torchft", "torchft: managed update (quorum + allreduce + should_commit), 2 replica groups, "
+        add("ovh_torchft", f"{ft}: managed update (quorum + allreduce + should_commit), 2 replica groups, "
             f"heartbeat timeout {T:g} s",
             "plain Gloo all-reduce update, interleaved segments, same processes", st,
             f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s")
     if nv_ok:
         st = h.ratio_stats(_pairs(runs, "nvrx", "nvrx_plain", "window_step_s"))
-        add("ovh_nvrx", "nvidia-resiliency-ext: update inside the Wrapper, 2 ranks",
+        add("ovh_nvrx", f"{nv}: update inside the in-process Wrapper, 2 ranks",
             f"the same loop without the Wrapper (separate launch, same repeat); {p.get('window_steps')} updates "
             "between two barriers each", st,
             f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s")
     if ft_ok:
         pairs = _pairs(runs, "torchft_T", "torchft_T", "rejoin_s", "initial_start_s")
         st = h.ratio_stats(pairs)
-        add("rejoin_torchft", f"torchft: restarted group, start → first commit (quorum join + live heal), "
+        add("rejoin_torchft", f"{ft}: restarted group, start → first commit (quorum join + live heal), "
             f"heartbeat timeout {T:g} s", "the same group's first start (both groups starting) → first commit, "
             "same run", st,
             f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s",
             "no equivalent in our L1: the faulting rank keeps its process and state")
-    for key, run, label in (("goodput_ours", "ours_T", "ours"), ("goodput_torchft", "torchft_T", "torchft survivor"),
-                            ("goodput_nvrx", "nvrx", "nvidia-resiliency-ext")):
-        if (run.startswith("torchft") and not ft_ok) or (run == "nvrx" and not nv_ok):
+    for key, run, label, ok in (("goodput_ours", "ours_T", "ours", True),
+                                ("goodput_torchft", "torchft_T", f"{ft} survivor", ft_ok),
+                                ("goodput_nvrx", "nvrx", f"{nv} in-process Wrapper", nv_ok),
+                                ("goodput_nvrx_injob", "nvrx_injob", f"{nv} in-job restart", nj_ok)):
+        if not ok:
             continue
         v = _vals(runs, run, "goodput")
         st = h.spread(v)
@@ -137,22 +177,64 @@ def _abs(sm: dict[str, Any], run: str, key: str, f: str = "{:.2f}") -> str:
     return h.fmt_spread(sm.get("abs", {}).get(run, {}).get(key), f)
 
 
+def _versions(res: dict[str, Any]) -> list[str]:
+    """What each peer got: the release in use, its venv and torch, and every newer candidate that failed."""
+    out = []
+    for k, v in res["peers"].items():
+        name = PEERS[k]["name"]
+        tried = [a for a in v.get("attempts", []) if a.get("status") != "ok"]
+        why = "; ".join(f"`{a['pin']}`: {a['status']} — {a['reason']}" for a in tried)
+        if v.get("status") == "ok":
+            feats = v.get("features") or {}
+            off = [f"{f} not available ({x.get('reason')})" for f, x in feats.items() if not x.get("ok")]
+            line = (f"- **{name}**: `{v.get('pin')}`" + (f" — {v['about']} —" if v.get("about") else "")
+                    + f" in its own venv `{v.get('venv')}` (torch {v.get('torch', 'n/a')}, {v.get('python', 'cp311')})"
+                    + (f"; {'; '.join(off)}" if off else ""))
+            if tried:
+                line += f". Newer candidates, newest first, that do not work here: {why}"
+        else:
+            line = f"- **{name}**: skipped — {v.get('reason', 'not available')}"
+        out.append(line + ("" if line.endswith(".") else "."))
+    return out
+
+
+def _commit_line(res: dict[str, Any]) -> str:
+    c = res.get("commit") or {}
+    if not c.get("sha"):
+        return "Commit: not recorded."
+    dirty = c.get("dirty") or []
+    more = "" if not dirty else (f" plus uncommitted changes in {len(dirty)} file(s) of the measured code ("
+                                 + ", ".join(f"`{d}`" for d in dirty[:6]) + (", …" if len(dirty) > 6 else "") + ")")
+    return f"Measured at commit `{c['short']}`{more}."
+
+
 def markdown(res: dict[str, Any]) -> str:
     p, sm = res["params"], res.get("summary", {})
     T, S = p["main_timeout_s"], p["short_timeout_s"]
     peers = res["peers"]
     n_ok = res.get("repeats_done", 0)
-    off = {k: "" if v.get("status") == "ok" else " (skipped, see below)" for k, v in peers.items()}
+    ft, nv = title(res, "torchft"), title(res, "nvrx")
+    off = {k: "" if v.get("status") == "ok" else " (skipped, see above)" for k, v in peers.items()}
+    every = p.get("checkpoint_every")
     lines = [
         MARK,
-        "## Against other recovery systems: torchft 0.2.0 and nvidia-resiliency-ext 0.4.1",
+        f"## Against other recovery systems: {ft} and {nv}",
         "",
-        f"Written by `scripts/bench_peers.py` on {res['date']} (raw data: `{res.get('json')}`).",
+        f"Written by `scripts/bench_peers.py` on {res['date']} (raw data: `{res.get('json')}`). {_commit_line(res)}",
         "",
         (f"**Machine.** {h.machine_line(res['machine'])}"
          + (f"; load average at the end {', '.join(f'{x:.1f}' for x in res['machine']['loadavg_end'])}"
             if res["machine"].get("loadavg_end") else "")
          + ". Shared and noisy: only ratios within one repeat mean anything; absolute times are for reference."),
+        "",
+        ("**Versions.** Each peer runs in a virtual environment of its own under `benchmarks/.venvs/`, made by the "
+         "benchmark: `torch==2.13.0` (this machine's CPU build) and PyYAML first, then "
+         + ("the newest candidate release that installs and imports here, held to that torch by a constraints file. "
+            "A candidate without a wheel for this interpreter and C library, or that fails to install or import, "
+            "is recorded and the next older one is tried."
+            if any("attempts" in v for v in peers.values()) else "the pinned release.")),
+        "",
+        *_versions(res),
         "",
         (f"**What ran.** {n_ok} repeat(s) (run order rotated between repeats; whole benchmark "
          f"{res.get('total_wall_s', 0) / 60:.1f} min). Every system trains the same model — the decoder "
@@ -172,23 +254,28 @@ def markdown(res: dict[str, Any]) -> str:
          "`HYBRID_SHARD` on the 2-D mesh; replication groups {0,2} and {1,3} | "
          f"`{FAULT}`: rank 1 withholds its part of the boundary all-reduce (stays alive) | its peer's Gloo "
          f"timeout `timeouts.collective_s` = {T:g} s (and {S:g} s) | vote → L1 repair in process, zero replay; "
-         f"snapshot at update {p['checkpoint_every']} as the job file says |"),
-        (f"| torchft 0.2.0{off.get('torchft', '')} | lighthouse + 2 replica groups x 1 process, `Manager(min_replica_size=1)`, "
+         f"snapshot at update {every} as the job file says |"),
+        (f"| {ft}{off.get('torchft', '')} | lighthouse + 2 replica groups x 1 process, `Manager(min_replica_size=1)`, "
          "`ProcessGroupGloo`, `manager.allreduce` of the flattened gradients | group 1 is SIGKILLed right after "
          f"committing update {FAULT_STEP} | lighthouse heartbeat timeout {T:g} s (= our collective_s; torchft's "
          f"default) and {S:g} s; heartbeats every 100 ms | survivor continues alone; group 1 restarted once the "
          "survivor has committed update 16, joins and heals from its live state |"),
-        (f"| nvidia-resiliency-ext 0.4.1{off.get('nvrx', '')} | 2 ranks, plain data parallel (Gloo all-reduce of the "
+        (f"| {nv} in-process restart{off.get('nvrx', '')} | 2 ranks, plain data parallel (Gloo all-reduce of the "
          "flattened gradients) "
-         "| rank 1 raises `RuntimeError` right after committing update 15 | raised on the faulting rank; the peer "
-         f"learns through the Wrapper's store (monitor intervals 1 s, `last_call_wait` 1 s; Gloo timeout {T:g} s) "
-         "| `inprocess.Wrapper` (`health_check=None`) restarts the training function on both ranks; state kept "
-         "in memory, zero replay |"),
+         f"| rank 1 raises `RuntimeError` right after committing update {FAULT_STEP} | raised on the faulting rank; "
+         f"the peer learns through the Wrapper's store (monitor intervals 1 s, `last_call_wait` 1 s; Gloo timeout "
+         f"{T:g} s) | `inprocess.Wrapper` (`health_check=None`) restarts the training function on both ranks; "
+         "state kept in memory, zero replay |"),
+        *([] if not has(res, "nvrx", "injob") and peers.get("nvrx", {}).get("status") == "ok" else [
+        (f"| {nv} in-job restart{off.get('nvrx', '')} | `ft_launcher` (its torchrun-like agent, c10d rendezvous, "
+         "`--max-restarts 1`, default any-failed restart policy) with 2 ranks on 1 node, a rank monitor per rank, "
+         "a heartbeat after every update; plain data parallel as above | rank 1's process SIGKILLs itself right "
+         f"after committing update {FAULT_STEP} | the launcher's process monitor (every 0.1 s); heartbeat "
+         f"timeout {T:g} s for hangs (not the path here) | the launcher stops the surviving rank and starts both "
+         f"again in the same job; each loads the checkpoint it wrote at update {every} (the job file's cadence) "
+         f"and replays updates {every + 1}–{FAULT_STEP} |")]),
         "",
     ]
-    skipped = [(k, v) for k, v in peers.items() if v.get("status") != "ok"]
-    for k, v in skipped:
-        lines += [f"**Skipped: {PEERS[k]['title']}** — {v.get('reason', 'not available')}", ""]
     lines += [
         "| what | baseline | ratio (median) | spread (min–max) | n | absolute, s (reference: what vs baseline) |",
         "|---|---|---|---|---|---|",
@@ -201,7 +288,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines += [
         "",
         ("Goodput = (25 x the run's median uninterrupted update) / (wall time from the start of update 1 to the "
-         "commit of update 25); each system against its own update time, so the three are not the same work. "
+         "commit of update 25); each system against its own update time, so they are not the same work. "
          "torchft's lighthouse counts its timeout from the dead group's last heartbeat (every 100 ms), so its "
          "\"− timeout\" figures below can be slightly negative."),
         "",
@@ -221,23 +308,33 @@ def markdown(res: dict[str, Any]) -> str:
          f"repair {_abs(sm, 'ours_S', 'repair_total_s', '{:.3f}')}; update 16 itself "
          f"{_abs(sm, 'ours_S', 'resume_step_s', '{:.3f}')} |"),
     ]
-    if peers.get("torchft", {}).get("status") == "ok":
+    if has(res, "torchft", "manager"):
         lines += [
-            (f"| torchft, heartbeat {T:g} s | {_abs(sm, 'torchft_T', 'fault_to_resume_s')} | "
+            (f"| {ft}, heartbeat {T:g} s | {_abs(sm, 'torchft_T', 'fault_to_resume_s')} | "
              f"{_abs(sm, 'torchft_T', 'beyond_timeout_s', '{:.3f}')} | {_abs(sm, 'torchft_T', 'recovery_work_s', '{:.3f}')} | "
              f"{_abs(sm, 'torchft_T', 'step_s', '{:.3f}')} | "
              f"rejoin {_abs(sm, 'torchft_T', 'rejoin_s')} (imports {_abs(sm, 'torchft_T', 'rejoin_import_s')}, "
              f"heal update {_abs(sm, 'torchft_T', 'rejoin_heal_step_s', '{:.3f}')}; the survivor meanwhile "
              f"committed {_abs(sm, 'torchft_T', 'survivor_updates_before_rejoin', '{:.0f}')} updates alone) |"),
-            (f"| torchft, heartbeat {S:g} s | {_abs(sm, 'torchft_S', 'fault_to_resume_s')} | "
+            (f"| {ft}, heartbeat {S:g} s | {_abs(sm, 'torchft_S', 'fault_to_resume_s')} | "
              f"{_abs(sm, 'torchft_S', 'beyond_timeout_s', '{:.3f}')} | {_abs(sm, 'torchft_S', 'recovery_work_s', '{:.3f}')} | "
              f"{_abs(sm, 'torchft_S', 'step_s', '{:.3f}')} | "
              f"rejoin {_abs(sm, 'torchft_S', 'rejoin_s')} |"),
         ]
-    if peers.get("nvrx", {}).get("status") == "ok":
-        lines.append(f"| nvidia-resiliency-ext | {_abs(sm, 'nvrx', 'fault_to_resume_s')} | — | — | "
+    if has(res, "nvrx", "inprocess"):
+        lines.append(f"| {nv} in-process Wrapper | {_abs(sm, 'nvrx', 'fault_to_resume_s')} | — | — | "
                      f"{_abs(sm, 'nvrx', 'step_s', '{:.3f}')} | both ranks back in the function "
                      f"{_abs(sm, 'nvrx', 'restart_entered_s')}, Gloo ready {_abs(sm, 'nvrx', 'pg_ready_s')} |")
+    if has(res, "nvrx", "injob"):
+        lines.append(f"| {nv} in-job restart | {_abs(sm, 'nvrx_injob', 'fault_to_resume_s')} | — | — | "
+                     f"{_abs(sm, 'nvrx_injob', 'step_s', '{:.3f}')} | after the fault: both new processes "
+                     f"started {_abs(sm, 'nvrx_injob', 'relaunch_s')}, torch and the peer imported "
+                     f"{_abs(sm, 'nvrx_injob', 'restart_imported_s')}, rank monitors connected "
+                     f"{_abs(sm, 'nvrx_injob', 'restart_monitor_s')}, checkpoint loaded and Gloo ready "
+                     f"{_abs(sm, 'nvrx_injob', 'restart_pg_ready_s')}; replay of "
+                     f"{_abs(sm, 'nvrx_injob', 'replayed_updates', '{:.0f}')} updates "
+                     f"{_abs(sm, 'nvrx_injob', 'replay_s', '{:.3f}')}; checkpoint write "
+                     f"{_abs(sm, 'nvrx_injob', 'save_s', '{:.3f}')}, load {_abs(sm, 'nvrx_injob', 'load_s', '{:.3f}')} |")
     failed = [(i, k, v.get("error")) for i, rep in enumerate(res.get("runs", []))
               for k, v in rep.items() if isinstance(v, dict) and v.get("ok") is False]
     if failed:
@@ -252,6 +349,7 @@ def reading(res: dict[str, Any]) -> list[str]:
     rows = {r["key"]: r for r in res.get("rows", [])}
     p = res["params"]
     T, S = p["main_timeout_s"], p["short_timeout_s"]
+    ft, nv = title(res, "torchft"), title(res, "nvrx")
     out = []
 
     def ratio(key: str) -> float | None:
@@ -261,7 +359,7 @@ def reading(res: dict[str, Any]) -> list[str]:
         x = ratio(key)
         if x is not None:
             who = "torchft's survivor resumes sooner" if x < 1 else "ours resumes sooner"
-            out.append(f"- Detection timeout {t:g} s on both sides: torchft/ours = {x:.2f} — {who}. Both are "
+            out.append(f"- Detection timeout {t:g} s on both sides: {ft}/ours = {x:.2f} — {who}. Both are "
                        "dominated by the detection timeout; the rest is each system's recovery work.")
     x = ratio("work_torchft_T")
     if x is not None:
@@ -271,11 +369,22 @@ def reading(res: dict[str, Any]) -> list[str]:
                    "here, see the absolute table).")
     x, y = ratio("f2r_nvrx"), ratio("f2r_nvrx_after_detect")
     if x is not None:
-        out.append(f"- nvidia-resiliency-ext resumes at {x:.2f}x our fault → resume "
+        out.append(f"- {nv}'s in-process Wrapper resumes at {x:.2f}x our fault → resume "
                    + ("(ahead of ours: its fault announces itself, ours waits for the collective timeout)"
                       if x < 1 else "(behind ours)")
                    + (f"; counted from when the fault is known, it takes {y:.2f}x ours" if y is not None else "")
                    + ".")
+    x, y = ratio("f2r_nvrx_injob"), ratio("restart_nvrx_injob")
+    if x is not None:
+        out.append(f"- {nv}'s in-job restart (`ft_launcher`) resumes at {x:.2f}x our fault → resume "
+                   + ("(ahead of ours: a dead process is seen by its launcher at once, ours waits for the "
+                      "collective timeout of a rank that stays alive)" if x < 1 else
+                      "(behind ours: new processes, imports, a checkpoint load and the replay cost more than our "
+                      "collective timeout)")
+                   + (f"; its restarted ranks commit their first update {y:.2f}x as long after the fault as the "
+                      "job took to commit update 1 from a cold start" if y is not None else "")
+                   + ". It replaces a process that is gone (the Wrapper restarts the training function inside "
+                   "live processes), at the price of new processes and of replaying from the last checkpoint.")
     parts, unresolved = [], []
     for key, label in (("ovh_ours", "ours"), ("ovh_torchft", "torchft"), ("ovh_nvrx", "nvidia-resiliency-ext")):
         st = res.get("summary", {}).get(key) or {}

@@ -3,8 +3,8 @@
 Runs in the project's venv; the peers' workers (``scripts/peers/``) run in the peers' venvs
 (``peers_venvs``).  Every child this module spawns is started in its own session and killed with its whole
 group (SIGKILL) when its run ends, fails or passes its deadline; the torchft lighthouse ignores SIGTERM,
-the nvidia-resiliency-ext Wrapper's monitor processes leave the session (they are adopted by pid and reaped
-too).  Our own ranks are started by ``accelpact-run`` itself (the fault runs: the decoder example's job file)
+the nvidia-resiliency-ext Wrapper's monitor processes and the ranks ``ft_launcher`` starts leave the session
+(they are adopted by pid and reaped too).  Our own ranks are started by ``accelpact-run`` itself (the fault runs: the decoder example's job file)
 or by the library's launcher (``harness.launch_job``: the overhead run, whose job file names the entry point
 ``peers_entry``).  Each ``run_*`` returns a dict with ``ok`` and either its
 measurements or ``error``.
@@ -29,10 +29,34 @@ REPO = h.REPO
 VENVS = REPO / "benchmarks" / ".venvs"
 WORKERS = REPO / "scripts" / "peers"
 TORCH_PIN = "torch==2.13.0"
-PEERS = {
-    "torchft": {"pin": "torchft==0.2.0", "module": "torchft", "title": "torchft 0.2.0"},
-    "nvrx": {"pin": "nvidia-resiliency-ext==0.4.1", "module": "nvidia_resiliency_ext.inprocess",
-             "title": "nvidia-resiliency-ext 0.4.1"},
+#: Each peer's candidate releases, newest first (``peers_venvs`` uses the first that works here); ``features``:
+#: the entry points the benchmark uses, name -> (module, attributes, executable in the venv's bin/ or None);
+#: ``title``: the peer's name, then the release in use once ``peers_venvs.ensure_venv`` has chosen it.
+_GLIBC_239 = ("the index has it only as manylinux_2_39 wheels (glibc 2.39 or newer){}, and no source "
+              "distribution")
+PEERS: dict[str, dict[str, Any]] = {
+    "torchft": {
+        "name": "torchft", "title": "torchft", "module": "torchft",
+        "features": {"manager": ("torchft", ("Manager", "ProcessGroupGloo"), "torchft_lighthouse")},
+        "candidates": (
+            # The nightly build is torchft's newest; its wheel asks for torch>=2.7 and carries no torch binary.
+            {"pin": "torchft-nightly==2026.10.26", "dist": "torchft-nightly", "label": "torchft nightly",
+             "about": "torchft's newest build, published as `torchft-nightly` (the newest release is 0.2.0)"},
+            {"pin": "torchft==0.2.0", "dist": "torchft"},  # the newest release
+        ),
+    },
+    "nvrx": {
+        "name": "nvidia-resiliency-ext", "title": "nvidia-resiliency-ext", "module": "nvidia_resiliency_ext",
+        "features": {"inprocess": ("nvidia_resiliency_ext.inprocess", ("Wrapper", "CallWrapper"), None),
+                     "injob": ("nvidia_resiliency_ext.fault_tolerance", ("RankMonitorClient",), "ft_launcher")},
+        "candidates": (
+            {"pin": "nvidia-resiliency-ext==0.7.0", "dist": "nvidia-resiliency-ext",
+             "note": _GLIBC_239.format(", for CPython 3.12 only")},
+            {"pin": "nvidia-resiliency-ext==0.6.0", "dist": "nvidia-resiliency-ext", "note": _GLIBC_239.format("")},
+            {"pin": "nvidia-resiliency-ext==0.5.0", "dist": "nvidia-resiliency-ext", "note": _GLIBC_239.format("")},
+            {"pin": "nvidia-resiliency-ext==0.4.1", "dist": "nvidia-resiliency-ext"},
+        ),
+    },
 }
 STEPS, FAULT_STEP = 25, 15
 FAULT = f"boundary:{FAULT_STEP}:1"
@@ -366,4 +390,82 @@ def run_nvrx(py: Path, mode: str, collective_s: float, work: Path, tag: str, win
                  restart_entered_s=(max(reentered) - fault["t"]) if reentered else None,
                  pg_ready_s=(max(pg) - fault["t"]) if pg else None, resume_step_s=c16["dt"],
                  iterations=1 + max((x["iteration"] for x in recs if x["ev"] == "iteration"), default=0))
+    return r
+
+
+def run_nvrx_injob(py: Path, collective_s: float, work: Path, tag: str, ckpt_every: int) -> dict[str, Any]:
+    """Two ranks under ``ft_launcher`` (in-job restart, one restart allowed); rank 1 is killed after update 15,
+    the launcher restarts both workers, which resume from their last checkpoint (``nvrx_injob_worker.py``)."""
+    port = h.free_ports(1)[0]
+    out = work / f"nvrx-injob-{tag}.jsonl"
+    ckpt = work / f"nvrx-injob-{tag}-ckpt"
+    ckpt.mkdir()
+    log = work / f"nvrx-injob-{tag}.log"
+    cmd = [str(py.parent / "ft_launcher"), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-peers-{os.getpid()}-{tag}",
+           "--max-restarts", "1", "--ft-initial-rank-heartbeat-timeout", "60",
+           "--ft-rank-heartbeat-timeout", f"{collective_s:g}", "--ft-enable-nic-monitor", "false",
+           str(WORKERS / "nvrx_injob_worker.py"), "--out", str(out), "--steps", str(STEPS),
+           "--fault-step", str(FAULT_STEP), "--ckpt-dir", str(ckpt), "--ckpt-every", str(ckpt_every),
+           "--collective-s", f"{collective_s:g}", "--deadline-s", str(RUN_DEADLINE_S)]
+    env = clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    r: dict[str, Any] = {"system": "nvrx_injob", "heartbeat_s": collective_s, "checkpoint_every": ckpt_every}
+    t_spawn = time.time()
+    p = PROCS.spawn(cmd, log, env=env, cwd=WORKERS)
+
+    def adopt_and_check() -> bool:
+        # The workers run in sessions of their own (the launcher's process context starts them so): adopt them.
+        recs = read_jsonl(out)
+        for x in recs:
+            if x["ev"] == "started" and (x["pid"], "nvrx_injob_worker") not in PROCS.pids:
+                PROCS.adopt(x["pid"], "nvrx_injob_worker")
+        return p.poll() is not None or sum(1 for x in recs if x["ev"] == "done") >= 2
+
+    try:
+        wait_for(adopt_and_check, RUN_DEADLINE_S, "nvrx in-job restart: launcher and ranks", 0.1)
+        try:  # the ranks are done: give the launcher a moment to see it and exit on its own
+            wait_for(lambda: p.poll() is not None, 5, "nvrx in-job restart: launcher exit", 0.1)
+        except TimeoutError:
+            r["launcher_exit"] = "killed 5 s after both ranks were done"
+    except TimeoutError as exc:
+        return {**r, "ok": False, "error": f"{exc}: {tail(log, 4)}"}
+    finally:
+        PROCS.kill(p)
+    r["launcher_rc"] = p.returncode
+    recs = read_jsonl(out)
+    inc = {i: [x for x in recs if x.get("incarnation") == i] for i in (0, 1)}
+    fault = next((x for x in inc[0] if x["ev"] == "fault"), None)
+    c0 = [x for x in inc[0] if x["ev"] == "commit" and x["rank"] == 0]
+    c1 = [x for x in inc[1] if x["ev"] == "commit" and x["rank"] == 0]
+    c16 = next((x for x in c1 if x["u"] == FAULT_STEP + 1), None)
+    c25 = next((x for x in c1 if x["u"] == STEPS), None)
+    done = [x for x in inc[1] if x["ev"] == "done"]
+    if fault is None or c16 is None or c25 is None or len(done) < 2 or not c0 or c0[0]["u"] != 1:
+        return {**r, "ok": False, "error": f"incomplete (fault {fault is not None}, restarted ranks "
+                                           f"{len({x['rank'] for x in inc[1]})}, update 16 after the restart "
+                                           f"{c16 is not None}, done {len(done)}): {tail(log, 4)}"}
+    ckpt_us = {x["u"] for x in recs if x["ev"] == "checkpoint"}
+    normal = [x["dt"] for x in c0 if 1 < x["u"] <= FAULT_STEP]
+    med = statistics.median(normal)
+    first = c0[0]
+    t_first = first["t"] - first["dt"]
+
+    def latest(ev: str) -> float | None:  # the later of the two restarted ranks reaching ``ev``
+        ts = [x["t"] for x in inc[1] if x["ev"] == ev]
+        return (max(ts) - fault["t"]) if len(ts) == 2 else None
+
+    started = [x["started"] for x in inc[1] if x["ev"] == "started"]
+    loaded = [x for x in inc[1] if x["ev"] == "loaded" and x["rank"] == 0]
+    replay = [x for x in c1 if x["replay"]]
+    f2r = c16["t"] - fault["t"]
+    r.update(ok=True, fault_to_resume_s=f2r, step_s=med, resume_step_s=c16["dt"],
+             relaunch_s=(max(started) - fault["t"]) if len(started) == 2 else None,
+             restart_imported_s=latest("imported"), restart_monitor_s=latest("monitor"),
+             restart_pg_ready_s=latest("pg_ready"), resumed_from=loaded[0]["u"] if loaded else 0,
+             load_s=loaded[0]["load_s"] if loaded else None, replayed_updates=len(replay),
+             replay_s=sum(x["dt"] for x in replay), first_commit_after_fault_s=c1[0]["t"] - fault["t"],
+             initial_start_s=first["t"] - t_spawn, checkpoints=sorted(ckpt_us),
+             save_s=statistics.median([x["save_s"] for x in recs if x["ev"] == "checkpoint"]) if ckpt_us else None,
+             run_25_s=c25["t"] - t_first, goodput=STEPS * med / (c25["t"] - t_first))
     return r
