@@ -24,6 +24,7 @@ reads the boxes back through :mod:`.staging` and writes them as DCP chunks (:mod
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -174,6 +175,9 @@ def plan_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
     return plan if plan is not None else state_dict_plan(model, optimizer)
 
 
+_FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
     from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
@@ -182,12 +186,18 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
     if not flats or any(getattr(fp, "_params", None) is None for fp in flats):
         return None
     names = {id(p): n for n, p in model.named_parameters()}
+    fqns = _FQNS.get(model)
+    if fqns is None:  # a parameter's name never changes: resolved once per model, not on every snapshot
+        fqns = _FQNS[model] = {}
     entries: list[Entry] = []
     optim_state: dict[str, Any] = {}
     fqn_of: dict[int, str] = {}
     for fp in flats:
         for p, info, shape in zip(fp._params, fp._shard_param_infos, fp._shapes):
-            fqn = canonical_fqn(model, names[id(p)])
+            name = names[id(p)]
+            fqn = fqns.get(name)
+            if fqn is None:
+                fqn = fqns[name] = canonical_fqn(model, name)
             fqn_of[id(p)] = fqn
             shape = list(shape)
             if info.in_shard:

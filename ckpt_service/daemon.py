@@ -48,6 +48,38 @@ log = logging.getLogger(__name__)
 _SENTINEL = object()
 FINAL = ("verified", "rejected", "failed")
 
+#: How the worker threads yield the CPU to the node's training ranks (per thread; the accept and connection
+#: threads keep the daemon's ``checkpoint.daemon_nice``, so a rank's request is answered at once):
+#:
+#: - ``"idle"``: ``SCHED_IDLE`` (Linux): the thread runs only on a core no rank wants, and a rank that wakes
+#:   (a collective's data arrived) takes the core back at once.  A niced thread (weight 110 at niceness 10)
+#:   keeps the core for its time slice instead, and ranks in lock step all wait for the one delayed;
+#: - an int: that niceness, at least.
+#:
+#: The writer yields too: a rank's next snapshot waits for its slot at most ``timeouts.control_s`` and is
+#: skipped (an event, training goes on) when the writer could not finish by then.
+BACKGROUND = {"ckptd-writer": "idle", "ckptd-verifier": "idle", "ckptd-tier": "idle", "ckptd-deleter": "idle"}
+
+
+def lower_priority(how: int | str) -> int | str | None:
+    """Lower this thread's CPU priority (never raise it): ``"idle"`` (``SCHED_IDLE``, else niceness 19 where that
+    policy is missing) or a niceness.  Returns what the thread runs at now (``"idle"`` or its niceness), None
+    where it cannot be told (priorities are an optimisation only)."""
+    try:
+        tid = threading.get_native_id()
+        if how == "idle":
+            if hasattr(os, "SCHED_IDLE"):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+                return "idle" if os.sched_getscheduler(0) == os.SCHED_IDLE else None
+            how = 19
+        cur = os.getpriority(os.PRIO_PROCESS, tid)
+        if isinstance(how, int) and how > cur:
+            os.setpriority(os.PRIO_PROCESS, tid, how)
+            cur = os.getpriority(os.PRIO_PROCESS, tid)
+        return cur
+    except (OSError, AttributeError):
+        return None
+
 
 class AlreadyRunning(CheckpointError):
     """Another daemon holds this node directory's lock."""
@@ -298,6 +330,7 @@ class Daemon:
     # ------------------------------------------------------------------ workers
 
     def _worker(self, q: queue.Queue, fn: Callable[[Any], None]) -> None:
+        lower_priority(BACKGROUND.get(threading.current_thread().name, 0))
         while True:
             item = q.get()
             if item is _SENTINEL:

@@ -11,9 +11,12 @@ Steps of :func:`write_snapshot` (each names the failure it prevents):
 3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
    (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads), without
    ``torch.save``'s per-record CRC-32 (the SHA-256 of step 4 covers every byte);
-4. every file fsynced while it is hashed (SHA-256, read back from the page cache) on a second
-   thread; ``manifest.json`` with the checksums, the step, config digest and the capture proof;
-   the directory fsynced;
+4. every file hashed (SHA-256) as its bytes are written (:class:`_HashingFile`: no second pass over the
+   page cache), its write-back to the disk started while it is still being written, then fsynced and
+   dropped from the page cache (memory nothing needs: the verifier re-reads the disk itself, with
+   ``O_DIRECT`` where the file system allows it, so it checks the bytes on the disk, not a cached copy);
+   the tensors go to ``WRITE_THREADS`` files written in parallel; ``manifest.json`` with the checksums,
+   the step, config digest and the capture proof; the directory fsynced;
 5. rename to ``step-NNNNNNNNNN`` (the commit point), fsync the node directory;
 6. record ``committed`` in ``state.json``.
 
@@ -163,15 +166,64 @@ def build_state(descs: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dic
     return state, tensors
 
 
-def sha256_file(path: str, bufsize: int = 1 << 20) -> str:
+def sha256_file(path: str, bufsize: int = 4 << 20, drop: bool = False) -> str:
+    """The file's SHA-256, read into one reused buffer; ``drop``: read it from the disk, past the page cache
+    (``O_DIRECT``, where the file system allows it; else a buffered read whose pages are dropped afterwards),
+    for a verification re-read that must see what the disk holds and that nothing else needs."""
+    if drop:
+        digest = _sha256_direct(path, bufsize)
+        if digest is not None:
+            return digest
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    buf = bytearray(bufsize)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        if drop and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
-            b = fh.read(bufsize)
-            if not b:
+            n = fh.readinto(buf)
+            if not n:
                 break
-            h.update(b)
+            h.update(mv[:n])
+        if drop:
+            drop_cached(fh.fileno())
     return h.hexdigest()
+
+
+def _sha256_direct(path: str, bufsize: int) -> str | None:
+    """SHA-256 of a file read with ``O_DIRECT`` (the disk's bytes, no copy through the page cache); None where
+    the file system refuses direct I/O (tmpfs, some network file systems): the caller reads it buffered."""
+    import mmap
+
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return None
+    try:
+        buf = mmap.mmap(-1, bufsize)  # page-aligned, as O_DIRECT wants
+        mv = memoryview(buf)
+        h = hashlib.sha256()
+        size = os.fstat(fd).st_size
+        done = 0
+        try:
+            while True:
+                n = os.readv(fd, [buf])
+                if not n:
+                    break
+                h.update(mv[:n])
+                done += n
+        except OSError:  # EINVAL: this file system does not do direct reads after all
+            return None
+        finally:
+            mv.release()
+            buf.close()
+        return h.hexdigest() if done == size else None
+    finally:
+        os.close(fd)
 
 
 def _fsync_file(path: str) -> None:
@@ -223,19 +275,184 @@ def _no_zip_crc():
 _CRC_LOCK = threading.Lock()
 
 
-def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults = NO_FAULTS):
+#: Files the tensors are split into, each written (and hashed) by its own thread: hashing (SHA-256, about
+#: 1-2 GB/s per core) is what bounds one thread's write, and two files keep two cores and the disk busy.
+WRITE_THREADS = max(1, min(2, os.cpu_count() or 1))
+#: Bytes after which a file's dirty pages are handed to the disk (write-back started, not waited for).
+WRITEBACK_WINDOW = 32 << 20
+_SMALL = 64 << 10  # writes below this are gathered before they reach the kernel
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``[offset, offset + nbytes)`` of ``fd`` to the disk without waiting (``sync_file_range``,
+    Linux); elsewhere nothing (the final fsync writes everything).  Durability never depends on it."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.sync_file_range
+            fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def drop_cached(fd: int) -> None:
+    """Drop a file's clean pages from the page cache (after its fsync): a later read comes from the disk."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:  # advice only
+            pass
+
+
+class _HashingFile:
+    """A write-only file that computes its SHA-256 from the bytes as they are written.
+
+    Small writes (``torch.save``'s record headers) are gathered; large ones (a tensor's bytes, straight
+    from the staging slot) go to the kernel as they are.  Every ``WRITEBACK_WINDOW`` bytes the disk is
+    asked to start writing what came before, so the final :meth:`finish` (fsync) waits for little more
+    than the last window.  ``close()`` is a flush: DCP closes its streams before they are finished.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.h = hashlib.sha256()
+        self.pos = 0  # bytes handed to the kernel
+        self.kicked = 0  # bytes whose write-back was started
+        self.pending = bytearray()
+
+    # the file-object interface DCP, torch.save and pickle use
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def tell(self) -> int:
+        return self.pos + len(self.pending)
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        if n < _SMALL:
+            self.pending += mv
+            if len(self.pending) >= _SMALL:
+                self.flush()
+            return n
+        self.flush()
+        self._write(mv)
+        return n
+
+    def flush(self) -> None:
+        if self.pending:
+            data, self.pending = bytes(self.pending), bytearray()
+            self._write(memoryview(data))
+
+    def close(self) -> None:
+        self.flush()
+
+    def _write(self, mv: memoryview) -> None:
+        self.h.update(mv)  # releases the GIL: the other write threads go on meanwhile
+        done = 0
+        while done < len(mv):
+            done += os.write(self.fd, mv[done:done + (1 << 30)])
+        self.pos += done
+        if self.pos - self.kicked >= WRITEBACK_WINDOW:
+            _start_writeback(self.fd, self.kicked, self.pos - self.kicked)
+            self.kicked = self.pos
+
+    def finish(self) -> tuple[int, str]:
+        """Flush, fsync, drop the file's pages from the page cache; ``(size, sha256)``."""
+        self.flush()
+        os.fsync(self.fd)
+        drop_cached(self.fd)
+        return self.pos, self.h.hexdigest()
+
+    def abandon(self) -> None:
+        os.close(self.fd)
+
+
+def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException]):
+    """DCP's local file system whose write streams are :class:`_HashingFile`s; ``sums[name] = (size, sha256)``
+    (by file name: every file of a snapshot lies in its one directory).  A stream that failed leaves its
+    exception in ``errors``: DCP's extra write threads would otherwise only print it."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _HashingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):  # noqa: D401 - DCP interface
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            try:
+                fh = _HashingFile(os.fspath(path))
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+            try:
+                yield fh
+                sums[os.path.basename(os.fspath(path))] = fh.finish()
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+            finally:
+                fh.abandon()
+
+        def rename(self, path, new_path) -> None:  # noqa: D401 - DCP interface (.metadata.tmp -> .metadata)
+            super().rename(path, new_path)
+            old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+            if old in sums:
+                sums[new] = sums.pop(old)
+
+    return _HashingFileSystem()
+
+
+def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults = NO_FAULTS,
+            sums: dict[str, tuple[int, str]] | None = None):
     from torch.distributed.checkpoint import FileSystemWriter
 
+    errors: list[BaseException] = []
+
     class _Writer(FileSystemWriter):
-        """FileSystemWriter with the ``writing`` fault point between the shard files and ``.metadata``."""
+        """FileSystemWriter with the ``writing`` fault point between the shard files and ``.metadata``, which
+        fails when any write thread failed (DCP would return the other threads' results as if complete)."""
+
+        def write_data(self, plan, planner):  # noqa: D401 - DCP interface
+            fut = super().write_data(plan, planner)
+            results = fut.wait()
+            if errors:
+                raise errors[0]
+            if len(results) != len(plan.items):
+                raise CheckpointError(f"{len(results)} of {len(plan.items)} items written")
+            return fut
 
         def finish(self, metadata, results):  # noqa: D401 - DCP interface
             fault_points.pause_point("writing", ndir, step, faults_)
             return super().finish(metadata, results)
 
-    # sync_files=False: the files are fsynced together, overlapped with hashing (fsync_and_hash)
-    return _Writer(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False,
-                   _extensions=zstd_extensions(compress))
+    # sync_files=False: every stream fsyncs itself when it is finished (_HashingFile.finish)
+    w = _Writer(path, single_file_per_rank=True, sync_files=False, thread_count=WRITE_THREADS, overwrite=False,
+                _extensions=zstd_extensions(compress))
+    if sums is not None:
+        w.fs = _hashing_fs(sums, errors)
+    return w
 
 
 def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, compress: bool = False,
@@ -265,15 +482,22 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
     try:
         os.makedirs(tmp)
         t = time.monotonic()
+        written: dict[str, tuple[int, str]] = {}  # file name -> (size, sha256): hashed while written, fsynced
         with _no_zip_crc():
-            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step, faults), planner=_planner(), no_dist=True)
+            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step, faults, written), planner=_planner(),
+                     no_dist=True)
         timings["dcp_save"] = time.monotonic() - t
         names = sorted(os.listdir(tmp))
         t = time.monotonic()
-        sums = fsync_and_hash([os.path.join(tmp, n) for n in names])
+        files = {}
+        rest = [os.path.join(tmp, n) for n in names if n not in written]
+        sums = fsync_and_hash(rest) if rest else {}  # only what did not go through a hashing stream (none today)
+        for n in names:
+            size = os.path.getsize(os.path.join(tmp, n))
+            if n in written and written[n][0] != size:
+                raise CheckpointError(f"{n} has {size} bytes, {written[n][0]} were written")
+            files[n] = {"size": size, "sha256": written[n][1] if n in written else sums[os.path.join(tmp, n)]}
         timings["fsync_hash"] = time.monotonic() - t
-        files = {n: {"size": os.path.getsize(os.path.join(tmp, n)), "sha256": sums[os.path.join(tmp, n)]}
-                 for n in names}
         manifest = {
             "format": FORMAT_VERSION, "step": step, "node": node, "created": time.time(),
             "job_id": meta.get("job_id"), "config_digest": meta.get("config_digest"), "config": meta.get("config"),

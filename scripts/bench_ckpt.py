@@ -34,8 +34,12 @@ next ``optimizer.step`` first waits for staging to finish (counted in that step)
 
 Part 2 (write bandwidth).  One node's snapshot (the same model + AdamW, two ranks' shards) staged as
 the client stages it, then the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 +
-``writer.write_snapshot``: boxes as DCP chunks, fsync overlapped with checksums, manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of
-the same size on the same filesystem, paired and interleaved.
+``writer.write_snapshot``: boxes as DCP chunks in parallel files, each hashed while written and fsynced,
+manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of the same size on the same filesystem, paired
+and interleaved; the ratio is also reported per order.  The daemon's CPU seconds per GiB (write path,
+verification) come from the same writes.  After every timed ``ours`` snapshot (outside the timed update) each
+rank also times a plain copy of the same tensors' bytes into preallocated memory: the memcpy floor of the
+blocking time.
 
 Every figure is a ratio against a baseline measured in the same run (paired by round), reported as the
 median of the paired ratios with min-max; absolute times are printed beside them for reference only.
@@ -47,7 +51,7 @@ The code is in ``scripts/bench/``: ``ckpt_setup`` (modes, schedule, job file, la
 ``ckpt_entry`` (the job's entry point: our snapshot path and the schedule, rank side), ``ckpt_dcp`` (the DCP baselines),
 ``ckpt_bandwidth`` (the dd pair), ``ckpt_analysis`` and ``ckpt_report`` (result and markdown), ``ckpt_main``.
 
-Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 6]
+Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 8]
        .venv/bin/python scripts/bench_ckpt.py --render benchmarks/results/<date>-ckpt.json   (markdown only)
 
 About 7 minutes here (110M parameters, 3 rounds, every mode but dcp_stager_shm; longer when the machine

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=MODEL["heads"])
     ap.add_argument("--vocab", type=int, default=MODEL["vocab"])
     ap.add_argument("--seq-len", type=int, default=MODEL["seq_len"])
-    ap.add_argument("--bw-pairs", type=int, default=4)
+    ap.add_argument("--bw-pairs", type=int, default=8)
     ap.add_argument("--skip-steps", action="store_true", help="only the bandwidth part")
     ap.add_argument("--work", help="work directory (default: a new one under /tmp, removed afterwards)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")

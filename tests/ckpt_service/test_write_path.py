@@ -1,0 +1,118 @@
+"""The daemon's write path: checksums taken while writing, parallel files, a failed write thread, reads past the
+page cache, background threads at the lowest priority."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import threading
+
+import math
+
+import pytest
+
+
+def _stage_rows(root, t, rows, local_rank, step):
+    """Stage the element range ``rows`` of ``t`` the way a rank does."""
+    from ckpt_service import staging
+    from ckpt_service.capture import Box, Entry, Plan, range_boxes
+
+    flat = t.reshape(-1)
+    lo, hi = rows
+    boxes = [Box(o, s, flat[f:f + math.prod(s)]) for o, s, f in range_boxes(list(t.shape), lo, hi)]
+    plan = Plan([Entry(("model", "w"), list(t.shape), t.dtype, boxes)], {"model": {}, "lr": 1}, "test")
+    slot = staging.Slot(staging.slot_path(str(root), local_rank, 0))
+    nbytes = plan.layout()
+    slot.ensure(nbytes)
+    plan.copy_into(slot.buf)
+    return {"step": step, "rank": local_rank, "local_rank": local_rank, "slot": slot.path, "slot_ino": slot.ino,
+            "nbytes": nbytes, "entries": plan.describe(), "plain": plan.plain, "_slot": slot}
+
+
+def _descs(tmp_path, torch, step=7):
+    from ckpt_service import staging
+
+    t = torch.arange(4096.0 * 33).reshape(33, 4096)
+    descs = [_stage_rows(tmp_path / "shm", t, (0, 70_001), 0, step),
+             _stage_rows(tmp_path / "shm", t, (70_001, t.numel()), 1, step)]
+    meta = {"job_id": "t", "config_digest": "0" * 64, "config": {}, "world_size": 2, "layout": [1, 2],
+            "extra_json": json.dumps({"run": {}, "ranks": {}}), "capture": None}
+    for d in descs:
+        d["meta"] = meta
+        d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
+    return t, descs
+
+
+def test_checksums_taken_while_writing_match_the_disk_and_stock_dcp_loads_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_service import writer
+    from ckpt_service.verify import verify_snapshot
+
+    t, descs = _descs(tmp_path, torch)
+    timings: dict[str, float] = {}
+    path, size = writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", timings=timings, key=b"k" * 32)
+    manifest = json.loads((tmp_path / "node" / "step-0000000007" / "manifest.json").read_text())
+    data = [n for n in manifest["files"] if n.endswith(".distcp")]
+    assert len(data) == writer.WRITE_THREADS  # the tensors went to one file per write thread
+    for name, want in manifest["files"].items():
+        raw = (tmp_path / "node" / "step-0000000007" / name).read_bytes()
+        assert want["size"] == len(raw) and want["sha256"] == hashlib.sha256(raw).hexdigest()
+        assert writer.sha256_file(os.path.join(path, name), drop=True) == want["sha256"]
+    assert verify_snapshot(path, b"k" * 32)[0]
+    back = {"model": {"w": torch.zeros_like(t)}, "lr": 0, "extra": {"json": ""}}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)  # stock load
+    assert torch.equal(back["model"]["w"], t)
+    # a byte changed on the disk after the commit is found by the verification's re-read
+    victim = os.path.join(path, data[0])
+    with open(victim, "r+b") as fh:
+        fh.seek(os.path.getsize(victim) // 2)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 1]))
+    ok, why = verify_snapshot(path, b"k" * 32)
+    assert not ok and "SHA-256" in why
+
+
+def test_a_failed_write_thread_fails_the_snapshot(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+
+    from accelpact_slurm.core.errors import CheckpointError
+    from ckpt_service import writer
+
+    if writer.WRITE_THREADS < 2:
+        pytest.skip("one write thread on this machine")
+    _t, descs = _descs(tmp_path, torch)
+    real = writer._HashingFile._write
+
+    def flaky(self, mv):
+        if threading.current_thread() is not threading.main_thread() and self.path.endswith(".distcp"):
+            raise OSError(errno.ENOSPC, "No space left on device")  # only DCP's extra write thread fails
+        return real(self, mv)
+
+    monkeypatch.setattr(writer._HashingFile, "_write", flaky)
+    with pytest.raises(CheckpointError, match="No space left"):
+        writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n")
+    assert not [n for n in os.listdir(tmp_path / "node") if "step" in n]  # nothing half-written left
+
+
+def test_background_threads_lower_only_their_own_priority():
+    from ckpt_service.daemon import BACKGROUND, lower_priority
+
+    before = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else 0)
+    seen = []
+
+    def bg():
+        seen.append(lower_priority(19))
+        seen.append(lower_priority("idle"))
+
+    th = threading.Thread(target=bg)
+    th.start()
+    th.join(timeout=10)
+    assert seen[0] in (19, None) and seen[1] in ("idle", 19, None)  # None: priorities cannot be told here
+    after = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else 0)
+    assert after == before  # the calling thread (the daemon's accept thread, say) keeps its priority
+    assert set(BACKGROUND) == {"ckptd-writer", "ckptd-verifier", "ckptd-tier", "ckptd-deleter"}
