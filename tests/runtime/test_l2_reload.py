@@ -188,12 +188,13 @@ def test_one_checker_per_copy_and_bitwise_loss_equality():
 
 # --------------------------------------------------------------------------- the replay check (pure)
 
-REF = {"event": "replay_ref", "snapshot": 6, "step": 7, "loss": 2.25, "fingerprints": ["fa", "fb", "fc", "fd"],
+FP = replay.FP_VERSION
+REF = {"event": "replay_ref", "snapshot": 6, "step": 7, "loss": 2.25, "fingerprints": [FP + x for x in ("fa", "fb", "fc", "fd")],
        "layout": [2, 2]}
 
 
 def test_judge_matches_loss_and_every_ranks_parameters_bitwise():
-    verdict, why = replay.judge(REF, 2.25, ["fa", "fb", "fc", "fd"], [2, 2])
+    verdict, why = replay.judge(REF, 2.25, REF["fingerprints"], [2, 2])
     assert verdict == "match" and why == "update 7 reproduced bitwise: loss 2.25, parameters of all 4 ranks"
 
 
@@ -204,10 +205,10 @@ def test_judge_a_loss_one_ulp_off_is_a_mismatch():
 
 
 def test_judge_a_fingerprint_mismatch_names_the_rank():
-    verdict, why = replay.judge(REF, 2.25, ["fa", "fb", "XX", "fd"], [2, 2])
+    verdict, why = replay.judge(REF, 2.25, [FP + x for x in ("fa", "fb", "XX", "fd")], [2, 2])
     assert verdict == "mismatch" and "rank(s) [2] differ from the recorded ones" in why
     assert why.startswith("replay mismatch at update 7")
-    _, why = replay.judge(REF, None, ["fa", "XX", "fc", "XX"], [2, 2])  # no loss reported: parameters still checked
+    _, why = replay.judge(REF, None, [FP + x for x in ("fa", "XX", "fc", "XX")], [2, 2])  # no loss: parameters still checked
     assert "rank(s) [1, 3]" in why
 
 
@@ -250,6 +251,31 @@ def test_fingerprint_is_exact_for_the_same_bits():
     with torch.no_grad():
         b.weight[1, 2] = torch.nextafter(b.weight[1, 2], torch.tensor(1.0))  # one ulp
     assert replay.fingerprint(a) != replay.fingerprint(b)
+
+
+def test_fingerprint_sees_a_swap_inside_a_chunk_and_a_change_past_the_first_chunk():
+    import torch
+
+    n = replay._CHUNK + 1000  # two chunks
+    a = torch.nn.Linear(n, 1, bias=False)
+    b = torch.nn.Linear(n, 1, bias=False)
+    b.load_state_dict(a.state_dict())
+    assert replay.fingerprint(a) == replay.fingerprint(b) and replay.fingerprint(a).startswith(replay.FP_VERSION)
+    with torch.no_grad():
+        b.weight[0, 3], b.weight[0, 7] = b.weight[0, 7].clone(), b.weight[0, 3].clone()  # same sum, other order
+    assert replay.fingerprint(a) != replay.fingerprint(b)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b.weight[0, n - 1] = torch.nextafter(b.weight[0, n - 1], torch.tensor(1.0))
+    assert replay.fingerprint(a) != replay.fingerprint(b)
+
+
+def test_a_fingerprint_of_another_kind_is_not_compared():
+    """A reference recorded by an earlier way of computing fingerprints: the loss still decides, never the fps."""
+    ref = {"step": 11, "loss": 2.5, "layout": [2, 2], "fingerprints": ["abc"] * 4}
+    verdict, why = replay.judge(ref, 2.5, [replay.FP_VERSION + "x"] * 4, [2, 2])
+    assert verdict == "match" and "parameters" not in why
+    assert replay.judge(dict(ref, loss=None), None, [replay.FP_VERSION + "x"] * 4, [2, 2])[0] == "unconfirmed"
 
 
 # --------------------------------------------------------------------------- the agreement loop (fake control plane)
