@@ -213,7 +213,7 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
         on_rebound(dict(new))
     t2 = time.monotonic()
     roots = [*tc.framework_roots(model, mesh), *extra_roots]
-    left = {dim: rb.find_references(roots, pg, mesh) for dim, pg in old.items()}
+    left = rb.find_references_to(roots, old, mesh)  # one walk for every replaced group
     left = {dim: paths for dim, paths in left.items() if paths}
     t3 = time.monotonic()
     if left:

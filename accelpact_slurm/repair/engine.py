@@ -3,15 +3,23 @@
 One driver (:meth:`RepairEngine.repair`), one method per phase, one transition
 table.  Every rank of the world runs the driver at the same boundary (the vote
 made them agree); the ranks of the affected replication group(s) R replace and
-rebind, the others take part in the barriers only.
+rebind, the others take part in the agreements only.
 
-    observe -> guard_sync -> control_barrier -> replace -> rebind -> validate -> done
+    observe -> control_barrier -> guard_sync -> replace -> rebind -> validate -> done
+
+The control barrier is the vote itself: it gathered every rank's (F, generation) over the control
+plane before the decision, so the phase checks the agreement on that data (every rank sees the same
+data and takes the same branch) and moves every rank to the next control-plane generation, with no
+round trip of its own.  The validation ends in the world's release, one agreement over the control
+plane that also carries each rank's outcome: a rank whose repair failed anywhere after the control
+barrier puts its failure into the release (without waiting) before it fails stop, so that every
+other rank fails stop as soon as the release completes instead of stepping or hanging.
 
 That is the repair of a fault at the committed boundary (``scope="replicate"``: the replication
 group(s) of the faulted ranks).  A fault in backward (``scope="update"``) leaves FSDP mid-flight and
 possibly every group of the mesh dead; every rank then runs
 
-    observe -> discard -> guard_sync -> control_barrier -> replace_all -> validate_all -> done
+    observe -> control_barrier -> discard -> guard_sync -> replace_all -> validate_all -> done
 
 (:mod:`accelpact_slurm.repair.discard`: the update dropped, both HSDP groups replaced and rebound on
 every rank), and the caller runs the update again.
@@ -37,24 +45,26 @@ from accelpact_slurm.repair import torch_compat as tc
 
 log = logging.getLogger(__name__)
 
-PHASES = ("observe", "guard_sync", "control_barrier", "replace", "rebind", "validate")
+PHASES = ("observe", "control_barrier", "guard_sync", "replace", "rebind", "validate")
 TRANSITIONS: dict[str, str] = {
-    "observe": "guard_sync",
-    "guard_sync": "control_barrier",
-    "control_barrier": "replace",
+    "observe": "control_barrier",
+    "control_barrier": "guard_sync",
+    "guard_sync": "replace",
     "replace": "rebind",
     "rebind": "validate",
     "validate": "done",
 }
-UPDATE_PHASES = ("observe", "discard", "guard_sync", "control_barrier", "replace_all", "validate_all")
+UPDATE_PHASES = ("observe", "control_barrier", "discard", "guard_sync", "replace_all", "validate_all")
 UPDATE_TRANSITIONS: dict[str, str] = {
-    "observe": "discard",
+    "observe": "control_barrier",
+    "control_barrier": "discard",
     "discard": "guard_sync",
-    "guard_sync": "control_barrier",
-    "control_barrier": "replace_all",
+    "guard_sync": "replace_all",
     "replace_all": "validate_all",
     "validate_all": "done",
 }
+#: The world's release after the validation (one control-plane agreement per repair, in the new generation).
+RELEASE = "repair-release"
 
 
 @dataclass
@@ -77,6 +87,10 @@ class RepairContext:
     step: int | None = None  # the update discarded (scope "update")
     discarded: dict[str, int] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)  # the replaced groups, retired after the release
+    agreed: list[dict[str, Any]] | None = None  # every rank's vote: {"F": frontier, "g": repairs before this one}
+    advanced: bool = False  # this rank moved to the repair's control-plane generation (control_barrier passed)
+    released: bool = False  # this rank took its part in the release (no failure may be put there after it)
+    replace_parts: dict[str, float] = field(default_factory=dict)  # replace_all: build, rebind, scan, retire
 
 
 def rss_bytes() -> int:
@@ -126,9 +140,16 @@ class RepairEngine:
     # ------------------------------------------------------------------ driver
 
     def repair(self, *, frontier: int, ranks: list[int], observed: float, key: str, reason: str,
-               scope: str = "replicate", optimizer: Any = None, step: int | None = None) -> RepairContext:
+               scope: str = "replicate", optimizer: Any = None, step: int | None = None,
+               agreed: list[dict[str, Any]] | None = None) -> RepairContext:
+        """Repair at the boundary the vote decided on; every rank of the world calls this (see the module docstring).
+
+        ``agreed``: every rank's ``{"F": frontier, "g": repairs done before this one}`` as its vote carried them,
+        in rank order (:meth:`BoundaryGuard.decide`); the control barrier checks them instead of gathering them
+        again.  Without them (a caller with no vote), the control barrier gathers them itself.
+        """
         ctx = RepairContext(frontier=frontier, ranks=ranks, observed=observed, key=key, reason=reason, scope=scope,
-                            optimizer=optimizer, step=step)
+                            optimizer=optimizer, step=step, agreed=agreed)
         transitions = UPDATE_TRANSITIONS if scope == "update" else TRANSITIONS
         failed_phase = "backward" if scope == "update" else "committed"
         phase = "observe"
@@ -137,10 +158,13 @@ class RepairEngine:
             t0 = time.monotonic()
             try:
                 getattr(self, phase)(ctx)
-            except FailStop:
+            except FailStop as stop:
+                self._abandon(ctx, phase, stop.reason)
                 raise
             except Exception as exc:
-                raise FailStop(f"L1 repair failed in phase {phase}: {type(exc).__name__}: {exc}", EXIT_REQUEUE,
+                why = f"{type(exc).__name__}: {exc}"
+                self._abandon(ctx, phase, why)
+                raise FailStop(f"L1 repair failed in phase {phase}: {why}", EXIT_REQUEUE,
                                phase=failed_phase, frontier=frontier, decided_at=time.monotonic(),
                                key=key) from exc
             ctx.durations[phase] = time.monotonic() - t0
@@ -156,6 +180,7 @@ class RepairEngine:
                 total_s=total, fault_to_resume_s=time.monotonic() - observed, decision="preserve", key=key,
                 reason=reason, scope=scope, discarded_update=step if scope == "update" else None,
                 replayed_updates=1 if scope == "update" else 0, discarded=ctx.discarded or None,
+                replace_parts_s=ctx.replace_parts or None,
             )
         log.info("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
                  total * 1000, ctx.rebound)
@@ -198,20 +223,30 @@ class RepairEngine:
             raise RepairError(f"guard check failed: {len(pending)} outstanding gradients (e.g. {pending[0]})")
 
     def control_barrier(self, ctx: RepairContext) -> None:
-        """Rank 0's (F, generation) must equal every rank's; then all move to the new generation."""
+        """Rank 0's (F, generation) must equal every rank's; then all move to the new generation.
+
+        The (F, generation) of every rank come from the vote (``ctx.agreed``: the generation there is the
+        number of repairs before this one, so this repair's is one more), which every rank holds identically:
+        every rank takes the same branch, without a round trip.  Without them, one agreement gathers them.
+        """
         control = self.rt.control
-        mine = {"F": ctx.frontier, "g": ctx.generation}
-        values = control.all_gather("repair-agree", mine)
+        if ctx.agreed is not None:
+            values = [{"F": a.get("F"), "g": a["g"] + 1 if isinstance(a.get("g"), int) else a.get("g")}
+                      for a in ctx.agreed]
+        else:
+            values = control.all_gather("repair-agree", {"F": ctx.frontier, "g": ctx.generation})
         lead = values[0]
         for r, v in enumerate(values):
             if v != lead:
                 raise FailStop(
                     f"frontier/generation mismatch at repair: rank 0 has F={lead['F']} g={lead['g']}, "
                     f"rank {r} has F={v['F']} g={v['g']}",
-                    EXIT_REQUEUE, phase="committed", frontier=min(x["F"] for x in values),
+                    EXIT_REQUEUE, phase="committed",
+                    frontier=min((x["F"] for x in values if isinstance(x["F"], int)), default=ctx.frontier),
                     decided_at=time.monotonic(), key=ctx.key,
                 )
         control.set_generation(control.generation + 1)
+        ctx.advanced = True
 
     def replace(self, ctx: RepairContext) -> None:
         """Members of R build a group with identical membership under a fresh store prefix."""
@@ -241,13 +276,44 @@ class RepairEngine:
         ctx.retired.append(old)
 
     def validate(self, ctx: RepairContext) -> None:
-        """Integer all-reduce on the new group, then the world's release barrier."""
+        """Integer all-reduce on the new group, then the world's release."""
         if ctx.member:
             self._check_group("replication", ctx.new)
-        view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
-                                                             "rebound": sum(ctx.rebound.values())})
-        ctx.lead_view = view[min(ctx.ranks)]
+        self._release(ctx)
+
+    def _release(self, ctx: RepairContext) -> None:
+        """The world's release: one agreement in which every rank reports that its repair succeeded.
+
+        A rank whose repair failed reported its failure there instead (:meth:`_abandon`), without waiting:
+        every rank then fails stop here, none steps.  The lowest affected rank's phase timings ride along for
+        rank 0's summary line.  The replaced groups are retired after it.
+        """
+        lead = min(ctx.ranks)
+        mine: dict[str, Any] = {"ok": True}
+        if self.rt.rank == lead:
+            mine["view"] = {"phases": ctx.durations, "rebound": sum(ctx.rebound.values())}
+        ctx.released = True
+        values = self.rt.control.all_gather(RELEASE, mine)
+        failed = [(r, v.get("why", "?")) for r, v in enumerate(values) if not v.get("ok")]
+        if failed:
+            raise RepairError(f"the repair failed on rank(s) {[r for r, _ in failed]}: {failed[0][1]}")
+        ctx.lead_view = values[lead].get("view") or {}
         self._retire(ctx)
+
+    def _abandon(self, ctx: RepairContext, phase: str, why: str) -> None:
+        """This rank's repair failed in ``phase``: tell the others in the release, so they fail stop there at once.
+
+        Only between the control barrier (before it, no rank has moved to the release's generation yet, and
+        a failed agreement fails every rank alike) and this rank's own part in the release.
+        """
+        if not ctx.advanced or ctx.released:
+            return
+        ctx.released = True
+        try:
+            self.rt.control.contribute(RELEASE, {"ok": False, "why": f"rank {self.rt.rank}, phase {phase}: "
+                                                                    f"{why.splitlines()[0][:300] if why else '?'}"})
+        except Exception:  # the control plane itself is gone: the others reach the release's deadline
+            log.warning("could not report the failed repair to the other ranks", exc_info=True)
 
     def _check_group(self, name: str, pg: dist.ProcessGroup) -> None:
         """An integer all-reduce on ``pg``: on the CPU (Gloo), and on a GPU over its NCCL communicator too."""
@@ -291,14 +357,12 @@ class RepairEngine:
                                     tag=f"accelpact/l1/g{rt.control.generation}", timeout_s=rt.collective_timeout_s,
                                     mesh=rt.mesh, on_rebound=rebound, retire=False, device=self.device)
         ctx.member, ctx.new = True, res.new
+        ctx.replace_parts = dict(res.seconds)
         ctx.retired = list(res.old.values())
         ctx.rebound = dict(res.rebound)
 
     def validate_all(self, ctx: RepairContext) -> None:
-        """Integer all-reduce on each new group, then the world's release barrier."""
+        """Integer all-reduce on each new group, then the world's release."""
         for name, pg in ctx.new.items():
             self._check_group(name, pg)
-        view = self.rt.control.all_gather("repair-release", {"phases": ctx.durations,
-                                                             "rebound": sum(ctx.rebound.values())})
-        ctx.lead_view = view[min(ctx.ranks)]
-        self._retire(ctx)
+        self._release(ctx)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
+from collections import OrderedDict, deque
 from typing import Any, Iterable
 
 import torch
@@ -90,54 +92,128 @@ def rebind_groups(model: nn.Module, fsdp: str, mesh: Any,
 
 
 #: Values the scan never enters: no group can hide inside them (a group other than the retired one included).
+#: (``torch.Size`` holds integers only; a weak reference is not followed: it keeps nothing alive.)
 _LEAF_TYPES = (str, int, float, bool, bytes, type(None), torch.Tensor, torch.device, torch.dtype, type,
                types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType,
-               dist.ProcessGroup)
-_leaf_by_type: dict[type, bool] = {}
+               dist.ProcessGroup, torch.Size, weakref.ReferenceType)
+#: The built-in containers without attributes of their own: they hold their items only (empty: nothing).
+_PLAIN = frozenset((dict, list, tuple, set, frozenset, deque))
+_LEAF, _MAPPING, _ITEMS, _OBJECT = 0, 1, 2, 3
+#: Per type: (how its instances are walked, the slot names along its MRO, whether to read its attributes too,
+#: whether an empty instance can hold nothing: 1 always, 2 when it has no attributes either, 0 never known).
+_kinds: dict[type, tuple[int, tuple[str, ...], bool, int]] = {}
+
+
+def _own_slots(cls: type) -> list[str]:
+    """The attribute names of ``cls``'s own ``__slots__`` (private ones mangled as Python stores them)."""
+    declared = cls.__dict__.get("__slots__", ())
+    names = [declared] if isinstance(declared, str) else [x for x in declared if isinstance(x, str)]
+    out = []
+    for name in names:
+        if name in ("__dict__", "__weakref__"):
+            continue
+        if name.startswith("__") and not name.endswith("__"):
+            name = f"_{cls.__name__.lstrip('_')}{name}"
+        out.append(name)
+    return out
+
+
+def _kind(t: type) -> tuple[int, tuple[str, ...], bool, int]:
+    """How the scan walks an instance of ``t`` (computed once per type)."""
+    kind = _kinds.get(t)
+    if kind is None:
+        if issubclass(t, _LEAF_TYPES):
+            kind = (_LEAF, (), False, 0)
+        else:
+            slots = tuple(dict.fromkeys(n for c in t.__mro__ for n in _own_slots(c)))
+            walk = (_MAPPING if issubclass(t, dict) else
+                    _ITEMS if issubclass(t, (list, tuple, set, frozenset, deque)) else _OBJECT)
+            # A subclass of a container may carry attributes as well as items: both are read.
+            attrs = walk == _OBJECT or t not in _PLAIN
+            empty = 1 if t in _PLAIN else 2 if t is OrderedDict else 0  # nn.Module's hook tables: OrderedDict
+            kind = (walk, slots, attrs, empty)
+        _kinds[t] = kind
+    return kind
 
 
 def _is_leaf(t: type) -> bool:
-    leaf = _leaf_by_type.get(t)
-    if leaf is None:
-        leaf = _leaf_by_type[t] = issubclass(t, _LEAF_TYPES)
-    return leaf
+    return _kind(t)[0] == _LEAF
 
 
 _SPELL = {"[]": "[{!r}]", "key": "[key]", ".": ".{}", "root": "root{}"}
 
 
-def _path(trail: list[tuple[int, str, Any]], at: int, kind: str, key: Any) -> str:
+def _path(parents: list[int], hows: list[str], keys: list[Any], at: int, how: str, key: Any) -> str:
     """Spell the path to a find from the parent links (only ever done for a find)."""
     parts: list[str] = []
     while True:
-        parts.append(_SPELL[kind].format(key))
+        parts.append(_SPELL[how].format(key))
         if at < 0:
             return "".join(reversed(parts))
-        at, kind, key = trail[at]
+        at, how, key = parents[at], hows[at], keys[at]
 
 
-def find_references(roots: Iterable[Any], old: dist.ProcessGroup, mesh: Any = None) -> list[str]:
+def find_references(roots: Iterable[Any], old: Any, mesh: Any = None) -> list[str]:
     """Paths from ``roots`` to any reference to ``old``, plus any mesh dimension still resolving to it by name.
 
     (Group names are short strings such as ``"3"``; only the mesh's own name slots
     are compared, since the same string is a legitimate module key elsewhere.)
-
-    Every object is entered once; a value's type decides in one dictionary lookup whether
-    it can hold anything (tensors, strings, numbers and other groups cannot), and the
-    path is spelt only for a find, from parent links kept per entered object.
+    :func:`find_references_to` does the same for several groups in one walk.
     """
-    found: list[str] = []
+    return find_references_to(roots, {"old": old}, mesh)["old"]
+
+
+def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = None) -> dict[str, list[str]]:
+    """:func:`find_references` for every group in ``olds`` (by label) in one walk; the paths per label.
+
+    Every object reachable from ``roots`` is entered once, except those that cannot hold anything: a
+    value whose type is a leaf (tensors, strings, numbers, functions, types, process groups: one
+    dictionary lookup per type decides) and an empty built-in container.  A mapping's keys and values,
+    a collection's items, an object's ``__dict__`` (a module's parameters and buffers excepted: tensors)
+    and every slot along its class's MRO are followed.  The path is spelt only for a find, from parent
+    links kept per entered object.
+    """
+    targets = {id(pg): label for label, pg in olds.items()}
+    target_types = {type(pg) for pg in olds.values()}
+    # Leaf types already known (and not a target's type): filtered out before anything else is done with them.
+    skip = {t for t, k in _kinds.items() if k[0] == _LEAF} - target_types
+    found: dict[str, list[str]] = {label: [] for label in olds}
     seen: set[int] = set()
-    trail: list[tuple[int, str, Any]] = []  # per entered object: (parent's index, how reached, key)
-    stack: list[tuple[Any, int, str, Any]] = []
+    # The stack and the trail (per entered object: its parent's index, how it was reached, the key) are kept as
+    # parallel lists: nothing is allocated per value looked at, so the walk does not set off the collector.
+    objs: list[Any] = []
+    parents: list[int] = []
+    hows: list[str] = []
+    keys: list[Any] = []
+    t_parents: list[int] = []
+    t_hows: list[str] = []
+    t_keys: list[Any] = []
+    kinds = _kinds
+
+    def consider(v: Any, how: str, k: Any, me: int) -> None:
+        t = type(v)
+        if t in target_types and id(v) in targets:
+            found[targets[id(v)]].append(_path(t_parents, t_hows, t_keys, me, how, k))
+            return
+        kind = kinds.get(t) or _kind(t)
+        if kind[0] == _LEAF:
+            if t not in target_types:  # another group of a target's type: its type must stay looked at
+                skip.add(t)
+            return
+        if id(v) in seen:
+            return
+        if kind[3] and not v and (kind[3] == 1 or not v.__dict__):  # an empty container holds nothing
+            return
+        objs.append(v)
+        parents.append(me)
+        hows.append(how)
+        keys.append(k)
+
     for i, r in enumerate(roots):
-        if r is old:
-            found.append(f"root{i}")
-        elif not _is_leaf(type(r)):
-            stack.append((r, -1, "root", i))
+        consider(r, "root", i, -1)
     visited = 0
-    while stack:
-        obj, parent, kind, key = stack.pop()
+    while objs:
+        obj, parent, how, key = objs.pop(), parents.pop(), hows.pop(), keys.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
@@ -145,31 +221,35 @@ def find_references(roots: Iterable[Any], old: dist.ProcessGroup, mesh: Any = No
         if visited > MAX_SCAN_NODES:
             log.warning("reference scan stopped after %d objects", visited)
             break
-        trail.append((parent, kind, key))
-        me = len(trail) - 1
-        if isinstance(obj, dict):
-            children: Iterable[tuple[Any, str, Any]] = (
-                pair for k, v in obj.items() for pair in ((k, "key", None), (v, "[]", k)))
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            children = ((v, "[]", i) for i, v in enumerate(obj))
-        else:
+        me = len(t_parents)
+        t_parents.append(parent)
+        t_hows.append(how)
+        t_keys.append(key)
+        walk, slots, attrs, _ = kinds.get(type(obj)) or _kind(type(obj))
+        if walk == _MAPPING:
+            for k, v in obj.items():
+                if type(k) not in skip:
+                    consider(k, "key", None, me)
+                if type(v) not in skip:
+                    consider(v, "[]", k, me)
+        elif walk == _ITEMS:
+            for i, v in enumerate(obj):
+                if type(v) not in skip:
+                    consider(v, "[]", i, me)
+        if attrs:
             d = getattr(obj, "__dict__", None)
-            attrs = [(v, ".", k) for k, v in d.items() if k not in ("_parameters", "_buffers")] \
-                if isinstance(d, dict) else []
-            for slot in getattr(type(obj), "__slots__", ()) or ():
-                if isinstance(slot, str):
-                    v = getattr(obj, slot, _MISSING)
-                    if v is not _MISSING:
-                        attrs.append((v, ".", slot))
-            children = attrs
-        for v, how, k in children:
-            if v is old:
-                found.append(_path(trail, me, how, k))
-            elif not _is_leaf(type(v)) and id(v) not in seen:
-                stack.append((v, me, how, k))
+            if type(d) is dict:
+                for k, v in d.items():
+                    if type(v) not in skip and k != "_parameters" and k != "_buffers":
+                        consider(v, ".", k, me)
+            for slot in slots:
+                v = getattr(obj, slot, _MISSING)
+                if v is not _MISSING and type(v) not in skip:
+                    consider(v, ".", slot, me)
     if mesh is not None:
         for m in (mesh, mesh._get_root_mesh()):
             for dim, name in enumerate(tc.mesh_dim_group_names(m)):
-                if name == old.group_name:
-                    found.append(f"mesh._dim_group_names[{dim}] = {name!r}")
+                for label, pg in olds.items():
+                    if name == pg.group_name:
+                        found[label].append(f"mesh._dim_group_names[{dim}] = {name!r}")
     return found

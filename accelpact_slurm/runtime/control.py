@@ -71,23 +71,38 @@ class ControlPlane:
 
         ``name`` must be used once per round; a sequence number is appended so a
         name may be reused (the n-th call with a name on every rank matches).
+        Two round trips to the store: this rank's value (no answer awaited), then one
+        blocking read of every member's value, bounded by the deadline.
         """
-        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
-        if self.rank not in ranks:
-            raise ControlPlaneError(f"rank {self.rank} is not a member of the agreement {name!r} over {ranks}")
-        n = self._seq.get(name, 0)
-        self._seq[name] = n + 1
-        key = f"{name}#{n}"
+        ranks, key = self._enter(name, ranks)
         self._store.set(f"{key}/{self.rank}", json.dumps(value))
         keys = [f"{key}/{r}" for r in ranks]
-        self._wait(keys, name, ranks, timeout_s)
-        values = [json.loads(v) for v in self._store.multi_get(keys)]
+        values = [json.loads(v) for v in self._read(keys, name, ranks, timeout_s)]
+        n = self._seq[name] - 1
         if n >= 2:  # every member has finished round n-2 once round n-1 is complete
             try:
                 self._store.delete_key(f"{name}#{n - 2}/{self.rank}")
             except Exception:  # pragma: no cover - cleanup is best effort
                 log.debug("could not delete control key %s#%d/%d", name, n - 2, self.rank)
         return values
+
+    def contribute(self, name: str, value: Any, ranks: Sequence[int] | None = None) -> None:
+        """Take part in this round of the agreement ``name`` without waiting for the others.
+
+        For a rank that is about to fail stop: the members' :meth:`all_gather` of the same round
+        returns at once with ``value`` in this rank's place (e.g. why it failed), instead of waiting
+        for the deadline.  The round counts as this rank's call of ``name``.
+        """
+        _, key = self._enter(name, ranks)
+        self._store.set(f"{key}/{self.rank}", json.dumps(value))
+
+    def _enter(self, name: str, ranks: Sequence[int] | None) -> tuple[list[int], str]:
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        if self.rank not in ranks:
+            raise ControlPlaneError(f"rank {self.rank} is not a member of the agreement {name!r} over {ranks}")
+        n = self._seq.get(name, 0)
+        self._seq[name] = n + 1
+        return ranks, f"{name}#{n}"
 
     def broadcast(self, name: str, value: Any = None, src: int = 0, timeout_s: float | None = None) -> Any:
         """Return ``src``'s value on every rank."""
@@ -125,16 +140,25 @@ class ControlPlane:
         except Exception:  # DistStoreError on the deadline, or the host (rank 0) has exited
             return self._has(f"post/{name}")
 
-    def _wait(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None) -> None:
+    def _read(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None) -> list[bytes]:
+        """The values of ``keys``, once all are set: one blocking read (the store waits for missing keys up
+        to its timeout, set here to this call's deadline for the read and put back after)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        before = self._base.timeout
+        self._base.set_timeout(timedelta(seconds=timeout))  # local: no round trip
         try:
-            self._store.wait(keys, timedelta(seconds=timeout))
+            return self._store.multi_get(keys)
         except Exception as exc:  # DistStoreError / RuntimeError on timeout or a lost store
-            missing = [r for r, k in zip(ranks, keys) if not self._has(k)]
-            raise ControlPlaneTimeout(
-                f"control-plane agreement {name!r} (generation {self._generation}) incomplete after "
-                f"{timeout:g} s: no answer from rank(s) {missing}"
-            ) from exc
+            raise self._timeout(keys, name, ranks, timeout) from exc
+        finally:
+            self._base.set_timeout(before)
+
+    def _timeout(self, keys: list[str], name: str, ranks: list[int], timeout: float) -> ControlPlaneTimeout:
+        missing = [r for r, k in zip(ranks, keys) if not self._has(k)]
+        return ControlPlaneTimeout(
+            f"control-plane agreement {name!r} (generation {self._generation}) incomplete after "
+            f"{timeout:g} s: no answer from rank(s) {missing}"
+        )
 
     def _has(self, key: str) -> bool:
         try:

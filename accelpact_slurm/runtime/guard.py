@@ -5,8 +5,9 @@ taken once per update, before any optimizer steps: at the first ``optimizer.step
 (its pre-hook), or at the end of the update when it raised or never stepped.  There the guard runs
 one small collective on the replication group (every replica must be at the same frontier; it also
 proves the group alive after backward), then every rank of the world votes over the control plane:
-its frontier, whether it saw a fault and in which phase, its loss.  All ranks decide from the same
-votes (:func:`decide_votes`, pure), so all take the same branch, in the manner of a two-phase commit:
+its frontier, how many repairs it has made (its generation), whether it saw a fault and in which
+phase, its loss.  All ranks decide from the same votes (:func:`decide_votes`, pure), so all take the
+same branch, in the manner of a two-phase commit:
 
 - no fault: every rank steps, and the update commits (F advances);
 - a fault at the guard's own collective (``committed``: backward completed on every rank, its
@@ -161,8 +162,9 @@ class BoundaryGuard:
             self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
         from accelpact_slurm.slurm import signals
 
-        raw = rt.control.all_gather("vote", {"F": reported, "fault": fault, "error": error, "loss": loss,
-                                             "stop": signals.requested(), "redo": redoable, **(extra or {})})
+        raw = rt.control.all_gather("vote", {"F": reported, "g": self.engine.generation, "fault": fault,
+                                             "error": error, "loss": loss, "stop": signals.requested(),
+                                             "redo": redoable, **(extra or {})})
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
         self.stop_requested = any(d.get("stop") for d in raw)
         votes = [Vote.from_json(r, d) for r, d in enumerate(raw)]
@@ -177,6 +179,8 @@ class BoundaryGuard:
         others = sorted(phases - {BACKWARD, COMMITTED})
         phase = others[0] if others else BACKWARD if BACKWARD in phases else COMMITTED
         key = self.key_for(phase)
+        # The repair's control barrier checks every rank's (F, generation) on the vote's data: no round trip.
+        agreed = [{"F": d["F"], "g": d.get("g")} for d in raw]
         if action == env_mod.PRESERVE:
             ranks = affected_ranks(votes, rt.layout.replicate_ranks, rt.layout.local_of)
             if phase == BACKWARD:
@@ -187,9 +191,11 @@ class BoundaryGuard:
                                    EXIT_REQUEUE, phase=phase, frontier=frontier, decided_at=decided, key=str(key))
                 self._redos = {step: redos}
                 self.engine.repair(frontier=frontier, ranks=list(range(rt.layout.world_size)), observed=observed,
-                                   key=str(key), reason=reason, scope="update", optimizer=optimizer, step=step)
+                                   key=str(key), reason=reason, scope="update", optimizer=optimizer, step=step,
+                                   agreed=agreed)
                 return REDO, None, raw
-            self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason)
+            self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason,
+                               agreed=agreed)
             return CONTINUE, mean, raw
         raise FailStop(reason, EXIT_REQUEUE, phase=phase, frontier=min(v.frontier for v in votes),
                        decided_at=decided, key=str(key))

@@ -34,7 +34,7 @@ from typing import Any
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[1]),) if p not in sys.path]
 
 from bench import harness as h  # noqa: E402
-from bench.repair_setup import RPN, main_faults, plan_faults  # noqa: E402
+from bench.repair_setup import RPN, fault_spec, main_faults, plan_faults  # noqa: E402
 
 
 def main(job: Any) -> None:
@@ -312,18 +312,18 @@ class RepairRank:
                 (s, frank), = plan_faults(sw + 1, 1, 2, offset=visit)
                 visit += 1
                 parts = decoder_parts(job, layers=entry["layers"], width=plan["sweep_width"])
-                cfg = with_overrides(job.config, {"faults": [f"boundary:{s}:{frank}"]})
+                cfg = with_overrides(job.config, {"faults": [fault_spec(s, frank)]})
                 guard = build_guard(cfg, self.rt, parts.model, job.events, tc.wrapping(parts.model), out=sys.stdout)
                 batches = batches_forever(parts.loader)
                 entry["build_s"].append(time.monotonic() - t0)
                 entry["fsdp_units"] = len(tc.fsdp1_units(parts.model))
                 frontier = [0]
 
-                def step() -> int:  # the update body, then the guard's end of update (as Run does it)
-                    loss = update(parts, next(batches))
-                    guard.finish(frontier[0] + 1, None, None, float(loss.detach()))
-                    frontier[0] += 1
-                    return frontier[0]
+                def step() -> int:  # the update body, the guard deciding before its optimizer step (as Run does it)
+                    n = frontier[0] + 1
+                    update(parts, next(batches), before_step=lambda: guard.decide(n, None, None, None))
+                    frontier[0] = n
+                    return n
 
                 for _ in range(sw):
                     step()

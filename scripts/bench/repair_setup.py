@@ -17,7 +17,8 @@ from bench import harness as h
 
 MARK = "<!-- repair-bench -->"
 PART = "repair"
-PHASES = ("observe", "guard_sync", "control_barrier", "replace", "rebind", "validate")
+#: The engine's phases of a boundary repair, in their order (``repair.engine.PHASES``).
+PHASES = ("observe", "control_barrier", "guard_sync", "replace", "rebind", "validate")
 NODES, RPN = 2, 2
 #: Order of the faulting rank: both replication groups ({0, 2} and {1, 3}) get repaired, each rank withholds.
 FAULT_RANKS = (1, 2, 3, 0)
@@ -32,6 +33,14 @@ def plan_faults(start: int, n: int, stride: int, offset: int = 0) -> list[tuple[
     return [(start + stride * k, FAULT_RANKS[(k + offset) % len(FAULT_RANKS)]) for k in range(n)]
 
 
+def fault_spec(update: int, rank: int) -> str:
+    """The job file's fault that makes ``rank`` withhold its part of the guard's boundary all-reduce in ``update``.
+
+    ``boundary:STEP:RANK`` names the boundary after update STEP, which the guard checks at the decision of
+    the next update (``BoundaryGuard.decide``: ``injector.fires("boundary", step - 1)``)."""
+    return f"boundary:{update - 1}:{rank}"
+
+
 def main_faults(plan: dict[str, Any]) -> list[tuple[int, int]]:
     """The faults of the repairs-vs-floor scenario: one every other update after the warm-up."""
     return plan_faults(plan["warmup"] + 1, plan["repairs"], 2)
@@ -42,7 +51,7 @@ def write_job(plan: dict[str, Any], path: Path) -> Path:
     the faults of the first scenario (the sweep's are set per model on the rank), the plan in ``params.bench``."""
     from bench.workload import entry_of, write_job as write
 
-    faults = [f"boundary:{s}:{r}" for s, r in main_faults(plan)]
+    faults = [fault_spec(s, r) for s, r in main_faults(plan)]
     return write(path, {
         "steps": 100_000, "log_every": 100_000, "checkpoint.every_steps": 0, "topology.nodes": NODES,
         "topology.ranks_per_node": RPN, "timeouts.collective_s": plan["collective_s"],

@@ -1,9 +1,12 @@
 """The repair engine's own phases, against a fake control plane: no process group, one process.
 
 In the end-to-end tests the vote has already agreed on (F, generation) before the engine runs, so
-``control_barrier``'s own check never sees a mismatch there; here it is given one.  ``replace``,
-``rebind`` and ``validate`` need real groups (tests/test_l1_repair.py); a rank outside the affected
-replication group skips the first two, so the whole driver runs here for such a rank.
+``control_barrier``'s own check never sees a mismatch there; here it is given one, both on the vote's
+data (what the guard hands the engine) and through its own agreement (a caller without a vote).
+``replace``, ``rebind`` and ``validate`` need real groups (tests/test_l1_repair.py); a rank outside the
+affected replication group skips the first two, so the whole driver runs here for such a rank, and the
+release's failure reports are checked here: a rank that fails after the control barrier puts its
+failure into the release, and a failure reported there fails every other rank stop.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ class FakeControl:
         self.generation = generation
         self.base_store = object()
         self.calls = []
+        self.contributed = []
 
     def all_gather(self, name, value, ranks=None, timeout_s=None):
         self.calls.append((name, value))
         if name in self.fail:
             raise self.fail[name]
         return self.answers[name]
+
+    def contribute(self, name, value, ranks=None):
+        self.contributed.append((name, value))
 
     def set_generation(self, generation):
         self.generation = generation
@@ -96,6 +103,34 @@ def test_control_barrier_agreement_moves_to_the_next_generation():
     assert control.generation == 5
 
 
+def test_control_barrier_on_the_votes_data_needs_no_round_trip():
+    """The vote carried every rank's frontier and the repairs it made before: its generation before this repair."""
+    control = FakeControl(generation=4)
+    engine, _, _ = make_engine(1, control)
+    ctx = ctx_for(generation=3)
+    ctx.agreed = [{"F": 7, "g": 2}] * 4
+    engine.control_barrier(ctx)
+    assert control.calls == [] and control.generation == 5 and ctx.advanced
+
+
+@pytest.mark.parametrize("other, words", [
+    ({"F": 8, "g": 0}, "rank 3 has F=8 g=1"),    # a rank one update ahead
+    ({"F": 7, "g": 1}, "rank 3 has F=7 g=2"),    # a rank that counted one repair more
+    ({"F": 7, "g": None}, "rank 3 has F=7 g=None"),  # a vote without the generation
+])
+def test_control_barrier_mismatch_in_the_votes_fails_stop_on_every_rank(other, words):
+    for rank in range(4):  # every rank holds the same votes: every rank takes the same branch
+        control = FakeControl(generation=4)
+        engine, _, _ = make_engine(rank, control)
+        ctx = ctx_for()
+        ctx.agreed = [{"F": 7, "g": 0}] * 3 + [other]
+        with pytest.raises(FailStop) as info:
+            engine.control_barrier(ctx)
+        assert "rank 0 has F=7 g=1" in info.value.reason and words in info.value.reason, info.value.reason
+        assert info.value.context["frontier"] == 7
+        assert control.generation == 4 and not ctx.advanced and control.calls == []
+
+
 @pytest.mark.parametrize("other, words", [
     ({"F": 8, "g": 1}, "rank 2 has F=8 g=1"),   # a rank one update ahead
     ({"F": 7, "g": 2}, "rank 2 has F=7 g=2"),   # a rank that counted one repair more
@@ -126,21 +161,78 @@ def test_control_barrier_mismatch_on_rank_zero_itself():
 # ------------------------------------------------------------------ the driver
 
 
-def test_driver_runs_every_phase_for_a_rank_outside_the_repaired_group():
-    control = FakeControl({"repair-agree": [{"F": 7, "g": 1}] * 4,
-                           "repair-release": [{"phases": {}, "rebound": 0}, {"phases": {"observe": 0.1}, "rebound": 4},
-                                              {"phases": {}, "rebound": 0}, {"phases": {}, "rebound": 4}]},
-                          generation=2)
+RELEASED = [{"ok": True}, {"ok": True, "view": {"phases": {"observe": 0.1}, "rebound": 4}}, {"ok": True},
+            {"ok": True}]
+
+
+@pytest.mark.parametrize("agreed", [None, [{"F": 7, "g": 0}] * 4])
+def test_driver_runs_every_phase_for_a_rank_outside_the_repaired_group(agreed):
+    control = FakeControl({"repair-agree": [{"F": 7, "g": 1}] * 4, "repair-release": RELEASED}, generation=2)
     engine, rt, events = make_engine(0, control)
     old = rt.replicate_group
-    ctx = engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
+    ctx = engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test", agreed=agreed)
     assert list(ctx.durations) == list(PHASES)
     assert not ctx.member and ctx.new is None and rt.replicate_group is old
     assert control.generation == 3 and engine.repairs == 1
-    assert [c[0] for c in control.calls] == ["repair-agree", "repair-release"]
+    # With the vote's data, the release is the repair's only round trip over the control plane.
+    assert [c[0] for c in control.calls] == (["repair-release"] if agreed else ["repair-agree", "repair-release"])
+    assert control.calls[-1][1] == {"ok": True}  # rank 0 is not the lead: no phase timings of its own ride along
+    assert control.contributed == []
     assert ctx.lead_view == {"phases": {"observe": 0.1}, "rebound": 4}  # rank 1's view: min(ranks)
     assert [e for e, _ in events.emitted] == ["repair_rank"]  # only min(ranks) emits "repair"
     assert "L1 repair (generation 1) at F=7" in engine.out.getvalue()  # rank 0 prints the summary
+
+
+def test_the_lead_sends_its_phase_timings_in_the_release():
+    control = FakeControl({"repair-release": RELEASED}, generation=2)
+    engine, _, events = make_engine(1, control)
+    ctx = RepairContext(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test", member=False,
+                        agreed=[{"F": 7, "g": 0}] * 4)
+    ctx.durations = {"observe": 0.5}
+    engine.control_barrier(ctx)
+    engine.validate(ctx)
+    assert control.calls == [("repair-release", {"ok": True, "view": {"phases": {"observe": 0.5}, "rebound": 0}})]
+
+
+def test_a_failure_reported_in_the_release_fails_every_other_rank_stop():
+    """A member whose validation (or replacement, or rebinding) failed put its failure into the release: every
+    other rank fails stop there, at once, naming it; none goes on to step, and no group is retired."""
+    release = [{"ok": True}, {"ok": False, "why": "rank 1, phase validate: RepairError: all-reduce gave 1"},
+               {"ok": True}, {"ok": True}]
+    control = FakeControl({"repair-release": release}, generation=2)
+    engine, _, events = make_engine(0, control)
+    with pytest.raises(FailStop) as info:
+        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test", agreed=[{"F": 7, "g": 0}] * 4)
+    reason = info.value.reason
+    assert reason.startswith("L1 repair failed in phase validate: RepairError: the repair failed on rank(s) [1]")
+    assert "all-reduce gave 1" in reason and info.value.exit_code == 75
+    assert control.contributed == [], "a rank that took its part in the release reports nothing more"
+    assert engine.repairs == 0 and events.emitted == []
+
+
+def test_a_rank_failing_after_the_control_barrier_reports_it_in_the_release_without_waiting():
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()  # a gradient left after a (skipped) discard: guard_sync refuses
+    control = FakeControl(generation=2)
+    engine, _, _ = make_engine(3, control, model=model)
+    engine.skip_discard = True
+    with pytest.raises(FailStop, match="L1 repair failed in phase guard_sync"):
+        engine.repair(frontier=7, ranks=[0, 1, 2, 3], observed=0.0, key="<k>", reason="test", scope="update", step=8,
+                      agreed=[{"F": 7, "g": 0}] * 4)
+    assert control.calls == [], "it does not wait for the others"
+    (name, value), = control.contributed
+    assert name == "repair-release" and value["ok"] is False
+    assert value["why"].startswith("rank 3, phase guard_sync: RepairError: guard check failed"), value
+    assert control.generation == 3, "it moved to the repair's generation with every other rank"
+
+
+def test_a_failed_agreement_reports_nothing_in_the_release():
+    control = FakeControl(generation=2)
+    engine, _, _ = make_engine(1, control)
+    with pytest.raises(FailStop, match="frontier/generation mismatch"):
+        engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test",
+                      agreed=[{"F": 7, "g": 0}, {"F": 7, "g": 1}, {"F": 7, "g": 0}, {"F": 7, "g": 0}])
+    assert control.contributed == [] and control.generation == 2
 
 
 def test_driver_passes_a_control_barrier_fail_stop_through_unchanged():
@@ -154,7 +246,7 @@ def test_driver_passes_a_control_barrier_fail_stop_through_unchanged():
 def test_driver_turns_a_phase_exception_into_a_requeue_fail_stop_naming_the_phase():
     model = torch.nn.Linear(2, 2)
     model(torch.ones(1, 2)).sum().backward()  # a gradient left after a (skipped) discard: guard_sync refuses
-    engine, _, events = make_engine(1, FakeControl(), model=model)
+    engine, _, events = make_engine(1, FakeControl({"repair-agree": [{"F": 7, "g": 1}] * 4}), model=model)
     engine.skip_discard = True
     with pytest.raises(FailStop) as info:
         engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test", scope="update", step=8)

@@ -221,3 +221,33 @@ def test_scan_finds_hidden_references_and_ignores_names():
     shared = [old]
     assert sorted(rb.find_references([old, slotted, (shared, shared), {3: {frozenset([old])}}], old)) == \
         ["root0", "root1.s[key]", "root2[1][0]", "root3[3][0][0]"]
+
+
+def test_scan_of_several_groups_in_one_walk_misses_nothing_it_prunes():
+    """One walk for several groups; another object of a target's type seen first does not hide the target;
+    empty containers are not entered, but an OrderedDict with attributes is; slots of base classes and a
+    deque's items are followed."""
+    from collections import OrderedDict, deque
+
+    class PG:
+        def __init__(self, name):
+            self.group_name = name
+
+    a, b, other = PG("1"), PG("2"), PG("3")
+
+    class Base:
+        __slots__ = ("__hidden", "plain")
+
+    class Derived(Base):
+        __slots__ = ("extra",)
+
+    d = Derived()
+    d._Base__hidden = b
+    d.plain = other
+    od = OrderedDict()
+    od.note = a
+    roots = [{"first": other, "empty": {}, "od": od}, [(), [], OrderedDict()], d, deque([[a]])]
+    found = rb.find_references_to(roots, {"a": a, "b": b})
+    assert sorted(found["a"]) == ["root0['od'].note", "root3[0][0]"]
+    assert found["b"] == ["root2._Base__hidden"]
+    assert sorted(rb.find_references(roots, other)) == ["root0['first']", "root2.plain"]

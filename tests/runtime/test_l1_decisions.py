@@ -196,7 +196,7 @@ def test_an_update_discarded_three_times_in_a_row_restarts_instead():
     repairs = []
     control = SimpleNamespace(all_gather=lambda tag, mine: [mine, {**mine, "fault": None, "error": None}])
     rt = SimpleNamespace(rank=0, layout=layout, control=control)
-    engine = SimpleNamespace(repair=lambda **kw: repairs.append(kw["step"]))
+    engine = SimpleNamespace(generation=0, repair=lambda **kw: repairs.append(kw["step"]))
     events = SimpleNamespace(emit=lambda *a, **k: None)
     guard = BoundaryGuard(rt, events, qualified_backward(), lambda phase: env_mod.Key(KEY.platform, KEY.profile, phase),
                           engine, SimpleNamespace(fires=lambda *a: False))
