@@ -81,6 +81,13 @@ PARTS = {p.name: p for p in (
 RUN_ORDER = ["status", "repair", "guard", "paper", "peers", "l1backward", "ckpt", "shared", "restore"]
 GPU_MARK = "<!-- gpu-check -->"
 GPU_JSON = RESULTS / "gpu-check.json"
+# What ``make bench`` passes each part beyond ``--json``/``--markdown``: the parts' own defaults, trimmed where the
+# sum of the parts would not fit the budget (a part run alone keeps its defaults).
+PART_ARGS: dict[str, list[str]] = {
+    "paper": ["--repeats", "4"],
+    "restore": ["--rounds", "3"],
+    "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6"],
+}
 TOTAL_BUDGET_S = 1710  # 28.5 min: with one kill grace period still under 30 min
 KILL_GRACE_S = 45
 MIN_START_S = 60  # a part is skipped when less time than this is left
@@ -96,6 +103,21 @@ def _mmss(s: float) -> str:
     return f"{int(s // 60):02d}:{int(s % 60):02d}"
 
 
+def measured_commit() -> str:
+    """The commit the parts measure: ``git rev-parse --short HEAD``, with ``+changes`` when tracked files other
+    than the benchmark's own outputs differ from it; ``unknown`` outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [ln[3:] for ln in status.splitlines()
+               if not ln[3:].startswith("benchmarks/results/") and ln[3:] != "docs/benchmarks.md"]
+    return head + ("+changes" if changed else "")
+
+
 def part_of(name: str) -> Part:
     return PARTS.get(name) or Part(name, f"bench_{name}.py", f"<!-- {name}-bench -->", 300, name)
 
@@ -106,14 +128,15 @@ def part_of(name: str) -> Part:
 def run_part(part: Part, json_rel: str, deadline_s: float, t0: float) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Run one part; returns (its result or None, the run record: status, wall_s, rc, error, tail)."""
     script = REPO / "scripts" / part.script
-    run: dict[str, Any] = {"json": json_rel, "deadline_s": round(deadline_s)}
+    run: dict[str, Any] = {"json": json_rel, "deadline_s": round(deadline_s), "commit": measured_commit(),
+                           "args": list(PART_ARGS.get(part.name, []))}
     if not script.exists():
         run.update(status="skipped", error=f"no script scripts/{part.script}", wall_s=0.0, rc=None, tail="")
         return None, run
     json_path = REPO / json_rel
     json_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", ACCELPACT_BENCH_DEADLINE_S=str(int(deadline_s)))
-    argv = [sys.executable, str(script), "--json", json_rel, "--markdown", ""]
+    argv = [sys.executable, str(script), "--json", json_rel, "--markdown", "", *run["args"]]
     start_wall, start = time.time(), time.monotonic()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
@@ -445,11 +468,18 @@ def render(merged: dict[str, Any], current: str, results: Path) -> str:
     end = m.get("loadavg_end")
     total = merged.get("total_wall_s")
     ran = [n for n, r in runs.items() if r.get("status") not in ("carried",)]
-    status_line = ", ".join(f"{n} {r.get('status')} ({r.get('wall_s', 0):.0f} s)" for n, r in runs.items())
+    status_line = ", ".join(
+        f"{n} {r.get('status')} ({r.get('wall_s', 0):.0f} s"
+        + (f", commit `{r['commit']}`" if r.get("commit") else "")
+        + (f", `{' '.join(r['args'])}`" if r.get("args") else "") + ")"
+        for n, r in runs.items())
     how = ("`make bench` runs every benchmark below on this machine, one part after the other (under 30 minutes), "
            "writes `benchmarks/results/<date>.json` (each part's own result under `benchmarks/results/<date>/`) and "
            "regenerates this file from it. `make bench BENCH_ARGS=\"--parts paper,status\"` runs some parts only; "
-           "`.venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json` only rewrites this file.")
+           "`.venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json` only rewrites this file. "
+           "The run line names, for each part, the commit it measured (`+changes` when tracked files differed from "
+           "it) and the arguments `make bench` gave it beyond its defaults (`PART_ARGS` in the script: trimmed so "
+           "that the parts fit the budget).")
     noise = ("The machine is shared and noisy. Every figure is therefore a ratio against a baseline measured in the "
              "same run, side by side (or the median of paired ratios, with min–max as the spread); absolute seconds "
              "are printed beside them for reference only and are never compared across runs.")
