@@ -11,8 +11,10 @@ Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.api.Run`
 
 A snapshot (:meth:`SnapshotClient.snapshot`) plans which boxes of which tensors this rank holds
 (:mod:`.capture`: FSDP1's flat-parameter shards directly, no ``get_state_dict``), copies them into
-a preallocated shared-memory slot (:mod:`.staging`), writes a small descriptor and tells the
-daemon; that is all training waits for.  The daemon writes the boxes as DCP chunks from the slot.
+a preallocated shared-memory slot (:mod:`.staging`); that is all training waits for.  Writing the small
+descriptor and telling the daemon (the hand-over) runs on a thread of the rank while the next update
+starts: every later request to the daemon, the next snapshot, ``close()`` and an injected kill first
+join it, so the daemon sees the snapshots of a rank in order and a finished job leaves none behind.  The daemon writes the boxes as DCP chunks from the slot.
 Two slots alternate: a slot is reused only after the daemon has finished writing the snapshot that
 used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
 event and training goes on).  A missing or dead daemon costs a warning, never the run.
@@ -46,6 +48,21 @@ log = logging.getLogger(__name__)
 
 SLOTS = 2
 
+#: Hand-over threads still running in this process (see :func:`join_handovers`).
+_HANDOVERS: set[threading.Thread] = set()
+
+
+def join_handovers(timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` for every hand-over still running in this process; returns how many are left.
+
+    A fail-stop leaves with ``os._exit``, which would cut a hand-over short: the snapshot of a committed step
+    taken just before the fault would be lost, and the restart would load an older one.
+    """
+    deadline = time.monotonic() + timeout_s
+    for th in list(_HANDOVERS):
+        th.join(max(0.0, deadline - time.monotonic()))
+    return sum(th.is_alive() for th in list(_HANDOVERS))
+
 
 class SnapshotClient:
     def __init__(self, cfg: Any, rt: Any, run_dir: str, events: Any, model: Any, optimizer: Any,
@@ -71,6 +88,8 @@ class SnapshotClient:
         self.taken: set[int] = set()  # steps snapshotted (not skipped) in this start
         self.last_error: str | None = None
         self.last_parts: dict[str, Any] = {}
+        self._handover: threading.Thread | None = None  # the last snapshot's hand-over, while it runs
+        self.last_handover_s: float | None = None  # how long the last hand-over took on its thread
 
     # ------------------------------------------------------------------ snapshots
 
@@ -99,6 +118,7 @@ class SnapshotClient:
         rt, cfg = self.rt, self.cfg
         t0 = time.monotonic()
         parts: dict[str, float] = {}
+        self.join_handover()
         slot = self._free_slot(cfg.timeouts.control_s)
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
@@ -148,18 +168,15 @@ class SnapshotClient:
         }
         t = time.monotonic()
         self.taken.add(step)  # decided alike on every rank (the handover below may still fail on one)
-        try:
-            desc = staging.write_descriptor(self.stage_root, step, rt.local_rank, {
-                "step": step, "rank": rt.rank, "local_rank": rt.local_rank, "meta": meta,
+        self._slot_step[slot] = step
+        desc = {"step": step, "rank": rt.rank, "local_rank": rt.local_rank, "meta": meta,
                 "slot": self.slots[slot].path, "slot_ino": self.slots[slot].ino, "nbytes": nbytes,
-                "entries": plan.describe(), "plain": plan.plain, "source": plan.source})
-            self._slot_step[slot] = step
-            self._request({"op": "staged", "step": step, "rank": rt.rank, "local_rank": rt.local_rank,
-                           "nranks": rt.layout.ranks_per_node, "path": desc})
-        except Exception as exc:  # never fatal to training
-            self.last_error = f"snapshot {step}: {exc}"
-            log.warning("snapshot %d not handed to the daemon: %s", step, exc)
-        parts["hand_over"] = time.monotonic() - t
+                "entries": plan.describe(), "plain": plan.plain, "source": plan.source}
+        self._handover = threading.Thread(target=self._hand_over, args=(step, desc), daemon=False,
+                                          name=f"ckpt-handover-{step}")
+        _HANDOVERS.add(self._handover)
+        self._handover.start()
+        parts["hand_over"] = time.monotonic() - t  # starting it; the hand-over itself runs beside the next update
         blocking = time.monotonic() - t0
         self.last_parts = dict(parts, total=blocking, bytes=nbytes, new_slot=created, source=plan.source)
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
@@ -167,9 +184,30 @@ class SnapshotClient:
             self.events.emit("snapshot", step=step, blocking_s=blocking,
                              **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}))
         if self.faults.kill_after_staged == (step, rt.rank):
+            self.join_handover()  # "after staging": the daemon has the descriptor
             log.warning("fault injection: rank %d kills itself after staging step %d", rt.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
         return True
+
+    def _hand_over(self, step: int, desc: dict[str, Any]) -> None:
+        """The hand-over thread's body: the descriptor, then the message to the daemon; never raises."""
+        t = time.monotonic()
+        try:
+            path = staging.write_descriptor(self.stage_root, step, self.rt.local_rank, desc)
+            self._request({"op": "staged", "step": step, "rank": self.rt.rank, "local_rank": self.rt.local_rank,
+                           "nranks": self.rt.layout.ranks_per_node, "path": path})
+        except Exception as exc:  # noqa: BLE001 - never fatal to training
+            self.last_error = f"snapshot {step}: {exc}"
+            log.warning("snapshot %d not handed to the daemon: %s", step, exc)
+        finally:
+            self.last_handover_s = time.monotonic() - t
+            _HANDOVERS.discard(threading.current_thread())
+
+    def join_handover(self) -> None:
+        """Wait for the last snapshot's hand-over (bounded by its own request's timeouts)."""
+        th, self._handover = self._handover, None
+        if th is not None:
+            th.join()
 
     def _corrupt(self, plan: Any, slot: int) -> None:
         """Fault injection: change this rank's staged weights (as a wrong capture mapping would)."""
@@ -242,6 +280,7 @@ class SnapshotClient:
 
     def wait(self, step: int, timeout_s: float) -> str | None:
         """Block until the daemon reports a final state for ``step`` (or the timeout); return the state."""
+        self.join_handover()
         try:
             reply = self._request({"op": "wait", "step": step, "timeout": timeout_s}, timeout_s + 10)
         except DaemonUnavailable as exc:
@@ -261,4 +300,6 @@ class SnapshotClient:
         return self.wait(step, timeout_s)
 
     def close(self) -> None:
-        """Nothing to join: staging is synchronous.  The slots stay for the daemon until it is done."""
+        """Join the last hand-over (the daemon then has every snapshot taken); the slots stay for the daemon
+        until it is done with them."""
+        self.join_handover()

@@ -21,6 +21,9 @@ from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, 
 
 log = logging.getLogger(__name__)
 
+#: How long a fail-stop waits for a snapshot's hand-over still running on its thread (normally milliseconds).
+HANDOVER_JOIN_S = 5.0
+
 
 def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control: Any = None,
               ctx: SlurmContext | None = None, environ: Mapping[str, str] | None = None) -> None:
@@ -34,6 +37,10 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     # srun --kill-on-bad-exit TERMs the remaining ranks as soon as one exits: finish the event and, on rank 0,
     # the requeue request first (SIGKILL follows after Slurm's KillWait, far longer than this takes).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from ckpt_service.client import join_handovers
+
+    if join_handovers(HANDOVER_JOIN_S):  # the last snapshot's hand-over to the daemon, cut short by os._exit else
+        log.warning("a snapshot's hand-over to the checkpoint daemon did not finish within %g s", HANDOVER_JOIN_S)
     if control is not None:
         try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
             control.leave("fail-stop", 1.0)

@@ -81,7 +81,8 @@ def markdown(res: dict[str, Any]) -> str:
             "state (frontier, RNG, data loader, scheduler) over the control plane; *proof*: the staged bytes "
             "against the live state dict, only until one snapshot proved the capture (the first of each start); "
             "*plan*: reading FSDP's flat-parameter shard info; *copy*: the memcpy into the shared-memory slot; "
-            "*hand_over*: descriptor + message to the daemon. DCP writes one deduplicated copy per job; ours "
+            "*hand_over*: starting the thread that writes the descriptor and tells the daemon (both run beside the "
+            "next update; the next snapshot, a wait and a fail-stop join it). DCP writes one deduplicated copy per job; ours "
             "writes one complete copy per node (two here) and verifies each (checksums + coverage) in the "
             "background."]
     if ours.get("others_by_pos"):
