@@ -32,8 +32,10 @@ import json
 import logging
 import os
 import signal
+import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE
@@ -48,20 +50,21 @@ log = logging.getLogger(__name__)
 
 SLOTS = 2
 
-#: Hand-over threads still running in this process (see :func:`join_handovers`).
-_HANDOVERS: set[threading.Thread] = set()
+#: Every client of this process, for :func:`join_handovers`.
+_CLIENTS: "weakref.WeakSet[SnapshotClient]" = weakref.WeakSet()
 
 
 def join_handovers(timeout_s: float) -> int:
-    """Wait up to ``timeout_s`` for every hand-over still running in this process; returns how many are left.
+    """Wait up to ``timeout_s`` for every hand-over still pending in this process; returns how many clients still
+    have one.
 
     A fail-stop leaves with ``os._exit``, which would cut a hand-over short: the snapshot of a committed step
     taken just before the fault would be lost, and the restart would load an older one.
     """
     deadline = time.monotonic() + timeout_s
-    for th in list(_HANDOVERS):
-        th.join(max(0.0, deadline - time.monotonic()))
-    return sum(th.is_alive() for th in list(_HANDOVERS))
+    for client in list(_CLIENTS):
+        client._idle.wait(max(0.0, deadline - time.monotonic()))
+    return sum(not c._idle.is_set() for c in list(_CLIENTS))
 
 
 class SnapshotClient:
@@ -88,8 +91,14 @@ class SnapshotClient:
         self.taken: set[int] = set()  # steps snapshotted (not skipped) in this start
         self.last_error: str | None = None
         self.last_parts: dict[str, Any] = {}
-        self._handover: threading.Thread | None = None  # the last snapshot's hand-over, while it runs
-        self.last_handover_s: float | None = None  # how long the last hand-over took on its thread
+        # the hand-over worker: one thread per client, started with the first snapshot; _idle is clear while a
+        # snapshot waits on it to be handed over
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self.last_handover_s: float | None = None  # how long the last hand-over took on the worker
+        _CLIENTS.add(self)
 
     # ------------------------------------------------------------------ snapshots
 
@@ -160,23 +169,17 @@ class SnapshotClient:
             parts["proof"] = time.monotonic() - t
             if not ok:
                 log.error("snapshot %d: the staged state does not match the live state: %s", step, why)
-        doc = {"run": extras[0]["extra"]["run"], "ranks": {str(r): e["extra"]["rank"] for r, e in enumerate(extras)}}
-        meta = {
-            "job_id": rt.ctx.job_id, "config_digest": cfg.digest(), "config": cfg.to_dict(),
-            "world_size": rt.layout.world_size, "layout": [rt.layout.num_nodes, rt.layout.ranks_per_node],
-            "extra_json": json.dumps(doc), "capture": capture,
-        }
         t = time.monotonic()
         self.taken.add(step)  # decided alike on every rank (the handover below may still fail on one)
         self._slot_step[slot] = step
-        desc = {"step": step, "rank": rt.rank, "local_rank": rt.local_rank, "meta": meta,
-                "slot": self.slots[slot].path, "slot_ino": self.slots[slot].ino, "nbytes": nbytes,
-                "entries": plan.describe(), "plain": plan.plain, "source": plan.source}
-        self._handover = threading.Thread(target=self._hand_over, args=(step, desc), daemon=False,
-                                          name=f"ckpt-handover-{step}")
-        _HANDOVERS.add(self._handover)
-        self._handover.start()
-        parts["hand_over"] = time.monotonic() - t  # starting it; the hand-over itself runs beside the next update
+        desc = {"step": step, "rank": rt.rank, "local_rank": rt.local_rank, "slot": self.slots[slot].path,
+                "slot_ino": self.slots[slot].ino, "nbytes": nbytes, "plain": plan.plain, "source": plan.source}
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._hand_over_loop, daemon=True, name="ckpt-handover")
+            self._worker.start()
+        self._idle.clear()
+        self._jobs.put((step, desc, plan, extras, capture))
+        parts["hand_over"] = time.monotonic() - t  # queuing it; the hand-over itself runs beside the next update
         blocking = time.monotonic() - t0
         self.last_parts = dict(parts, total=blocking, bytes=nbytes, new_slot=created, source=plan.source)
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
@@ -189,25 +192,42 @@ class SnapshotClient:
             os.kill(os.getpid(), signal.SIGKILL)
         return True
 
-    def _hand_over(self, step: int, desc: dict[str, Any]) -> None:
-        """The hand-over thread's body: the descriptor, then the message to the daemon; never raises."""
-        t = time.monotonic()
-        try:
-            path = staging.write_descriptor(self.stage_root, step, self.rt.local_rank, desc)
-            self._request({"op": "staged", "step": step, "rank": self.rt.rank, "local_rank": self.rt.local_rank,
-                           "nranks": self.rt.layout.ranks_per_node, "path": path})
-        except Exception as exc:  # noqa: BLE001 - never fatal to training
-            self.last_error = f"snapshot {step}: {exc}"
-            log.warning("snapshot %d not handed to the daemon: %s", step, exc)
-        finally:
-            self.last_handover_s = time.monotonic() - t
-            _HANDOVERS.discard(threading.current_thread())
+    def _hand_over_loop(self) -> None:
+        """The hand-over worker: for each staged snapshot, the descriptor, then the message to the daemon."""
+        while True:
+            item = self._jobs.get()
+            if item is None:  # close()
+                return
+            step, desc, plan, extras, capture = item
+            t = time.monotonic()
+            try:
+                desc["meta"] = self._meta(extras, capture)
+                desc["entries"] = plan.describe()
+                path = staging.write_descriptor(self.stage_root, step, self.rt.local_rank, desc)
+                self._request({"op": "staged", "step": step, "rank": self.rt.rank,
+                               "local_rank": self.rt.local_rank, "nranks": self.rt.layout.ranks_per_node,
+                               "path": path})
+            except Exception as exc:  # noqa: BLE001 - never fatal to training
+                self.last_error = f"snapshot {step}: {exc}"
+                log.warning("snapshot %d not handed to the daemon: %s", step, exc)
+            finally:
+                # drop the plan (views of the live tensors) here, not when the thread ends: a tensor freed by a
+                # daemon thread while the interpreter shuts down aborts the process
+                item = desc = plan = extras = capture = None
+                self.last_handover_s = time.monotonic() - t
+                self._idle.set()
+
+    def _meta(self, extras: list[dict[str, Any]], capture: dict[str, Any] | None) -> dict[str, Any]:
+        """The snapshot's metadata: the job, the configuration, the layout, every rank's extra state, the proof."""
+        rt, cfg = self.rt, self.cfg
+        doc = {"run": extras[0]["extra"]["run"], "ranks": {str(r): e["extra"]["rank"] for r, e in enumerate(extras)}}
+        return {"job_id": rt.ctx.job_id, "config_digest": cfg.digest(), "config": cfg.to_dict(),
+                "world_size": rt.layout.world_size, "layout": [rt.layout.num_nodes, rt.layout.ranks_per_node],
+                "extra_json": json.dumps(doc), "capture": capture}
 
     def join_handover(self) -> None:
         """Wait for the last snapshot's hand-over (bounded by its own request's timeouts)."""
-        th, self._handover = self._handover, None
-        if th is not None:
-            th.join()
+        self._idle.wait()
 
     def _corrupt(self, plan: Any, slot: int) -> None:
         """Fault injection: change this rank's staged weights (as a wrong capture mapping would)."""
@@ -303,3 +323,7 @@ class SnapshotClient:
         """Join the last hand-over (the daemon then has every snapshot taken); the slots stay for the daemon
         until it is done with them."""
         self.join_handover()
+        worker, self._worker = self._worker, None
+        if worker is not None:  # ended and joined before the interpreter's shutdown can reach it
+            self._jobs.put(None)
+            worker.join(self.cfg.timeouts.shutdown_s)

@@ -21,6 +21,7 @@ the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 _SENTINEL = object()
 FINAL = ("verified", "rejected", "failed")
+#: How long a state record that hit a full disk waits for the writes in flight before its one retry.
+RECORD_RETRY_S = 60.0
 
 #: How the worker threads yield the CPU to the node's training ranks (per thread; the accept and connection
 #: threads keep the daemon's ``checkpoint.daemon_nice``, so a rank's request is answered at once):
@@ -399,7 +402,7 @@ class Daemon:
         faults.slow_verify(self.o.node, self.o.faults)
         ok, reason = verify_snapshot(rec.path, self.key)
         state = "verified" if ok else "rejected"
-        record_state(rec.path, state, None if ok else reason)
+        self._record_state(rec.path, state, None if ok else reason)
         self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)
         if ok:
             o = self.o
@@ -409,6 +412,29 @@ class Daemon:
             if up:  # the step is this node's newest: retention keeps it until keep_last newer ones are verified
                 self.q_tier.put((step, rec.path, why))
         self.q_delete.put(None)
+
+    def _record_state(self, path: str, state: str, reason: str | None) -> None:
+        """``record_state``; on a full disk, once more after the writes in flight now have ended.
+
+        A write that fills the disk fails and gives its space back (its temporary directory is removed): a
+        verification that finished meanwhile must not leave a good snapshot recorded as merely committed.
+        """
+        try:
+            record_state(path, state, reason)
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            log.warning("recording %s for %s: disk full; retrying once the writes in flight have ended", state, path)
+        deadline = time.monotonic() + RECORD_RETRY_S
+        with self._changed:
+            busy = set(self._inflight)
+            while busy & self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+        record_state(path, state, reason)
 
     def _delete_loop(self, _item: Any) -> None:
         records = scan(self.ndir, self.o.milestone_every)

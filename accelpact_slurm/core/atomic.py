@@ -19,10 +19,17 @@ def fsync_dir(path: str) -> None:
 def write_json_atomic(path: str, data: Any, indent: int = 1) -> None:
     """Temporary name, fsync, rename, fsync the directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=indent, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=indent, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:  # a full disk must not keep the half-written file's blocks too
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     fsync_dir(os.path.dirname(path) or ".")
