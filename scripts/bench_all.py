@@ -23,7 +23,7 @@ it (SIGKILL 45 s later).
 
 Usage::
 
-    make bench                                            # every part, about 25 minutes
+    make bench                                            # every part, about 23 minutes here
     make bench BENCH_ARGS="--parts paper,status"          # some parts only
     .venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json   # only rewrite the docs
 

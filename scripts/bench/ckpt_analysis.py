@@ -183,6 +183,19 @@ def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     if "none" in st and ours:
         out.append(h.row("checkpoint: mean update time with a snapshot every K updates, ours",
                          "no snapshots, same round", st["ours"]["ratio"]))
+        between = [r["others_ratio"] for r in ours if r.get("others_ratio") is not None]
+        if between:
+            gb = g.get("background") or {}
+            out.append(h.row("checkpoint: updates between snapshots (the daemons writing and verifying beside them), "
+                             "ours", "no-snapshot update at the same place in the window, same round", h.spread(between),
+                             note="goal <= 1.1: " + ("PASS" if gb.get("pass") else "FAIL")))
+    over = [r["blocking_over_floor"] for r in ours if r.get("blocking_over_floor") is not None]
+    if over:
+        gf = g.get("blocking_vs_floor") or {}
+        out.append(h.row("checkpoint: training blocked per snapshot against the memcpy floor, ours",
+                         "memcpy floor: a plain copy of the rank's same bytes into preallocated memory, same ranks, "
+                         "right after the snapshot", h.spread(over),
+                         note="goal <= 1.5: " + ("PASS" if gf.get("pass") else "FAIL")))
     if bw.get("ratio_full"):
         out.append(h.row("checkpoint: daemon write bandwidth (whole write path)",
                          "`dd conv=fsync` of the same size, same filesystem, paired", bw["ratio_full"],
