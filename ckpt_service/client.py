@@ -12,9 +12,10 @@ Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.api.Run`
 A snapshot (:meth:`SnapshotClient.snapshot`) plans which boxes of which tensors this rank holds
 (:mod:`.capture`: FSDP1's flat-parameter shards directly, no ``get_state_dict``), copies them into
 a preallocated shared-memory slot (:mod:`.staging`); that is all training waits for.  Writing the small
-descriptor and telling the daemon (the hand-over) runs on a thread of the rank while the next update
-starts: every later request to the daemon, the next snapshot, ``close()`` and an injected kill first
-join it, so the daemon sees the snapshots of a rank in order and a finished job leaves none behind.  The daemon writes the boxes as DCP chunks from the slot.
+descriptor and telling the daemon (the hand-over) runs on a worker thread of the rank beside the next
+update: the next snapshot, every wait for the daemon, ``close()``, a fail-stop and an injected kill first
+join it, so the daemon sees a rank's snapshots in order and none taken is left unannounced.  The daemon
+writes the boxes as DCP chunks from the slot.
 Two slots alternate: a slot is reused only after the daemon has finished writing the snapshot that
 used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
 event and training goes on).  A missing or dead daemon costs a warning, never the run.
@@ -31,8 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import queue
+import signal
 import threading
 import time
 import weakref
