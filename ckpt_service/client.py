@@ -42,7 +42,7 @@ from typing import Any, Callable
 from accelpact_slurm.core.errors import EXIT_REQUEUE
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
-from ckpt_service import staging
+from ckpt_service import proof_cache, staging
 from ckpt_service.index import read_json
 from ckpt_service.layout import daemon_failed_marker, node_dir, socket_path, staging_root
 from ckpt_service.protocol import DaemonUnavailable, request
@@ -133,7 +133,18 @@ class SnapshotClient:
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
         t = time.monotonic()
-        extras = rt.control.all_gather("ckpt-extra", {"extra": self.extra(), "slot_ok": slot is not None})
+        plan = plan_for(self.model, self.optimizer)  # FSDP1: no collective; otherwise get_state_dict (collective)
+        nbytes = plan.layout()
+        parts["plan"] = time.monotonic() - t
+        # The capture proof runs once per job and plan: each rank's plan signature travels in the exchange, with
+        # the signatures a proof of this job already passed (rank 0 reads them), so every rank decides alike.
+        mine: dict[str, Any] = {"extra": self.extra(), "slot_ok": slot is not None}
+        if not self._proved:
+            mine["plan"] = proof_cache.signature(plan, rt.rank, rt.layout.world_size)
+            if rt.rank == 0:
+                mine["proven"] = sorted(proof_cache.proven(self.run_dir))
+        t = time.monotonic()
+        extras = rt.control.all_gather("ckpt-extra", mine)
         parts["extra"] = time.monotonic() - t
         if not all(r["slot_ok"] for r in extras):
             busy = [i for i, r in enumerate(extras) if not r["slot_ok"]]
@@ -144,32 +155,40 @@ class SnapshotClient:
                                  reason=f"daemon busy with an earlier snapshot of rank(s) {busy}")
             return False
         t = time.monotonic()
-        plan = plan_for(self.model, self.optimizer)  # FSDP1: no collective; otherwise get_state_dict (collective)
-        nbytes = plan.layout()
         created = self.slots[slot].ensure(nbytes)
         if plan.on_gpu:
             self.slots[slot].pin()  # once per mapping: D2H at DMA speed
-        parts["plan"] = time.monotonic() - t
+        parts["slot"] = time.monotonic() - t
         t = time.monotonic()
         plan.copy_into(self.slots[slot].buf)
         parts["copy"] = time.monotonic() - t
         if self.faults.corrupt_capture == (step, rt.rank):
             self._corrupt(plan, slot)
         capture = None
-        if not self._proved:  # once per start, the same decision on every rank
+        if not self._proved:  # once per job and plan, the same decision on every rank
             t = time.monotonic()
-            staged = plan_fingerprints(plan, self.slots[slot].buf)
-            live = plan_fingerprints(state_dict_plan(self.model, self.optimizer))  # collective
-            both = rt.control.all_gather("ckpt-proof", {"staged": staged, "live": live})
-            verdicts = [compare([both[r]["staged"] for r in rt.layout.shard_ranks(n)],
-                                [both[r]["live"] for r in rt.layout.shard_ranks(n)])
-                        for n in range(rt.layout.num_nodes)]
-            ok, why = verdicts[rt.node]
-            capture = {"ok": ok, "reason": why, "step": step}
-            self._proved = all(v[0] for v in verdicts)  # the same on every rank: the next proof is collective too
+            signatures = [e.get("plan") for e in extras]
+            known = set(extras[0].get("proven") or ())
+            if all(sig in known for sig in signatures):
+                capture = {"ok": True, "step": step, "cached": True,
+                           "reason": f"every rank's capture plan was proven earlier in this job "
+                                     f"({len(signatures)} plans, {proof_cache.FILE})"}
+                self._proved = True
+            else:
+                staged = plan_fingerprints(plan, self.slots[slot].buf)
+                live = plan_fingerprints(state_dict_plan(self.model, self.optimizer))  # collective
+                both = rt.control.all_gather("ckpt-proof", {"staged": staged, "live": live})
+                verdicts = [compare([both[r]["staged"] for r in rt.layout.shard_ranks(n)],
+                                    [both[r]["live"] for r in rt.layout.shard_ranks(n)])
+                            for n in range(rt.layout.num_nodes)]
+                ok, why = verdicts[rt.node]
+                capture = {"ok": ok, "reason": why, "step": step}
+                self._proved = all(v[0] for v in verdicts)  # the same on every rank: the next proof is collective too
+                if self._proved and rt.rank == 0:
+                    proof_cache.record(self.run_dir, signatures, step, rt.ctx.restart_count)
+                if not ok:
+                    log.error("snapshot %d: the staged state does not match the live state: %s", step, why)
             parts["proof"] = time.monotonic() - t
-            if not ok:
-                log.error("snapshot %d: the staged state does not match the live state: %s", step, why)
         t = time.monotonic()
         self.taken.add(step)  # decided alike on every rank (the handover below may still fail on one)
         self._slot_step[slot] = step

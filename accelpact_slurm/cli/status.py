@@ -117,7 +117,8 @@ def render(doc: dict[str, Any], detailed: bool) -> str:
 
 
 def render_list(jobs: list[dict[str, Any]]) -> str:
-    head = ("JOB", "STATE", "RESTARTS", "FRONTIER", "AGE", "STEP/S", "L1", "VERIFIED", "RESTART", "WARNINGS")
+    head = ("JOB", "STATE", "RESTARTS", "FRONTIER", "AGE", "STEP/S", "L1", "VERIFIED", "RESTART", "LAST STOP",
+            "WARNINGS")
     rows = []
     for j in jobs:
         fr = j["frontier"]
@@ -130,6 +131,7 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
             "-" if rate is None else f"{rate:.3g}", str(j["l1"]["count"]),
             "-" if best is None else f"{best['step']}@{best['node']}",
             "-" if rs["step"] is None else f"{rs['step']}@{_where(rs['source'])}",
+            (j.get("last_stop") or {}).get("cause") or "-",
             "; ".join(j["warnings"]) or "-",
         ))
     return _table(head, rows)
@@ -142,6 +144,8 @@ def render_job(j: dict[str, Any]) -> str:
         out.append(f"  {label:<14}{text}")
 
     line("restarts", str(j["restarts"]))
+    if j.get("last_stop"):
+        line("last stop", j["last_stop"]["line"])
     fr, rate = j["frontier"], j["step_rate"]
     if fr is None:
         line("frontier", "no step committed yet")
@@ -225,8 +229,8 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
     runs: dict[int, list[str]] = {}
     for fs in l2["fail_stops"]:
         runs.setdefault(fs["restart"], []).append(
-            f"fail-stop '{fs['reason']}' (exit {fs['exit_code']}, phase {fs['phase'] or '-'}, "
-            f"frontier {fs['frontier']})")
+            f"fail-stop ({fs.get('cause') or '-'}) '{fs['reason']}' (exit {fs['exit_code']}, phase "
+            f"{fs['phase'] or '-'}, frontier {fs['frontier']})")
     for rq in l2["requeues"]:
         runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
     for rl in l2["restart_loads"]:

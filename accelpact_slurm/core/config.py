@@ -28,7 +28,9 @@ import yaml
 from accelpact_slurm.core.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_PHASES = ("boundary", "forward", "backward", "backward-all")
+#: ``boundary``/``backward``: the rank leaves the replication collective (withholds its part); ``-stuck``: it stays
+#: in the collective but its part never arrives (a stalled link: every member waits inside it).
+FAULT_PHASES = ("boundary", "forward", "backward", "backward-all", "boundary-stuck", "backward-stuck")
 ENTRY_RE = re.compile(r"^([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
@@ -57,14 +59,22 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TimeoutConfig:
-    """Seconds.  ``collective_s`` detects a dead data-plane peer; it must be
-    shorter than ``control_s`` (the control-plane and repair deadline), or a
-    repair times out while its peers are still detecting the fault."""
+    """Seconds.  ``collective_s`` is the ceiling of a data-plane collective (the backend's own timeout); it must
+    be shorter than ``control_s`` (the control-plane and repair deadline), or a repair times out while its peers
+    are still detecting the fault.
+
+    The fault detector (``docs/detection.md``) decides before those ceilings: every rank publishes a heartbeat
+    every ``heartbeat_interval_s``; a rank whose heartbeat stops for ``heartbeat_s`` while its process lives is
+    hung; a collective every member is alive and waiting in for longer than a bound learned from the job's own
+    collectives (at least ``link_floor_s``) is a broken link."""
 
     collective_s: float = 5.0
     control_s: float = 30.0
     startup_s: float = 120.0
     shutdown_s: float = 10.0
+    heartbeat_s: float = 10.0
+    heartbeat_interval_s: float = 0.5
+    link_floor_s: float = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +337,20 @@ def check_timeouts(t: TimeoutConfig) -> tuple[bool, str]:
     return True, "collective timeout is shorter than the control-plane timeout"
 
 
+def check_detector(t: TimeoutConfig) -> tuple[bool, str, str]:
+    """Pure check of the detector's settings; returns ``(ok, field, reason)``."""
+    if t.heartbeat_interval_s * 4 > t.heartbeat_s:
+        return False, "heartbeat_interval_s", (
+            f"must be at most a quarter of timeouts.heartbeat_s ({t.heartbeat_s:g}): a rank is called hung after "
+            f"heartbeat_s without a heartbeat, so a few must fit in it; lower heartbeat_interval_s or raise "
+            f"heartbeat_s")
+    if t.link_floor_s >= t.collective_s:
+        return False, "link_floor_s", (
+            f"must be shorter than timeouts.collective_s ({t.collective_s:g}), the ceiling of a collective: "
+            f"the detector decides between the two")
+    return True, "", "detector settings consistent"
+
+
 def validate(cfg: JobConfig) -> None:
     def positive(where: str, value: float, fix: str = "must be > 0") -> None:
         if value <= 0:
@@ -364,11 +388,15 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.daemon_nice", c.daemon_nice,
                           "must be a niceness from 0 (same CPU priority as training) to 19 (lowest)")
     to = cfg.timeouts
-    for name in ("collective_s", "control_s", "startup_s", "shutdown_s"):
+    for name in ("collective_s", "control_s", "startup_s", "shutdown_s", "heartbeat_s", "heartbeat_interval_s",
+                 "link_floor_s"):
         positive(f"timeouts.{name}", getattr(to, name), "must be a positive number of seconds")
     ok, reason = check_timeouts(to)
     if not ok:
         raise ConfigError("timeouts.collective_s", to.collective_s, reason)
+    ok, where, reason = check_detector(to)
+    if not ok:
+        raise ConfigError(f"timeouts.{where}", getattr(to, where), reason)
     if cfg.recovery.max_stalled_restarts < 1:
         raise ConfigError("recovery.max_stalled_restarts", cfg.recovery.max_stalled_restarts,
                           "must be >= 1 (restarts allowed without progress before the job stops for good)")

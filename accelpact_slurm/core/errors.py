@@ -22,9 +22,25 @@ EXIT_CODES = {
     EXIT_OK: "completed",
     EXIT_USAGE: "usage or configuration error (not requeued)",
     EXIT_REQUEUE: "fail-stop: requeue and reload the newest verified checkpoint",
-    EXIT_NO_REQUEUE: "do not requeue: no progress across restarts or a fatal error",
+    EXIT_NO_REQUEUE: "do not requeue: the training code raised (a bug a restart would repeat), no progress across "
+                     "restarts, or a fatal error",
     130: "stopped by SIGINT (embedded default: every rank and daemon stopped, not relaunched)",
     143: "stopped by SIGTERM (embedded default: every rank and daemon stopped, not relaunched)",
+}
+
+
+#: Why a start ended: the ``cause`` of every ``fail_stop`` event (``job_end`` says ``completed``).
+CAUSES: dict[str, str] = {
+    "link": "a data-plane link or collective failed and L1 may not repair it here",
+    "dead-rank": "a rank's process ended",
+    "hung-rank": "a rank's heartbeat stopped while its process lived",
+    "training-code": "the training code raised (not a collective): a restart would fail the same way",
+    "checkpoint": "a snapshot could not be loaded, or the one loaded failed its checks",
+    "control-plane": "the control plane (its store, hosted by rank 0) failed or timed out",
+    "signal": "a pre-timeout or preemption signal: snapshot, then requeue",
+    "no-progress": "the last restarts did not advance the committed frontier",
+    "config": "bad input: a configuration, command-line or environment error",
+    "launcher": "the launcher ended the start (every rank gone without a decision)",
 }
 
 
@@ -73,14 +89,25 @@ class ControlPlaneTimeout(ControlPlaneError, TimeoutError):
     """A control-plane wait passed its deadline."""
 
 
+class CollectiveAbandoned(AccelpactError, RuntimeError):
+    """The fault detector gave up on a data-plane collective that cannot complete: a member left it (it is in
+    the vote) or every member waits in it past the learned bound (a broken link).  A communication fault: the
+    vote decides (L1 where the envelope allows it)."""
+
+
 class FailStop(AccelpactError, RuntimeError):
-    """The run must stop now; ``exit_code`` says whether to requeue."""
+    """The run must stop now; ``exit_code`` says whether to requeue; ``context["cause"]`` (one of :data:`CAUSES`)
+    says why."""
 
     def __init__(self, reason: str, exit_code: int = EXIT_REQUEUE, **context: object) -> None:
         self.reason = reason
         self.exit_code = exit_code
-        self.context = context  # phase, frontier, decided_at (monotonic), key
+        self.context = context  # cause, phase, frontier, decided_at (monotonic), key, rank, exception
         super().__init__(reason)
+
+    @property
+    def cause(self) -> str:
+        return str(self.context.get("cause") or "link")
 
     def __reduce__(self):
         return (_rebuild_fail_stop, (type(self), self.reason, self.exit_code, self.context))

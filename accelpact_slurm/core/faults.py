@@ -24,6 +24,15 @@ Switches (all off by default):
 - ``ACCELPACT_CKPTD_SLOW_VERIFY=NODE:SECONDS``: node NODE's daemon holds each verification (first start).
 - ``ACCELPACT_TEST_CRASH_AT=STEP:RANK[:always]``: RANK kills itself with SIGKILL as update STEP begins (as the
   kernel's OOM killer would), on the first start only unless ``always``.
+- ``ACCELPACT_TEST_HANG_AT=STEP:RANK``: RANK stops itself with SIGSTOP as update STEP begins (a hung process:
+  alive, silent), on the first start only.
+- ``ACCELPACT_TEST_SLOW_AT=STEP:RANK:SECONDS``: RANK computes SECONDS longer in the forward of update STEP (a
+  straggler, alive and busy), on the first start only; ``SECONDS`` written ``3x`` is three times the bound the
+  rank's detector has learned by then.
+- ``ACCELPACT_TEST_NO_DETECTOR=1``: every wait blind, as before the fault detector (its negative control; the
+  heartbeats still run).
+- ``ACCELPACT_TEST_BUG_RESTARTS=1``: an error of the training code restarts the job as a fault would (the
+  negative control of "a bug is a bug").
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ CORRUPT_CAPTURE = "ACCELPACT_CKPT_CORRUPT_CAPTURE"
 EXIT_AFTER_VERIFIED = "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED"
 SLOW_VERIFY = "ACCELPACT_CKPTD_SLOW_VERIFY"
 CRASH_AT = "ACCELPACT_TEST_CRASH_AT"
+HANG_AT = "ACCELPACT_TEST_HANG_AT"
+SLOW_AT = "ACCELPACT_TEST_SLOW_AT"
+NO_DETECTOR = "ACCELPACT_TEST_NO_DETECTOR"
+BUG_RESTARTS = "ACCELPACT_TEST_BUG_RESTARTS"
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,10 @@ class TestFaults:
     exit_after_verified: int | None = None
     slow_verify: tuple[str, float] | None = None
     crash_at: tuple[int, int] | None = None
+    hang_at: tuple[int, int] | None = None
+    slow_at: tuple[int, int, str] | None = None
+    no_detector: bool = False
+    bug_restarts: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
@@ -87,7 +104,15 @@ class TestFaults:
             step, rank, *always = env[CRASH_AT].split(":")
             if first_start or always == ["always"]:
                 crash = (_int(CRASH_AT, step), _int(CRASH_AT, rank))
+        slow_at = None
+        if env.get(SLOW_AT) and first_start:
+            step, rank, secs = env[SLOW_AT].split(":")
+            slow_at = (_int(SLOW_AT, step), _int(SLOW_AT, rank), secs)
         return cls(
+            hang_at=_pair(env, HANG_AT) if first_start else None,
+            slow_at=slow_at,
+            no_detector=env.get(NO_DETECTOR) == "1",
+            bug_restarts=env.get(BUG_RESTARTS) == "1",
             frontier_skew=_pair(env, FRONTIER_SKEW),
             skip_reload_check=env.get(SKIP_RELOAD_CHECK) == "1",
             skip_rebind=env.get(SKIP_REBIND) == "1",

@@ -150,11 +150,36 @@ def launch_local(
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
-        return _supervise(ranks, cfg.timeouts.shutdown_s, out)
+        code = _supervise(ranks, cfg.timeouts.shutdown_s, out)
+        record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks])
+        return code
     finally:
         stop_daemons(daemons)  # SIGINT: the daemons finish in-flight snapshots (bounded), then exit
         # A daemon killed by kill -9 could not drop its /dev/shm slots; nothing of this start serves them now.
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
+
+
+def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, rank_codes: Sequence[int | None]) -> None:
+    """Every start ends with a ``fail_stop`` or ``job_end`` event: write one when no rank could (they all died)."""
+    from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+
+    path = os.path.join(run_dir, EVENTS_FILE)
+    decided = any(e.get("event") in ("fail_stop", "job_end") and e.get("restart") == restart
+                  for e in (read_events(path) if os.path.exists(path) else ()))
+    if decided:
+        return
+    signals = {128 + s.value: s.name for s in (signal.SIGINT, signal.SIGTERM)}
+    if code in signals:
+        cause, reason = "signal", f"stopped by {signals[code]} on the launcher: every rank and daemon stopped"
+    else:
+        cause = "launcher"
+        reason = f"every rank ended without a decision (exit codes {list(rank_codes)}): killed, or crashed"
+    events = EventLog(path, job_id=job_id, restart=restart, rank=None, node=None)
+    try:
+        events.emit("fail_stop", reason=reason, exit_code=code, cause=cause, phase=None, frontier=None,
+                    decision_s=None, decision="restart" if code == EXIT_REQUEUE else "stop", key=None, by="launcher")
+    finally:
+        events.close()
 
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
@@ -208,6 +233,11 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
 
 
 def _terminate(ranks: list[RankProcess], grace_s: float) -> None:
+    """Stop the ranks still running: their stacks into their logs first (a rank left over is usually stuck; a
+    stopped one is woken for it), then SIGTERM, then SIGKILL after ``grace_s``."""
+    from accelpact_slurm.runtime.liveness import dump_stacks
+
+    dump_stacks([rp.proc.pid for rp in ranks if rp.proc.poll() is None])
     for rp in ranks:
         if rp.proc.poll() is None:
             rp.proc.terminate()

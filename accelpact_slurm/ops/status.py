@@ -169,6 +169,15 @@ def staleness(now: float, last_change: float | None, step_s: float | None, finis
     return False, f"last change {idle:.0f} s ago"
 
 
+def stop_line(stop: dict[str, Any]) -> str:
+    """How the last start ended, in one line (pure): ``start 2: hung-rank (exit 75): rank 3 ...``."""
+    cause = stop.get("cause") or "unknown cause"
+    reason = " ".join(str(stop.get("reason") or "").split())
+    if len(reason) > 300:
+        reason = reason[:297] + "..."
+    return f"start {stop.get('restart')}: {cause} (exit {stop.get('exit_code')}): {reason}"
+
+
 def run_dir_state(last_event: dict[str, Any] | None, final: dict[str, Any] | None, stale: bool) -> str:
     """The job state told by the run directory alone (when Slurm does not answer)."""
     if final is not None:
@@ -241,6 +250,7 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
         "checkpoint_every_steps": ev["every_steps"],
         "l1": {"count": len(ev["repairs"]), "last": _with_age(ev["repairs"][-1], now) if ev["repairs"] else None,
                "recent": ev["repairs"][-RECENT:], "phases": ev["phases"], "faults": ev["faults"]},
+        "last_stop": None if ev["last_stop"] is None else {**ev["last_stop"], "line": stop_line(ev["last_stop"])},
         "l2": {"count": ev["max_restart"], "fail_stops": ev["fail_stops"][-RECENT:],
                "requeues": ev["requeues"][-RECENT:], "restart_loads": ev["restart_loads"][-RECENT:]},
         "snapshots": {"nodes": nodes, "newest_verified": best, "newest_verified_reason": best_reason,
@@ -302,6 +312,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     shared = None
     milestone_every = 0
     job_end = None
+    job_end_at: tuple[Any, Any] = (None, None)
     for rec in read_events(path, bad):
         count += 1
         kind = rec["event"]
@@ -342,9 +353,13 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                 frontier = (ts, rec["frontier"], "repair")
             decision = _decision(rec, "preserve")
         elif kind == "fail_stop":
-            fail_stops.setdefault(restart, {
+            first = fail_stops.setdefault(restart, {
                 "ts": ts, "restart": restart, "reason": rec.get("reason"), "exit_code": rec.get("exit_code"),
-                "phase": rec.get("phase"), "frontier": rec.get("frontier"), "decision": rec.get("decision")})
+                "phase": rec.get("phase"), "frontier": rec.get("frontier"), "decision": rec.get("decision"),
+                "cause": rec.get("cause") if isinstance(rec.get("cause"), str) else None,
+                "culprit": rec.get("culprit") if isinstance(rec.get("culprit"), int) else None})
+            if first["cause"] is None and isinstance(rec.get("cause"), str):  # the launcher's comes last
+                first["cause"] = rec["cause"]
             decision = _decision(rec, "restart")
         elif kind == "fault":  # every rank that saw it logs it: one fault per (restart, step, phase)
             fkey = (restart, rec.get("step"), rec.get("phase"))
@@ -368,6 +383,13 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                 milestone_every = _count(ck.get("milestone_every")) or 0
         elif kind == "job_end":
             job_end = {k: rec.get(k) for k in _END_FIELDS}
+            job_end_at = (ts, restart)
+    stops = sorted(fail_stops.values(), key=_by_ts)
+    last_stop = stops[-1] if stops else None
+    if job_end is not None and (last_stop is None or (job_end_at[0] or 0) >= (last_stop["ts"] or 0)):
+        last_stop = {"ts": job_end_at[0], "restart": job_end_at[1], "cause": "completed", "exit_code":
+                     job_end.get("exit_code"), "reason": f"completed {job_end.get('final_step')} updates",
+                     "culprit": None}
     rate = None
     if len(window) >= 2 and window[-1][1] > window[0][1]:
         rate = (window[-1][0] - window[0][0]) / (window[-1][1] - window[0][1])
@@ -377,7 +399,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
         "max_restart": max_restart, "rate": rate, "step_s": median_step, "repairs": repairs,
         "phases": {n: {"last": v[-1], "median": statistics.median(v), "max": max(v), "count": len(v)}
                    for n, v in phases.items()},
-        "fail_stops": sorted(fail_stops.values(), key=_by_ts), "requeues": requeues,
+        "fail_stops": stops, "last_stop": last_stop, "requeues": requeues,
         "restart_loads": sorted(restart_loads.values(), key=_by_ts), "faults": faults,
         "decision": decision, "every_steps": every_steps, "job_end": job_end, "shared_dir": shared,
         "milestone_every": milestone_every,

@@ -33,13 +33,14 @@ from typing import Any, Iterable, Iterator, Mapping, TextIO
 import torch
 
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, UsageError
+from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, UsageError
 from accelpact_slurm.core.events import EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import appstate, replay
-from accelpact_slurm.runtime.phases import TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault
+from accelpact_slurm.runtime.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
+                                            log_exception)
 from accelpact_slurm.runtime.sampler import ShardedSampler
-from accelpact_slurm.runtime.stopping import fail_stop, stop_for_requeue
+from accelpact_slurm.runtime.stopping import as_fail_stop, fail_stop, stop_for_requeue
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class Update:
         self.mean: float | None = None
         self.votes: list[dict[str, Any]] = []
         self.need_fp = False
+        self.exception: dict[str, Any] | None = None  # a training-code error of this update, described
 
     def __enter__(self) -> "Update":
         job = self.run.job
@@ -143,6 +145,12 @@ class Update:
 
             log.warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", job.rank, self.step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if job._faults.hang_at == (self.step, job.rank):  # test-only: a hung process (alive, silent)
+            import os
+            import signal
+
+            log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", job.rank, self.step)
+            os.kill(os.getpid(), signal.SIGSTOP)
         self.rng = appstate.rng_snapshot()  # an update discarded by L1 runs again with these
         self.run._current = self
         self.run._tracker.begin(self.step)
@@ -183,7 +191,11 @@ class Run:
         appstate.seed_all(job.seed * 1000 + job.rank + 1)
         self._guard = build_guard(cfg, rt, model, job.events, self.wrapping, faults=job._faults,
                                   environ=job._environ, out=job._out)
-        self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self.wrapping[0])
+        detector = getattr(rt, "detector", None)
+        self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self.wrapping[0],
+                                     state=getattr(detector, "state", None), detector=detector,
+                                     slow=(job._faults.slow_at[0], job._faults.slow_at[2])
+                                     if job._faults.slow_at and job._faults.slow_at[1] == job.rank else None)
         self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
@@ -296,6 +308,10 @@ class Run:
         """The update's one vote (collective): at its first ``optimizer.step``, or at its end when it raised or
         never stepped.  Returns ``continue`` or ``redo``; fails stop (exits) on a Restart decision."""
         job, rt = self.job, self.job._rt
+        detector = getattr(rt, "detector", None)
+        latched = detector.take_latched() if detector is not None else None
+        if latched and not fault:  # a collective given up whose error the training code swallowed
+            fault, error = latched
         loss = None if fault else _as_float(update.loss)
         if update.loss is None and not fault and self.losses and self.losses[-1] is not None \
                 and not self._warned_late_loss:
@@ -306,9 +322,11 @@ class Run:
         extra = {"fp": replay.fingerprint(self.model, self.optimizer)} if update.need_fp else None
         try:
             outcome, mean, raw = self._guard.decide(update.step, fault, error, loss, extra,
-                                                    redoable=update.redoable, optimizer=self.optimizer)
-        except FailStop as stop:
-            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+                                                    redoable=update.redoable, optimizer=self.optimizer,
+                                                    exception=update.exception)
+        except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
+            fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step), job.events, job._out,
+                      job.is_lead, rt.control, rt.ctx, job._environ)
         update.decided, update.mean, update.votes = outcome, mean, raw
         if outcome == "redo":
             if not job._faults.skip_redo_rng:
@@ -328,6 +346,8 @@ class Run:
             return True  # the vote discarded the update: run.batches yields its batch again
         if ev is not None:
             tracker.end()
+            if isinstance(ev, FailStop):  # the detector: a member is dead, hung or stopped (no vote can complete)
+                fail_stop(ev, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
             if not isinstance(ev, Exception) or isinstance(ev, UsageError):
                 return False  # KeyboardInterrupt, SystemExit, the API's own usage errors: not a fault
             if isinstance(ev, RuntimeError) and NONDETERMINISTIC in str(ev):
@@ -336,9 +356,16 @@ class Run:
                                               "every op deterministic: use another op, or job.protect(..., "
                                               "exact=False) to give up bitwise recovery") from ev
             fault = phase if phase != "committed" else "forward"
-            if not communication_fault(ev):  # the training code's own error: a redo would fail the same way
+            if not communication_fault(ev):  # the training code's own error: a redo or a restart fails the same way
                 fault = TRAINING_CODE
-            if update.decided:  # after the vote (in the optimizer step or later): peers may have stepped
+                update.exception = log_exception(
+                    log, f"update {update.step}: the training code raised {type(ev).__name__} on rank {job.rank} "
+                         f"(the job stops, not to be requeued)", ev)
+                if job.events is not None:
+                    job.events.emit("fault", phase=TRAINING_CODE, step=update.step, fault_rank=job.rank,
+                                    error=f"{type(ev).__name__}: {update.exception['message']}",
+                                    frontier=self.step, exception=update.exception)
+            elif update.decided:  # after the vote (in the optimizer step or later): peers may have stepped
                 fault = "optimizer"
             if isinstance(ev, Withheld):
                 error = f"injected fault: rank {job.rank} withheld its part in {ev.args[0]} of update {update.step}"
@@ -348,7 +375,8 @@ class Run:
                 # Vote again with the old frontier: the others' next vote reports the new one, and the
                 # frontier mismatch fails every rank stop (no rank can repair a state it does not share).
                 try:
-                    self._guard.decide(update.step, fault, error, None, None, redoable=False)
+                    self._guard.decide(update.step, fault, error, None, None, redoable=False,
+                                       exception=update.exception)
                 except FailStop as stop:
                     fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
                 raise AssertionError("unreachable: a fault after the vote always fails stop")  # pragma: no cover
@@ -400,9 +428,9 @@ class Run:
                 print(f"[accelpact] replay check of snapshot {snap}: {verdict}: {why}", file=job._out, flush=True)
             if verdict == "mismatch":
                 self._reject_loaded(snap, why)
-                fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, phase="replay", frontier=snap,
-                                   decided_at=time.monotonic()), job.events, job._out, job.is_lead, rt.control,
-                          rt.ctx, job._environ)
+                fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, cause="checkpoint", phase="replay",
+                                   frontier=snap, decided_at=time.monotonic()), job.events, job._out, job.is_lead,
+                          rt.control, rt.ctx, job._environ)
         if record and job.is_lead:
             job.events.emit("replay_ref", snapshot=prev, step=step, loss=mean, fingerprints=fps, layout=layout)
 

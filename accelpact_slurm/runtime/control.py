@@ -7,6 +7,11 @@ All calls block with a deadline and raise
 :class:`~accelpact_slurm.core.errors.ControlPlaneTimeout` naming the ranks that did
 not answer.
 
+While a round lasts, the rank's liveness thread looks at the records of the members that have not joined it
+yet (:mod:`.liveness`): a member that is dead, stopped or hung fails the round at once with
+:class:`~accelpact_slurm.core.errors.FailStop` naming it, on every rank waiting in it, instead of waiting out the
+deadline.  A store that is gone (its host, rank 0, died) fails the round at once too.
+
 Who calls: every rank of the world, the same calls in the same order (like a
 collective).  Values are JSON.
 """
@@ -15,14 +20,32 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from accelpact_slurm.core.errors import ControlPlaneError, ControlPlaneTimeout
+from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, ControlPlaneTimeout, FailStop
 
 log = logging.getLogger(__name__)
+
+#: How often the waits at a rank's end (:meth:`ControlPlane.leave`, :meth:`ControlPlane.wait_posted`) look.
+POLL_S = 0.01
+#: The value a watcher puts in the place of a member that will never join a round: ``{STOP_KEY: {...}}``.
+STOP_KEY = "__accelpact_stop__"
+
+
+def poisoned(raw: bytes) -> dict[str, Any] | None:
+    """The stop a watcher put in a member's place in a round, or None for a member's own value (pure)."""
+    if not raw.startswith(b'{"' + STOP_KEY.encode()):
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    stop = doc.get(STOP_KEY) if isinstance(doc, dict) else None
+    return stop if isinstance(stop, dict) else None
 
 
 class ControlPlane:
@@ -41,7 +64,13 @@ class ControlPlane:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._seq: dict[str, int] = {}
+        #: The rank's fault detector (:class:`~accelpact_slurm.runtime.collectives.Detector`): None waits blind.
+        self.watch: Any = None
         self.set_generation(generation)
+
+    def position(self) -> tuple[int, dict[str, int]]:
+        """This rank's generation and, per agreement name, how many rounds it entered (pure read)."""
+        return self._generation, self._seq
 
     @property
     def generation(self) -> int:
@@ -75,9 +104,12 @@ class ControlPlane:
         blocking read of every member's value, bounded by the deadline.
         """
         ranks, key = self._enter(name, ranks)
-        self._store.set(f"{key}/{self.rank}", json.dumps(value))
+        try:
+            self._store.set(f"{key}/{self.rank}", json.dumps(value))
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone
+            raise self._lost(name, exc) from exc
         keys = [f"{key}/{r}" for r in ranks]
-        values = [json.loads(v) for v in self._read(keys, name, ranks, timeout_s)]
+        values = [json.loads(v) for v in self._read(keys, name, ranks, timeout_s, self._seq[name] - 1)]
         n = self._seq[name] - 1
         if n >= 2:  # every member has finished round n-2 once round n-1 is complete
             try:
@@ -111,8 +143,9 @@ class ControlPlane:
     def barrier(self, name: str, ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> None:
         self.all_gather(name, 1, ranks=ranks, timeout_s=timeout_s)
 
-    def leave(self, name: str, timeout_s: float) -> list[int]:
-        """Announce that this rank is leaving; the store's host (rank 0) waits, up to ``timeout_s``, for the others.
+    def leave(self, name: str, timeout_s: float, gone: Sequence[int] = ()) -> list[int]:
+        """Announce that this rank is leaving; the store's host (rank 0) waits, up to ``timeout_s``, for the others
+        (all but ``gone``: ranks known dead or hung).
 
         Rank 0's process hosts the store: if it exited first, a peer still reading
         the last agreement would fail.  Returns the ranks that did not announce
@@ -121,12 +154,8 @@ class ControlPlane:
         self._store.set(f"leave/{name}/{self.rank}", "1")
         if self.rank != 0:
             return []
-        keys = [f"leave/{name}/{r}" for r in range(self.world_size)]
-        try:
-            self._store.wait(keys, timedelta(seconds=timeout_s))
-            return []
-        except Exception:
-            return [r for r, k in enumerate(keys) if not self._has(k)]
+        waiting = {r: f"leave/{name}/{r}" for r in range(self.world_size) if r not in set(gone)}
+        return sorted(self._poll(waiting, timeout_s))
 
     def post(self, name: str) -> None:
         """Raise the flag ``name`` in this generation's store, once, for any rank to see (:meth:`wait_posted`)."""
@@ -134,24 +163,63 @@ class ControlPlane:
 
     def wait_posted(self, name: str, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the flag ``name``; False on the deadline or when the store is gone."""
-        try:
-            self._store.wait([f"post/{name}"], timedelta(seconds=timeout_s))
-            return True
-        except Exception:  # DistStoreError on the deadline, or the host (rank 0) has exited
-            return self._has(f"post/{name}")
+        return not self._poll({0: f"post/{name}"}, timeout_s)
 
-    def _read(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None) -> list[bytes]:
-        """The values of ``keys``, once all are set: one blocking read (the store waits for missing keys up
-        to its timeout, set here to this call's deadline for the read and put back after)."""
+    def _poll(self, keys: dict[int, str], timeout_s: float) -> set[int]:
+        """Look every :data:`POLL_S` until every key is set; return whose are not at the deadline (all of them when
+        the store is gone).  Polls instead of a blocking wait: a wait that runs out makes the store's client log
+        a warning, and these waits often run out (a peer that will not come)."""
+        deadline = time.monotonic() + timeout_s
+        left = dict(keys)
+        while left:
+            try:
+                left = {r: k for r, k in left.items() if not self._store.check([k])}
+            except Exception:  # the store is gone
+                return set(left)
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        return set(left)
+
+    def _read(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None,
+              round_: int = 0) -> list[bytes]:
+        """The values of ``keys``, once all are set, within the deadline: one blocking read (the store waits for
+        missing keys up to its timeout, set here to this call's deadline for the read and put back after).
+
+        With the detector, the rank's liveness thread watches the round while it lasts (past its first slice: the
+        missing members' records, every slice); a member that will never come gets a stop in its place in the
+        round, which ends the read at once, here and on every other rank waiting in it
+        (:meth:`accelpact_slurm.runtime.liveness.Publisher.watch_round`).
+        """
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        watch = self.watch
+        token = watch.round_begins(f"cp/g{self._generation}", self._generation, name, round_, keys, ranks) \
+            if watch is not None else None
         before = self._base.timeout
         self._base.set_timeout(timedelta(seconds=timeout))  # local: no round trip
         try:
-            return self._store.multi_get(keys)
-        except Exception as exc:  # DistStoreError / RuntimeError on timeout or a lost store
-            raise self._timeout(keys, name, ranks, timeout) from exc
+            values = self._store.multi_get(keys)
+        except Exception as exc:  # DistStoreError on the deadline; anything else: the store (rank 0) is gone
+            if isinstance(exc, dist.DistStoreError) and not isinstance(exc, dist.DistNetworkError):
+                raise self._timeout(keys, name, ranks, timeout) from exc
+            raise self._lost(name, exc) from exc
         finally:
             self._base.set_timeout(before)
+            if token is not None:
+                watch.round_ends(token)
+        for v in values:
+            stop = poisoned(v)
+            if stop is not None:
+                from accelpact_slurm.runtime.collectives import stop_from_round
+
+                raise stop_from_round(stop, name)
+        return values
+
+    def _lost(self, name: str, exc: BaseException) -> FailStop:
+        return FailStop(f"lost the control plane in its {name!r} round (generation {self._generation}): "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; its store's host, "
+                        f"rank 0, is probably gone", EXIT_REQUEUE, cause="control-plane", frontier=None,
+                        decided_at=time.monotonic())
 
     def _timeout(self, keys: list[str], name: str, ranks: list[int], timeout: float) -> ControlPlaneTimeout:
         missing = [r for r, k in zip(ranks, keys) if not self._has(k)]

@@ -16,6 +16,8 @@ same branch, in the manner of a two-phase commit:
 - a fault in ``backward`` (FSDP's replication all-reduce, and every group a stuck rank drags down)
   and the envelope allows Preserve: every rank discards the update, every group is replaced and
   rebound, and the update runs again from its batch and the RNG states it began with;
+- an error of the training code itself (not a failed collective), on any rank: every rank stops, not to be
+  requeued (a restart would run into the same bug): :data:`STOP`;
 - anything else (a fault in forward or in the optimizer step, an unqualified key, a frontier
   mismatch, an update whose batch did not come from ``run.batches``): fail stop, L2.
 
@@ -35,15 +37,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, FailStop
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.runtime.phases import BACKWARD, COMMITTED, Withheld
+from accelpact_slurm.runtime.phases import BACKWARD, COMMITTED, TRAINING_CODE, Withheld
 
 log = logging.getLogger(__name__)
 
 CONTINUE = "continue"
 REDO = "redo"
+#: The training code raised: every rank stops, and the job is not requeued.
+STOP = "stop"
 #: How many times one update may be discarded and run again in a row before the job restarts instead.
 MAX_REDOS = 3
 
@@ -54,21 +58,29 @@ class Vote:
     fault: str | None  # the phase the fault was seen in, or None
     error: str | None
     loss: float | None
+    exception: dict[str, Any] | None = None  # a training-code error: type, message, file, line, function
 
     @classmethod
     def from_json(cls, rank: int, d: dict[str, Any]) -> "Vote":
-        return cls(rank, int(d["F"]), d.get("fault"), d.get("error"), d.get("loss"))
+        exc = d.get("exc")
+        return cls(rank, int(d["F"]), d.get("fault"), d.get("error"), d.get("loss"),
+                   exc if isinstance(exc, dict) else None)
 
 
 def decide_votes(votes: list[Vote], lookup: Callable[[str], tuple[str, str]],
-                 redoable: bool = True) -> tuple[str, str]:
-    """Pure decision from every rank's vote: ``(continue | preserve | restart, reason)``.
+                 redoable: bool = True, bugs_stop: bool = True) -> tuple[str, str]:
+    """Pure decision from every rank's vote: ``(continue | preserve | redo's preserve | restart | stop, reason)``.
 
     ``lookup(phase)`` returns the envelope's ``(action, reason)`` for a fault in ``phase``;
-    ``redoable``: every rank's update can run again (its batch came from ``run.batches``).
+    ``redoable``: every rank's update can run again (its batch came from ``run.batches``).  An error of the
+    training code on any rank decides first: a restart would run into it again (``bugs_stop=False``: it is
+    restarted like any fault in uncommitted compute, the negative control).
     """
     frontiers = {v.frontier for v in votes}
     faults = [v for v in votes if v.fault]
+    bugs = [v for v in faults if v.fault == TRAINING_CODE]
+    if bugs and bugs_stop:
+        return STOP, training_code_reason(bugs[0], len(bugs))
     if len(frontiers) > 1:
         lo = min(votes, key=lambda v: v.frontier)
         hi = max(votes, key=lambda v: v.frontier)
@@ -93,6 +105,15 @@ def decide_votes(votes: list[Vote], lookup: Callable[[str], tuple[str, str]],
         return env_mod.RESTART, (f"fault in backward on rank(s) {ranks}, but the update cannot run again: its batch "
                                  f"did not come from run.batches")
     return action, f"fault in backward on rank(s) {ranks} ({first.error}): {reason}; the update runs again"
+
+
+def training_code_reason(vote: Vote, count: int = 1) -> str:
+    """``training code raised on rank 1: ValueError: boom (train.py:42, in loss_fn)``: one line (pure)."""
+    exc = vote.exception or {}
+    where = f" ({exc.get('file')}:{exc.get('line')}, in {exc.get('function')})" if exc.get("file") else ""
+    what = f"{exc.get('type')}: {exc.get('message')}" if exc.get("type") else (vote.error or "an error")
+    more = f" (and on {count - 1} other rank(s))" if count > 1 else ""
+    return f"training code raised on rank {vote.rank}{more}: {what}{where}; not requeued: fix the code and resubmit"
 
 
 def affected_ranks(votes: list[Vote], replicate_ranks: Callable[[int], list[int]],
@@ -129,10 +150,12 @@ class BoundaryGuard:
 
     def decide(self, step: int, fault: str | None, error: str | None, loss: float | None,
                extra: dict[str, Any] | None = None, *, redoable: bool = True,
-               optimizer: Any = None) -> tuple[str, float | None, list[dict[str, Any]]]:
+               optimizer: Any = None, exception: dict[str, Any] | None = None
+               ) -> tuple[str, float | None, list[dict[str, Any]]]:
         """Boundary collective, vote, decision for update ``step`` (= F + 1), before any optimizer stepped.
 
-        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None).
+        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None);
+        ``exception``: a training-code error's description (:func:`accelpact_slurm.runtime.phases.describe_exception`).
         ``extra`` rides along in this rank's vote (the replay fingerprint).  Returns ``(outcome, the
         job's mean loss or None, every rank's raw vote)``; ``outcome`` is ``continue`` (step and commit)
         or ``redo`` (the update was discarded and every group repaired: run it again).
@@ -147,12 +170,18 @@ class BoundaryGuard:
             try:
                 if self.injector.fires("boundary", frontier):  # boundary:STEP: the boundary after update STEP
                     raise Withheld("boundary")
+                if self.injector.fires("boundary-stuck", frontier):  # stays in the collective; its part never arrives
+                    rt.detector.stall_next("replicate")
                 self._boundary_collective(frontier)
             except Withheld:
                 fault, error = COMMITTED, (f"injected fault: rank {rt.rank} withheld its part in the boundary after update "
                                            f"{frontier}")
-            except RuntimeError as exc:  # a real collective failure (Gloo timeout, closed pair)
+            except FailStop:  # the detector: a member of the group is dead, hung or stopped
+                raise
+            except RuntimeError as exc:  # a real collective failure (Gloo timeout, closed pair, the detector)
                 fault, error = COMMITTED, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                if getattr(rt, "detector", None) is not None:
+                    rt.detector.take_latched()  # reported here, in this vote
         reported = frontier
         if self.faults.frontier_skew == (rt.rank, step):
             reported = frontier + 1
@@ -162,18 +191,26 @@ class BoundaryGuard:
             self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
         from accelpact_slurm.slurm import signals
 
-        raw = rt.control.all_gather("vote", {"F": reported, "g": self.engine.generation, "fault": fault,
-                                             "error": error, "loss": loss, "stop": signals.requested(),
-                                             "redo": redoable, **(extra or {})})
+        mine = {"F": reported, "g": self.engine.generation, "fault": fault, "error": error, "loss": loss,
+                "stop": signals.requested(), "redo": redoable, **(extra or {})}
+        if exception:
+            mine["exc"] = {k: exception.get(k) for k in ("type", "message", "file", "line", "function")}
+        raw = rt.control.all_gather("vote", mine)
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
         self.stop_requested = any(d.get("stop") for d in raw)
         votes = [Vote.from_json(r, d) for r, d in enumerate(raw)]
-        action, reason = decide_votes(votes, self.lookup, all(d.get("redo", True) for d in raw))
+        action, reason = decide_votes(votes, self.lookup, all(d.get("redo", True) for d in raw),
+                                      bugs_stop=not self.faults.bug_restarts)
         decided = time.monotonic()
         losses = [v.loss for v in votes if v.loss is not None]
         mean = sum(losses) / len(losses) if losses else None
         if action == CONTINUE:
             return CONTINUE, mean, raw
+        if action == STOP:
+            culprit = next(v for v in votes if v.fault == TRAINING_CODE)
+            mine = exception if culprit.rank == rt.rank and exception else culprit.exception  # its own: the traceback
+            raise FailStop(reason, EXIT_NO_REQUEUE, cause="training-code", phase=TRAINING_CODE, frontier=frontier,
+                           decided_at=decided, rank=culprit.rank, exception=mine)
         phases = {v.fault for v in votes if v.fault}
         # The phase that decided: any other than the two repairable ones, else backward, else the boundary.
         others = sorted(phases - {BACKWARD, COMMITTED})
@@ -188,7 +225,8 @@ class BoundaryGuard:
                 if redos > MAX_REDOS:  # the same on every rank: all took the same branches before
                     raise FailStop(f"update {step} was discarded {MAX_REDOS} times in a row and failed again in "
                                    f"backward ({reason}): a fault that recurs is a restart's business",
-                                   EXIT_REQUEUE, phase=phase, frontier=frontier, decided_at=decided, key=str(key))
+                                   EXIT_REQUEUE, cause="link", phase=phase, frontier=frontier, decided_at=decided,
+                                   key=str(key))
                 self._redos = {step: redos}
                 self.engine.repair(frontier=frontier, ranks=list(range(rt.layout.world_size)), observed=observed,
                                    key=str(key), reason=reason, scope="update", optimizer=optimizer, step=step,
@@ -197,7 +235,7 @@ class BoundaryGuard:
             self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason,
                                agreed=agreed)
             return CONTINUE, mean, raw
-        raise FailStop(reason, EXIT_REQUEUE, phase=phase, frontier=min(v.frontier for v in votes),
+        raise FailStop(reason, EXIT_REQUEUE, cause="link", phase=phase, frontier=min(v.frontier for v in votes),
                        decided_at=decided, key=str(key))
 
     def _boundary_collective(self, frontier: int) -> None:
@@ -209,7 +247,11 @@ class BoundaryGuard:
             # communicator), instead of a kernel that never ends.
             t = torch.tensor([frontier], dtype=torch.int64, device=device)
             work = dist.all_reduce(t, group=self.rt.replicate_group, async_op=True)
-            work.wait(timedelta(seconds=self.rt.collective_timeout_s))
+            detector = getattr(self.rt, "detector", None)
+            if detector is not None:
+                detector.wait_device(work, self.rt.replicate_group, self.rt.collective_timeout_s)
+            else:
+                work.wait(timedelta(seconds=self.rt.collective_timeout_s))
             t = t.cpu()
         else:
             t = torch.tensor([frontier], dtype=torch.int64)

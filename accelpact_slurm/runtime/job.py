@@ -18,9 +18,11 @@ from typing import Any, Callable, Mapping, TextIO
 
 from accelpact_slurm.core.atomic import write_json_atomic
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import EXIT_OK, ConfigError, UsageError
+from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, FailStop,
+                                         UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.runtime.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
 
 log = logging.getLogger(__name__)
@@ -49,20 +51,28 @@ def check_dependencies(modules: tuple[str, ...] = RUNTIME_MODULES) -> None:
 def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
     """The entry point ``module:function`` (or ``path/to/file.py:function``), the job file's directory first.
 
-    Raises :class:`ConfigError` naming the entry and the fix when it cannot be imported or is not callable.
+    Raises:
+        ConfigError: naming the entry and the fix when the module cannot be found, does not parse, imports a
+            dependency that cannot be imported (named as such; the chained traceback goes to the rank's log), or
+            has no such function.
+        FailStop: the module raised while it was imported (its own code: exit 76, not requeued).
     """
     if not entry:
         raise ConfigError("entry", entry, "name the training function as module:function in the job file "
                                           "(e.g. entry: train_decoder:main, see examples/decoder/job.yaml)")
     module_name, _, fn_name = entry.rpartition(":")
     base = os.path.dirname(os.path.abspath(job_file)) if job_file else os.getcwd()
+    own = module_name[:-3].replace(os.sep, ".").rsplit(".", 1)[-1] if module_name.endswith(".py") else module_name
     try:
         if module_name.endswith(".py"):
             path = module_name if os.path.isabs(module_name) else os.path.join(base, module_name)
+            if not os.path.isfile(path):
+                raise ConfigError("entry", entry, f"no file {path}; put the module next to the job file or give "
+                                                  f"its path")
             sys.path.insert(0, os.path.dirname(path))
             spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-            if spec is None or spec.loader is None or not os.path.isfile(path):
-                raise ModuleNotFoundError(f"no file {path}")
+            if spec is None or spec.loader is None:
+                raise ConfigError("entry", entry, f"{path} is not a Python module")
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
@@ -70,11 +80,26 @@ def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
             if base not in sys.path:
                 sys.path.insert(0, base)
             module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
     except ImportError as exc:
-        raise ConfigError("entry", entry, f"cannot import it ({exc}); put the module next to the job file or "
-                                          f"on PYTHONPATH") from exc
+        missing = getattr(exc, "name", None)
+        if isinstance(exc, ModuleNotFoundError) and missing in (module_name, own) or \
+                (missing and module_name.startswith(missing + ".")):
+            raise ConfigError("entry", entry, f"cannot find module {missing} ({exc}); put the module next to the "
+                                              f"job file ({base}) or on PYTHONPATH") from exc
+        log_exception(log, f"the entry module {module_name} could not import one of its own dependencies", exc)
+        raise ConfigError("entry", entry, f"the module was found, but it imports {missing or 'a module'}, which "
+                                          f"cannot be imported: {exc}; install it where the ranks run "
+                                          f"({socket.gethostname()}); the rank's log has the traceback") from exc
     except SyntaxError as exc:
         raise ConfigError("entry", entry, f"{exc.filename}:{exc.lineno}: {exc.msg}; fix the syntax there") from exc
+    except Exception as exc:  # the module's own code raised while it was imported
+        info = log_exception(log, f"the entry module {module_name} raised while it was imported", exc)
+        raise FailStop(f"the entry module {module_name} raised {info['type']}: {info['message']} while it was "
+                       f"imported ({info['file']}:{info['line']}); not requeued: fix the code and resubmit",
+                       EXIT_NO_REQUEUE, cause="training-code", phase="import", frontier=None,
+                       decided_at=time.monotonic(), exception=info) from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError("entry", entry, f"module {module_name} has no function {fn_name}")
@@ -90,7 +115,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
 
     from accelpact_slurm.runtime.api import Job
     from accelpact_slurm.runtime.state import state_digests
-    from accelpact_slurm.runtime.stopping import check_progress
+    from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
     from accelpact_slurm.runtime.topology import init_runtime
 
     import warnings
@@ -101,13 +126,19 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     # "assuming the intent is to save/load in a single process" (the daemon and the reload use no_dist on purpose).
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    entry = resolve_entry(cfg.entry, job_file)  # before joining: a bad entry fails fast on every rank
     faults = TestFaults.from_environ(environ)
     torch.set_num_threads(cfg.topology.threads_per_rank)
     wall0 = time.monotonic()
     events = EventLog(os.path.join(run_dir, EVENTS_FILE), job_id=ctx.job_id, restart=ctx.restart_count,
                       rank=ctx.rank, node=ctx.node_index)
-    rt = init_runtime(ctx, cfg, environ)
+    try:
+        entry = resolve_entry(cfg.entry, job_file)  # before joining: a bad entry fails fast on every rank
+    except FailStop as stop:  # every rank imports the same module and stops the same way: nobody to tell
+        fail_stop(stop, events, out, ctx.rank == 0, None, ctx, environ)
+    except ConfigError as exc:
+        fail_stop(FailStop(str(exc), EXIT_USAGE, cause="config", phase="import", frontier=None,
+                           decided_at=time.monotonic()), events, out, ctx.rank == 0, None, ctx, environ)
+    rt = init_runtime(ctx, cfg, environ, detect=not faults.no_detector)
     lead = rt.rank == 0
     if lead:
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,
@@ -121,10 +152,23 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     check_progress(cfg, ctx, rt, run_dir, events, out)
     job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ)
     train_t0 = time.monotonic()
-    entry(job)
+    try:
+        entry(job)
+    except AccelpactError as exc:  # the detector (a member dead, hung or stopped), the runtime, or bad input
+        fail_stop(as_fail_stop(exc, phase="script"), events, out, lead, rt.control, ctx, environ)
+    except Exception as exc:  # the training code's own error outside an update: a restart would repeat it
+        info = log_exception(log, f"the training code raised {type(exc).__name__} on rank {rt.rank} (outside an "
+                                  f"update; the job stops, not to be requeued)", exc)
+        fail_stop(FailStop(f"training code raised on rank {rt.rank}: {info['type']}: {info['message']} "
+                           f"({info['file']}:{info['line']}, in {info['function']}); not requeued: fix the code and "
+                           f"resubmit", EXIT_NO_REQUEUE, cause="training-code", phase="script", frontier=None,
+                           decided_at=time.monotonic(), rank=rt.rank, exception=info),
+                  events, out, lead, rt.control, ctx, environ)
     run = job.run
     if run is None:
-        raise UsageError("entry", cfg.entry, "the entry point returned without calling job.protect(model, optimizer)")
+        fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling job.protect(model, "
+                           f"optimizer)", EXIT_USAGE, cause="config", phase="script", frontier=None,
+                           decided_at=time.monotonic()), events, out, lead, rt.control, ctx, environ)
     train_s = time.monotonic() - train_t0
     digest, model_digest = state_digests(run)
     wall_s = time.monotonic() - wall0
@@ -148,6 +192,9 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     left = run._guard.engine.close(cfg.timeouts.shutdown_s)  # background aborts of replaced NCCL communicators
     if left:  # pragma: no cover - GPU only
         log.warning("%d retired communicator(s) still aborting at the end of the job", left)
+    if rt.detector is not None:  # a peer that sees this rank's process end now knows it finished, not died
+        events.emit("detector", **rt.detector.summary())
+        rt.detector.publish_stop({"cause": "completed", "reason": "the job finished", "exit_code": EXIT_OK})
     rt.control.barrier("job-end")
     rt.control.leave("job-end", cfg.timeouts.shutdown_s)
     events.close()

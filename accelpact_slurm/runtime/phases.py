@@ -9,17 +9,23 @@ The decision point of an update is the first ``optimizer.step`` of it (the step 
 :attr:`PhaseTracker.decide`, set by the run): every rank votes there, before any optimizer has
 stepped, so a fault anywhere in forward or backward is known to every rank while every rank still
 holds the committed state.  A decision to run the update again raises :class:`Redo` out of
-``optimizer.step`` (the update context swallows it and ``run.batches`` yields the same batch again).
+``optimizer.step`` (the update context swallows it and ``run.batches`` yields the same batch again); it
+derives from ``BaseException``, so a script's ``except Exception`` around the step cannot swallow it.
 
 Injected faults for tests (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds
 this rank's part of the whole forward (a shard-group fault: FSDP's all-gathers), ``backward`` every
 replication all-reduce FSDP issues in this update's backward (the fault of an inter-node link: its
-replication peers time out in theirs, and the shard peers behind them), ``backward-all`` its part of
-the whole backward (a shard-group fault first), ``boundary`` its part of the guard's own collective.
+replication peers wait in theirs, and the shard peers behind them), ``backward-all`` its part of
+the whole backward (a shard-group fault first), ``boundary`` its part of the guard's own collective;
+``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective while its part
+never arrives (a stalled link: every member waits in it, :meth:`~accelpact_slurm.runtime.collectives.Detector.stall_next`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from typing import Any, Iterable
 
 FORWARD, BACKWARD, OPTIMIZER, COMMITTED = "forward", "backward", "optimizer", "committed"
@@ -45,7 +51,9 @@ def communication_fault(exc: BaseException) -> bool:
     """
     import torch.distributed as dist
 
-    if isinstance(exc, Withheld) or type(exc).__name__ == "ReplicationWithheld":
+    from accelpact_slurm.core.errors import CollectiveAbandoned
+
+    if isinstance(exc, (Withheld, CollectiveAbandoned)) or type(exc).__name__ == "ReplicationWithheld":
         return True
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
@@ -62,8 +70,47 @@ def communication_fault(exc: BaseException) -> bool:
         "torch/distributed/distributed_c10d.py")
 
 
-class Redo(Exception):
-    """The vote decided to discard this update and run it again (raised out of ``optimizer.step``)."""
+class Redo(BaseException):
+    """The vote decided to discard this update and run it again (raised out of ``optimizer.step``).
+
+    A control-flow signal of the update context, like ``GeneratorExit``: a ``BaseException``, so that a script's
+    ``try: opt.step() except Exception:`` cannot swallow it and step on the discarded gradients.
+    """
+
+
+#: Where the project's and the libraries' frames live: the "user's frame" of a traceback is outside them.
+_NOT_USER = tuple(os.path.dirname(p) + os.sep for p in (os.__file__,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, os.sep + "site-packages" + os.sep,
+    os.sep + "dist-packages" + os.sep)
+
+
+def describe_exception(exc: BaseException, limit: int = 20000) -> dict[str, Any]:
+    """What a ``fail_stop`` says of a training-code error: type, message, the user's frame, the traceback.
+
+    The user's frame is the innermost one outside the standard library, the installed packages and this
+    project (where the script's own line is; an error raised deep inside torch names the line that called it),
+    else the innermost one.  The traceback is the full text, chained exceptions included (at most ``limit``
+    characters, its end kept).
+    """
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    user = [f for f in frames if not any(part in os.path.abspath(f.filename) for part in _NOT_USER)]
+    frame = (user or frames or [None])[-1]
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if len(text) > limit:
+        text = "...\n" + text[-limit:]
+    message = (str(exc).splitlines() or [""])[0][:500]
+    return {"type": type(exc).__name__, "message": message,
+            "file": frame.filename if frame is not None else None,
+            "line": frame.lineno if frame is not None else None,
+            "function": frame.name if frame is not None else None, "traceback": text}
+
+
+def log_exception(logger: Any, what: str, exc: BaseException) -> dict[str, Any]:
+    """Write ``exc``'s whole traceback into this rank's log (stderr) and return its description."""
+    info = describe_exception(exc)
+    logger.error("%s\n%s", what, info["traceback"].rstrip())
+    sys.stderr.flush()
+    return info
 
 
 class FaultInjector:
@@ -83,8 +130,13 @@ class FaultInjector:
 class PhaseTracker:
     """Hooks on the protected model and optimizer; see the module docstring."""
 
-    def __init__(self, model: Any, optimizer: Any, injector: FaultInjector | None = None, fsdp: str = "fsdp1") -> None:
+    def __init__(self, model: Any, optimizer: Any, injector: FaultInjector | None = None, fsdp: str = "fsdp1",
+                 state: Any = None, detector: Any = None, slow: tuple[int, str] | None = None) -> None:
         self.injector = injector
+        self._slow = slow  # test-only: (update, seconds) this rank computes longer in its forward (a straggler)
+        #: This rank's heartbeat record (:class:`~accelpact_slurm.runtime.liveness.LocalState`): update and phase.
+        self.state = state
+        self.detector = detector
         self.model, self.fsdp = model, fsdp
         self.active = False
         self.step = 0
@@ -105,11 +157,17 @@ class PhaseTracker:
     def begin(self, step: int) -> None:
         self.active, self.step, self.phase, self.stepped, self.forwards = True, step, FORWARD, False, 0
         self.decided = False
+        self._show(FORWARD)
 
     def end(self) -> None:
         self.active = False
         self.phase = COMMITTED
+        self._show(COMMITTED)
         self.stop_withholding()
+
+    def _show(self, phase: str) -> None:
+        if self.state is not None:
+            self.state.update, self.state.phase = self.step, phase
 
     def stop_withholding(self) -> None:
         if self._withholding is not None:
@@ -125,7 +183,21 @@ class PhaseTracker:
         if not self.active:
             return
         self.phase = FORWARD
+        self._show(FORWARD)
         self.forwards += 1
+        if self._slow is not None and self._slow[0] == self.step:
+            import logging
+            import threading
+
+            step, text = self._slow
+            self._slow = None
+            if text.endswith("x") and self.detector is not None:  # a multiple of the bound learned so far
+                seconds = float(text[:-1]) * max(self.detector.bounds.bound(d) for d in ("shard", "replicate"))
+            else:
+                seconds = float(text.rstrip("x"))
+            logging.getLogger(__name__).warning("fault injection: update %d's forward is %.2f s slower here (a "
+                                                "straggler)", step, seconds)
+            threading.Event().wait(seconds)
         if self.injector is not None and self.injector.fires("forward", self.step):
             raise Withheld("forward")
 
@@ -133,10 +205,13 @@ class PhaseTracker:
         if not self.active:
             return
         self.phase = BACKWARD
+        self._show(BACKWARD)
         if self.injector is None:
             return
         if self.injector.fires("backward-all", self.step):
             raise Withheld("backward")
+        if self.detector is not None and self.injector.fires("backward-stuck", self.step):
+            self.detector.stall_next("replicate")
         if self._withholding is None and self.injector.fires("backward", self.step):
             from accelpact_slurm.repair.discard import withhold_replication
 
@@ -147,6 +222,7 @@ class PhaseTracker:
         if not self.active:
             return
         self.phase = OPTIMIZER
+        self._show(OPTIMIZER)
         if not self.decided and self.decide is not None:
             self.decided = True
             if self.decide() == "redo":

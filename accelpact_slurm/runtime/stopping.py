@@ -14,7 +14,8 @@ import time
 from typing import Any, Mapping, TextIO
 
 from accelpact_slurm.core import settings
-from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, FailStop
+from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USAGE, CheckpointError, ConfigError,
+                                         ControlPlaneError, FailStop)
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
@@ -27,32 +28,54 @@ HANDOVER_JOIN_S = 5.0
 
 def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control: Any = None,
               ctx: SlurmContext | None = None, environ: Mapping[str, str] | None = None) -> None:
-    """Stop this rank now: write the event, flush, exit with the documented code.
+    """Stop this rank now: say why to the other ranks, write the event, flush, exit with the documented code.
 
-    ``os._exit`` skips interpreter teardown on purpose: destroying a process group
-    whose peers are gone can block, and nothing may be written after the decision.
+    First the rank's heartbeat record says it stops, with the cause and the exit code (a peer waiting on it
+    stops the same way at once, instead of calling it dead); a hung rank of this node gets its stacks dumped and
+    is killed by its lowest peer (it would otherwise outlive the start).  ``os._exit`` skips interpreter
+    teardown on purpose: destroying a process group whose peers are gone can block, and nothing may be written
+    after the decision.
     """
     slurm, info = ctx, stop.context
     decided = info.get("decided_at")
     # srun --kill-on-bad-exit TERMs the remaining ranks as soon as one exits: finish the event and, on rank 0,
     # the requeue request first (SIGKILL follows after Slurm's KillWait, far longer than this takes).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    detector = getattr(control, "watch", None)
+    if detector is not None and detector.publisher is not None and detector.publisher.ended_by_peer():
+        # This rank was hung: a peer resumed it only to take its stacks and is killing it; it decides nothing.
+        os._exit(stop.exit_code)
+    culprit = info.get("rank")
+    if detector is not None:
+        detector.publish_stop({"cause": stop.cause, "reason": stop.reason, "exit_code": stop.exit_code,
+                               "rank": culprit})
     from ckpt_service.client import join_handovers
 
     if join_handovers(HANDOVER_JOIN_S):  # the last snapshot's hand-over to the daemon, cut short by os._exit else
         log.warning("a snapshot's hand-over to the checkpoint daemon did not finish within %g s", HANDOVER_JOIN_S)
+    killed = None
+    if stop.cause == "hung-rank" and detector is not None and isinstance(culprit, int):
+        killed = detector.end_hung_peer(culprit)
     if control is not None:
+        gone = detector.gone(culprit if stop.cause in ("dead-rank", "hung-rank") else None) \
+            if detector is not None else ()
         try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
-            control.leave("fail-stop", 1.0)
+            control.leave("fail-stop", 1.0, gone)
         except Exception:  # the store may be gone already: nothing left to protect
             pass
     decision_s = time.monotonic() - decided if isinstance(decided, float) else None
-    events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, phase=info.get("phase"),
+    exception = info.get("exception")
+    events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, cause=stop.cause, phase=info.get("phase"),
                 frontier=info.get("frontier"), decision_s=decision_s,
-                decision="restart" if stop.exit_code == EXIT_REQUEUE else "stop", key=info.get("key"))
+                decision="restart" if stop.exit_code == EXIT_REQUEUE else "stop", key=info.get("key"),
+                **({"culprit": culprit} if isinstance(culprit, int) else {}),
+                **({"exception": exception} if isinstance(exception, dict) else {}),
+                **({"hung_rank_ended": killed} if killed else {}))
+    line = f"fail-stop at F={info.get('frontier')} ({stop.cause}): {stop.reason} (exit {stop.exit_code})"
+    if not lead:
+        log.warning("%s", line)  # this rank's log says why it stopped, too
     if lead:
-        print(f"[accelpact] fail-stop at F={info.get('frontier')}: {stop.reason} (exit {stop.exit_code})",
-              file=out, flush=True)
+        print(f"[accelpact] {line}", file=out, flush=True)
         if stop.exit_code == EXIT_REQUEUE and slurm is not None:
             request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, settings.emulated(environ),
                             after_sigterm=bool(info.get("after_sigterm")))
@@ -61,7 +84,7 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
                 control.post("fail-stop-requeue-asked")
             except Exception:  # nobody left to tell
                 pass
-    elif stop.exit_code == EXIT_REQUEUE and control is not None:
+    elif stop.exit_code == EXIT_REQUEUE and control is not None and stop.cause != "control-plane":
         # The first task to exit makes srun --kill-on-bad-exit TERM the rest: leave only once rank 0 has asked
         # Slurm for the requeue (bounded; False when rank 0 is gone, and then nobody can ask anyway).
         control.wait_posted("fail-stop-requeue-asked", SCONTROL_TIMEOUT_S + 5)
@@ -69,6 +92,23 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(stop.exit_code)
+
+
+def as_fail_stop(exc: BaseException, phase: str | None = None, frontier: int | None = None) -> FailStop:
+    """The fail-stop for one of the project's own errors that reached the top of a rank (pure).
+
+    Bad input (a ``ConfigError``, a ``UsageError``) exits 2, not requeued; a control plane that failed or timed out,
+    a snapshot that could not be loaded, a repair that failed, ask for the requeue.
+    """
+    if isinstance(exc, FailStop):
+        return exc
+    if isinstance(exc, ConfigError):
+        return FailStop(str(exc), EXIT_USAGE, cause="config", phase=phase, frontier=frontier,
+                        decided_at=time.monotonic())
+    cause = "control-plane" if isinstance(exc, ControlPlaneError) else \
+        "checkpoint" if isinstance(exc, CheckpointError) else "link"
+    return FailStop(f"{type(exc).__name__}: {exc}", EXIT_REQUEUE, cause=cause, phase=phase, frontier=frontier,
+                    decided_at=time.monotonic())
 
 
 def check_progress(cfg: Any, ctx: SlurmContext, rt: Any, run_dir: str, events: EventLog, out: TextIO) -> None:
@@ -85,8 +125,8 @@ def check_progress(cfg: Any, ctx: SlurmContext, rt: Any, run_dir: str, events: E
     if verdict["stop"]:
         reason = (f"no progress: {verdict['why']}; not requeueing. Look at the fail_stop and fault events in "
                   f"{os.path.join(run_dir, EVENTS_FILE)} (accelpact-status {run_dir}) for the fault that recurs")
-        fail_stop(FailStop(reason, EXIT_NO_REQUEUE, phase="start", frontier=None, decided_at=time.monotonic()),
-                  events, out, rt.rank == 0, rt.control)
+        fail_stop(FailStop(reason, EXIT_NO_REQUEUE, cause="no-progress", phase="start", frontier=None,
+                           decided_at=time.monotonic()), events, out, rt.rank == 0, rt.control)
 
 
 def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots: Any, events: EventLog,
@@ -119,6 +159,6 @@ def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots:
     reason = f"{'/'.join(names)} received: snapshot of step {step} is {state}; requeueing"
     if lead:
         print(f"[accelpact] {reason}", file=out, flush=True)
-    fail_stop(FailStop(reason, EXIT_REQUEUE, phase="committed", frontier=step, decided_at=time.monotonic(),
-                       after_sigterm="SIGTERM" in names),
+    fail_stop(FailStop(reason, EXIT_REQUEUE, cause="signal", phase="committed", frontier=step,
+                       decided_at=time.monotonic(), after_sigterm="SIGTERM" in names),
               events, out, lead, rt.control, ctx)

@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -78,13 +78,21 @@ class Runtime:
     mesh: DeviceMesh
     collective_timeout_s: float
     hardware: Hardware = CPU
+    #: The fault detector (:mod:`.collectives`): heartbeats, watched collectives and control-plane rounds.
+    detector: Any = None
 
     @property
     def device(self) -> torch.device:
         """The device this rank trains on (``cpu`` or ``cuda:N``)."""
         return torch.device(self.hardware.device)
 
+    def describe(self, rank: int) -> str:
+        """``rank 3 (node 1)``: a rank in words, for messages."""
+        return f"rank {rank} (node {self.layout.node_of(rank)})"
+
     def close(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
         try:
             dist.destroy_process_group()
         except Exception:  # pragma: no cover - best effort at exit
@@ -114,8 +122,10 @@ def layout_from(ctx: SlurmContext) -> Layout:
     return Layout(num_nodes=ctx.num_nodes, ranks_per_node=rpn)
 
 
-def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] | None = None) -> Runtime:
-    """Join the job as ``ctx.rank``: device, stores, world (Gloo, or Gloo + NCCL on GPUs), HSDP groups, control plane."""
+def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] | None = None, *,
+                 detect: bool = True) -> Runtime:
+    """Join the job as ``ctx.rank``: device, stores, world (Gloo, or Gloo + NCCL on GPUs), HSDP groups, control
+    plane, fault detector (``detect=False``: heartbeats only, every wait blind: the detector's negative control)."""
     environ = os.environ if environ is None else environ
     layout = layout_from(ctx)
     hw = select(cfg.topology.device, rank=ctx.rank, local_rank=layout.local_of(ctx.rank),
@@ -155,8 +165,12 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     for g in (shard_pg, rep_pg):  # DeviceMesh creates its groups with the backend's default timeout
         set_group_timeout(g, cfg.timeouts.collective_s)
     assert shard_pg is not None and rep_pg is not None
-    return Runtime(
+    rt = Runtime(
         ctx=ctx, layout=layout, rank=ctx.rank, node=node, local_rank=local, data_store=data_store,
         control=control, shard_group=shard_pg, replicate_group=rep_pg, mesh=mesh,
         collective_timeout_s=cfg.timeouts.collective_s, hardware=hw,
     )
+    from accelpact_slurm.runtime.detection import start_detector
+
+    rt.detector = start_detector(rt, cfg.timeouts, host, control_port, detect=detect)
+    return rt

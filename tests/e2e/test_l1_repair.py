@@ -1,9 +1,10 @@
 """L1 Preserve end to end on the embedded default: 2 emulated nodes x 2 ranks, real Gloo faults.
 
-A fault is real: the chosen rank withholds its part of the replication collective
-and its peer hits Gloo's timeout (2 s here).  The oracle is the uninterrupted
-run's ``final_state_digest`` (weights, both AdamW moments, step counter, cursor,
-every rank's RNG) and its per-step losses.
+A fault is real: the chosen rank withholds its part of the replication collective (it leaves it), or stays in
+it while its part never arrives (a stalled link); its peers' fault detector gives the collective up, long
+before Gloo's own timeout (8 s here, so that a test that waited for it would show).  The oracle is the
+uninterrupted run's ``final_state_digest`` (weights, both AdamW moments, step counter, cursor, every rank's RNG)
+and its per-step losses.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ pytestmark = pytest.mark.multiproc
 
 STEPS = 25
 LAYERS = 4
+COLLECTIVE_S = 8.0
 
 
 def make_config(tmp_path: Path, fsdp="fsdp1", mesh="device_mesh", steps=STEPS) -> str:
     text = decoder_text()
     text = text.replace("fsdp: fsdp1 ", f"fsdp: {fsdp} ").replace("mesh: device_mesh ", f"mesh: {mesh} ")
-    text = text.replace("steps: 25", f"steps: {steps}").replace("collective_s: 5", "collective_s: 2")
+    text = text.replace("steps: 25", f"steps: {steps}").replace("collective_s: 5", f"collective_s: {COLLECTIVE_S:g}")
     # One start: these tests look at the fail-stop itself, not at the launcher's relaunch (L2 tests do).
     text = text.replace("max_restarts: 20", "max_restarts: 0")
     path = tmp_path / f"{fsdp}-{mesh}.yaml"
@@ -57,16 +59,20 @@ def baseline(tmp_path_factory):
 
 @pytest.mark.parametrize("fsdp, mesh", [("fsdp1", "device_mesh"), ("fsdp1", "group_pair"), ("fsdp2", "device_mesh")])
 def test_boundary_and_backward_faults_are_repaired_in_process_bitwise(baseline, tmp_path, fsdp, mesh):
-    """One run per wrapping, two faults.  At the boundary after update 10 rank 1 withholds the guard's replication
-    all-reduce: its replication group is replaced and rebound, and update 11 steps on the gradients it has (zero
-    replay).  In update 16 rank 1 withholds every replication all-reduce of the backward (its peers time out in
-    theirs, and the groups behind them): every rank votes before stepping, discards update 16, replaces every
-    group, and runs update 16 again from its batch and RNG states.  The run ends in the uninterrupted state, no L2."""
-    proc, events, summary = run(tmp_path, "run", make_config(tmp_path, fsdp, mesh), "boundary:10:1", "backward:16:1")
+    """One run per wrapping, four faults.  At the boundary after update 5 rank 2 stays in the guard's replication
+    all-reduce while its part never arrives (a stalled link: every member waits inside it), and at the boundary
+    after update 10 rank 1 withholds its part: each time the replication group is replaced and rebound, and the
+    next update steps on the gradients it has (zero replay).  In update 16 rank 1 withholds every replication
+    all-reduce of the backward, and in update 21 rank 3's first one stalls: every rank votes before stepping,
+    discards the update, replaces every group, and runs it again from its batch and RNG states.  Every fault is
+    given up by the detector, far sooner than the collective timeout; the run ends in the uninterrupted state."""
+    proc, events, summary = run(tmp_path, "run", make_config(tmp_path, fsdp, mesh), "boundary-stuck:5:2",
+                                "boundary:10:1", "backward:16:1", "backward-stuck:21:3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    boundary, backward = [e for e in events if e["event"] == "repair"]
+    stuck, boundary, backward, stuck_backward = [e for e in events if e["event"] == "repair"]
+    assert (stuck["scope"], stuck["frontier"], stuck["ranks"]) == ("replicate", 5, [0, 2])
     assert (boundary["scope"], boundary["frontier"], boundary["ranks"], boundary["generation"]) == \
-        ("replicate", 10, [1, 3], 1)
+        ("replicate", 10, [1, 3], 2)
     assert boundary["replayed_updates"] == 0
     assert set(boundary["phases"]) == {"observe", "guard_sync", "control_barrier", "replace", "rebind", "validate"}
     if (fsdp, mesh) == ("fsdp1", "group_pair"):
@@ -77,8 +83,14 @@ def test_boundary_and_backward_faults_are_repaired_in_process_bitwise(baseline, 
     assert set(backward["phases"]) == {"observe", "discard", "guard_sync", "control_barrier", "replace_all",
                                        "validate_all"}
     assert backward["ranks"] == [0, 1, 2, 3] and backward["rebound"] > boundary["rebound"]
+    assert (stuck_backward["scope"], stuck_backward["discarded_update"]) == ("update", 21)
     faults = [e for e in events if e["event"] == "fault"]
-    assert {e["step"] for e in faults} == {11, 16} and "backward" in {e["phase"] for e in faults if e["step"] == 16}
+    assert {e["step"] for e in faults} == {6, 11, 16, 21} and "backward" in {e["phase"] for e in faults if e["step"] == 16}
+    # The detector decided, not the collective timeout: the peers gave the collectives up.
+    peers = [e["error"] for e in faults if "injected" not in e["error"] and "withheld" not in e["error"]]
+    assert peers and all("given up" in err for err in peers), peers
+    assert any("broken link" in err for err in peers) and any("left collective" in err for err in peers)
+    assert all(e["fault_to_resume_s"] < COLLECTIVE_S / 2 for e in (stuck, boundary, backward, stuck_backward))
     # Every update committed exactly once, and the run ends in the uninterrupted state.
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))
     assert summary["losses"] == baseline["losses"]
@@ -88,13 +100,25 @@ def test_boundary_and_backward_faults_are_repaired_in_process_bitwise(baseline, 
         operator_tools_read(tmp_path / "run")
 
 
+def test_negative_control_blind_the_same_fault_waits_out_the_collective_timeout(baseline, tmp_path):
+    """The detector off (``ACCELPACT_TEST_NO_DETECTOR=1``, every wait blind, as before it): rank 1's peers wait in
+    the boundary's all-reduce until Gloo's timeout (3 s here) says it failed; the repair is the same."""
+    config = make_config(tmp_path, steps=14)
+    Path(config).write_text(Path(config).read_text().replace(f"collective_s: {COLLECTIVE_S:g}", "collective_s: 3"))
+    proc, events, summary = run(tmp_path, "run", config, "boundary:10:1", env={"ACCELPACT_TEST_NO_DETECTOR": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (repair,) = [e for e in events if e["event"] == "repair"]
+    assert repair["fault_to_resume_s"] >= 3 * 0.9, repair
+    assert not any("given up" in e["error"] for e in events if e["event"] == "fault")
+
+
 def operator_tools_read(run_dir: Path) -> None:
     """accelpact-status and accelpact-cadence on the run directory this test produced."""
     proc = run_cli(["accelpact_slurm.cli.status", "--json", str(run_dir)])
     assert proc.returncode == 0, proc.stderr
     (job,) = json.loads(proc.stdout)["jobs"]
     assert job["state"] == "COMPLETED" and job["frontier"]["step"] == STEPS
-    assert job["l1"]["count"] == 2 and set(job["l1"]["last"]["phases"]) >= {"discard", "replace_all", "validate_all"}
+    assert job["l1"]["count"] == 4 and set(job["l1"]["last"]["phases"]) >= {"discard", "replace_all", "validate_all"}
     assert job["restarts"] == 0 and job["l2"]["count"] == 0
     proc = run_cli(["accelpact_slurm.cli.cadence", "--events", str(run_dir), "--json", "--restart-cost-s", "30"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

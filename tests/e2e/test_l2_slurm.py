@@ -250,27 +250,77 @@ def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_surv
     assert summary["losses"] == ref["losses"]
 
 
-def test_a_crashed_rank_is_requeued_by_the_template_and_the_job_completes(slurm_cluster: Cluster, tmp_path: Path):
-    """Rank 2 is killed (SIGKILL, as by the OOM killer) as update 10 begins, on the first start only: nobody
-    fail-stops, so the template asks for the requeue; the next start reloads snapshot 8 and completes.
-    Negative control: before, the job ended FAILED with exit 1 and no requeue."""
+def test_a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes(slurm_cluster: Cluster,
+                                                                                   tmp_path: Path):
+    """Rank 2 is killed (SIGKILL, as by the OOM killer) as update 10 begins, on the first start only: its node peer
+    sees its process end, every survivor fail-stops naming it, rank 0 asks Slurm for the requeue; the next start
+    reloads snapshot 8 and completes.  Negative control: before the detector, nobody fail-stopped and the
+    template requeued a crash (test_run_local.py covers the template's crash path: every rank killed)."""
     config = job_file(tmp_path, "job", steps=12, every=4)
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, extra_env={"ACCELPACT_TEST_CRASH_AT": "10:2"})
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
     assert state == "COMPLETED", info
+    stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0]
+    assert stops and all(e["cause"] == "dead-rank" and e["culprit"] == 2 for e in stops), stops
     requeues = [e for e in events if e["event"] == "requeue"]
-    assert [e["by"] for e in requeues] == ["template"] and "crashed" in requeues[0]["reason"], requeues
-    assert not [e for e in events if e["event"] == "fail_stop"]
+    assert requeues and requeues[0]["by"] == "scontrol", requeues
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
     assert loads and loads[0]["step"] == 8
     assert summary["final_state_digest"] == ref["final_state_digest"]
 
 
+def buggy_job(tmp_path: Path, steps: int) -> Path:
+    path = job_file(tmp_path, "buggy", steps=steps, every=0)
+    text = "\n".join(f"entry: {REPO}/tests/data/buggy_train.py:main" if line.startswith("entry:") else line
+                     for line in path.read_text().splitlines())
+    path.write_text(text + "\n")
+    return path
+
+
+def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(slurm_cluster: Cluster, tmp_path: Path):
+    """The training code raises ValueError on rank 1 in update 3: every rank stops with 76 on the first start,
+    the batch script passes 76 on, and Slurm does not requeue; the traceback is in the job's output.  Negative
+    control: before, the job was requeued four times and ended with 76 only by the no-progress rule, its
+    traceback nowhere."""
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, buggy_job(tmp_path, 8), extra_env={"BUGGY_AT": "3:1"})
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "FAILED" and summary is None
+    assert info.get("ExitCode", "").startswith(f"{EXIT_NO_REQUEUE}:") and info.get("Restarts") == "0", info
+    assert restarts_seen(events) == {0} and not [e for e in events if e["event"] == "requeue"]
+    stops = [e for e in events if e["event"] == "fail_stop"]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3] and all(e["cause"] == "training-code" for e in stops)
+    output = (tmp_path / f"accelpact-hsdp-{job_id}.out").read_text(errors="replace")
+    assert "Traceback (most recent call last)" in output and "ValueError" in output and "buggy_train.py" in output
+
+
+def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm_cluster: Cluster, tmp_path: Path):
+    """Rank 2 stops (SIGSTOP) as update 6 begins: after heartbeat_s without a heartbeat every other rank fail-stops
+    naming it, its node peer dumps its stacks into the job's output and kills it, rank 0 requeues; the next
+    start completes in the uninterrupted state.  Negative control (tests/e2e/test_detection.py): blind, nobody
+    names it, and the start ends only by the timers."""
+    hb = {"shutdown_s: 10": "shutdown_s: 10\n  heartbeat_s: 3\n  heartbeat_interval_s: 0.25"}
+    config = job_file(tmp_path, "job", steps=10, every=4, **hb)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=10, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, extra_env={"ACCELPACT_TEST_HANG_AT": "6:2"})
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED", info
+    stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0 and e["rank"] != 2]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 3], stops
+    assert all(e["cause"] == "hung-rank" and e["culprit"] == 2 for e in stops), stops
+    assert [e["by"] for e in events if e["event"] == "requeue"][:1] == ["scontrol"]
+    output = (tmp_path / f"accelpact-hsdp-{job_id}.out").read_text(errors="replace")
+    assert "most recent call first" in output
+    assert summary["final_state_digest"] == ref["final_state_digest"]
+
+
 def test_a_crash_that_recurs_stops_with_do_not_requeue(slurm_cluster: Cluster, tmp_path: Path):
+    """Rank 1 crashes in update 2 of every start.  Blind (the detector off), nobody decides before srun's
+    --kill-on-bad-exit ends the step: the template requeues each crash, and the no-progress rule stops the job."""
     config = job_file(tmp_path, "job", steps=6, every=0, **{"max_stalled_restarts: 3": "max_stalled_restarts: 2"})
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
-                                  extra_env={"ACCELPACT_TEST_CRASH_AT": "2:1:always"})
+                                  extra_env={"ACCELPACT_TEST_CRASH_AT": "2:1:always",
+                                             "ACCELPACT_TEST_NO_DETECTOR": "1"})
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
     assert state == "FAILED" and summary is None
     assert info.get("ExitCode", "").startswith(f"{EXIT_NO_REQUEUE}:")

@@ -1,0 +1,423 @@
+"""The fault detector on the data plane: every collective of the HSDP groups waited on with eyes open.
+
+A collective on a dead or stuck link blocks its waiters until the backend's timeout (``timeouts.collective_s``;
+on GPU clusters often minutes).  The detector replaces that wait: each collective issued on the job's shard or
+replication group (through the tap of :func:`accelpact_slurm.repair.torch_compat.install_collective_tap`, so
+FSDP's own collectives too) is numbered per group, and its ``wait`` first waits a few milliseconds (the normal
+case, with no other cost); a wait that lasts longer publishes "waiting in collective k of group G" in this
+rank's record and then, every :data:`POLL_S`, reads the records of the group's members and asks
+:func:`accelpact_slurm.runtime.liveness.judge_collective` what it sees:
+
+- a member left (it is in the vote) or every member waits in it past the learned bound: the collective is
+  given up with :class:`~accelpact_slurm.core.errors.CollectiveAbandoned`, a communication fault, and the vote
+  decides as for any failed collective (L1 where the envelope allows it);
+- a member is dead, stopped or hung: :class:`~accelpact_slurm.core.errors.FailStop` (L2), naming it;
+- a member still computes (a straggler): the wait goes on, up to the backend's own timeout.
+
+The bound is learned per group dimension from the job's own collectives: :data:`LINK_FACTOR` times the
+slowest of the last :data:`SAMPLES` that completed, at least ``timeouts.link_floor_s``, at most
+``timeouts.collective_s`` (and the ceiling itself until :data:`MIN_SAMPLES` completed); each link verdict
+doubles it for that dimension, so a bound too tight for this job cannot repair it into a restart loop.
+
+On a GPU (NCCL) the tap only numbers the collectives: their ``wait`` does not block the host, and the guard's
+own wait at the boundary is watched instead (:meth:`Detector.wait_device`).
+
+Fault injection for tests goes through the same tap: :meth:`Detector.stall_next` makes this rank's next
+collective on the replication group stay in flight forever while the rank waits in it (a stalled link, every
+member inside), where ``withhold`` (:mod:`accelpact_slurm.repair.discard`) makes the rank leave it.
+
+Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` builds one per rank and installs the tap; the
+guard and the phase tracker use the injection; the vote reads :meth:`Detector.take_latched`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable
+
+from accelpact_slurm.core.errors import EXIT_REQUEUE, CollectiveAbandoned, ControlPlaneError, FailStop
+from accelpact_slurm.runtime import liveness as lv
+
+log = logging.getLogger(__name__)
+
+#: How long a wait is left alone before it looks at anyone (most collectives complete within it).
+FAST_S = 0.02
+#: Between two looks at the members' records while a wait lasts.
+POLL_S = 0.05
+#: The learned bound: this many times the slowest recent collective of the dimension...
+LINK_FACTOR = 4.0
+#: ...over this many recent completed collectives...
+SAMPLES = 256
+#: ...once this many completed (before: the ceiling).
+MIN_SAMPLES = 8
+
+_FAST = timedelta(seconds=FAST_S)
+_POLL = timedelta(seconds=POLL_S)
+
+
+class LinkBounds:
+    """The learned bound of each group dimension (see the module docstring)."""
+
+    def __init__(self, floor_s: float, ceiling_s: float) -> None:
+        self.floor_s, self.ceiling_s = floor_s, ceiling_s
+        self._samples: dict[str, deque[float]] = {}
+        self._scale: dict[str, float] = {}
+
+    def add(self, dim: str, seconds: float) -> None:
+        q = self._samples.get(dim)
+        if q is None:
+            q = self._samples[dim] = deque(maxlen=SAMPLES)
+        q.append(seconds)
+
+    def bound(self, dim: str) -> float:
+        q = self._samples.get(dim)
+        if q is None or len(q) < MIN_SAMPLES:
+            return self.ceiling_s
+        learned = LINK_FACTOR * max(q) * self._scale.get(dim, 1.0)
+        return min(self.ceiling_s, max(self.floor_s, learned))
+
+    def widen(self, dim: str) -> None:
+        """After a link verdict on ``dim``: twice the bound from now on (up to the ceiling)."""
+        self._scale[dim] = self._scale.get(dim, 1.0) * 2.0
+
+
+class _Group:
+    __slots__ = ("pg", "dim", "name", "members", "issued", "done")
+
+    def __init__(self, pg: Any, dim: str, members: list[int]) -> None:
+        self.pg, self.dim, self.members = pg, dim, members
+        self.name = str(getattr(pg, "group_name", dim))
+        self.issued = 0
+        self.done = 0
+
+
+class WatchedWork:
+    """Stands in for the ``Work`` of one collective on a watched group: its ``wait`` is the detector's."""
+
+    __slots__ = ("_work", "_detector", "_group", "_seq", "_t0", "_settled")
+
+    def __init__(self, work: Any, detector: "Detector", group: _Group, seq: int) -> None:
+        self._work, self._detector, self._group, self._seq = work, detector, group, seq
+        self._t0 = time.monotonic()
+        self._settled = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        return self._detector._wait(self)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _Stalled:
+    """The work of a collective whose data never arrives (fault injection): it runs until the backend's own
+    timeout, ``ceiling_s`` after it was issued, then fails as Gloo's would."""
+
+    def __init__(self, ceiling_s: float) -> None:
+        self._end = time.monotonic() + ceiling_s
+        self._ceiling_s = ceiling_s
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self._end
+
+    def is_success(self) -> bool:
+        return False
+
+    def wait(self, timeout: Any = None) -> bool:
+        left = self._end - time.monotonic()
+        if isinstance(timeout, timedelta) and timeout.total_seconds() < left:
+            threading.Event().wait(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        threading.Event().wait(max(0.0, left))
+        raise RuntimeError(f"Gloo: timed out after {self._ceiling_s:g} s waiting for a peer's part (a stalled link, "
+                           f"fault injection)")
+
+    def exception(self) -> None:
+        return None
+
+
+class Detector:
+    """One rank's data-plane fault detector (see the module docstring).
+
+    Args:
+        rank: this rank.
+        groups: returns the rank's current ``(shard_group, replicate_group)`` (an L1 repair replaces them).
+        members: ``dim -> the global ranks`` of this rank's group of that dimension.
+        state: this rank's record (:class:`~accelpact_slurm.runtime.liveness.LocalState`).
+        publisher: its heartbeat thread.
+        observer: what this rank saw of the members' records (shared with its liveness thread).
+        position: this rank's control-plane position (:meth:`ControlPlane.position`).
+        timeouts: the job's ``timeouts`` (``collective_s``, ``heartbeat_s``, ``heartbeat_interval_s``,
+            ``link_floor_s``).
+        watch: wait with eyes open (Gloo); False numbers the collectives only (NCCL, or the detector off).
+        describe: rank -> words for messages.
+        store: the training thread's connection to the control plane's store (the observer reads through it).
+    """
+
+    def __init__(self, rank: int, groups: Callable[[], tuple[Any, Any]], members: dict[str, list[int]],
+                 state: lv.LocalState, publisher: lv.Publisher | None, observer: lv.Observer | None,
+                 position: Callable[[], tuple[int, dict[str, int]]], timeouts: Any, *, watch: bool = True,
+                 describe: Callable[[int], str] = lambda r: f"rank {r}", store: Any = None) -> None:
+        self.rank = rank
+        self._groups = groups
+        self._members = members
+        self.state = state
+        self.publisher = publisher
+        self.observer = observer
+        self._store = store  # the training thread's own connection to the control plane's store
+        self._position = position
+        self.timeouts = timeouts
+        self.watching = watch and publisher is not None and observer is not None
+        self.describe = describe
+        self.bounds = LinkBounds(timeouts.link_floor_s, timeouts.collective_s)
+        self._known: dict[int, _Group] = {}
+        self._abandoned: set[int] = set()
+        self._stall: set[str] = set()
+        self._latched: tuple[str, str] | None = None
+        self.verdicts: list[lv.Verdict] = []
+        self.slow_waits = 0  # waits that outlasted FAST_S and looked at the members
+        self.longest_wait_s = 0.0  # the longest of them that completed (a straggler's peers wait that long)
+
+    def summary(self) -> dict[str, Any]:
+        """What the detector saw in this start (the ``detector`` event at the job's end)."""
+        return {"bounds_s": {dim: self.bounds.bound(dim) for dim in ("shard", "replicate")},
+                "slow_waits": self.slow_waits, "longest_wait_s": self.longest_wait_s,
+                "verdicts": [v.kind for v in self.verdicts], "watching": self.watching}
+
+    def publish_stop(self, stop: dict[str, Any], timeout_s: float = 1.0) -> bool:
+        """This rank stops (``stop``: cause, reason, exit_code, rank): say so in its record, before it exits."""
+        self.state.stop = stop
+        return self.publisher.publish_now(timeout_s) if self.publisher is not None else False
+
+    def gone(self, culprit: int | None = None) -> set[int]:
+        """Ranks that will not take part in anything again: node peers seen dead, and ``culprit`` (a dead or hung
+        rank a verdict named)."""
+        out = set(self.publisher.dead) if self.publisher is not None else set()
+        if isinstance(culprit, int):
+            out.add(culprit)
+        return out
+
+    def end_hung_peer(self, rank: int) -> str | None:
+        """After a hung-rank verdict on ``rank``: if it is on this node and this rank is its lowest peer, dump its
+        stacks into its log and kill it (:func:`~accelpact_slurm.runtime.liveness.dump_and_kill`)."""
+        peers = self.publisher.node_peers if self.publisher is not None else {}
+        pid = peers.get(rank)
+        if pid is None or min([r for r in peers if r != rank] + [self.rank]) != self.rank:
+            return None
+        self.publisher.mark_ended(rank, f"hung: its stacks dumped into its log and killed by {self.describe(self.rank)}")
+        how = lv.dump_and_kill(pid)
+        log.warning("%s (pid %d) was hung: %s", self.describe(rank), pid, how)
+        return how
+
+    def close(self) -> None:
+        """Stop the heartbeat and take the tap out (at the rank's end)."""
+        from accelpact_slurm.repair import torch_compat as tc
+
+        tc.remove_collective_tap()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ------------------------------------------------------------------ the tap
+
+    def on_call(self, pg: Any, method: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The collective tap (:func:`~accelpact_slurm.repair.torch_compat.install_collective_tap`)."""
+        group = self._group(pg)
+        if group is None:
+            return original(pg, *args, **kwargs)
+        if id(pg) in self._abandoned:
+            raise CollectiveAbandoned(f"group {group.name} was given up after a fault: no collective runs on it "
+                                      f"until the repair replaces it")
+        seq = group.issued
+        group.issued += 1
+        if group.dim in self._stall:
+            self._stall.discard(group.dim)
+            log.warning("fault injection: rank %d stalls in collective %d of its %s group", self.rank, seq, group.dim)
+            work: Any = _Stalled(self.timeouts.collective_s)
+        else:
+            work = original(pg, *args, **kwargs)
+        if work is None or not self.watching:
+            if work is not None:
+                group.done = group.issued  # numbered only (NCCL: stream-ordered, no host wait to watch)
+            return work
+        return WatchedWork(work, self, group, seq)
+
+    def _group(self, pg: Any) -> _Group | None:
+        g = self._known.get(id(pg))
+        if g is not None and g.pg is pg:
+            return g
+        shard, replicate = self._groups()
+        if pg is replicate:
+            dim = "replicate"
+        elif pg is shard:
+            dim = "shard"
+        else:
+            return None
+        g = self._known[id(pg)] = _Group(pg, dim, list(self._members[dim]))
+        live = {id(shard), id(replicate)}
+        for k in [k for k in self._known if k not in live]:  # groups retired by a repair
+            del self._known[k]
+        self._abandoned &= live
+        return g
+
+    def members_changed(self) -> None:
+        """After a repair replaced the groups: forget the retired ones (the next collective finds the new)."""
+        self._known.clear()
+        self._abandoned.clear()
+        self.state.done.clear()
+
+    # ------------------------------------------------------------------ fault injection
+
+    def stall_next(self, dim: str = "replicate") -> None:
+        """Fault injection: this rank's next collective on its ``dim`` group never completes (a stalled link)."""
+        self._stall.add(dim)
+
+    # ------------------------------------------------------------------ waits
+
+    def round_begins(self, prefix: str, generation: int, name: str, round_: int, keys: list[str],
+                     ranks: list[int]) -> Any:
+        """The control plane blocks in a round: the liveness thread watches it (blind: nobody does)."""
+        if not self.watching:
+            return None
+        return self.publisher.round_begins(prefix, generation, name, round_, keys, ranks)
+
+    def round_ends(self, token: Any) -> None:
+        if token is not None:
+            self.publisher.round_ends(token)
+
+    def take_latched(self) -> tuple[str, str] | None:
+        """``(phase, error)`` of the collective this rank gave up since the last call (so that a vote reports it
+        even if the training code swallowed the exception)."""
+        latched, self._latched = self._latched, None
+        return latched
+
+    def _wait(self, ww: WatchedWork) -> bool:
+        if ww._settled:
+            return True
+        work = ww._work
+        try:
+            done = try_wait(work, _FAST)
+        except BaseException:
+            ww._settled = True
+            raise
+        if done:
+            return self._completed(ww)
+        return self._watch(ww, lambda: try_wait(work, _POLL))
+
+    def wait_device(self, work: Any, pg: Any, timeout_s: float) -> None:
+        """The guard's wait on a GPU collective (NCCL): poll its completion with eyes open, like a CPU wait."""
+        group = self._group(pg)
+        if group is None or self.publisher is None or self.observer is None:
+            work.wait(timedelta(seconds=timeout_s))
+            return
+        ww = WatchedWork(work, self, group, group.issued - 1)
+        end = time.monotonic() + timeout_s
+
+        def step() -> bool:
+            if work.is_completed():
+                return True
+            if time.monotonic() > end:
+                work.wait(timedelta(seconds=0.001))  # raises the backend's timeout (and aborts the communicator)
+            threading.Event().wait(POLL_S / 5)
+            return work.is_completed()
+
+        self._watch(ww, step)
+        work.wait()
+
+    def _watch(self, ww: WatchedWork, step: Callable[[], bool]) -> bool:
+        """The wait's slow path: publish it, then look at the members every poll until done or a verdict."""
+        group, seq = ww._group, ww._seq
+        state, publisher = self.state, self.publisher
+        state.wait = ["d", group.name, seq]
+        publisher.publish()
+        episode = lv.Episode(started=time.monotonic())
+        fresh_s = lv.FRESH_INTERVALS * self.timeouts.heartbeat_interval_s
+        self.slow_waits += 1
+        try:
+            while True:
+                try:
+                    if step():
+                        self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - episode.started)
+                        return self._completed(ww)
+                except BaseException:
+                    ww._settled = True
+                    raise
+                try:
+                    seen = self.observer.look(group.members, self._store)
+                except Exception as exc:  # noqa: BLE001 - the store is gone: rank 0, its host, died
+                    raise FailStop(f"lost the control plane while waiting in collective {seq} of group {group.name}: "
+                                   f"{type(exc).__name__}: {exc}; its host, rank 0, is probably gone", EXIT_REQUEUE,
+                                   cause="control-plane", phase=state.phase, frontier=None,
+                                   decided_at=time.monotonic()) from exc
+                now = time.monotonic()
+                verdict = lv.judge_collective(self.rank, group.members, group.name, seq, seen, now, episode,
+                                              bound_s=self.bounds.bound(group.dim),
+                                              heartbeat_s=self.timeouts.heartbeat_s, fresh_s=fresh_s,
+                                              position=self._position(), describe=self.describe)
+                if verdict is not None:
+                    self._give_up(ww, verdict, now - episode.started)
+        finally:
+            state.wait = None
+            publisher.publish()
+
+    def _completed(self, ww: WatchedWork) -> bool:
+        ww._settled = True
+        g = ww._group
+        g.done = max(g.done, ww._seq + 1)
+        self.state.done[g.name] = g.done
+        self.bounds.add(g.dim, time.monotonic() - ww._t0)
+        return True
+
+    def _give_up(self, ww: WatchedWork, verdict: lv.Verdict, waited_s: float) -> None:
+        ww._settled = True
+        g = ww._group
+        self.verdicts.append(verdict)
+        log.warning("rank %d gives up collective %d of its %s group after %.2f s: %s", self.rank, ww._seq, g.dim,
+                    waited_s, verdict.reason)
+        if verdict.fails_stop:
+            cause = {lv.DEAD: "dead-rank", lv.HUNG: "hung-rank"}.get(verdict.kind, verdict.cause or "link")
+            code = verdict.exit_code if verdict.kind == lv.STOPPED and verdict.exit_code else EXIT_REQUEUE
+            raise FailStop(verdict.reason, code, cause=cause, phase=self.state.phase, frontier=None,
+                           decided_at=time.monotonic(), rank=verdict.rank, verdict=verdict.kind)
+        if verdict.kind == lv.LINK:
+            self.bounds.widen(g.dim)
+        self._abandoned.add(id(g.pg))
+        text = f"collective {ww._seq} of the {g.dim} group given up after {waited_s:.2f} s: {verdict.reason}"
+        phase = self.state.phase if self.state.phase in ("forward", "backward") else "backward"
+        self._latched = (phase, f"CollectiveAbandoned: {text}")
+        raise CollectiveAbandoned(text)
+
+
+def try_wait(work: Any, timeout: timedelta) -> bool:
+    """Wait up to ``timeout`` for ``work``: True once it completed, False when it still runs; raises its own error.
+
+    ``Work.wait(timeout)`` raises ``RuntimeError("Operation timed out!")`` when the timeout passes first and leaves
+    the work running; a work that completed meanwhile (or failed) is waited on once more, which returns or raises
+    its own error.
+    """
+    try:
+        work.wait(timeout)
+        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False
+    work.wait()
+    return True
+
+
+def stop_from_round(stop: dict[str, Any], round_name: str) -> FailStop:
+    """The fail-stop of a control-plane round in which a watcher put a stop in a member's place."""
+    kind = stop.get("kind")
+    cause = {lv.DEAD: "dead-rank", lv.HUNG: "hung-rank"}.get(kind, stop.get("cause") or "control-plane")
+    code = stop.get("exit_code") if kind == lv.STOPPED and stop.get("exit_code") else EXIT_REQUEUE
+    return FailStop(f"{stop.get('reason')} (seen while waiting for it in the control plane's {round_name!r} round)",
+                    code, cause=cause, frontier=None, decided_at=time.monotonic(), rank=stop.get("rank"),
+                    verdict=kind)
+
+
+__all__ = ["Detector", "LinkBounds", "WatchedWork", "ControlPlaneError", "stop_from_round"]

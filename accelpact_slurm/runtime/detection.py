@@ -1,0 +1,48 @@
+"""Wiring of the fault detector for one rank: its heartbeat, its node peers, the collective tap.
+
+Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime`, once per rank, collectively (one control-plane
+round exchanges the ranks' pids, so that each rank watches the processes of its node peers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from accelpact_slurm.runtime import liveness as lv
+from accelpact_slurm.runtime.collectives import Detector
+
+log = logging.getLogger(__name__)
+
+
+def start_detector(rt: Any, timeouts: Any, host: str, control_port: int, *, detect: bool = True) -> Detector:
+    """Start this rank's heartbeat (its own connection to the control plane's store), watch its node peers'
+    processes, install the collective tap, and give the control plane its eyes (``detect=False``: the
+    heartbeat runs, but every wait stays blind, as before the detector)."""
+    from accelpact_slurm.repair import torch_compat as tc
+
+    lv.install_dump_handler()
+    state = lv.LocalState()
+    client = dist.TCPStore(host, control_port, rt.layout.world_size, False,
+                           timeout=timedelta(seconds=max(timeouts.control_s, 1.0)))
+    publisher = lv.Publisher(client, rt.rank, state, timeouts.heartbeat_interval_s, timeouts.heartbeat_s,
+                             describe=rt.describe)
+    publisher.start()
+    observer = publisher.observer  # one view of the others, shared by the training and the liveness threads
+    layout = rt.layout
+    members = {"shard": layout.shard_ranks(rt.node), "replicate": layout.replicate_ranks(rt.local_rank)}
+    detector = Detector(rt.rank, lambda: (rt.shard_group, rt.replicate_group), members, state, publisher, observer,
+                        rt.control.position, timeouts, watch=detect and not rt.hardware.is_cuda,
+                        describe=rt.describe, store=rt.control.base_store)
+    host_name = rt.ctx.hostname or os.uname().nodename
+    pids = rt.control.all_gather("liveness-pids", {"pid": os.getpid(), "host": host_name})
+    peers = {r: int(p["pid"]) for r, p in enumerate(pids)
+             if r != rt.rank and layout.node_of(r) == rt.node and p.get("host") == host_name}
+    publisher.watch_peers(peers)
+    tc.install_collective_tap(detector.on_call)
+    rt.control.watch = detector  # blind (detect=False): the rounds are not watched, the records still say why
+    return detector

@@ -1,0 +1,562 @@
+"""Liveness: every rank's heartbeat, the death of a rank's process, and what a waiting rank concludes.
+
+Every rank publishes one small record under ``hb/<rank>`` in the control plane's store, from a thread of its
+own over a store connection of its own (:class:`Publisher`; never the training thread, which may be blocked in
+a collective): a counter that advances at every write, what the rank is doing (the update, the phase, the
+collective or control-plane round it waits in, how many collectives of each group it completed) and, once it
+stops, why.  It writes every ``timeouts.heartbeat_interval_s`` and at once when it starts or ends a long wait:
+N writes per interval for the whole job, O(N).
+
+The same thread holds a pidfd of every other rank of its node: the death of a process is seen within
+milliseconds, and the record of the dead rank is overwritten with ``dead`` for every rank to see.  A rank alone
+on its node has no such witness: its death shows as a heartbeat that stops.
+
+Nobody reads the records while the job trains.  A rank reads them only while it waits: in a data-plane
+collective past a few milliseconds (:mod:`.collectives`), or in a control-plane round past its first slice
+(:mod:`.control`), and then only the members of what it waits in.  What it concludes is a pure function of what
+it saw and when (:func:`judge_collective`, :func:`judge_control`), in the manner of torchft's decisions as pure
+functions returning a reason:
+
+- a member is ``dead``, or ``stopped`` (it fail-stopped, saying why), or its counter has not moved for
+  ``heartbeat_s`` (``hung``): stop waiting, fail stop (L2), naming it;
+- a member is in a control-plane round this rank has not reached (``left``: it is in the vote, it will never
+  join this collective), or has completed this collective while this rank's part never arrived: the
+  collective cannot complete: a communication fault, the vote decides (L1 where allowed);
+- every member is alive (its counter moved lately) and waits in this same collective for longer than the
+  bound learned from the job's own collectives (``link``): a broken link, as above;
+- anything else (a member computing: a straggler) keeps the wait going, up to the backend's own timeout.
+
+Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` starts the publisher; the collective tap and
+the control plane judge; a fail-stop publishes its reason (:meth:`Publisher.publish_now`) and, for a hung rank
+on its own node, dumps its stacks and kills it (:func:`dump_and_kill`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+#: The signal on which every rank dumps its Python stacks (faulthandler) into its log.  Not USR1 (NCCL may catch
+#: it), not USR2 (the pre-timeout warning): a real-time signal nothing else uses.
+DUMP_SIGNAL = signal.SIGRTMIN + 4
+#: How long a node peer gives a hung rank, woken by SIGCONT, to write its stacks before it is killed.
+DUMP_GRACE_S = 1.0
+#: A member whose counter moved within this many heartbeat intervals is alive.
+FRESH_INTERVALS = 3.0
+#: A member that completed a collective this rank still waits in: the wait must outlast this before it is called
+#: lost (a ring's last chunk may still be on its way).
+COMPLETED_GRACE_S = 0.25
+
+DEAD, HUNG, STOPPED, LEFT, LINK = "dead", "hung", "stopped", "left", "link"
+
+
+def record_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+@dataclass
+class LocalState:
+    """What this rank is doing, as its record shows it; written by the training thread, read by the publisher."""
+
+    update: int = 0
+    phase: str = "start"
+    #: ``["d", group, seq]`` (a data-plane collective) or ``["c", generation, name, round]`` (control plane).
+    wait: list[Any] | None = None
+    #: Completed collectives per watched group (by group name).
+    done: dict[str, int] = field(default_factory=dict)
+    #: Once this rank stops: ``{"cause", "reason", "exit_code"}`` (``cause`` ``completed`` at a normal end).
+    stop: dict[str, Any] | None = None
+
+
+def encode(n: int, pid: int, state: LocalState) -> str:
+    return json.dumps({"n": n, "pid": pid, "u": state.update, "ph": state.phase, "w": state.wait,
+                       "d": dict(state.done), "stop": state.stop}, separators=(",", ":"))
+
+
+def decode(raw: bytes | str | None) -> dict[str, Any] | None:
+    """A record, or None for anything that is not one (a missing key, a torn or foreign value)."""
+    if not raw:
+        return None
+    try:
+        rec = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+# ------------------------------------------------------------------ the publisher
+
+
+@dataclass
+class RoundWatch:
+    """A control-plane round this rank waits in, as its liveness thread watches it."""
+
+    prefix: str
+    name: str
+    round: int
+    keys: list[str]
+    ranks: list[int]
+    since: float
+    published: bool = False
+    next_look: float = 0.0
+    done: bool = False
+
+
+#: A round is left alone this long before the liveness thread publishes it and looks at its missing members...
+FIRST_LOOK_S = 0.02
+#: ...and then looks again this often.
+LOOK_S = 0.1
+
+
+class Publisher:
+    """This rank's liveness thread: its record at a fixed interval and on demand, its node peers' deaths, and the
+    control-plane round the rank waits in.
+
+    Args:
+        store: a store connection of its own (the training thread's is blocked in the round it waits in).
+        rank: this rank.
+        state: what the record shows (:class:`LocalState`).
+        interval_s: seconds between two writes.
+        heartbeat_s: a member whose counter does not move for this long is hung.
+        describe: rank -> words for messages (``rank 3 (node 1)``).
+    """
+
+    def __init__(self, store: Any, rank: int, state: LocalState, interval_s: float, heartbeat_s: float = 10.0,
+                 describe: Callable[[int], str] = lambda r: f"rank {r}") -> None:
+        self._store = store
+        self.rank = rank
+        self.state = state
+        self.interval_s = interval_s
+        self.heartbeat_s = heartbeat_s
+        self.describe = describe
+        self.node_peers: dict[int, int] = {}
+        self.n = 0
+        self.lost: str | None = None  # why the store cannot be reached (rank 0, its host, is gone)
+        self.dead: dict[int, str] = {}  # node peers seen dead, with how
+        #: What this rank saw of the others' records; the training thread's waits share it (:class:`Observer`).
+        self.observer = Observer(store)
+        self._round: RoundWatch | None = None
+        self._want_write = False
+        self._written = threading.Condition()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Write the first record now (it exists before any peer looks), then run the thread."""
+        self._write()
+        self._thread = threading.Thread(target=self._run, name="accelpact-liveness", daemon=True)
+        self._thread.start()
+
+    def watch_peers(self, node_peers: Mapping[int, int]) -> None:
+        """Watch these node peers' processes (rank -> pid); call once, after the pids are known."""
+        self.node_peers = dict(node_peers)
+        self._wake()
+
+    def publish(self) -> None:
+        """Publish the current state as soon as the thread wakes (no wait)."""
+        self._want_write = True
+        self._wake()
+
+    def publish_now(self, timeout_s: float = 1.0) -> bool:
+        """Publish the current state and wait (bounded) until it is written; False on the deadline."""
+        with self._written:
+            target = self.n + 1
+            self.publish()
+            return self._written.wait_for(lambda: self.n >= target or self._stop.is_set(), timeout_s)
+
+    def round_begins(self, prefix: str, generation: int, name: str, round_: int, keys: list[str],
+                     ranks: list[int]) -> RoundWatch:
+        """The training thread is about to block in this control-plane round (its keys under ``prefix``)."""
+        w = RoundWatch(prefix, name, round_, list(keys), list(ranks), time.monotonic())
+        w.next_look = w.since + FIRST_LOOK_S
+        self.state.wait = ["c", generation, name, round_]
+        self._round = w
+        self._wake()  # the thread schedules its first look
+        return w
+
+    def round_ends(self, w: RoundWatch) -> None:
+        w.done = True
+        if self._round is w:
+            self._round = None
+        self.state.wait = None
+        if w.published:  # its record said this rank waits there: say it no longer does
+            self.publish()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # the pipe is full (the thread is awake anyway) or closed
+            pass
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        pidfds: dict[int, int] = {}
+        watched: set[int] = set()
+        last_write = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                for r, pid in self.node_peers.items():  # peers arrive once, after the start's pid exchange
+                    if r in watched or r == self.rank:
+                        continue
+                    watched.add(r)
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        self._mark_dead(r, "its process had already ended when this rank began to watch it")
+                        continue
+                    except (OSError, AttributeError) as exc:  # no pidfd here: its heartbeat tells instead
+                        log.info("cannot watch the process of %s (%s): its heartbeat tells", self.describe(r), exc)
+                        continue
+                    pidfds[fd] = r
+                    poller.register(fd, select.POLLIN)
+                now = time.monotonic()
+                w = self._round
+                if w is not None and not w.done and now >= w.next_look:
+                    if not w.published:
+                        w.published = self._want_write = True
+                    self._look_round(w, now)
+                    w.next_look = now + LOOK_S
+                if self._want_write or now - last_write >= self.interval_s:
+                    self._want_write = False
+                    self._write()
+                    last_write = time.monotonic()
+                wake_at = last_write + self.interval_s
+                w = self._round
+                if w is not None and not w.done:
+                    wake_at = min(wake_at, w.next_look)
+                for fd, _ev in poller.poll(max(0.0, wake_at - time.monotonic()) * 1000):
+                    if fd == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except OSError:
+                            pass
+                    elif fd in pidfds:
+                        r = pidfds.pop(fd)
+                        poller.unregister(fd)
+                        os.close(fd)
+                        self._mark_dead(r, "its process ended")
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+            with self._written:
+                self._written.notify_all()
+
+    def _write(self) -> None:
+        with self._written:
+            try:
+                self._store.set(record_key(self.rank), encode(self.n + 1, os.getpid(), self.state))
+            except Exception as exc:  # noqa: BLE001 - the store's host (rank 0) is gone: the waits find out
+                if self.lost is None:
+                    log.warning("heartbeat not published: %s", exc)
+                self.lost = f"{type(exc).__name__}: {exc}"
+                return
+            self.n += 1
+            self._written.notify_all()
+
+    def _look_round(self, w: RoundWatch, now: float) -> None:
+        """Look at the members missing from the round; put a stop in the place of any that will never come."""
+        import torch.distributed as dist
+
+        from accelpact_slurm.runtime.control import STOP_KEY
+
+        try:
+            store = dist.PrefixStore(w.prefix, self._store)
+            missing = [(r, k) for r, k in zip(w.ranks, w.keys) if not store.check([k])]
+            if not missing or w.done:
+                return
+            seen = self.observer.look([r for r, _k in missing], self._store)
+        except Exception:  # noqa: BLE001 - the store is gone: the training thread's read says so
+            return
+        verdict = judge_control([r for r, _k in missing], seen, time.monotonic(), heartbeat_s=self.heartbeat_s,
+                                describe=self.describe)
+        if verdict is None:
+            return
+        stop = json.dumps({STOP_KEY: {"kind": verdict.kind, "rank": verdict.rank, "reason": verdict.reason,
+                                      "exit_code": verdict.exit_code, "cause": verdict.cause}})
+        log.warning("control-plane round %r: %s; every rank waiting in it stops", w.name, verdict.reason)
+        try:
+            for _r, k in missing:  # only where nothing was set: a value that just came stays
+                store.compare_set(k, "", stop)
+        except Exception:  # noqa: BLE001 - the store is gone
+            pass
+        w.done = True
+
+    def mark_ended(self, rank: int, how: str) -> None:
+        """Record that a node peer is being ended on purpose (a hung rank about to be killed), before it resumes."""
+        key = record_key(rank)
+        try:
+            cur = decode(self._store.get(key)) if self._store.check([key]) else None
+            cur = cur or {}
+            cur.update({"dead": {"by": self.rank, "how": how}, "ended": True, "n": int(cur.get("n") or 0) + 1})
+            self._store.set(key, json.dumps(cur, separators=(",", ":")))
+        except Exception:  # noqa: BLE001 - the store is gone
+            pass
+
+    def ended_by_peer(self) -> bool:
+        """Whether a node peer marked this rank as ended (it was hung; its resumption is only for its stacks)."""
+        try:
+            rec = decode(self._store.get(record_key(self.rank)))
+        except Exception:  # noqa: BLE001
+            return False
+        return bool(rec and rec.get("ended"))
+
+    def _mark_dead(self, rank: int, how: str) -> None:
+        """Overwrite a dead node peer's record with ``dead`` (unless it said it stopped or finished)."""
+        self.dead[rank] = how
+        key = record_key(rank)
+        try:
+            cur = decode(self._store.get(key)) if self._store.check([key]) else None
+            if cur is not None and (cur.get("stop") or cur.get("dead")):
+                return  # it left on purpose (a fail-stop, the job's end): not a death
+            cur = cur or {}
+            cur.update({"dead": {"by": self.rank, "how": how}, "n": int(cur.get("n") or 0) + 1})
+            self._store.set(key, json.dumps(cur, separators=(",", ":")))
+        except Exception as exc:  # noqa: BLE001 - the store is gone: nobody is left to tell
+            log.warning("could not publish the death of %s: %s", self.describe(rank), exc)
+            return
+        log.warning("%s died: %s (seen by rank %d)", self.describe(rank), how, self.rank)
+
+
+def dump_stacks(pids: Iterable[int], grace_s: float = DUMP_GRACE_S) -> list[int]:
+    """Make these processes (this node's) write their Python stacks into their logs; returns those signalled.
+
+    ``DUMP_SIGNAL`` (their faulthandler writes every thread's stack, from the signal handler), then SIGCONT (a
+    stopped process takes its pending signals when it resumes, the dump first thing), then up to ``grace_s`` until
+    each runs again and has had a moment for it.
+    """
+    sent = []
+    for pid in pids:
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+            os.kill(pid, signal.SIGCONT)
+            sent.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(_state(p) == "T" for p in sent):  # until they run again
+        threading.Event().wait(0.005)
+    # The pending DUMP_SIGNAL is taken before a process returns to user code: its handler writes the stacks first
+    # (a millisecond); a resumed process is given no more than that, for it is not to run on.
+    threading.Event().wait(max(0.0, min(0.02, end - time.monotonic())))
+    return sent
+
+
+def dump_and_kill(pid: int, grace_s: float = DUMP_GRACE_S) -> str:
+    """Make a hung rank (same node) write its Python stacks into its log (:func:`dump_stacks`), then kill it."""
+    if not dump_stacks([pid], grace_s):
+        return "already gone, or not ours to signal"
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return "stacks dumped; it exited"
+    return "stacks dumped, then killed"
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def install_dump_handler() -> None:
+    """Make this process dump its Python stacks (every thread) to stderr, its log, on :data:`DUMP_SIGNAL`."""
+    import faulthandler
+    import sys
+
+    try:
+        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (ValueError, RuntimeError, AttributeError, OSError) as exc:  # no stderr fd (an embedding host)
+        log.info("stack dumps on signal %d unavailable: %s", DUMP_SIGNAL, exc)
+
+
+# ------------------------------------------------------------------ what a waiting rank sees
+
+
+@dataclass
+class Seen:
+    """One member's record as this rank last read it, and when (this rank's monotonic clock) it last changed."""
+
+    record: dict[str, Any] | None
+    raw: bytes | None
+    changed_at: float
+
+
+class Observer:
+    """The records of the members a rank waits on, as this rank saw them, shared by its threads.
+
+    Keeps, per rank, when its record last changed by this rank's clock, across waits and across the threads
+    that look (the training thread in a collective, the liveness thread in a control-plane round): a counter
+    unchanged since a look a minute ago has been unchanged for that minute (it only ever advances), whichever
+    thread looked then.  Each thread reads through a store connection of its own (``store`` of :meth:`look`).
+    """
+
+    def __init__(self, store: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.seen: dict[int, Seen] = {}
+
+    def look(self, ranks: Iterable[int], store: Any = None) -> dict[int, Seen]:
+        """One read of every record of ``ranks`` (one round trip, through ``store``, else the observer's own).
+        Raises what the store raises."""
+        ranks = list(ranks)
+        raws = (store or self._store).multi_get([record_key(r) for r in ranks])
+        now = self._clock()
+        with self._lock:
+            for r, raw in zip(ranks, raws):
+                prev = self.seen.get(r)
+                if prev is None or prev.raw != raw:
+                    self.seen[r] = Seen(decode(raw), raw, now)
+            return {r: self.seen[r] for r in ranks}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a wait concluded: ``kind`` (dead, hung, stopped, left, link), about ``rank``, in words."""
+
+    kind: str
+    rank: int
+    reason: str
+    exit_code: int | None = None  # a stopped member's own exit code
+    cause: str | None = None  # a stopped member's own cause
+
+    @property
+    def fails_stop(self) -> bool:
+        """Dead, hung or stopped members end the start (L2); left and link are communication faults."""
+        return self.kind in (DEAD, HUNG, STOPPED)
+
+
+def _member_gone(r: int, s: Seen, now: float, heartbeat_s: float,
+                 describe: Callable[[int], str]) -> Verdict | None:
+    rec = s.record
+    if rec is None:
+        return None
+    if rec.get("dead"):
+        how = rec["dead"].get("how", "its process ended") if isinstance(rec["dead"], dict) else "its process ended"
+        by = rec["dead"].get("by") if isinstance(rec["dead"], dict) else None
+        return Verdict(DEAD, r, f"{describe(r)} died: {how}" + (f" (seen by rank {by})" if by is not None else ""))
+    stop = rec.get("stop")
+    if isinstance(stop, dict):  # it said why: adopt its reason, and its culprit (a rank that adopted it too)
+        code = stop.get("exit_code")
+        culprit = stop.get("rank") if isinstance(stop.get("rank"), int) else r
+        return Verdict(STOPPED, culprit, f"{stop.get('reason')} (from {describe(r)}, which stopped on it)",
+                       code if isinstance(code, int) else None, stop.get("cause"))
+    if now - s.changed_at > heartbeat_s:
+        return Verdict(HUNG, r, f"{describe(r)} sent no heartbeat for {now - s.changed_at:.1f} s (its last: "
+                                f"update {rec.get('u')}, {rec.get('ph')}): hung, or its node is lost")
+    return None
+
+
+def cp_ahead(wait: Any, position: tuple[int, Mapping[str, int]]) -> bool:
+    """Whether a member waiting in control-plane round ``wait`` is in a round this rank has not reached (pure).
+
+    ``position``: this rank's control-plane generation and, per agreement name, how many rounds it entered.  A
+    member's record may lag (it left that round since): a round this rank already passed says nothing.
+    """
+    try:
+        _c, gen, name, rnd = wait
+        gen, rnd = int(gen), int(rnd)
+    except (TypeError, ValueError):
+        return False
+    my_gen, rounds = position
+    if gen != my_gen:
+        return gen > my_gen
+    return rnd >= int(rounds.get(name, 0))
+
+
+@dataclass
+class Episode:
+    """One wait in a collective: when every member was first seen in it, and when a member was first seen past it."""
+
+    started: float
+    all_in_since: float | None = None
+    completed_since: dict[int, float] = field(default_factory=dict)
+
+
+def judge_collective(me: int, members: Iterable[int], group: str, seq: int, seen: Mapping[int, Seen], now: float,
+                     episode: Episode, *, bound_s: float, heartbeat_s: float, fresh_s: float,
+                     position: tuple[int, Mapping[str, int]],
+                     describe: Callable[[int], str] = lambda r: f"rank {r}") -> Verdict | None:
+    """The verdict on this rank's wait in collective ``seq`` of ``group``, or None to keep waiting (pure).
+
+    See the module docstring for the rules.  ``episode`` carries the times across calls of one wait.
+    """
+    others = [r for r in members if r != me]
+    for r in others:
+        if r in seen:
+            v = _member_gone(r, seen[r], now, heartbeat_s, describe)
+            if v is not None:
+                return v
+    everyone_in = True
+    for r in others:
+        s = seen.get(r)
+        rec = s.record if s is not None else None
+        if rec is None:
+            everyone_in = False
+            continue
+        wait = rec.get("w")
+        if isinstance(wait, list) and wait[:1] == ["c"] and cp_ahead(wait, position):
+            return Verdict(LEFT, r, f"{describe(r)} left collective {seq} of group {group}: it waits in the "
+                                    f"control plane's {wait[2]!r} round, which needs this rank")
+        done = rec.get("d") if isinstance(rec.get("d"), dict) else {}
+        if isinstance(done.get(group), int) and done[group] > seq:
+            first = episode.completed_since.setdefault(r, now)
+            if now - first >= COMPLETED_GRACE_S and now - episode.started >= COMPLETED_GRACE_S:
+                return Verdict(LEFT, r, f"{describe(r)} completed collective {seq} of group {group} "
+                                        f"{now - first:.2f} s ago; this rank's part never arrived")
+        fresh = now - s.changed_at <= fresh_s
+        if not (fresh and wait == ["d", group, seq]):
+            everyone_in = False
+    if not everyone_in or not others:
+        episode.all_in_since = None
+        return None
+    if episode.all_in_since is None:
+        episode.all_in_since = now
+        return None
+    if now - episode.all_in_since > bound_s:
+        return Verdict(LINK, others[0], f"every member of group {group} is alive and has waited in its collective "
+                                        f"{seq} for {now - episode.started:.2f} s, past the bound of {bound_s:.2f} s "
+                                        f"learned from this job's collectives: a broken link")
+    return None
+
+
+def judge_control(missing: Iterable[int], seen: Mapping[int, Seen], now: float, *, heartbeat_s: float,
+                  describe: Callable[[int], str] = lambda r: f"rank {r}") -> Verdict | None:
+    """The verdict on a control-plane round that ``missing`` have not joined yet, or None to keep waiting (pure).
+
+    A missing member that is dead, stopped or hung will never join: the round fails at once.  One that computes
+    or waits in a collective may still come (or give up on its collective and come): keep waiting.
+    """
+    for r in missing:
+        if r in seen:
+            v = _member_gone(r, seen[r], now, heartbeat_s, describe)
+            if v is not None:
+                return v
+    return None
