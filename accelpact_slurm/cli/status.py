@@ -228,9 +228,10 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
     """One line per run that ended: why it stopped, how it was requeued, what the next run loaded."""
     runs: dict[int, list[str]] = {}
     for fs in l2["fail_stops"]:
+        cause = f" ({fs['cause']})" if fs.get("cause") else ""
         runs.setdefault(fs["restart"], []).append(
-            f"fail-stop ({fs.get('cause') or '-'}) '{fs['reason']}' (exit {fs['exit_code']}, phase "
-            f"{fs['phase'] or '-'}, frontier {fs['frontier']})")
+            f"fail-stop{cause} '{fs['reason']}' (exit {fs['exit_code']}, phase {fs['phase'] or '-'}, "
+            f"frontier {fs['frontier']})")
     for rq in l2["requeues"]:
         runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
     for rl in l2["restart_loads"]:

@@ -38,6 +38,15 @@ EMULATED = "ACCELPACT_EMULATED"
 LOCAL_JOB_ID = "ACCELPACT_LOCAL_JOB_ID"
 
 
+#: ``0`` starts the embedded default's ranks as plain subprocesses instead of forking them from one zygote.
+ZYGOTE = "ACCELPACT_ZYGOTE"
+
+
+def zygote(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(ZYGOTE, "1") != "0"
+
+
 def envelope_path(environ: Mapping[str, str] | None = None) -> str | None:
     environ = os.environ if environ is None else environ
     return environ.get(ENVELOPE) or None

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence, TextIO
+from typing import Any, Mapping, Sequence, TextIO
 
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, LaunchError
@@ -52,9 +52,30 @@ def free_port_pair() -> tuple[int, int]:
 @dataclass
 class RankProcess:
     rank: int
-    proc: subprocess.Popen
+    proc: Any  # subprocess.Popen, or a zygote's Forked (the same interface)
     log_path: str
     pump: threading.Thread | None = None
+    done: threading.Event | None = None  # tells a log follower (rank 0's echo) that the rank has ended
+
+
+def _follow(path: str, echo: TextIO, done: threading.Event) -> None:
+    """Echo what a rank appends to its log file until it has ended (a forked rank writes its log itself)."""
+    pos = 0
+    while True:
+        ended = done.is_set()
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(pos)
+                data = fh.read()
+        except FileNotFoundError:
+            data = b""
+        if data:
+            pos += len(data)
+            echo.write(data.decode(errors="replace"))
+            echo.flush()
+        if ended:
+            return
+        done.wait(POLL_S)
 
 
 def _pump(src, dst_file, echo: TextIO | None) -> None:
@@ -95,9 +116,32 @@ def run_local(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
     out = out or sys.stdout
     environ = dict(os.environ if environ is None else environ)
     job_id = settings.local_job_id(environ) or f"local-{os.getpid()}"
+    zygote = start_zygote(environ)  # one per job: its imports serve every start
+    try:
+        return _relaunch(config_path, cfg, run_dir, worker_args, environ, out, job_id, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def start_zygote(environ: Mapping[str, str]) -> Any:
+    """The job's rank zygote (:mod:`.zygote`), or None where it cannot start (ranks are then plain subprocesses)."""
+    if not settings.zygote(environ):
+        return None
+    from accelpact_slurm.launch.zygote import Zygote
+
+    try:
+        return Zygote(environ)
+    except OSError as exc:
+        log.warning("ranks start as plain processes: %s", exc)
+        return None
+
+
+def _relaunch(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Sequence[str], environ: dict[str, str],
+              out: TextIO, job_id: str, zygote: Any) -> int:
     restart = 0
     while True:
-        code = launch_local(config_path, cfg, run_dir, worker_args, environ, out, job_id, restart)
+        code = launch_local(config_path, cfg, run_dir, worker_args, environ, out, job_id, restart, zygote=zygote)
         if code != EXIT_REQUEUE:
             return code
         if restart >= cfg.recovery.max_restarts:
@@ -118,8 +162,12 @@ def launch_local(
     out: TextIO | None = None,
     job_id: str | None = None,
     restart_count: int = 0,
+    zygote: Any = None,
 ) -> int:
-    """Start and supervise ``cfg.world_size`` local ranks; return the job's exit code."""
+    """Start and supervise ``cfg.world_size`` local ranks; return the job's exit code.
+
+    ``zygote`` (:class:`~accelpact_slurm.launch.zygote.Zygote`): fork the ranks from it; else plain subprocesses.
+    """
     environ = dict(os.environ if environ is None else environ)
     out = out or sys.stdout
     nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
@@ -131,18 +179,27 @@ def launch_local(
 
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
     ranks: list[RankProcess] = []
-    cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config_path, "--run-dir", run_dir, *worker_args]
+    args = [config_path, "--run-dir", run_dir, *worker_args]
+    cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", *args]
     try:
         for rank in range(nodes * rpn):
             env = rank_environ(environ, job_id, rank, nodes, rpn, restart=restart_count, data_port=data_port,
                                control_port=control_port)
             log_path = os.path.join(logs, f"rank-{rank}.log")
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
-            rp = RankProcess(rank, proc, log_path)
-            rp.pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, out if rank == 0 else None),
-                                       name=f"pump-rank-{rank}", daemon=True)
-            rp.pump.start()
+            if zygote is not None and zygote.alive:
+                rp = RankProcess(rank, zygote.spawn(args, env, log_path), log_path)
+                if rank == 0:
+                    rp.done = threading.Event()
+                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done), name="echo-rank-0",
+                                               daemon=True)
+                    rp.pump.start()
+            else:
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+                rp = RankProcess(rank, proc, log_path)
+                rp.pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, out if rank == 0 else None),
+                                           name=f"pump-rank-{rank}", daemon=True)
+                rp.pump.start()
             ranks.append(rp)
     except OSError as exc:
         _terminate(ranks, grace_s=0)
@@ -223,6 +280,8 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
     for rp in ranks:
+        if rp.done is not None:
+            rp.done.set()
         if rp.pump is not None:
             rp.pump.join(timeout=5)
     if stop["signal"] is not None:  # the user stopped the job: stop it, do not relaunch it

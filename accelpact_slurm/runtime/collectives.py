@@ -176,7 +176,7 @@ class Detector:
         self.watching = watch and publisher is not None and observer is not None
         self.describe = describe
         self.bounds = LinkBounds(timeouts.link_floor_s, timeouts.collective_s)
-        self._known: dict[int, _Group] = {}
+        self._known: dict[str, _Group] = {}  # by dimension: the current group of each
         self._abandoned: set[int] = set()
         self._stall: set[str] = set()
         self._latched: tuple[str, str] | None = None
@@ -248,9 +248,8 @@ class Detector:
         return WatchedWork(work, self, group, seq)
 
     def _group(self, pg: Any) -> _Group | None:
-        g = self._known.get(id(pg))
-        if g is not None and g.pg is pg:
-            return g
+        """The watched group ``pg`` is, or None: only the rank's current shard and replication groups are watched
+        (a group a repair retired is not, whoever still holds it)."""
         shard, replicate = self._groups()
         if pg is replicate:
             dim = "replicate"
@@ -258,11 +257,11 @@ class Detector:
             dim = "shard"
         else:
             return None
-        g = self._known[id(pg)] = _Group(pg, dim, list(self._members[dim]))
-        live = {id(shard), id(replicate)}
-        for k in [k for k in self._known if k not in live]:  # groups retired by a repair
-            del self._known[k]
-        self._abandoned &= live
+        g = self._known.get(dim)
+        if g is None or g.pg is not pg:  # a new group of this dimension: numbered from 0
+            g = self._known[dim] = _Group(pg, dim, list(self._members[dim]))
+            self._abandoned &= {id(x.pg) for x in self._known.values()}
+            self.state.done = {x.name: x.done for x in self._known.values()}
         return g
 
     def members_changed(self) -> None:

@@ -170,6 +170,8 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
                            f"optimizer)", EXIT_USAGE, cause="config", phase="script", frontier=None,
                            decided_at=time.monotonic()), events, out, lead, rt.control, ctx, environ)
     train_s = time.monotonic() - train_t0
+    if rt.detector is not None:  # before the digests' collective: every rank's lands before rank 0's job_end
+        events.emit("detector", **rt.detector.summary())
     digest, model_digest = state_digests(run)
     wall_s = time.monotonic() - wall0
     if lead:
@@ -193,7 +195,6 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     if left:  # pragma: no cover - GPU only
         log.warning("%d retired communicator(s) still aborting at the end of the job", left)
     if rt.detector is not None:  # a peer that sees this rank's process end now knows it finished, not died
-        events.emit("detector", **rt.detector.summary())
         rt.detector.publish_stop({"cause": "completed", "reason": "the job finished", "exit_code": EXIT_OK})
     rt.control.barrier("job-end")
     rt.control.leave("job-end", cfg.timeouts.shutdown_s)

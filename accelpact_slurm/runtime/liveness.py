@@ -307,23 +307,21 @@ class Publisher:
         w.done = True
 
     def mark_ended(self, rank: int, how: str) -> None:
-        """Record that a node peer is being ended on purpose (a hung rank about to be killed), before it resumes."""
-        key = record_key(rank)
+        """Record that a node peer is being ended on purpose (a hung rank about to be killed), before it resumes.
+
+        Under a key of its own, not in its record: the hung rank's own liveness thread, resumed for its stacks,
+        would overwrite that."""
         try:
-            cur = decode(self._store.get(key)) if self._store.check([key]) else None
-            cur = cur or {}
-            cur.update({"dead": {"by": self.rank, "how": how}, "ended": True, "n": int(cur.get("n") or 0) + 1})
-            self._store.set(key, json.dumps(cur, separators=(",", ":")))
+            self._store.set(f"ended/{rank}", json.dumps({"by": self.rank, "how": how}))
         except Exception:  # noqa: BLE001 - the store is gone
             pass
 
     def ended_by_peer(self) -> bool:
         """Whether a node peer marked this rank as ended (it was hung; its resumption is only for its stacks)."""
         try:
-            rec = decode(self._store.get(record_key(self.rank)))
+            return bool(self._store.check([f"ended/{self.rank}"]))
         except Exception:  # noqa: BLE001
             return False
-        return bool(rec and rec.get("ended"))
 
     def _mark_dead(self, rank: int, how: str) -> None:
         """Overwrite a dead node peer's record with ``dead`` (unless it said it stopped or finished)."""

@@ -16,8 +16,9 @@ and killed with its whole group when it passes its deadline.  The fault of a cla
 
 What is measured, from the ranks' own records (wall clock of this one machine) and ``events.jsonl``: the
 moment of the injection (the faulting rank's record just before it; the harness's own clock for the daemon),
-each rank's first commit after it (any start), and so the slowest rank's injection -> next committed update;
-for a bug, injection -> the job's exit.  Beside it: the first and last ``fail_stop`` after the injection
+each rank's first commit after it (a restart's first, or the faulted update's), and so the slowest rank's
+injection -> next committed update; for a bug, injection -> the last rank's exit (its ``fail_stop``, written
+just before it), with the launcher's own exit beside it (after the daemons finished the snapshot in flight).  Beside it: the first and last ``fail_stop`` after the injection
 (detection), their cause and culprit, the repairs, and the starts.
 """
 
@@ -112,11 +113,12 @@ def run_ours(cls: str, work: Path, tag: str, deadline_s: float = RUN_DEADLINE_S)
     res["repairs"] = [{"scope": e.get("scope"), "fault_to_resume_s": e.get("fault_to_resume_s")}
                       for e in events if e.get("event") == "repair"]
     res["starts"] = sorted({e["restart"] for e in events if e.get("event") == "job_start"})
-    if cls in TO_EXIT:
-        res["per_rank_s"] = None
-        res["recover_s"] = ended - inject
-        res["ok"] = rc is not None
-        return res if res["ok"] else {**res, "error": f"{name}: did not exit within its deadline"}
+    if cls in TO_EXIT:  # the ranks' exit (each writes its fail_stop just before it exits); the launcher's beside it
+        res["per_rank_s"] = {e["rank"]: e["ts"] - inject for e in stops}
+        res["recover_s"] = res["fail_stop"]["last_s"]
+        res["launcher_exit_s"] = ended - inject  # includes the daemons finishing the snapshot they write
+        res["ok"] = rc is not None and res["recover_s"] is not None and len(res["starts"]) == 1
+        return res if res["ok"] else {**res, "error": f"{name}: rc {rc}, starts {res['starts']}"}
     per_rank = {}
     for r, rr in recs.items():  # the next update: a restart's first, or one past the fault's (not the one before)
         after = [x["t"] for x in rr if x.get("ev") == "commit" and x["t"] > inject

@@ -16,6 +16,9 @@ timings, whether the fault was handled and, if not, why; with torchft's version 
 (torchft's shipped defaults unless one would make a trial exceed about a minute; ``TIMEOUT_NOTES`` says which
 are lowered and why).
 
+``KINDS`` are the faults (``link kill stop bug``); ``FAULTS`` maps the recovery benchmark's fault classes to them
+(``bench/recovery_main.py`` calls ``run_trial(FAULTS[cls], ...)`` and reads ``recover_s`` and ``handled``).
+
 CLI: ``python scripts/bench/recovery_torchft.py --fault link --trials 1`` prints the JSON.
 """
 
@@ -39,14 +42,18 @@ for _p in (str(_SCRIPTS), str(_SCRIPTS.parent)):
 from bench import harness as h  # noqa: E402
 from bench.peers_runs import PROCS, REPO, WORKERS, clean_env, port_open, read_jsonl, tail, wait_for  # noqa: E402
 
-FAULTS = ("link", "kill", "stop", "bug")
+KINDS = ("link", "kill", "stop", "bug")  # the faults run_trial injects (torchft_hsdp_worker.py's --fault)
+#: The recovery benchmark's fault classes (``recovery_runs.CLASSES``) that have a torchft counterpart -> its kind.
+#: ``link-boundary`` has none: torchft runs no collective between updates (its quorum and commit vote go over
+#: gRPC to the ManagerServer and lighthouse), so the first collective a broken link fails is the backward's.
+FAULTS = {"link-backward": "link", "kill": "kill", "stop": "stop", "bug": "bug"}
 WORKER = WORKERS / "torchft_hsdp_worker.py"
 #: torchft's shipped defaults (Manager, its ProcessGroupGloo, the lighthouse) and the replica group's own Gloo
 #: group's (torch's default); the ones lowered for the trials are overridden in ``TIMEOUTS``.
 SHIPPED = {"lighthouse_heartbeat_timeout_ms": 5000, "lighthouse_join_timeout_ms": 60000,
            "lighthouse_quorum_tick_ms": 100, "manager_heartbeat_interval_ms": 100, "manager_timeout_s": 60.0,
            "quorum_timeout_s": 60.0, "connect_timeout_s": 60.0, "pg_timeout_s": 60.0, "group_timeout_s": 1800.0}
-TIMEOUTS = {**SHIPPED, "pg_timeout_s": 5.0, "group_timeout_s": 10.0}
+TIMEOUTS = {**SHIPPED, "pg_timeout_s": 5.0, "group_timeout_s": 10.0, "quorum_timeout_s": 10.0}
 TIMEOUT_NOTES = {
     "pg_timeout_s": "torchft's ProcessGroupGloo (the replicate dimension's all-reduce) ships with 60 s: a "
                     "withheld all-reduce would take 60 s to fail, a trial well over a minute; lowered to 5 s, "
@@ -56,6 +63,15 @@ TIMEOUT_NOTES = {
                        "only gets its group restarted, when this expires; lowered to 10 s, twice pg_timeout_s, "
                        "since a rank's FSDP collective may legitimately wait while its group peer sits in a "
                        "withheld replication all-reduce for pg_timeout_s",
+    "quorum_timeout_s": "ships with 60 s; it decides the stop trials: a rank whose group peer is stopped fails in "
+                        "FSDP's collective after group_timeout_s but its process only exits once its own quorum "
+                        "request (waiting in its group's ManagerServer for the stopped peer) expires, because "
+                        "interpreter exit joins the Manager's quorum thread; and while that group's ManagerServer "
+                        "still heartbeats, the lighthouse gives the other group no quorum (with 2 groups, 1 "
+                        "participant is not more than half of 2 healthy ones), so the survivors' own quorum "
+                        "request expires at the same moment and they crash too; measured with 60 s: both groups "
+                        "restarted 61 s after the stop, a 76 s trial, training back at update 1. Lowered to 10 s: "
+                        "the same outcome 50 s sooner (and a stopped rank 0 is replaced 50 s sooner)",
 }
 POLL_S = 0.05  # the launcher's monitor interval (torchelastic polls its workers every 0.1 s by default)
 
@@ -79,17 +95,20 @@ def _first(recs: list[dict[str, Any]], ev: str, **match: Any) -> dict[str, Any] 
 
 
 def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: float, steps: int | None = None,
-              timeouts: dict[str, float] | None = None, max_restarts: int = 1,
+              timeouts: dict[str, float] | None = None, max_restarts: int = 1, exit_on_error: bool = False,
               config: str | None = None) -> dict[str, Any]:
     """One trial: ``fault`` (link | kill | stop | bug) on global rank ``rank`` (= 2 * group + rank in group) at
     update ``step``; everything ends within ``timeout_s`` (plus a few seconds of teardown).
 
     ``steps``: the ranks stop after the first committed update at or past it that follows three updates all four
     committed together after the fault (default ``step + 4``).  ``timeouts``: overrides of ``TIMEOUTS``.
-    ``max_restarts``: restarts of each replica group the launcher allows.  Returns a dict (see the module's doc).
+    ``max_restarts``: restarts of each replica group the launcher allows.  ``exit_on_error``: a rank whose
+    training loop raises exits at once (``os._exit``) instead of through interpreter shutdown, which waits for
+    the Manager's quorum thread (up to ``quorum_timeout_s``): not what a plain script does, so off by default.
+    Returns a dict (see the module's doc).
     """
-    if fault not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS}, not {fault!r}")
+    if fault not in KINDS:
+        raise ValueError(f"fault must be one of {KINDS}, not {fault!r}")
     if not 0 <= rank < 4 or step < 2:
         raise ValueError("rank must be 0..3 and step >= 2 (update 1 is the start)")
     venv = torchft_venv()
@@ -104,8 +123,9 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
     res: dict[str, Any] = {
         "system": "torchft", "torchft": venv["version"], "torchft_pin": venv["pin"], "torch": venv["torch"],
         "fault": fault, "step": step, "rank": rank, "faulty_group": faulty_group, "steps": steps,
-        "timeout_s": timeout_s, "timeouts": tmo,
-        "timeouts_lowered": {k: TIMEOUT_NOTES.get(k, "set by the caller") for k in tmo if tmo[k] != SHIPPED.get(k)},
+        "timeout_s": timeout_s, "timeouts": tmo, "exit_on_error": exit_on_error,
+        "timeouts_lowered": {k: TIMEOUT_NOTES[k] if tmo[k] == TIMEOUTS[k] and k in TIMEOUT_NOTES else "set by the caller"
+                             for k in tmo if tmo[k] != SHIPPED.get(k)},
         "launcher": f"restart a replica group when any of its processes exits non-zero (max {max_restarts} per "
                     f"group; a stopped or hung process is not an exit)",
         "form": "FSDP2 fully_shard per replica group (2 ranks) + torchft ManagedProcessGroup all-reduce in "
@@ -142,6 +162,8 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
                 cmd += ["--config", config]
             if inc[g]:
                 cmd.append("--restarted")
+            if exit_on_error:
+                cmd.append("--exit-on-error")
             procs[r] = PROCS.spawn(cmd, workdir / f"rank{r}-inc{inc[g]}.log", env=clean_env(), cwd=WORKERS)
 
     timed_out = False
@@ -152,8 +174,9 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
         for g in (0, 1):
             spawn_group(g)
         while True:
-            if all(p.poll() == 0 for p in procs.values()):
-                break
+            if all(p.poll() is not None for p in procs.values()) and all(
+                    g in failed_groups or procs[2 * g].returncode == procs[2 * g + 1].returncode == 0 for g in (0, 1)):
+                break  # every group done, or down with no restart left
             if time.monotonic() > deadline:
                 timed_out = True
                 break
@@ -166,7 +189,7 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
                 if not bad or g in failed_groups:
                     continue
                 t_detect = time.time()
-                if len(restarts) >= 2 * max_restarts or sum(1 for x in restarts if x["group"] == g) >= max_restarts:
+                if sum(1 for x in restarts if x["group"] == g) >= max_restarts:
                     failed_groups[g] = f"rank {bad[0][0]} exited {bad[0][1]}, no restart left"
                     continue
                 for p in mine:  # the rest of the group goes too, as torchelastic stops all its workers
@@ -183,7 +206,8 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
         stopped = {}
         for r, p in procs.items():
             try:
-                stopped[r] = alive[r] and open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+                stat = Path(f"/proc/{p.pid}/stat").read_text()
+                stopped[r] = alive[r] and stat.rsplit(")", 1)[1].split()[0] == "T"  # SIGSTOPped: state T
             except OSError:
                 stopped[r] = False
             PROCS.kill(p)
@@ -207,9 +231,15 @@ def _analyse(fault: str, step: int, rank: int, files: dict[tuple[int, int], Path
                          f"{first_commits[-1] if first_commits else None}): "
                          f"{tail(workdir / f'rank{rank}-inc0.log', 4)}"}
     t_inj = fault_rec["t"]
+    # a restarted rank that commits an update before the fault's started over: it found no group to heal from,
+    # and none of its commits is a recovery
+    over_keys = {key for key, rs in recs.items() if key[1] > 0
+                 and any(x["ev"] == "commit" and x["t"] > t_inj and x["u"] < fault_rec["u"] for x in rs)}
+    over = sorted({r for r, _ in over_keys})
     per_rank: dict[int, dict[str, Any]] = {}
     for r in range(4):
-        mine = sorted((x for (rr, _), rs in recs.items() if rr == r for x in rs), key=lambda x: x["t"])
+        mine = sorted((x for (rr, i), rs in recs.items() if rr == r and (rr, i) not in over_keys for x in rs),
+                      key=lambda x: x["t"])
         # the update the fault hit, or a later one: a peer's commit of update N-1 can land just after a kill at
         # the start of N, and is no recovery
         c = next((x for x in mine if x["ev"] == "commit" and x["t"] > t_inj and x["u"] >= fault_rec["u"]), None)
@@ -222,41 +252,54 @@ def _analyse(fault: str, step: int, rank: int, files: dict[tuple[int, int], Path
                        "done": any(x["ev"] == "done" for x in mine)}
     # the first update after the fault that all four ranks committed with both groups taking part
     by_u: dict[int, list[dict[str, Any]]] = {}
-    for x in every:
+    for x in (y for key, rs in recs.items() if key not in over_keys for y in rs):
         if x["ev"] == "commit" and x["t"] > t_inj and x["participants"] == 2:
             by_u.setdefault(x["u"], []).append(x)
     both = sorted(u for u, xs in by_u.items() if len({x["rank"] for x in xs}) == 4)
     together = {"u": both[0], "after_s": max(x["t"] for x in by_u[both[0]]) - t_inj} if both else None
     after = [v["after_s"] for v in per_rank.values()]
-    handled = all(a is not None for a in after)
+    handled = all(a is not None for a in after) and not over
     g = rank // 2
     others = [r for r in range(4) if r // 2 != g]
     out: dict[str, Any] = {
         "ok": True, "handled": handled, "t_inject": t_inj, "fault_u": fault_rec["u"], "per_rank": per_rank,
         "slowest_s": max(after) if handled else None,
+        "recover_s": max(after) if handled else None,  # the same, under the recovery benchmark's name
         "slowest_rank": max(per_rank, key=lambda r: per_rank[r]["after_s"]) if handled else None,
         "other_group_resume_s": (max(per_rank[r]["after_s"] for r in others)
                                  if all(per_rank[r]["after_s"] is not None for r in others) else None),
         "all_four_together": together,
         "aborted_updates": sorted({x["u"] for x in every if x["ev"] == "abort" and x["t"] > t_inj}),
+        "started_over": over, "progress_lost": bool(over),
     }
     rs = []
-    for x in restarts:
+    for x in restarts:  # each restarted group: when its two new processes got where (seconds after the fault)
         new = [rr for key, rr in recs.items() if key[1] == x["incarnation"] and key[0] // 2 == x["group"]]
-        imp = [y["t"] for rr in new for y in rr if y["ev"] == "imported"]
-        ready = [y["t"] for rr in new for y in rr if y["ev"] == "ready"]
-        heal = [y["t"] for rr in new for y in rr if y["ev"] == "commit"]
-        rs.append({"group": x["group"], "exited": x["exited"], "detect_s": x["t_detect"] - t_inj,
-                   "spawn_s": x["t_spawn"] - t_inj,
-                   "imported_s": (max(imp) - t_inj) if len(imp) == 2 else None,
-                   "ready_s": (max(ready) - t_inj) if len(ready) == 2 else None,
-                   "first_commit_s": (max(min(y["t"] for y in rr if y["ev"] == "commit") for rr in new) - t_inj)
-                   if len(heal) and all(any(y["ev"] == "commit" for y in rr) for rr in new) and len(new) == 2
-                   else None})
+
+        def latest(ev: str) -> float | None:
+            ts = [next((y["t"] for y in rr if y["ev"] == ev), None) for rr in new]
+            return max(ts) - t_inj if len(ts) == 2 and None not in ts else None
+
+        first = [next((y for y in rr if y["ev"] == "commit"), None) for rr in new]
+        rs.append({"group": x["group"], "exited": x["exited"], "error": _last_error(
+                       workdir / f"rank{x['exited'][0][0]}-inc{x['incarnation'] - 1}.log"),
+                   "detect_s": x["t_detect"] - t_inj,
+                   "spawn_s": x["t_spawn"] - t_inj, "imported_s": latest("imported"), "ready_s": latest("ready"),
+                   "first_commit_s": latest("commit"),
+                   "first_commit_u": first[0]["u"] if first and first[0] else None})
     out["restarts"] = rs
     if not handled:
         stuck = [r for r, v in per_rank.items() if v["after_s"] is None]
         why = []
+        if over:
+            why.append(f"replica groups {sorted({x['group'] for x in restarts})} were restarted (exits: "
+                       f"{[x['exited'] for x in restarts]}), so no replica group kept the job's progress: ranks "
+                       f"{over} began again at update 1 and any other restarted rank healed from them (torchft "
+                       f"keeps no checkpoint of its own)")
+        for x in rs:
+            if x["group"] != rank // 2:
+                why.append(f"group {x['group']}, which had no fault, failed too {x['detect_s']:.1f} s after it "
+                           f"({x['error'] or 'no error printed'})")
         if any(stopped.get(r) for r in stuck):
             why.append(f"rank {rank} is stopped (SIGSTOP): alive, so the launcher never restarts its group")
         if fault == "stop" and not restarts:
@@ -274,18 +317,31 @@ def _analyse(fault: str, step: int, rank: int, files: dict[tuple[int, int], Path
     return out
 
 
+def _last_error(log: Path) -> str | None:
+    """The last line of a rank's log that names an exception (what it died of)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    hits = [ln.split("]: ", 1)[-1] for ln in lines if "Error" in ln and ":" in ln and "File " not in ln]
+    return hits[-1][:240] if hits else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fault", choices=FAULTS, required=True)
+    ap.add_argument("--fault", choices=KINDS, required=True)
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--step", type=int, default=5, help="the update the fault hits")
     ap.add_argument("--rank", type=int, default=1, help="global rank (2 * group + rank in group)")
     ap.add_argument("--timeout-s", type=float, default=80.0, help="bound of one trial")
     ap.add_argument("--workdir", default=None, help="keep the trials' records and logs here (default: a temp dir)")
+    ap.add_argument("--exit-on-error", action="store_true", help="a rank whose loop raises exits at once")
+    ap.add_argument("--shipped-timeouts", action="store_true", help="torchft's shipped defaults, none lowered")
     ap.add_argument("--timeout", action="append", default=[], metavar="NAME=VALUE",
                     help=f"override a timeout ({', '.join(TIMEOUTS)})")
     args = ap.parse_args(argv)
-    over = {k: float(v) for k, v in (s.split("=", 1) for s in args.timeout)}
+    over = dict(SHIPPED) if args.shipped_timeouts else {}
+    over.update({k: float(v) for k, v in (s.split("=", 1) for s in args.timeout)})
     unknown = set(over) - set(TIMEOUTS)
     if unknown:
         ap.error(f"unknown timeouts {sorted(unknown)}")
@@ -294,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.trials):
             trials.append(run_trial(args.fault, step=args.step, rank=args.rank, workdir=base / f"{args.fault}-{i}",
-                                    timeout_s=args.timeout_s, timeouts=over))
+                                    timeout_s=args.timeout_s, timeouts=over,
+                                    exit_on_error=args.exit_on_error))
     finally:
         PROCS.kill_all()
         if not args.workdir:

@@ -37,7 +37,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
+import traceback
 import time
 from datetime import timedelta
 
@@ -68,7 +70,17 @@ def main() -> int:
     ap.add_argument("--group-timeout-s", type=float, default=1800.0,
                     help="the replica group's own Gloo group (FSDP's reduce-scatter/all-gather; torch's default 1800)")
     ap.add_argument("--deadline-s", type=float, default=120.0, help="hard exit after this many seconds")
+    ap.add_argument("--exit-on-error", action="store_true",
+                    help="an uncaught error exits at once (interpreter exit would wait for the Manager's quorum "
+                         "thread, up to its quorum timeout)")
     args = ap.parse_args()
+    if args.exit_on_error:
+        def hard_exit(*exc: object) -> None:
+            traceback.print_exception(*exc)
+            sys.stderr.flush()
+            os._exit(1)
+
+        sys.excepthook = hard_exit
 
     def watchdog() -> None:  # every wait below has a deadline; this one bounds the whole process
         time.sleep(args.deadline_s)
@@ -119,6 +131,13 @@ def main() -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg.steps, p["warmup_steps"], p["min_lr"] / p["lr"]))
     data = TokenStream(p["vocab"], p["seq_len"], cfg.seed, p["sequences"])
     params = [x for grp in opt.param_groups for x in grp["params"]]
+    # The sharded parameters (DTensors, the objects AdamW steps) and buffers, taken once, now.  The state dict
+    # torchft sends is built on its quorum thread while this thread runs the forward: model.state_dict() there
+    # would run FSDP2's state-dict hooks, which swap the modules' parameters back to the sharded DTensors in
+    # the middle of the forward ("got mixed torch.Tensor and DTensor" in layer_norm, measured).
+    sharded = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    assert [id(x) for x in sharded.values()] == [id(x) for x in params], "AdamW's parameters are not FSDP's"
     state = {"cursor": 0}  # committed updates: the index of this rank's next batch
 
     def local(x):
@@ -127,15 +146,17 @@ def main() -> int:
     def state_dict() -> dict:
         """This rank's shards: what a restarted rank of the same group rank heals from."""
         osd = opt.state_dict()
-        return {"model": {k: local(v) for k, v in model.state_dict().items()},
+        return {"model": {k: local(v).detach() for k, v in sharded.items()}, "buffers": buffers,
                 "optim": {"state": {i: {k: local(v) for k, v in s.items()} for i, s in osd["state"].items()},
                           "param_groups": osd["param_groups"]},
                 "sched": sched.state_dict(), "cursor": state["cursor"]}
 
     def load_state_dict(sd: dict) -> None:
         with torch.no_grad():
-            for k, v in model.state_dict().items():
+            for k, v in sharded.items():
                 local(v).copy_(sd["model"][k])
+            for k, v in buffers.items():
+                v.copy_(sd["buffers"][k])
         ostate = {}
         for i, s in sd["optim"]["state"].items():
             par = params[int(i)]

@@ -27,7 +27,7 @@ ALL_LOGS = ["--sacct", SACCT, "--jobcomp", JOBCOMP, "--events", RUN]
 STATUS_JOB_KEYS = {
     "job_id", "run_dir", "state", "state_source", "run_dir_state", "restarts", "frontier", "step_rate",
     "checkpoint_every_steps", "l1", "l2", "snapshots", "envelope", "final", "last_event_ts", "last_change_ts",
-    "stale", "stale_reason", "warnings", "bad_lines", "events"}
+    "stale", "stale_reason", "warnings", "bad_lines", "events", "last_stop"}
 CADENCE_KEYS = {
     "schema", "inputs", "bad_lines", "observed_s", "runs", "classes", "restart_rate", "costs", "intervals",
     "goodput", "delta_t", "recommendation", "interruptions", "notes", "missing", "write"}

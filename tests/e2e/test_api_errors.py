@@ -110,4 +110,4 @@ def test_an_entry_point_that_does_not_exist_is_a_usage_error(tmp_path):
     (tmp_path / "job.yaml").write_text(JOB.format(entry="no_such_module:main"))
     proc = run_cli(["accelpact_slurm.cli.run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run")])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "entry: invalid value 'no_such_module:main': cannot import it" in proc.stdout + proc.stderr
+    assert "entry: invalid value 'no_such_module:main': cannot find module no_such_module" in proc.stdout + proc.stderr
