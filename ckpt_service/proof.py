@@ -1,6 +1,7 @@
 """The capture proof: the bytes staged for a snapshot equal the live state, without the user's model.
 
-On the first snapshot of every start each rank computes, for every tensor of its state, a
+Once per job and capture plan (the first snapshot of a start whose plans no earlier proof passed:
+:mod:`.proof_cache`) each rank computes, for every tensor of its state, a
 position-weighted fingerprint of what it staged (read back from the slot) and of the same tensor
 as ``get_state_dict`` gives it (the framework's own sharded state dict, an independent path to the
 same values).  A node's ranks together hold a complete copy, so per node the sums over its ranks

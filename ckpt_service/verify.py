@@ -3,7 +3,7 @@
 ``verify_snapshot`` returns ``(ok, reason)``; the daemon and ``accelpact-ckpt verify`` record
 ``verified`` or ``rejected`` from it.  What else a snapshot must prove happens elsewhere, without
 rebuilding the user's model either: the capture is proven against the live shards on the ranks
-(:mod:`ckpt_service.proof`, first snapshot of every start), and the replay check runs on the user's
+(:mod:`ckpt_service.proof`, once per job and capture plan), and the replay check runs on the user's
 own training path after a restart (:mod:`accelpact_slurm.runtime.replay`).  ``docs/checkpoints.md``
 states what "verified" means.
 """

@@ -15,7 +15,9 @@ rank's record and then, every :data:`POLL_S`, reads the records of the group's m
 - a member still computes (a straggler): the wait goes on, up to the backend's own timeout.
 
 The bound is learned per group dimension from the job's own collectives: :data:`LINK_FACTOR` times the
-slowest of the last :data:`SAMPLES` that completed, at least ``timeouts.link_floor_s``, at most
+slowest of the last :data:`SAMPLES` that completed (from their issue when they completed within :data:`FAST_S`,
+else from when every member was seen in them; a wait on a straggler teaches nothing), at least
+``timeouts.link_floor_s``, at most
 ``timeouts.collective_s`` (and the ceiling itself until :data:`MIN_SAMPLES` completed); each link verdict
 doubles it for that dimension, so a bound too tight for this job cannot repair it into a restart loop.
 
@@ -342,7 +344,9 @@ class Detector:
                 try:
                     if step():
                         self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - episode.started)
-                        return self._completed(ww)
+                        # What the bound learns is how long a collective takes once every member is in it: a wait
+                        # on a straggler says nothing of that (counted from when all were seen in, else not at all).
+                        return self._completed(ww, since=episode.all_in_since, sample=episode.all_in_since is not None)
                 except BaseException:
                     ww._settled = True
                     raise
@@ -364,12 +368,13 @@ class Detector:
             state.wait = None
             publisher.publish()
 
-    def _completed(self, ww: WatchedWork) -> bool:
+    def _completed(self, ww: WatchedWork, since: float | None = None, sample: bool = True) -> bool:
         ww._settled = True
         g = ww._group
         g.done = max(g.done, ww._seq + 1)
         self.state.done[g.name] = g.done
-        self.bounds.add(g.dim, time.monotonic() - ww._t0)
+        if sample:
+            self.bounds.add(g.dim, time.monotonic() - (ww._t0 if since is None else since))
         return True
 
     def _give_up(self, ww: WatchedWork, verdict: lv.Verdict, waited_s: float) -> None:

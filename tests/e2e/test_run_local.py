@@ -20,8 +20,9 @@ TINY = "examples/decoder/job.yaml"
 STEPS = 8
 
 
-def _run(run_dir, *extra, config=TINY):
-    proc = run_cli(["accelpact_slurm.cli.run", config, "--run-dir", str(run_dir), "--steps", str(STEPS), *extra])
+def _run(run_dir, *extra, config=TINY, env=None):
+    proc = run_cli(["accelpact_slurm.cli.run", config, "--run-dir", str(run_dir), "--steps", str(STEPS), *extra],
+                   env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(run_dir, "summary.json")) as fh:
         return proc, json.load(fh)
@@ -32,13 +33,15 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
     return {
         "a": _run(base / "a"),
-        "b": _run(base / "b"),
+        "b": _run(base / "b", env={"ACCELPACT_ZYGOTE": "0"}),  # ranks as plain processes, not forked
         "seed": _run(base / "seed", "--seed", "99"),
         "dir": base,
     }
 
 
 def test_same_seed_same_digest_other_seed_differs(runs):
+    """Run b starts its ranks as plain processes (``ACCELPACT_ZYGOTE=0``), a and the others fork them from the
+    launcher's zygote: the same training either way."""
     (_, a), (_, b), (_, c) = runs["a"], runs["b"], runs["seed"]
     assert a["final_state_digest"] == b["final_state_digest"]
     assert a["losses"] == b["losses"]
