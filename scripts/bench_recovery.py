@@ -5,20 +5,24 @@ For each fault class (a stalled link at the boundary and in backward, SIGKILL an
 training-code exception, SIGKILL of a checkpoint daemon) the time from the injection to the next committed
 update of the slowest rank (for a bug: to the job's exit), over several trials of ``accelpact-run`` on the
 embedded default (2 emulated nodes x 2 ranks, the decoder example), the classes rotated in every round; beside
-it, where ``scripts/bench/recovery_torchft.py`` is present, torchft driving the same FSDP HSDP model on the same
-four ranks on the same faults; and the heartbeat path alone at 4, 64 and 256 emulated ranks (writes and bytes
+it torchft and NVRx's in-job restart driving the same FSDP HSDP model on the same four ranks on the faults each
+has (``scripts/bench/recovery_torchft.py``, ``recovery_nvrx.py``); the first snapshot after a restart on the
+110M-parameter model; what the detector costs an update against the code before it (ABBA); and the heartbeat
+path alone at 4, 64 and 256 emulated ranks (writes and bytes
 per second, the store host's CPU), which must grow as N.
 
 Output: ``--json`` (default ``benchmarks/results/<date>/recovery.json``) and the block between
 ``<!-- recovery-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
 
-Usage: .venv/bin/python scripts/bench_recovery.py [--trials 5] [--classes kill,stop] [--no-torchft]
+Usage: .venv/bin/python scripts/bench_recovery.py [--trials 5] [--classes kill,stop] [--peers torchft,nvrx]
        .venv/bin/python scripts/bench_recovery.py --render benchmarks/results/<date>/recovery.json
 
-About 10 minutes here with the defaults (30 of our jobs of 12-25 s; torchft's trials beside them).
+About 20 minutes here with the defaults (30 of our jobs of 12-25 s, 3 trials of each peer's faults, the 110M job,
+six jobs for the cost).
 
 The code is in ``scripts/bench/``: ``recovery_entry`` (our ranks' entry point), ``recovery_runs`` (one job),
-``recovery_traffic`` (the heartbeat path), ``recovery_main``.
+``recovery_traffic`` (the heartbeat path), ``recovery_cost`` (the ABBA cost), ``recovery_torchft`` and
+``recovery_nvrx`` (the peers' drivers), ``recovery_main``.
 """
 
 from __future__ import annotations

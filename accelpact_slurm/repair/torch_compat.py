@@ -143,6 +143,7 @@ TAPPED_METHODS = (
     "barrier", "reduce", "gather", "scatter", "alltoall", "all_to_all_single", "alltoall_base",
 )
 _tap_lock = threading.Lock()
+#: name -> the class's own attribute before the tap (its raw descriptor; None: it was inherited).
 _tap_originals: dict[str, object] = {}
 
 
@@ -162,10 +163,10 @@ def install_collective_tap(on_call) -> list[str]:
     with _tap_lock:
         remove_collective_tap()
         for name in TAPPED_METHODS:
-            original = getattr(cls, name, None)
+            original = getattr(cls, name, None)  # bound on call as original(pg, ...)
             if original is None:
                 continue
-            _tap_originals[name] = original
+            _tap_originals[name] = cls.__dict__.get(name)
 
             def tapped(self, *args, __name=name, __original=original, **kwargs):
                 return on_call(self, __name, __original, args, kwargs)
@@ -180,10 +181,13 @@ def install_collective_tap(on_call) -> list[str]:
 
 
 def remove_collective_tap() -> None:
-    """Put back every method :func:`install_collective_tap` patched (idempotent)."""
+    """Put back every method :func:`install_collective_tap` patched, as it was (idempotent)."""
     cls = dist.ProcessGroup
-    for name, original in list(_tap_originals.items()):
-        setattr(cls, name, original)
+    for name, raw in list(_tap_originals.items()):
+        if raw is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, raw)
     _tap_originals.clear()
 
 

@@ -41,7 +41,7 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
-from accelpact_slurm.core.errors import EXIT_REQUEUE, CollectiveAbandoned, ControlPlaneError, FailStop
+from accelpact_slurm.core.errors import EXIT_REQUEUE, CollectiveAbandoned, FailStop
 from accelpact_slurm.runtime import liveness as lv
 
 log = logging.getLogger(__name__)
@@ -266,12 +266,6 @@ class Detector:
             self.state.done = {x.name: x.done for x in self._known.values()}
         return g
 
-    def members_changed(self) -> None:
-        """After a repair replaced the groups: forget the retired ones (the next collective finds the new)."""
-        self._known.clear()
-        self._abandoned.clear()
-        self.state.done.clear()
-
     # ------------------------------------------------------------------ fault injection
 
     def stall_next(self, dim: str = "replicate") -> None:
@@ -424,4 +418,4 @@ def stop_from_round(stop: dict[str, Any], round_name: str) -> FailStop:
                     verdict=kind)
 
 
-__all__ = ["Detector", "LinkBounds", "WatchedWork", "ControlPlaneError", "stop_from_round"]
+__all__ = ["Detector", "LinkBounds", "WatchedWork", "stop_from_round", "try_wait"]

@@ -149,11 +149,12 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     log.info("rendezvous at %s:%d (control %d), world %d", host, data_port, control_port, layout.world_size)
     data_store = dist.TCPStore(host, data_port, layout.world_size, is_master, timeout=startup)
     control_store = dist.TCPStore(host, control_port, layout.world_size, is_master, timeout=startup)
-    collective = timedelta(seconds=cfg.timeouts.collective_s)
     # No device_id: a bound world group would turn every members-only group build into a world-wide split.
+    # The world's Gloo pairs connect within its timeout: startup_s, not collective_s (on a loaded node the ranks
+    # may come up seconds apart); its collectives then get the collective timeout, as the mesh's groups do.
     dist.init_process_group(
         hw.backend, store=dist.PrefixStore("data", data_store), rank=ctx.rank,
-        world_size=layout.world_size, timeout=collective,
+        world_size=layout.world_size, timeout=startup,
     )
     control = ControlPlane(control_store, ctx.rank, layout.world_size, cfg.timeouts.control_s)
     node, local = layout.node_of(ctx.rank), layout.local_of(ctx.rank)
@@ -162,7 +163,7 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
     from accelpact_slurm.repair.torch_compat import set_group_timeout
 
-    for g in (shard_pg, rep_pg):  # DeviceMesh creates its groups with the backend's default timeout
+    for g in (dist.group.WORLD, shard_pg, rep_pg):  # DeviceMesh creates its groups with the default timeout
         set_group_timeout(g, cfg.timeouts.collective_s)
     assert shard_pg is not None and rep_pg is not None
     rt = Runtime(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from bench import recovery_runs as rr
 
 PART = "recovery"
 MARK = "<!-- recovery-bench -->"
-DEFAULT_BUDGET_S = 600.0
+DEFAULT_BUDGET_S = 1440.0
 #: The commit before the detector (the code it is compared with for its per-update cost).
 BEFORE = "d4de086"
 TITLES = {
@@ -35,10 +36,17 @@ GOALS = {
 }
 
 
-def _torchft() -> Any:
-    """``bench.recovery_torchft`` when it is there (torchft driving the same FSDP HSDP model), else None."""
+#: The peers, each driving the same FSDP HSDP model on the same four ranks: name -> module (``FAULTS``: our fault
+#: classes it has, ``run_trial``).
+PEERS = {"torchft": "bench.recovery_torchft", "nvrx": "bench.recovery_nvrx"}
+PEER_TITLES = {"torchft": "torchft (its Manager, lighthouse, restart-and-heal)",
+               "nvrx": "NVRx in-job restart (ft_launcher, rank monitors, checkpoint every 4)"}
+
+
+def _peer(name: str) -> Any:
+    """The peer's driver module when it is there, else None."""
     try:
-        return importlib.import_module("bench.recovery_torchft")
+        return importlib.import_module(PEERS[name])
     except ImportError:
         return None
 
@@ -54,9 +62,9 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                        timeouts={k: getattr(defaults, k) for k in ("collective_s", "control_s", "heartbeat_s",
                                                                     "heartbeat_interval_s", "link_floor_s",
                                                                     "shutdown_s")},
-                       trials=[], torchft=[], traffic=None, cost=None)
+                       trials=[], peers={name: [] for name in args.peers}, traffic=None, cost=None)
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    ft = _torchft() if args.torchft else None
+    peers = {name: m for name in args.peers if (m := _peer(name)) is not None}
     try:
         for i in range(args.trials):
             for cls in h.rotate(args.classes, i):  # every class in every round, the order rotated
@@ -68,12 +76,29 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 res["trials"].append(t)
                 log(f"round {i + 1} ours {cls}: " + (f"{t['recover_s']:.2f} s (slowest rank)" if t.get("ok")
                                                       else f"FAILED {t.get('error', '')[:300]}"))
-                if ft is not None and cls in getattr(ft, "FAULTS", ()) and budget.fits():
-                    f = ft.run_trial(ft.FAULTS[cls], step=rr.U, rank=1, workdir=work / f"torchft-{cls}-{i}",
-                                     timeout_s=90.0)
+                for name, mod in peers.items():
+                    if i >= args.peer_trials or cls not in getattr(mod, "FAULTS", ()) or not budget.fits():
+                        continue
+                    try:
+                        f = mod.run_trial(mod.FAULTS[cls], step=rr.U, rank=1, workdir=work / f"{name}-{cls}-{i}",
+                                          timeout_s=90.0)
+                    except Exception as exc:  # noqa: BLE001 - a peer's harness failing is its result, not ours
+                        f = {"ok": False, "handled": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
                     f["cls"] = cls
-                    res["torchft"].append(f)
-                    log(f"round {i + 1} torchft {cls}: {f.get('recover_s')} ({f.get('handled')})")
+                    res["peers"][name].append(f)
+                    log(f"round {i + 1} {name} {cls}: {f.get('recover_s')} (handled {f.get('handled')})")
+        for i in range(args.first_snapshot):
+            if budget.elapsed() + 300 > budget.budget_s:
+                log("first snapshot after a restart: would not fit the budget")
+                break
+            f = rr.run_first_snapshot(work, str(i))
+            res.setdefault("first_snapshot", []).append(f)
+            log("first snapshot after a restart / regular: " + (f"{f['restart_first_over_regular']:.2f}" if f["ok"]
+                                                                else f"FAILED {f['error'][:300]}"))
+        if args.cost_pairs and budget.fits(1.0):
+            from bench.recovery_cost import measure
+
+            res["cost"] = measure(BEFORE, args.cost_pairs, log, budget)
         if args.traffic and budget.fits(0.5):
             from bench.recovery_traffic import scaling
 
@@ -91,6 +116,15 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
 
 def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
+    fs = [f for f in res.get("first_snapshot") or [] if f.get("ok")]
+    if fs:
+        rows.append(h.row("first snapshot after a restart / a regular one (110M model)", "snapshots 12 and 15 of the "
+                          "same start", h.spread(f["restart_first_over_regular"] for f in fs), note="goal ≤ 1.5x"))
+    cost = res.get("cost") or {}
+    if cost.get("pairs"):
+        rows.append(h.row("detector: update time, current / before the detector (guarded updates)",
+                          f"the same job at commit {cost['commit']}, ABBA pairs", cost["guarded_ms"],
+                          note=f"plain updates {h.fmt_spread(cost['plain_ms'], '{:.3f}')}; goal ≤ 1.01x"))
     s = res["summary"]
     for cls in res["plan"]["classes"]:
         c = s[cls]
@@ -126,15 +160,44 @@ def markdown(res: dict[str, Any]) -> str:
     failed = [(cls, e) for cls in res["plan"]["classes"] for e in res["summary"][cls]["failed"]]
     if failed:
         lines += ["", "Trials that failed: " + "; ".join(f"{c}: {e}" for c, e in failed[:6]) + "."]
-    if res.get("torchft"):
-        lines += ["", "torchft, driving the same FSDP HSDP model on the same four ranks (`scripts/bench/"
-                      "recovery_torchft.py`):", "", "| fault | torchft: injection → next commit, slowest rank | "
-                      "handled | n |", "|---|---|---|---|"]
+    for name, trials in (res.get("peers") or {}).items():
+        if not trials:
+            continue
+        lines += ["", f"{PEER_TITLES.get(name, name)}, driving the same FSDP HSDP model on the same four ranks "
+                      f"(`scripts/bench/recovery_{name}.py`; rank 1's fault at update {res['plan']['U']}):", "",
+                  "| fault | injection → next commit, slowest rank, median (min–max) | handled | n | how |",
+                  "|---|---|---|---|---|"]
         for cls in res["plan"]["classes"]:
-            ts = [x for x in res["torchft"] if x.get("cls") == cls]
+            ts = [x for x in trials if x.get("cls") == cls]
             if ts:
+                handled = sorted({str(x.get("handled")) for x in ts})
+                how = "; ".join(sorted({str(x.get("detected_by") or x.get("not_handled_because") or x.get("error")
+                                            or "") for x in ts}))[:240]
                 lines.append(f"| {TITLES[cls]} | {F(h.spread(x.get('recover_s') for x in ts))} s | "
-                             f"{'; '.join(sorted({str(x.get('handled')) for x in ts}))[:200]} | {len(ts)} |")
+                             f"{', '.join(handled)} | {len(ts)} | {how or '-'} |")
+        lowered = next((x.get("timeouts_lowered") for x in trials if x.get("timeouts_lowered")), None)
+        if lowered:
+            lines += ["", f"Timeouts {name} ran with that differ from its shipped ones: {json.dumps(lowered)[:600]}."]
+    fs = [f for f in res.get("first_snapshot") or [] if f.get("ok")]
+    if fs:
+        lines += ["", ("**The first snapshot after a restart** (`recovery_runs.run_first_snapshot`: the checkpoint "
+                       "part's 110M-parameter model, 2 x 2 ranks, a snapshot every 3 updates, the first start stopped "
+                       "after snapshot 6 and relaunched): blocked "
+                       f"{F(h.spread(f['restart_first_over_regular'] for f in fs))}x a regular snapshot of the same "
+                       "start (goal ≤ 1.5x; the capture proof of this job's plans is not run again); the first start's "
+                       f"first snapshot, which runs the proof, {F(h.spread(f.get('start_first_over_second') for f in fs))}x "
+                       f"its second. Proof verdicts: {fs[-1]['proof']}.")]
+    cost = res.get("cost")
+    if cost and cost.get("skipped"):
+        lines += ["", f"The detector's per-update cost was not measured: {cost['skipped']}."]
+    elif cost and cost.get("pairs"):
+        lines += ["", (f"**What the detector costs an update** (`scripts/bench/recovery_cost.py`: the guard part's "
+                       f"job, the current code against commit `{cost['commit']}`, the code before the detector, "
+                       f"{cost['pairs']} pairs in ABBA order, rank 0's median update): plain updates (FSDP's "
+                       f"collectives through the tap, the heartbeat thread) {F(cost['plain_ms'], '{:.3f}')}x "
+                       f"({F(cost['plain_ms_added'], '{:+.2f}')} ms), guarded updates (the vote's watched round "
+                       f"too) {F(cost['guarded_ms'], '{:.3f}')}x ({F(cost['guarded_ms_added'], '{:+.2f}')} ms); "
+                       "goal ≤ 1.01x.")]
     if res.get("traffic"):
         lines += ["", "The heartbeat path alone (no training): N publishers against one store host, "
                       f"interval {res['traffic'][0]['interval_s']:g} s (`scripts/bench/recovery_traffic.py`):", "",
@@ -154,8 +217,16 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--trials", type=int, default=5, help="trials per fault class (default: %(default)s)")
     ap.add_argument("--classes", default=",".join(rr.CLASSES), type=lambda s: [c for c in s.split(",") if c],
                     help="fault classes (default: all: %(default)s)")
-    ap.add_argument("--no-torchft", dest="torchft", action="store_false", help="leave torchft out")
+    ap.add_argument("--peers", default=",".join(PEERS), type=lambda x: [p for p in x.split(",") if p],
+                    help="peers beside ours (default: %(default)s; '' for none)")
+    ap.add_argument("--peer-trials", type=int, default=3, help="trials per fault class and peer (default: "
+                                                                  "%(default)s)")
     ap.add_argument("--no-traffic", dest="traffic", action="store_false", help="leave the heartbeat scaling out")
+    ap.add_argument("--first-snapshot", type=int, default=1,
+                    help="jobs measuring the first snapshot after a restart on the 110M model (default: %(default)s)")
+    ap.add_argument("--cost-pairs", type=int, default=3,
+                    help=f"job pairs for the per-update cost against commit {BEFORE} (0: leave it out; default: "
+                         f"%(default)s)")
     ap.add_argument("--traffic-s", type=float, default=6.0, help="seconds per size (default: %(default)s)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                     help="start no trial that would not fit (default: %(default)s s; lowered to "

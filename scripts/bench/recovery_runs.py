@@ -192,3 +192,53 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
 
 def dump(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
+
+
+def run_first_snapshot(work: Path, tag: str, deadline_s: float = 420.0) -> dict[str, Any]:
+    """The first snapshot after a restart against the regular ones, on the checkpoint part's 110M-parameter model.
+
+    One job: snapshots every 3 updates; the first start stops once snapshot 6 is settled
+    (``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED``: exit 75, the launcher relaunches), the restart reloads 6 and takes 9, 12
+    and 15.  Each snapshot's blocking time is rank 0's ``snapshot`` event; the restart's first (9) is compared with
+    the regular ones after it, and the first start's first (3, with the capture proof) with its second (6).
+    """
+    from bench.ckpt_setup import MODEL, TRAIN
+    from bench.workload import entry_of, write_job
+
+    name = f"first-snapshot-{tag}"
+    run_dir, out = work / name, work / f"{name}-rec"
+    cfg = write_job(work / f"{name}.yaml", {
+        "steps": 15, "log_every": 10_000, "faults": [], "checkpoint.every_steps": 3, "recovery.max_restarts": 1,
+        "timeouts": {"collective_s": 120, "control_s": 600, "startup_s": 600, "shutdown_s": 30}},
+        entry=entry_of("recovery_entry"), params={**MODEL, **TRAIN, "batch_per_rank": 2,
+                                                  "bench": {"out": str(out), "deadline_s": deadline_s}})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB)}
+    env.update({"PYTHONPATH": os.pathsep.join([str(h.REPO), str(h.SCRIPTS)]), "PYTHONUNBUFFERED": "1",
+                "ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "6"})
+    t0 = time.monotonic()
+    log = work / f"{name}.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.run", str(cfg), "--run-dir", str(run_dir)],
+                                cwd=h.REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        rc = proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        rc = None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    snaps = {(e["restart"], e["step"]): e for e in _events(run_dir) if e.get("event") == "snapshot"
+             and not e.get("skipped")}
+    res: dict[str, Any] = {"tag": tag, "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
+                           "blocking_s": {f"{r}:{s}": e["blocking_s"] for (r, s), e in sorted(snaps.items())},
+                           "proof": {f"{r}:{s}": e.get("capture_proof") for (r, s), e in sorted(snaps.items())
+                                     if e.get("capture_proof")}}
+    regular = [snaps[(1, s)]["blocking_s"] for s in (12, 15) if (1, s) in snaps]
+    if rc != 0 or (1, 9) not in snaps or not regular:
+        return {**res, "ok": False, "error": f"{name}: rc {rc}, snapshots {sorted(snaps)}: "
+                                             f"{h.tail(log, 8, sep=' | ', limit=800)}"}
+    res["restart_first_over_regular"] = snaps[(1, 9)]["blocking_s"] / h.med(regular)
+    if (0, 3) in snaps and (0, 6) in snaps:
+        res["start_first_over_second"] = snaps[(0, 3)]["blocking_s"] / snaps[(0, 6)]["blocking_s"]
+    res["ok"] = True
+    return res

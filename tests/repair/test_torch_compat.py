@@ -145,7 +145,45 @@ def _mesh_rebind(rank, mesh):
     assert not rb.find_references([mesh, mesh._get_root_mesh()], old, mesh)
 
 
-SECTIONS = {"fsdp1": _fsdp1, "fsdp2": _fsdp2, "mesh_rebind": _mesh_rebind}
+def _tap(rank, mesh):
+    """Every collective FSDP1 and FSDP2 issue in a forward and backward reaches the tap, on both groups (the
+    detector watches them there): a torch that moved them to other methods fails here."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rep, shard = _groups(rank, mesh)
+    seen: dict[str, set[str]] = {}
+
+    def on_call(pg, method, original, args, kwargs):
+        kind = "replicate" if pg is rep else "shard" if pg is shard else "other"
+        seen.setdefault(kind, set()).add(method)
+        return original(pg, *args, **kwargs)
+
+    patched = tc.install_collective_tap(on_call)
+    try:
+        assert "allreduce" in patched
+        fsdp1 = FSDP(Net(), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                     auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+        _step_probing_idle(fsdp1, tc.fsdp1_units(fsdp1)[1].module, "fsdp1")
+        assert {"replicate", "shard"} <= set(seen), seen
+        assert "allreduce" in seen["replicate"], seen  # the replication all-reduce of HSDP's gradients
+        assert len(seen["shard"]) >= 2, seen  # all-gathers and reduce-scatters
+        seen.clear()
+        fsdp2 = Net()
+        for b in fsdp2.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(fsdp2, mesh=mesh)
+        _step_probing_idle(fsdp2, fsdp2.blocks[0], "fsdp2")
+        assert "allreduce" in seen.get("replicate", ()) and len(seen.get("shard", ())) >= 2, seen
+    finally:
+        tc.remove_collective_tap()
+    seen.clear()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=rep)
+    assert not seen, "the tap is gone once removed"
+
+
+SECTIONS = {"fsdp1": _fsdp1, "fsdp2": _fsdp2, "tap": _tap, "mesh_rebind": _mesh_rebind}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -194,6 +232,11 @@ def test_fsdp1_slots_hold_the_replication_group(hsdp_2x2):
 @pytest.mark.multiproc
 def test_fsdp2_mesh_infos_hold_the_replication_group(hsdp_2x2):
     _check(hsdp_2x2, "fsdp2")
+
+
+@pytest.mark.multiproc
+def test_the_collective_tap_sees_every_fsdp_collective_on_both_groups(hsdp_2x2):
+    _check(hsdp_2x2, "tap")
 
 
 @pytest.mark.multiproc
