@@ -99,6 +99,7 @@ class SnapshotClient:
         self._idle = threading.Event()
         self._idle.set()
         self.last_handover_s: float | None = None  # how long the last hand-over took on the worker
+        self._prefault: threading.Thread | None = None  # makes the slots' pages ready beside training
         _CLIENTS.add(self)
 
     # ------------------------------------------------------------------ snapshots
@@ -108,6 +109,8 @@ class SnapshotClient:
 
     def after_commit(self, step: int) -> None:
         if not self.due(step):
+            if self.every > 0 and self._prefault is None:
+                self._prepare_slots()
             return
         self.snapshot(step)
         if self.faults.exit_after_verified == step:
@@ -129,6 +132,8 @@ class SnapshotClient:
         t0 = time.monotonic()
         parts: dict[str, float] = {}
         self.join_handover()
+        if self._prefault is not None:
+            self._prefault.join()  # the slots it makes ready are this snapshot's
         slot = self._free_slot(cfg.timeouts.control_s)
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
@@ -162,6 +167,11 @@ class SnapshotClient:
         t = time.monotonic()
         plan.copy_into(self.slots[slot].buf)
         parts["copy"] = time.monotonic() - t
+        other = self.slots[(slot + 1) % SLOTS]
+        if other.size < nbytes and (self._prefault is None or not self._prefault.is_alive()):
+            self._prefault = threading.Thread(target=self._ready_slot, args=(other, nbytes), name="ckpt-prefault",
+                                              daemon=True)  # the next snapshot's slot, beside training
+            self._prefault.start()
         if self.faults.corrupt_capture == (step, rt.rank):
             self._corrupt(plan, slot)
         capture = None
@@ -204,13 +214,46 @@ class SnapshotClient:
         self.last_parts = dict(parts, total=blocking, bytes=nbytes, new_slot=created, source=plan.source)
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
         if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
-            self.events.emit("snapshot", step=step, blocking_s=blocking,
+            self.events.emit("snapshot", step=step, blocking_s=blocking, parts_s={k: round(v, 6) for k, v in parts.items()},
                              **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}))
         if self.faults.kill_after_staged == (step, rt.rank):
             self.join_handover()  # "after staging": the daemon has the descriptor
             log.warning("fault injection: rank %d kills itself after staging step %d", rt.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
         return True
+
+    def _prepare_slots(self) -> None:
+        """After the start's first committed update (every tensor of the state exists by then): size both slots from
+        this rank's plan and touch their pages on a thread of their own, beside training, so that no snapshot of
+        this start (the first after a restart included) faults fresh pages in while training waits.
+
+        FSDP1's plan needs no collective; any other wrapping's does (``get_state_dict``), so there only the slot the
+        first snapshot does not use is made ready, after it (:meth:`snapshot`).
+        """
+        from ckpt_service.capture import fsdp1_plan
+
+        def prepare() -> None:
+            try:
+                plan = fsdp1_plan(self.model, self.optimizer)
+                if plan is None:
+                    return
+                nbytes = plan.layout()
+                plan = None  # views of the live tensors: dropped here, on this thread
+                for slot in self.slots:
+                    self._ready_slot(slot, nbytes)
+            except Exception as exc:  # noqa: BLE001 - the first snapshot makes its slot itself
+                log.info("staging slots not made ready ahead: %s", exc)
+
+        self._prefault = threading.Thread(target=prepare, name="ckpt-prefault", daemon=True)
+        self._prefault.start()
+
+    @staticmethod
+    def _ready_slot(slot: staging.Slot, nbytes: int) -> None:
+        try:
+            slot.ensure(nbytes)
+            slot.prefault()
+        except Exception as exc:  # noqa: BLE001 - the snapshot that needs it makes it itself
+            log.info("staging slot %s not made ready ahead: %s", slot.path, exc)
 
     def _hand_over_loop(self) -> None:
         """The hand-over worker: for each staged snapshot, the descriptor, then the message to the daemon."""
@@ -343,6 +386,8 @@ class SnapshotClient:
         """Join the last hand-over (the daemon then has every snapshot taken); the slots stay for the daemon
         until it is done with them."""
         self.join_handover()
+        if self._prefault is not None:
+            self._prefault.join(self.cfg.timeouts.shutdown_s)
         worker, self._worker = self._worker, None
         if worker is not None:  # ended and joined before the interpreter's shutdown can reach it
             self._jobs.put(None)

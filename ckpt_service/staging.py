@@ -89,6 +89,12 @@ class Slot:
         self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         return True
 
+    def prefault(self) -> None:
+        """Touch every page of the slot now (a zero-fill), so that the first copy into it does not fault them in:
+        on a fresh tmpfs file that is most of a first snapshot's copy (3.5 s of 3.9 s for 110M parameters here)."""
+        if self.buf is not None and self.size:
+            self.buf.zero_()
+
     def pin(self) -> bool:
         """Page-lock the mapping for the CUDA driver (``cudaHostRegister``), once per mapping.
 

@@ -45,7 +45,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "restart_load": ("step", "reason", "skipped"),
     "checkpoint": ("step", "state", "size_bytes", "path", "reason"),
     "shared_upload": ("step", "ok", "source", "path", "size_bytes", "copy_s", "reason", "pruned"),
-    "snapshot": ("step", "blocking_s"),
+    "snapshot": ("step", "blocking_s", "parts_s"),
     "job_end": ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code"),
 }
 

@@ -14,12 +14,13 @@ rank's record and then, every :data:`POLL_S`, reads the records of the group's m
 - a member is dead, stopped or hung: :class:`~accelpact_slurm.core.errors.FailStop` (L2), naming it;
 - a member still computes (a straggler): the wait goes on, up to the backend's own timeout.
 
-The bound is learned per group dimension from the job's own collectives: :data:`LINK_FACTOR` times the
-slowest of the last :data:`SAMPLES` that completed (from their issue when they completed within :data:`FAST_S`,
-else from when every member was seen in them; a wait on a straggler teaches nothing), at least
-``timeouts.link_floor_s``, at most
-``timeouts.collective_s`` (and the ceiling itself until :data:`MIN_SAMPLES` completed); each link verdict
-doubles it for that dimension, so a bound too tight for this job cannot repair it into a restart loop.
+The bound is learned per group dimension and size class (:class:`LinkBounds`) from the job's own collectives:
+:data:`LINK_FACTOR` times the slowest of the last :data:`SAMPLES` of that size or larger that completed (from their
+issue when they completed within :data:`FAST_S`, else from when every member was seen in them; a wait on a
+straggler teaches nothing), at least ``timeouts.link_floor_s``, at most ``timeouts.collective_s`` (and the ceiling
+itself until :data:`MIN_SAMPLES` completed); each link verdict doubles it for that dimension, so a bound too tight
+for this job cannot repair it into a restart loop.  The broken-link rule is the replication group's: a shard
+group's collective (inside a node) that every member waits in runs to the ceiling.
 
 On a GPU (NCCL) the tap only numbers the collectives: their ``wait`` does not block the host, and the guard's
 own wait at the boundary is watched instead (:meth:`Detector.wait_device`).
@@ -53,33 +54,45 @@ POLL_S = 0.05
 #: The learned bound: this many times the slowest recent collective of the dimension...
 LINK_FACTOR = 4.0
 #: ...over this many recent completed collectives...
-SAMPLES = 256
+SAMPLES = 64
 #: ...once this many completed (before: the ceiling).
-MIN_SAMPLES = 8
+MIN_SAMPLES = 3
 
 _FAST = timedelta(seconds=FAST_S)
 _POLL = timedelta(seconds=POLL_S)
 
 
 class LinkBounds:
-    """The learned bound of each group dimension (see the module docstring)."""
+    """The learned bound of each group dimension and collective size (see the module docstring).
+
+    A collective's duration grows with its bytes: a bound learned on the guard's 8-byte all-reduce says nothing of
+    a 100 MB all-gather.  Samples are kept per (dimension, power-of-two size class); the bound of a collective is
+    :data:`LINK_FACTOR` times the slowest sample of its class or any larger one (a larger collective takes at least
+    as long), and the ceiling while neither has :data:`MIN_SAMPLES` samples.
+    """
 
     def __init__(self, floor_s: float, ceiling_s: float) -> None:
         self.floor_s, self.ceiling_s = floor_s, ceiling_s
-        self._samples: dict[str, deque[float]] = {}
+        self._samples: dict[tuple[str, int], deque[float]] = {}
         self._scale: dict[str, float] = {}
 
-    def add(self, dim: str, seconds: float) -> None:
-        q = self._samples.get(dim)
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(0, int(nbytes).bit_length() - 1)
+
+    def add(self, dim: str, seconds: float, nbytes: int = 0) -> None:
+        key = (dim, self.size_class(nbytes))
+        q = self._samples.get(key)
         if q is None:
-            q = self._samples[dim] = deque(maxlen=SAMPLES)
+            q = self._samples[key] = deque(maxlen=SAMPLES)
         q.append(seconds)
 
-    def bound(self, dim: str) -> float:
-        q = self._samples.get(dim)
-        if q is None or len(q) < MIN_SAMPLES:
+    def bound(self, dim: str, nbytes: int = 0) -> float:
+        cls = self.size_class(nbytes)
+        qs = [q for (d, c), q in self._samples.items() if d == dim and c >= cls and len(q) >= MIN_SAMPLES]
+        if not qs:
             return self.ceiling_s
-        learned = LINK_FACTOR * max(q) * self._scale.get(dim, 1.0)
+        learned = LINK_FACTOR * max(max(q) for q in qs) * self._scale.get(dim, 1.0)
         return min(self.ceiling_s, max(self.floor_s, learned))
 
     def widen(self, dim: str) -> None:
@@ -87,8 +100,21 @@ class LinkBounds:
         self._scale[dim] = self._scale.get(dim, 1.0) * 2.0
 
 
+def nbytes_of(args: tuple, kwargs: dict) -> int:
+    """The bytes of the tensors a collective's arguments hold (lists of tensors too), for its size class."""
+    total = 0
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            for x in (t if isinstance(t, (list, tuple)) else (t,)):
+                numel = getattr(x, "numel", None)
+                if numel is not None and hasattr(x, "element_size"):
+                    total += numel() * x.element_size()
+    return total
+
+
 class _Group:
     __slots__ = ("pg", "dim", "name", "members", "issued", "done")
+
 
     def __init__(self, pg: Any, dim: str, members: list[int]) -> None:
         self.pg, self.dim, self.members = pg, dim, members
@@ -100,12 +126,13 @@ class _Group:
 class WatchedWork:
     """Stands in for the ``Work`` of one collective on a watched group: its ``wait`` is the detector's."""
 
-    __slots__ = ("_work", "_detector", "_group", "_seq", "_t0", "_settled")
+    __slots__ = ("_work", "_detector", "_group", "_seq", "_t0", "_settled", "_nbytes")
 
-    def __init__(self, work: Any, detector: "Detector", group: _Group, seq: int) -> None:
+    def __init__(self, work: Any, detector: "Detector", group: _Group, seq: int, nbytes: int = 0) -> None:
         self._work, self._detector, self._group, self._seq = work, detector, group, seq
         self._t0 = time.monotonic()
         self._settled = False
+        self._nbytes = nbytes
 
     def wait(self, timeout: Any = None) -> bool:
         return self._detector._wait(self)
@@ -247,7 +274,7 @@ class Detector:
             if work is not None:
                 group.done = group.issued  # numbered only (NCCL: stream-ordered, no host wait to watch)
             return work
-        return WatchedWork(work, self, group, seq)
+        return WatchedWork(work, self, group, seq, nbytes_of(args, kwargs))
 
     def _group(self, pg: Any) -> _Group | None:
         """The watched group ``pg`` is, or None: only the rank's current shard and replication groups are watched
@@ -352,8 +379,12 @@ class Detector:
                                    cause="control-plane", phase=state.phase, frontier=None,
                                    decided_at=time.monotonic()) from exc
                 now = time.monotonic()
+                # A broken link is called on the replication group only, where L1 repairs it; a shard group's
+                # collective (inside the node; in forward a restart's business) that everyone waits in runs to the
+                # ceiling: a false alarm there would cost a restart.
+                bound = self.bounds.bound(group.dim, ww._nbytes) if group.dim == "replicate" else float("inf")
                 verdict = lv.judge_collective(self.rank, group.members, group.name, seq, seen, now, episode,
-                                              bound_s=self.bounds.bound(group.dim),
+                                              bound_s=bound,
                                               heartbeat_s=self.timeouts.heartbeat_s, fresh_s=fresh_s,
                                               position=self._position(), describe=self.describe)
                 if verdict is not None:
@@ -368,7 +399,7 @@ class Detector:
         g.done = max(g.done, ww._seq + 1)
         self.state.done[g.name] = g.done
         if sample:
-            self.bounds.add(g.dim, time.monotonic() - (ww._t0 if since is None else since))
+            self.bounds.add(g.dim, time.monotonic() - (ww._t0 if since is None else since), ww._nbytes)
         return True
 
     def _give_up(self, ww: WatchedWork, verdict: lv.Verdict, waited_s: float) -> None:

@@ -114,7 +114,6 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     import torch
 
     from accelpact_slurm.runtime.api import Job
-    from accelpact_slurm.runtime.state import state_digests
     from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
     from accelpact_slurm.runtime.topology import init_runtime
 
@@ -169,7 +168,18 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling job.protect(model, "
                            f"optimizer)", EXIT_USAGE, cause="config", phase="script", frontier=None,
                            decided_at=time.monotonic()), events, out, lead, rt.control, ctx, environ)
-    train_s = time.monotonic() - train_t0
+    try:  # the job's end is collective too: a rank lost now fails the others stop, with the reason
+        return _end(cfg, ctx, rt, run, run_dir, events, out, lead, wall0, time.monotonic() - train_t0)
+    except AccelpactError as exc:
+        fail_stop(as_fail_stop(exc, phase="end", frontier=run.step), events, out, lead, rt.control, ctx, environ)
+        raise AssertionError("unreachable: fail_stop exits") from exc  # pragma: no cover
+
+
+def _end(cfg: JobConfig, ctx: SlurmContext, rt: Any, run: Any, run_dir: str, events: EventLog, out: TextIO,
+         lead: bool, wall0: float, train_s: float) -> int:
+    """After the entry returned on every rank: the digests, the summary, the job's last rounds (collective)."""
+    from accelpact_slurm.runtime.state import state_digests
+
     if rt.detector is not None:  # before the digests' collective: every rank's lands before rank 0's job_end
         events.emit("detector", **rt.detector.summary())
     digest, model_digest = state_digests(run)

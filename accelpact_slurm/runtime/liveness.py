@@ -20,8 +20,8 @@ functions returning a reason:
 - a member is ``dead``, or ``stopped`` (it fail-stopped, saying why), or its counter has not moved for
   ``heartbeat_s`` (``hung``): stop waiting, fail stop (L2), naming it;
 - a member is in a control-plane round this rank has not reached (``left``: it is in the vote, it will never
-  join this collective), or has completed this collective while this rank's part never arrived: the
-  collective cannot complete: a communication fault, the vote decides (L1 where allowed);
+  join this collective): the collective cannot complete: a communication fault, the vote decides (L1 where
+  allowed);
 - every member is alive (its counter moved lately) and waits in this same collective for longer than the
   bound learned from the job's own collectives (``link``): a broken link, as above;
 - anything else (a member computing: a straggler) keeps the wait going, up to the backend's own timeout.
@@ -52,9 +52,6 @@ DUMP_SIGNAL = signal.SIGRTMIN + 4
 DUMP_GRACE_S = 1.0
 #: A member whose counter moved within this many heartbeat intervals is alive.
 FRESH_INTERVALS = 3.0
-#: A member that completed a collective this rank still waits in: the wait must outlast this before it is called
-#: lost (a ring's last chunk may still be on its way).
-COMPLETED_GRACE_S = 0.25
 
 DEAD, HUNG, STOPPED, LEFT, LINK = "dead", "hung", "stopped", "left", "link"
 
@@ -461,6 +458,8 @@ def _member_gone(r: int, s: Seen, now: float, heartbeat_s: float,
         by = rec["dead"].get("by") if isinstance(rec["dead"], dict) else None
         return Verdict(DEAD, r, f"{describe(r)} died: {how}" + (f" (seen by rank {by})" if by is not None else ""))
     stop = rec.get("stop")
+    if isinstance(stop, dict) and stop.get("cause") == "completed":
+        return None  # it finished its loop and is on its way to the job's last rounds: it will come
     if isinstance(stop, dict):  # it said why: adopt its reason, and its culprit (a rank that adopted it too)
         code = stop.get("exit_code")
         culprit = stop.get("rank") if isinstance(stop.get("rank"), int) else r
@@ -491,11 +490,14 @@ def cp_ahead(wait: Any, position: tuple[int, Mapping[str, int]]) -> bool:
 
 @dataclass
 class Episode:
-    """One wait in a collective: when every member was first seen in it, and when a member was first seen past it."""
+    """One wait in a collective: when it began, and when every member was first seen in it.
+
+    (A member that completed the collective while this rank still waits is not a verdict: on a loaded node the
+    waiting rank's backend thread may simply not have run yet, and a peer's next collective on the group would
+    meet this rank's pending part; the backend's own timeout decides that case.)"""
 
     started: float
     all_in_since: float | None = None
-    completed_since: dict[int, float] = field(default_factory=dict)
 
 
 def judge_collective(me: int, members: Iterable[int], group: str, seq: int, seen: Mapping[int, Seen], now: float,
@@ -523,12 +525,6 @@ def judge_collective(me: int, members: Iterable[int], group: str, seq: int, seen
         if isinstance(wait, list) and wait[:1] == ["c"] and cp_ahead(wait, position):
             return Verdict(LEFT, r, f"{describe(r)} left collective {seq} of group {group}: it waits in the "
                                     f"control plane's {wait[2]!r} round, which needs this rank")
-        done = rec.get("d") if isinstance(rec.get("d"), dict) else {}
-        if isinstance(done.get(group), int) and done[group] > seq:
-            first = episode.completed_since.setdefault(r, now)
-            if now - first >= COMPLETED_GRACE_S and now - episode.started >= COMPLETED_GRACE_S:
-                return Verdict(LEFT, r, f"{describe(r)} completed collective {seq} of group {group} "
-                                        f"{now - first:.2f} s ago; this rank's part never arrived")
         fresh = now - s.changed_at <= fresh_s
         if not (fresh and wait == ["d", group, seq]):
             everyone_in = False

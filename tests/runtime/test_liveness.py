@@ -77,12 +77,11 @@ def test_a_member_in_a_control_plane_round_this_rank_has_not_reached_left_the_co
     assert judge({1: seen(rec(wait=["c", 1, "vote", 0])), 2: seen(rec())}).kind == lv.LEFT  # a newer generation
 
 
-def test_a_member_that_completed_the_collective_leaves_it_lost_after_a_grace():
+def test_a_member_that_completed_the_collective_is_no_verdict():
+    """On a loaded node the waiting rank's backend thread may not have run yet: only the backend's timeout decides."""
     ep = lv.Episode(started=0.0)
-    others = {1: seen(rec(done={G: 6})), 2: seen(rec())}
-    assert judge(others, now=0.1, episode=ep) is None  # a ring's last chunk may still be on its way
-    v = judge(others, now=0.11 + lv.COMPLETED_GRACE_S, episode=ep)
-    assert v.kind == lv.LEFT and "never arrived" in v.reason
+    for now in (0.1, 0.5, 2.0):
+        assert judge({1: seen(rec(done={G: 6}), now), 2: seen(rec(), now)}, now=now, episode=ep) is None
 
 
 @pytest.mark.parametrize("record, kind, fails", [
@@ -114,6 +113,9 @@ def test_a_round_fails_only_on_missing_members_that_will_never_come():
     dead = {**fine, 2: seen(rec(dead={"by": 3, "how": "its process ended"}), now)}
     assert lv.judge_control([1, 2], dead, now, heartbeat_s=HB).kind == lv.DEAD
     assert lv.judge_control([1], dead, now, heartbeat_s=HB) is None  # rank 2 already joined: not its business
+    # one that finished its loop is on its way to the job's last rounds: waited for, not stopped on
+    done = {**fine, 2: seen(rec(stop={"cause": "completed", "reason": "the job finished", "exit_code": 0}), now)}
+    assert lv.judge_control([1, 2], done, now, heartbeat_s=HB) is None
 
 
 def test_the_learned_bound_starts_at_the_ceiling_follows_the_job_and_widens_after_a_link_verdict():
@@ -129,6 +131,20 @@ def test_the_learned_bound_starts_at_the_ceiling_follows_the_job_and_widens_afte
     for _ in range(3):
         b.widen("replicate")
     assert b.bound("replicate") == 5.0 and b.bound("shard") == 5.0
+
+
+def test_a_bound_learned_on_small_collectives_does_not_bound_a_large_one():
+    """The guard's 8-byte all-reduce says nothing of a 100 MB all-gather: until collectives of that size (or larger)
+    have completed, the ceiling; a larger one's duration bounds a smaller one."""
+    b = LinkBounds(floor_s=0.5, ceiling_s=5.0)
+    for _ in range(10):
+        b.add("replicate", 0.01, nbytes=8)
+    assert b.bound("replicate", 8) == 0.5 and b.bound("replicate", 100 << 20) == 5.0
+    for _ in range(3):
+        b.add("replicate", 0.4, nbytes=100 << 20)
+    assert b.bound("replicate", 100 << 20) == pytest.approx(1.6)
+    assert b.bound("replicate", 1 << 20) == pytest.approx(1.6)  # bounded by the larger ones
+    assert b.bound("replicate", 1 << 30) == 5.0  # nothing that large yet
 
 
 def test_a_stop_put_in_a_members_place_reads_back_as_the_fail_stop_it_says():
