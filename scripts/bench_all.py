@@ -89,6 +89,9 @@ PART_ARGS: dict[str, list[str]] = {
     "paper": ["--repeats", "4"],
     "restore": ["--rounds", "3"],
     "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6"],
+    # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes
+    "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "1", "--first-snapshot", "0",
+                 "--traffic-s", "3"],
 }
 TOTAL_BUDGET_S = 1710  # 28.5 min: with one kill grace period still under 30 min
 KILL_GRACE_S = 45

@@ -151,12 +151,14 @@ def markdown(res: dict[str, Any]) -> str:
               "records its commits (`scripts/bench/recovery_entry.py`); a trial's figure is the slowest rank's time "
               "from the injection (the faulting rank's own record just before it) to its next committed update; "
               "for a bug, to the job's exit."), "",
-             "| fault | ours: injection → next commit, slowest rank, median (min–max) | detected (first fail_stop) | "
-             "restarts | cause | goal |", "|---|---|---|---|---|---|"]
+             "| fault | ours: injection → next commit, slowest rank, median (min–max) | decided: first fail_stop, or "
+             "the L1 repair's fault → resume | restarts | cause | goal |", "|---|---|---|---|---|---|"]
     for cls in res["plan"]["classes"]:
         c = res["summary"][cls]
-        lines.append(f"| {TITLES[cls]} | **{F(c['recover_s'])} s** (n {c['recover_s']['n']}) | "
-                     f"{F(c['detected_s'])} s | {c['restarts']} | {', '.join(c['causes']) or '-'} | {GOALS[cls]} |")
+        decided = (f"{F(c['detected_s'])} s (fail_stop)" if c["detected_s"]["n"] else
+                   f"{F(c['repair_s'])} s (L1 repair)" if c["repair_s"]["n"] else "nothing to decide")
+        lines.append(f"| {TITLES[cls]} | **{F(c['recover_s'])} s** (n {c['recover_s']['n']}) | {decided} | "
+                     f"{', '.join(map(str, c['restarts']))} | {', '.join(c['causes']) or '-'} | {GOALS[cls]} |")
     failed = [(cls, e) for cls in res["plan"]["classes"] for e in res["summary"][cls]["failed"]]
     if failed:
         lines += ["", "Trials that failed: " + "; ".join(f"{c}: {e}" for c, e in failed[:6]) + "."]
@@ -175,9 +177,12 @@ def markdown(res: dict[str, Any]) -> str:
                                             or "") for x in ts}))[:240]
                 lines.append(f"| {TITLES[cls]} | {F(h.spread(x.get('recover_s') for x in ts))} s | "
                              f"{', '.join(handled)} | {len(ts)} | {how or '-'} |")
-        lowered = next((x.get("timeouts_lowered") for x in trials if x.get("timeouts_lowered")), None)
-        if lowered:
-            lines += ["", f"Timeouts {name} ran with that differ from its shipped ones: {json.dumps(lowered)[:600]}."]
+        lowered = next((x for x in trials if x.get("timeouts_lowered")), None)
+        if lowered is not None and isinstance(lowered["timeouts_lowered"], dict):
+            used = lowered.get("timeouts") or {}
+            lines += ["", f"Timeouts {name} ran with that differ from its shipped ones (the reasons in the JSON): "
+                          + "; ".join(f"`{k}` {used.get(k, '?')} s ({str(v).split(';')[0].split(':')[0][:100]})"
+                                      for k, v in lowered["timeouts_lowered"].items()) + "."]
     fs = [f for f in res.get("first_snapshot") or [] if f.get("ok")]
     if fs:
         lines += ["", ("**The first snapshot after a restart** (`recovery_runs.run_first_snapshot`: the checkpoint "

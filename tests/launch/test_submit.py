@@ -335,6 +335,33 @@ def test_local_executor_runs_the_job_to_the_reference_digest(reference, tmp_path
     assert events[0]["job_id"].startswith("local-")
 
 
+@pytest.mark.multiproc
+def test_local_executor_stops_a_bug_once_and_does_not_relaunch_it(tmp_path):
+    """The training code raises ValueError on rank 1 in update 2 (``tests/data/buggy_train.py``): through submitit
+    every task stops with 76 on the first start, the traceback in the rank's log, and ``--wait`` does not
+    relaunch it.  Negative control: ``ACCELPACT_TEST_BUG_RESTARTS=1`` (a bug restarted like a fault) relaunches."""
+    job = _job_file(tmp_path / "job.yaml")
+    job.write_text("\n".join(f"entry: {REPO}/tests/data/buggy_train.py:main" if line.startswith("entry:") else line
+                             for line in job.read_text().splitlines()) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update({"PYTHONPATH": REPO, "BUGGY_AT": "2:1"})
+    run_dir = tmp_path / "run"
+    proc = _submit([str(job), "--local", "--run-dir", str(run_dir), "--wait", "--wait-timeout", "240"], env, 300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "relaunching" not in out, out[-3000:]
+    events = list(read_events(run_dir / "events.jsonl"))
+    assert {e["restart"] for e in events if e["event"] == "job_start"} == {0}
+    stops = [e for e in events if e["event"] == "fail_stop"]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3] and all(e["cause"] == "training-code" for e in stops)
+    assert all(e["exit_code"] == 76 for e in stops)
+    logs = " ".join(p.read_text(errors="replace") for p in (run_dir / "submitit").rglob("*_log.*"))
+    assert "Traceback (most recent call last)" in logs and "buggy_train.py" in logs
+    env["ACCELPACT_TEST_BUG_RESTARTS"] = "1"
+    again = _submit([str(job), "--local", "--run-dir", str(tmp_path / "control"), "--wait", "--wait-timeout", "240"],
+                    env, 300)
+    assert "relaunching" in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
+
+
 def _slurm_env(cluster) -> dict:
     env = dict(cluster.env)
     env["PYTHONPATH"] = REPO  # submitit starts the tasks with this interpreter (sys.executable): the venv's
