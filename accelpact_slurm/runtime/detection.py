@@ -11,7 +11,6 @@ import os
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 
 from accelpact_slurm.runtime import liveness as lv
 from accelpact_slurm.runtime.collectives import Detector
@@ -19,7 +18,7 @@ from accelpact_slurm.runtime.collectives import Detector
 log = logging.getLogger(__name__)
 
 
-def start_detector(rt: Any, timeouts: Any, host: str, control_port: int, *, detect: bool = True) -> Detector:
+def start_detector(rt: Any, timeouts: Any, *, detect: bool = True) -> Detector:
     """Start this rank's heartbeat (its own connection to the control plane's store), watch its node peers'
     processes, install the collective tap, and give the control plane its eyes (``detect=False``: the
     heartbeat runs, but every wait stays blind, as before the detector)."""
@@ -27,8 +26,7 @@ def start_detector(rt: Any, timeouts: Any, host: str, control_port: int, *, dete
 
     lv.install_dump_handler()
     state = lv.LocalState()
-    client = dist.TCPStore(host, control_port, rt.layout.world_size, False,
-                           timeout=timedelta(seconds=max(timeouts.control_s, 1.0)))
+    client = rt.store_client(timedelta(seconds=max(timeouts.control_s, 1.0)))
     publisher = lv.Publisher(client, rt.rank, state, timeouts.heartbeat_interval_s, timeouts.heartbeat_s,
                              describe=rt.describe)
     publisher.start()

@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping, TextIO
 
 from accelpact_slurm.core.atomic import write_json_atomic
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, FailStop,
-                                         UsageError)
+from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, AccelpactError, CheckpointError,
+                                         ConfigError, FailStop, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
 from accelpact_slurm.runtime.phases import log_exception
@@ -137,7 +137,15 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     except ConfigError as exc:
         fail_stop(FailStop(str(exc), EXIT_USAGE, cause="config", phase="import", frontier=None,
                            decided_at=time.monotonic()), events, out, ctx.rank == 0, None, ctx, environ)
-    rt = init_runtime(ctx, cfg, environ, detect=not faults.no_detector)
+    from ckpt_service.auth import load_or_create_key
+
+    try:  # the store admits only holders of the run's key (created by the first rank or daemon of the run)
+        key = load_or_create_key(run_dir)
+    except CheckpointError as exc:  # a key of another user, readable by others, or no key: a restart repeats it
+        fail_stop(FailStop(f"the run's key: {exc}", EXIT_USAGE, cause="config", phase="start", frontier=None,
+                           decided_at=time.monotonic()), events, out, ctx.rank == 0, None, ctx, environ)
+    rt = init_runtime(ctx, cfg, environ, key=key, detect=not faults.no_detector,
+                      on_warning=lambda msg: events.emit("warning", step=None, reason=msg))
     lead = rt.rank == 0
     if lead:
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,

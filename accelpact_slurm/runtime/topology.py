@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.runtime.control import ControlPlane
+from accelpact_slurm.runtime.store import JobStore, binding as store_binding, host_store, port_candidates
 from accelpact_slurm.runtime.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.slurm.env import SlurmContext
@@ -80,6 +81,10 @@ class Runtime:
     hardware: Hardware = CPU
     #: The fault detector (:mod:`.collectives`): heartbeats, watched collectives and control-plane rounds.
     detector: Any = None
+    #: Rank 0: the job's store it hosts (:class:`.store_server.StoreServer`).
+    store_server: Any = None
+    #: A further client of the job's store, for a thread of its own (``store_client(timeout)``).
+    store_client: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -99,19 +104,19 @@ class Runtime:
             log.debug("destroy_process_group failed at close", exc_info=True)
 
 
-def rendezvous_ports(ctx: SlurmContext, environ: Mapping[str, str]) -> tuple[int, int]:
-    """(data port, control port): explicit ``ACCELPACT_MASTER_PORT``, else derived from the job id."""
-    _addr, explicit, control_port = settings.rendezvous(environ)
+def store_ports(ctx: SlurmContext, environ: Mapping[str, str], key: bytes) -> list[int]:
+    """The job's store ports, in the order every rank tries them: the launcher's ``ACCELPACT_MASTER_PORT`` when
+    it gave one, then ports derived from the run's key and the job id (:func:`.store.port_candidates`)."""
+    _addr, explicit, _control = settings.rendezvous(environ)
+    first = None
     if explicit:
         try:
-            port = int(explicit)
+            first = int(explicit)
         except ValueError:
             raise ConfigError(settings.MASTER_PORT, explicit, "must be a TCP port number") from None
-        control = int(control_port or port + 1)
-        return port, control
-    digits = "".join(ch for ch in ctx.job_id if ch.isdigit()) or "0"
-    base = 20000 + (int(digits) % 10000) * 2
-    return base, base + 1
+        if not 0 < first < 65536:
+            raise ConfigError(settings.MASTER_PORT, explicit, "must be a TCP port number (1-65535)")
+    return port_candidates(key, ctx.job_id, first)
 
 
 def layout_from(ctx: SlurmContext) -> Layout:
@@ -123,9 +128,11 @@ def layout_from(ctx: SlurmContext) -> Layout:
 
 
 def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] | None = None, *,
-                 detect: bool = True) -> Runtime:
-    """Join the job as ``ctx.rank``: device, stores, world (Gloo, or Gloo + NCCL on GPUs), HSDP groups, control
-    plane, fault detector (``detect=False``: heartbeats only, every wait blind: the detector's negative control)."""
+                 key: bytes, detect: bool = True, on_warning: Callable[[str], None] | None = None) -> Runtime:
+    """Join the job as ``ctx.rank``: device, the job's store (rank 0 hosts it; only holders of the run's ``key``
+    get in), world (Gloo, or Gloo + NCCL on GPUs), HSDP groups, control plane, fault detector (``detect=False``:
+    heartbeats only, every wait blind: the detector's negative control).  ``on_warning``: rank 0's report of
+    connections its store turned away."""
     environ = os.environ if environ is None else environ
     layout = layout_from(ctx)
     hw = select(cfg.topology.device, rank=ctx.rank, local_rank=layout.local_of(ctx.rank),
@@ -143,12 +150,14 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
             log.warning("NCCL %s is known to hang in communicator abort (fixed in 2.26.2): a replaced communicator "
                         "is retired in the background and may never finish; upgrade NCCL", hw.versions["nccl"])
     host = settings.rendezvous(environ)[0] or ctx.rendezvous_host
-    data_port, control_port = rendezvous_ports(ctx, environ)
+    ports = store_ports(ctx, environ, key)
     startup = timedelta(seconds=cfg.timeouts.startup_s)
-    is_master = ctx.rank == 0
-    log.info("rendezvous at %s:%d (control %d), world %d", host, data_port, control_port, layout.world_size)
-    data_store = dist.TCPStore(host, data_port, layout.world_size, is_master, timeout=startup)
-    control_store = dist.TCPStore(host, control_port, layout.world_size, is_master, timeout=startup)
+    bind_to = store_binding(ctx.job_id, ctx.restart_count)
+    server = host_store(host, ports, key, bind_to, on_warning) if ctx.rank == 0 else None
+    # Two clients of the one store: a control-plane round that waits does not hold up a group's rendezvous.
+    data_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)
+    control_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)
+    log.info("rendezvous at %s:%d (the job's store), world %d", host, data_store.port, layout.world_size)
     # No device_id: a bound world group would turn every members-only group build into a world-wide split.
     # The world's Gloo pairs connect within its timeout: startup_s, not collective_s (on a loaded node the ranks
     # may come up seconds apart); its collectives then get the collective timeout, as the mesh's groups do.
@@ -169,9 +178,10 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     rt = Runtime(
         ctx=ctx, layout=layout, rank=ctx.rank, node=node, local_rank=local, data_store=data_store,
         control=control, shard_group=shard_pg, replicate_group=rep_pg, mesh=mesh,
-        collective_timeout_s=cfg.timeouts.collective_s, hardware=hw,
+        collective_timeout_s=cfg.timeouts.collective_s, hardware=hw, store_server=server,
+        store_client=lambda timeout: JobStore(host, [data_store.port], key, bind_to, ctx.rank, timeout),
     )
     from accelpact_slurm.runtime.detection import start_detector
 
-    rt.detector = start_detector(rt, cfg.timeouts, host, control_port, detect=detect)
+    rt.detector = start_detector(rt, cfg.timeouts, detect=detect)
     return rt

@@ -1,0 +1,256 @@
+"""The job's own store: a ``torch.distributed.Store`` only the job's ranks can reach.
+
+The data plane's rendezvous (Gloo, NCCL), the control plane's agreements and the ranks' heartbeats all go through
+one store, hosted by rank 0 (:class:`~.store_server.StoreServer`).  Every connection proves, in a mutual handshake,
+that it holds the run's key (``.accelpact-key``, readable by the job's user only) and is of this job and this start
+(:mod:`.store_wire`); every frame after it carries a MAC.  So another user on a node can neither read a vote, nor
+write one, nor delete one; a server she puts on the job's port first is not believed (its answer to the handshake
+is wrong) and the ranks go on to the job's next candidate port.
+
+Ports: :func:`port_candidates` derives the job's ports from the run's key and the job id (not guessable from the job
+id alone; two jobs with different keys never share their sequence), after the launcher's explicit port when it gave
+one.  Rank 0 binds the first candidate it can, on the rendezvous address only; every other rank tries the candidates
+in order until one answers with the run's key, within ``startup_s``.
+
+Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` (rank 0 hosts, every rank connects: one client for
+the data plane, one for the control plane) and the liveness thread (its own client).  Torch is needed for the
+``Store`` base class only; the wire is :mod:`.store_wire`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+from accelpact_slurm.core.errors import ControlPlaneError
+from accelpact_slurm.runtime import store_wire as w
+from accelpact_slurm.runtime.store_server import StoreServer, listen
+
+log = logging.getLogger(__name__)
+
+#: Derived ports lie below Linux's default ephemeral range (32768-60999), where outgoing connections take theirs.
+PORT_LOW, PORT_HIGH = 20000, 32768
+CANDIDATES = 16
+#: A client waits this long for a server's hello and proof before it tries the next port.
+HELLO_S = 5.0
+
+
+def binding(job_id: str, restart: int) -> str:
+    """What a connection is bound to: this job and this start of it."""
+    return f"{job_id}/{int(restart)}"
+
+
+def port_candidates(key: bytes, job_id: str, first: int | None = None, n: int = CANDIDATES) -> list[int]:
+    """The job's store ports, in the order every rank tries them (pure): ``first`` (the launcher's), then ports
+    derived from the run's key and the job id."""
+    out: list[int] = [first] if first else []
+    counter = 0
+    while len(out) < n + (1 if first else 0):
+        digest = hmac.new(key, f"accelpact-store-port/{job_id}/{counter}".encode(), hashlib.sha256).digest()
+        counter += 1
+        for i in range(0, len(digest) - 1, 2):
+            port = PORT_LOW + int.from_bytes(digest[i:i + 2], "big") % (PORT_HIGH - PORT_LOW)
+            if port not in out:
+                out.append(port)
+    return out[:n + (1 if first else 0)]
+
+
+def host_store(host: str, candidates: Sequence[int], key: bytes, bind_to: str,
+               on_warning: Callable[[str], None] | None = None) -> StoreServer:
+    """Rank 0: serve the job's store on ``host`` at the first candidate port it can bind (see the module)."""
+    sock, taken = listen(host, candidates)
+    if taken:
+        log.warning("store: port(s) %s on %s were taken (by another program or user); serving on %d",
+                    taken, host, sock.getsockname()[1])
+    return StoreServer(sock, key, bind_to, on_warning=on_warning).start()
+
+
+class NotOurs(ConnectionError):
+    """The port answered, but not with the run's key: another program or another user's server."""
+
+
+class JobStore(dist.Store):
+    """A client of the job's store (see the module docstring); calls are serialised per client object.
+
+    Args:
+        host: the store's host (rank 0's rendezvous address).
+        candidates: the ports to try, in order (:func:`port_candidates`).
+        key: the run's key.
+        bind_to: :func:`binding` of this job and start.
+        rank: this client's rank (named in the handshake and in the server's log).
+        timeout: the default deadline of a blocking call (``get``, ``wait``, ``multi_get``), and of connecting.
+    """
+
+    def __init__(self, host: str, candidates: Sequence[int], key: bytes, bind_to: str, rank: int,
+                 timeout: timedelta) -> None:
+        super().__init__()
+        self.set_timeout(timeout)
+        self._lock = threading.Lock()
+        self.host, self.rank = host, rank
+        self.port, self._sock, self._sealer = self._connect(host, list(candidates), key, bind_to, rank,
+                                                            timeout.total_seconds())
+
+    # ------------------------------------------------------------------ connecting
+
+    @staticmethod
+    def _connect(host: str, candidates: list[int], key: bytes, bind_to: str, rank: int,
+                 deadline_s: float) -> tuple[int, socket.socket, w.Sealer]:
+        deadline = time.monotonic() + deadline_s
+        not_ours: set[int] = set()
+        last: BaseException | None = None
+        while True:
+            for port in candidates:
+                if port in not_ours:
+                    continue
+                try:
+                    sock, sealer = _handshake(host, port, key, bind_to, rank, max(0.1, deadline - time.monotonic()))
+                    if not_ours:
+                        log.warning("store: port(s) %s on %s answered without the run's key (another user's or "
+                                    "program's server); the job's store is at %d", sorted(not_ours), host, port)
+                    return port, sock, sealer
+                except NotOurs as exc:
+                    not_ours.add(port)
+                    last = exc
+                except OSError as exc:  # refused (not up yet), reset (turned away while the server was busy)
+                    last = exc
+                if time.monotonic() >= deadline:
+                    break
+            if time.monotonic() >= deadline or not_ours >= set(candidates):  # nowhere left to find the job's
+                break
+            threading.Event().wait(0.05)
+        raise dist.DistNetworkError(
+            f"could not reach the job's store on {host} within {deadline_s:g} s (ports tried: {candidates}; "
+            f"{len(not_ours)} answered without the run's key); last error: {type(last).__name__}: {last}")
+
+    # ------------------------------------------------------------------ requests
+
+    def _call(self, op: int, items: list[bytes], timeout_s: float | None = None) -> list[bytes]:
+        wait_s = self.timeout.total_seconds() if timeout_s is None else timeout_s
+        with self._lock:
+            if self._sock is None:
+                raise dist.DistNetworkError(f"the job's store connection of rank {self.rank} is closed")
+            try:
+                self._sock.settimeout(wait_s + HELLO_S)
+                self._sock.sendall(self._sealer.seal(w.request(op, int(wait_s * 1000), items)))
+                head = _recv_exact(self._sock, w.LEN_SIZE)
+                n = w.frame_length(head)
+                if n > w.MAX_FRAME:
+                    raise ControlPlaneError(f"the job's store sent a frame of {n} bytes")
+                payload = self._sealer.open(_recv_exact(self._sock, n))
+            except OSError as exc:
+                self._close_locked()
+                raise dist.DistNetworkError(f"lost the job's store at {self.host}:{self.port}: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+            if payload is None:
+                self._close_locked()
+                raise dist.DistNetworkError(f"an answer of the job's store at {self.host}:{self.port} failed its "
+                                            f"MAC; connection closed")
+        status, out = w.parse_answer(payload)
+        if status == w.TIMEOUT:
+            raise dist.DistStoreError(f"wait timeout after {wait_s * 1000:.0f}ms for {w.OPS[op]} of "
+                                      f"{[k.decode(errors='replace') for k in items[:4]]}")
+        if status == w.ERROR:
+            raise ControlPlaneError(f"the job's store refused {w.OPS[op]}: {out[0].decode(errors='replace')}")
+        return out
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._call(w.SET, [_b(key), _b(value)])
+
+    def get(self, key: str) -> bytes:
+        return self._call(w.GET, [_b(key)])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call(w.MULTI_GET, [_b(k) for k in keys])
+
+    def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        items: list[bytes] = []
+        for k, v in zip(keys, values):
+            items += [_b(k), _b(v)]
+        self._call(w.MULTI_SET, items)
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call(w.ADD, [_b(key), str(int(value)).encode()])[0])
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._call(w.CAS, [_b(key), _b(expected), _b(desired)])[0]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(w.CHECK, [_b(k) for k in keys])[0] == b"1"
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(w.DELETE, [_b(key)])[0] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call(w.NUM_KEYS, [])[0])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._call(w.WAIT, [_b(k) for k in keys], None if timeout is None else timeout.total_seconds())
+
+    # torch's C++ side looks these up by their C++ names.
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+
+def _b(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionResetError("the store closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _handshake(host: str, port: int, key: bytes, bind_to: str, rank: int,
+               budget_s: float) -> tuple[socket.socket, w.Sealer]:
+    sock = socket.create_connection((host, port), timeout=min(budget_s, HELLO_S))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(min(max(budget_s, 0.5), HELLO_S))
+        try:
+            hello = _recv_exact(sock, w.HELLO_SIZE)
+        except socket.timeout as exc:  # a listener that says nothing is not the job's store
+            raise NotOurs(f"{host}:{port} sent no hello") from exc
+        if not hello.startswith(w.MAGIC):
+            raise NotOurs(f"{host}:{port} is not a store of this project")
+        ns = hello[len(w.MAGIC):]
+        nc = secrets.token_bytes(w.NONCE)
+        sock.sendall(w.client_hello(key, bind_to, ns, nc, rank))
+        try:
+            proof = _recv_exact(sock, w.MAC)
+        except ConnectionResetError as exc:  # turned away: another job's or another start's store, or a squatter
+            raise NotOurs(f"{host}:{port} closed the handshake (not this job's store)") from exc
+        if not hmac.compare_digest(proof, w.server_proof(key, bind_to, ns, nc, rank)):
+            raise NotOurs(f"{host}:{port} does not hold the run's key")
+        sock.settimeout(None)
+        return sock, w.Sealer(w.session_key(key, bind_to, ns, nc), b"c", b"s")
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,421 @@
+"""The job's own store server: rank 0 hosts it, only clients holding the run's key get in.
+
+One thread, non-blocking sockets, one selector.  A connection must complete the handshake of
+:mod:`.store_wire` within ``handshake_s`` or it is closed; at most ``pending_cap`` connections may be in their
+handshake at once, any more are closed as they are accepted.  So a flood of idle connections (a foreign user on the
+node) costs the server one ``accept`` and one ``close`` each and nothing after they end: the keys, the waits of the
+authenticated clients and their speed are untouched.  Refused connections are counted and named (the peer's
+address and, for a peer on this node, its user) in one warning per ``warn_every_s``.
+
+The server listens on the rendezvous address only (never on every interface), on the first port of the job's
+candidates (:func:`accelpact_slurm.runtime.store.port_candidates`) it can bind: a squatted port is skipped.
+
+Who calls: :func:`accelpact_slurm.runtime.store.host_store` on rank 0; :meth:`StoreServer.close` at the rank's end
+(the process's exit ends the thread too: it is a daemon thread).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import selectors
+import socket
+import threading
+import time
+from typing import Callable, Iterable
+
+from accelpact_slurm.runtime import store_wire as w
+
+log = logging.getLogger(__name__)
+
+PENDING_CAP = 64
+HANDSHAKE_S = 5.0
+WARN_EVERY_S = 10.0
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "authed", "inbuf", "outbuf", "ns", "deadline", "sealer", "rank", "parked")
+
+    def __init__(self, sock: socket.socket, peer: tuple) -> None:
+        self.sock, self.peer = sock, peer
+        self.authed = False
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.ns = secrets.token_bytes(w.NONCE)
+        self.deadline = time.monotonic() + HANDSHAKE_S
+        self.sealer: w.Sealer | None = None
+        self.rank = -1
+        self.parked: "_Wait | None" = None
+
+
+class _Wait:
+    __slots__ = ("conn", "op", "keys", "deadline")
+
+    def __init__(self, conn: _Conn, op: int, keys: list[bytes], deadline: float) -> None:
+        self.conn, self.op, self.keys, self.deadline = conn, op, keys, deadline
+
+
+class StoreServer:
+    """Serve the job's keys to authenticated clients (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, key: bytes, binding: str, *, pending_cap: int = PENDING_CAP,
+                 handshake_s: float = HANDSHAKE_S, warn_every_s: float = WARN_EVERY_S,
+                 on_warning: Callable[[str], None] | None = None) -> None:
+        self._listen = sock
+        self._listen.setblocking(False)
+        self._key, self._binding = key, binding
+        self.pending_cap, self.handshake_s, self.warn_every_s = pending_cap, handshake_s, warn_every_s
+        self._on_warning = on_warning
+        self._data: dict[bytes, bytes] = {}
+        self._conns: dict[int, _Conn] = {}
+        self._waits: list[_Wait] = []
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._stop = False
+        #: Connections turned away: closed at accept (too many in their handshake), a wrong handshake, too slow.
+        self.refused = {"cap": 0, "bad": 0, "slow": 0}
+        self._reported = dict(self.refused)
+        self._offenders: list[str] = []
+        self._last_warn = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="accelpact-store", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._listen.getsockname()[1])
+
+    @property
+    def address(self) -> tuple:
+        return self._listen.getsockname()
+
+    def start(self) -> "StoreServer":
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        for s in (self._listen, self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def connections(self) -> dict[str, int]:
+        """How many connections are open, by state (for tests and the flood warning)."""
+        authed = sum(1 for c in self._conns.values() if c.authed)
+        return {"authenticated": authed, "handshake": len(self._conns) - authed}
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        while not self._stop:
+            timeout = self._next_deadline()
+            try:
+                ready = self._sel.select(timeout)
+            except OSError:  # pragma: no cover - the selector itself failed: nothing to serve with
+                log.exception("the store's selector failed")
+                return
+            for key, mask in ready:
+                if key.data is None:
+                    self._accept()
+                elif key.data == "wake":
+                    try:
+                        self._wake_r.recv(64)
+                    except OSError:
+                        pass
+                else:
+                    conn = key.data
+                    if mask & selectors.EVENT_READ:
+                        self._read(conn)
+                    if mask & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns:
+                        self._flush(conn)
+            self._expire()
+            self._maybe_warn()
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        soonest = now + 1.0
+        for c in self._conns.values():
+            if not c.authed:
+                soonest = min(soonest, c.deadline)
+        for wt in self._waits:
+            soonest = min(soonest, wt.deadline)
+        return max(0.0, soonest - now)
+
+    def _accept(self) -> None:
+        for _ in range(256):  # a bounded batch: the other connections are served between batches
+            try:
+                sock, peer = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the flood reached the process's limit
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self.refused["cap"] += 1
+                return
+            pending = sum(1 for c in self._conns.values() if not c.authed)
+            if pending >= self.pending_cap:
+                self.refused["cap"] += 1
+                self._note(sock, peer)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, peer)
+            conn.deadline = time.monotonic() + self.handshake_s
+            self._conns[sock.fileno()] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.outbuf += w.MAGIC + conn.ns
+            self._flush(conn)
+
+    def _note(self, sock: socket.socket, peer: tuple) -> None:
+        """Remember who it was (the first few of each warning's window), while the peer's socket still exists."""
+        if len(self._offenders) < 4:
+            who = describe_peer(peer)
+            if who not in self._offenders:
+                self._offenders.append(who)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)
+            return
+        conn.inbuf += chunk
+        if not conn.authed:
+            if len(conn.inbuf) < w.CLIENT_HELLO_SIZE:
+                return
+            got = w.parse_client_hello(bytes(conn.inbuf[:w.CLIENT_HELLO_SIZE]), self._key, self._binding, conn.ns)
+            if got is None:
+                self.refused["bad"] += 1
+                self._note(conn.sock, conn.peer)
+                self._drop(conn)
+                return
+            nc, conn.rank = got
+            del conn.inbuf[:w.CLIENT_HELLO_SIZE]
+            conn.outbuf += w.server_proof(self._key, self._binding, conn.ns, nc, conn.rank)
+            conn.sealer = w.Sealer(w.session_key(self._key, self._binding, conn.ns, nc), b"s", b"c")
+            conn.authed = True
+            self._flush(conn)
+        self._serve(conn)
+
+    def _serve(self, conn: _Conn) -> None:
+        while conn.parked is None and len(conn.inbuf) >= w.LEN_SIZE:
+            n = w.frame_length(bytes(conn.inbuf[:w.LEN_SIZE]))
+            if n > w.MAX_FRAME:
+                log.warning("store: rank %d sent a frame of %d bytes; closing its connection", conn.rank, n)
+                self._drop(conn)
+                return
+            if len(conn.inbuf) < w.LEN_SIZE + n:
+                return
+            body = bytes(conn.inbuf[w.LEN_SIZE:w.LEN_SIZE + n])
+            del conn.inbuf[:w.LEN_SIZE + n]
+            assert conn.sealer is not None
+            payload = conn.sealer.open(body)
+            if payload is None:
+                log.warning("store: a frame from rank %d failed its MAC; closing its connection", conn.rank)
+                self._drop(conn)
+                return
+            try:
+                op, timeout_ms, items = w.parse_request(payload)
+                self._handle(conn, op, timeout_ms, items)
+            except (ValueError, IndexError) as exc:
+                self._reply(conn, w.ERROR, [str(exc).encode()])
+
+    # ------------------------------------------------------------------ operations
+
+    def _handle(self, conn: _Conn, op: int, timeout_ms: int, items: list[bytes]) -> None:
+        d = self._data
+        if op == w.SET:
+            d[items[0]] = items[1]
+            self._reply(conn, w.OK, [])
+            self._wake()
+        elif op == w.MULTI_SET:
+            if len(items) % 2:
+                raise ValueError("multi_set needs key/value pairs")
+            for k, v in zip(items[0::2], items[1::2]):
+                d[k] = v
+            self._reply(conn, w.OK, [])
+            self._wake()
+        elif op in (w.GET, w.MULTI_GET, w.WAIT):
+            if op == w.GET and len(items) != 1:
+                raise ValueError("get takes one key")
+            if all(k in d for k in items):
+                self._reply(conn, w.OK, [] if op == w.WAIT else [d[k] for k in items])
+            else:
+                conn.parked = _Wait(conn, op, items, time.monotonic() + timeout_ms / 1000.0)
+                self._waits.append(conn.parked)
+        elif op == w.ADD:
+            value = int(d.get(items[0], b"0")) + int(items[1])
+            d[items[0]] = str(value).encode()
+            self._reply(conn, w.OK, [d[items[0]]])
+            self._wake()
+        elif op == w.CAS:
+            k, expected, desired = items
+            cur = d.get(k)
+            if (cur is None and expected == b"") or (cur is not None and cur == expected):
+                d[k] = desired
+                self._reply(conn, w.OK, [desired])
+                self._wake()
+            else:
+                self._reply(conn, w.OK, [expected if cur is None else cur])
+        elif op == w.CHECK:
+            self._reply(conn, w.OK, [b"1" if all(k in d for k in items) else b"0"])
+        elif op == w.DELETE:
+            self._reply(conn, w.OK, [b"1" if d.pop(items[0], None) is not None else b"0"])
+        elif op == w.NUM_KEYS:
+            self._reply(conn, w.OK, [str(len(d)).encode()])
+
+    def _wake(self) -> None:
+        d = self._data
+        for wt in list(self._waits):
+            if all(k in d for k in wt.keys):
+                self._finish(wt, w.OK, [] if wt.op == w.WAIT else [d[k] for k in wt.keys])
+
+    def _finish(self, wt: _Wait, status: int, items: list[bytes]) -> None:
+        self._waits.remove(wt)
+        conn = wt.conn
+        conn.parked = None
+        if conn.sock.fileno() in self._conns:
+            self._reply(conn, status, items)
+            self._serve(conn)  # a frame that came while the wait lasted
+
+    def _reply(self, conn: _Conn, status: int, items: list[bytes]) -> None:
+        assert conn.sealer is not None
+        conn.outbuf += conn.sealer.seal(w.answer(status, items))
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._drop(conn)
+                return
+            del conn.outbuf[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        try:
+            self._sel.modify(conn.sock, events, conn)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _drop(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        self._conns.pop(fd, None)
+        if conn.parked is not None and conn.parked in self._waits:
+            self._waits.remove(conn.parked)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for wt in [wt for wt in self._waits if wt.deadline <= now]:
+            self._finish(wt, w.TIMEOUT, [])
+        for conn in [c for c in self._conns.values() if not c.authed and c.deadline <= now]:
+            self.refused["slow"] += 1
+            self._note(conn.sock, conn.peer)
+            self._drop(conn)
+
+    def _maybe_warn(self) -> None:
+        now = time.monotonic()
+        if now - self._last_warn < self.warn_every_s or self.refused == self._reported:
+            return
+        new = {k: self.refused[k] - self._reported[k] for k in self.refused}
+        self._reported = dict(self.refused)
+        self._last_warn = now
+        peers = ", ".join(self._offenders) or "unknown peers"
+        self._offenders = []
+        msg = (f"the control plane's store turned away {sum(new.values())} connection(s) without the run's key "
+               f"({new['cap']} over the cap of {self.pending_cap} in their handshake, {new['bad']} with a wrong "
+               f"handshake, {new['slow']} silent for {self.handshake_s:g} s) from {peers}: somebody else is "
+               f"connecting to this job's store; training is not affected")
+        log.warning(msg)
+        if self._on_warning is not None:
+            try:
+                self._on_warning(msg)
+            except Exception:  # noqa: BLE001 - a warning must not stop the server
+                log.debug("the store's warning callback failed", exc_info=True)
+
+
+def listen(host: str, candidates: Iterable[int]) -> tuple[socket.socket, list[int]]:
+    """A listening socket on ``host`` at the first candidate port free to bind; the ports found taken beside it."""
+    taken: list[int] = []
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    family, _, _, _, addr = infos[0]
+    for port in candidates:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an earlier start's TIME_WAIT, not a squatter
+        try:
+            sock.bind((addr[0], port) + tuple(addr[2:]))
+        except OSError as exc:
+            sock.close()
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                taken.append(port)
+                continue
+            raise
+        sock.listen(1024)
+        return sock, taken
+    raise OSError(errno.EADDRINUSE, f"every candidate port on {host} is taken: {taken}")
+
+
+def describe_peer(peer: tuple) -> str:
+    """``127.0.0.1:40312 (uid 65534, nobody)``: the user of a peer on this node, when the kernel says."""
+    text = f"{peer[0]}:{peer[1]}"
+    uid = peer_uid(peer)
+    if uid is None:
+        return text
+    try:
+        import pwd
+
+        return f"{text} (uid {uid}, {pwd.getpwuid(uid).pw_name})"
+    except (KeyError, ImportError):
+        return f"{text} (uid {uid})"
+
+
+def peer_uid(peer: tuple) -> int | None:
+    """The owner of the socket at ``peer`` on this node (from ``/proc/net/tcp``), or None."""
+    ip, port = peer[0], int(peer[1])
+    try:
+        packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    except OSError:
+        return None
+    if len(packed) == 4:
+        want = f"{int.from_bytes(packed, 'little'):08X}:{port:04X}"
+        table = "/proc/net/tcp"
+    else:
+        words = [int.from_bytes(packed[i:i + 4], "little") for i in range(0, 16, 4)]
+        want = "".join(f"{x:08X}" for x in words) + f":{port:04X}"
+        table = "/proc/net/tcp6"
+    try:
+        with open(table) as fh:
+            next(fh)
+            for line in fh:
+                f = line.split()
+                if len(f) > 7 and f[1] == want:
+                    return int(f[7])
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,169 @@
+"""The wire of the job's own store: a mutual handshake under the run's key, then MAC'd frames.
+
+Torch's ``TCPStore`` lets anyone who reaches its port read, write and delete every key, and a few thousand idle
+connections slow it for good.  The job's store (:mod:`.store`, :mod:`.store_server`) speaks this protocol
+instead; it is small enough to read in one sitting.  Torch-free.
+
+Handshake (fixed sizes, before anything else is read or answered)::
+
+    server -> client   MAGIC | Ns (32 random bytes)
+    client -> server   MAGIC | Nc (32) | rank (4) | HMAC(key, "client" | binding | Ns | Nc | rank)
+    server -> client   HMAC(key, "server" | binding | Ns | Nc | rank)
+
+``binding`` names the job and its start (``<job id>/<restart>``): a client of another job, or of an earlier start
+of this one, does not get in, and a server that cannot answer with the run's key (a squatter on the port) is not
+believed.  Both sides then derive a session key from the two nonces; every frame after that is::
+
+    length (4) | tag (16) | payload
+
+with ``tag = HMAC(session, direction | counter | payload)[:16]``: a frame cannot be forged, replayed or reordered
+inside the connection.  A request's payload is ``op (1) | timeout in ms (4) | items``; an answer's is
+``status (1) | items``; items are ``count (2)`` then ``length (4) | bytes`` each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+MAGIC = b"APST1\n"
+NONCE = 32
+MAC = 32
+TAG = 16
+#: The largest frame either side accepts (a value of the store is a vote, an offer or a Gloo address: small).
+MAX_FRAME = 64 << 20
+
+# Requests.
+SET, GET, ADD, CAS, CHECK, DELETE, MULTI_GET, MULTI_SET, WAIT, NUM_KEYS = range(1, 11)
+OPS = {SET: "set", GET: "get", ADD: "add", CAS: "compare_set", CHECK: "check", DELETE: "delete_key",
+       MULTI_GET: "multi_get", MULTI_SET: "multi_set", WAIT: "wait", NUM_KEYS: "num_keys"}
+# Answers.
+OK, TIMEOUT, ERROR = 0, 1, 2
+
+_HELLO = struct.Struct(">i")
+_LEN = struct.Struct(">I")
+_REQ = struct.Struct(">BI")
+_COUNT = struct.Struct(">H")
+_CTR = struct.Struct(">BQ")
+
+HELLO_SIZE = len(MAGIC) + NONCE
+CLIENT_HELLO_SIZE = len(MAGIC) + NONCE + _HELLO.size + MAC
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
+
+
+def client_proof(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int) -> bytes:
+    return _mac(key, b"client", binding.encode(), ns, nc, _HELLO.pack(rank))
+
+
+def server_proof(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int) -> bytes:
+    return _mac(key, b"server", binding.encode(), ns, nc, _HELLO.pack(rank))
+
+
+def session_key(key: bytes, binding: str, ns: bytes, nc: bytes) -> bytes:
+    return _mac(key, b"session", binding.encode(), ns, nc)
+
+
+def client_hello(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int) -> bytes:
+    return MAGIC + nc + _HELLO.pack(rank) + client_proof(key, binding, ns, nc, rank)
+
+
+def parse_client_hello(blob: bytes, key: bytes, binding: str, ns: bytes) -> tuple[bytes, int] | None:
+    """``(Nc, rank)`` of an authentic client hello, else None (pure)."""
+    if len(blob) != CLIENT_HELLO_SIZE or not blob.startswith(MAGIC):
+        return None
+    nc = blob[len(MAGIC):len(MAGIC) + NONCE]
+    (rank,) = _HELLO.unpack_from(blob, len(MAGIC) + NONCE)
+    proof = blob[len(MAGIC) + NONCE + _HELLO.size:]
+    if not hmac.compare_digest(proof, client_proof(key, binding, ns, nc, rank)):
+        return None
+    return nc, rank
+
+
+class Sealer:
+    """The MAC'd frames of one side of one connection (``direction``: b"c" for the client's, b"s" the server's)."""
+
+    def __init__(self, session: bytes, send_dir: bytes, recv_dir: bytes) -> None:
+        self._session = session
+        self._send_dir, self._recv_dir = send_dir, recv_dir
+        self._sent = self._received = 0
+
+    def seal(self, payload: bytes) -> bytes:
+        tag = hmac.new(self._session, _CTR.pack(self._send_dir[0], self._sent) + payload, hashlib.sha256).digest()
+        self._sent += 1
+        return _LEN.pack(TAG + len(payload)) + tag[:TAG] + payload
+
+    def open(self, body: bytes) -> bytes | None:
+        """The payload of one frame's body (after its length), or None when its tag is wrong."""
+        if len(body) < TAG:
+            return None
+        tag, payload = body[:TAG], body[TAG:]
+        want = hmac.new(self._session, _CTR.pack(self._recv_dir[0], self._received) + payload,
+                        hashlib.sha256).digest()[:TAG]
+        if not hmac.compare_digest(tag, want):
+            return None
+        self._received += 1
+        return payload
+
+
+def frame_length(head: bytes) -> int:
+    (n,) = _LEN.unpack(head)
+    return n
+
+
+LEN_SIZE = _LEN.size
+
+
+def pack_items(items: list[bytes]) -> bytes:
+    out = [_COUNT.pack(len(items))]
+    for it in items:
+        out.append(_LEN.pack(len(it)))
+        out.append(it)
+    return b"".join(out)
+
+
+def unpack_items(blob: bytes, offset: int) -> list[bytes]:
+    """The items of ``blob`` from ``offset``; ValueError when malformed (pure)."""
+    if len(blob) < offset + _COUNT.size:
+        raise ValueError("truncated item count")
+    (n,) = _COUNT.unpack_from(blob, offset)
+    pos = offset + _COUNT.size
+    items = []
+    for _ in range(n):
+        if len(blob) < pos + _LEN.size:
+            raise ValueError("truncated item length")
+        (size,) = _LEN.unpack_from(blob, pos)
+        pos += _LEN.size
+        if len(blob) < pos + size:
+            raise ValueError("truncated item")
+        items.append(blob[pos:pos + size])
+        pos += size
+    if pos != len(blob):
+        raise ValueError("trailing bytes")
+    return items
+
+
+def request(op: int, timeout_ms: int, items: list[bytes]) -> bytes:
+    return _REQ.pack(op, max(0, min(timeout_ms, 0xFFFFFFFF))) + pack_items(items)
+
+
+def parse_request(payload: bytes) -> tuple[int, int, list[bytes]]:
+    if len(payload) < _REQ.size:
+        raise ValueError("truncated request")
+    op, timeout_ms = _REQ.unpack_from(payload)
+    if op not in OPS:
+        raise ValueError(f"unknown operation {op}")
+    return op, timeout_ms, unpack_items(payload, _REQ.size)
+
+
+def answer(status: int, items: list[bytes]) -> bytes:
+    return bytes([status]) + pack_items(items)
+
+
+def parse_answer(payload: bytes) -> tuple[int, list[bytes]]:
+    if not payload:
+        raise ValueError("empty answer")
+    return payload[0], unpack_items(payload, 1)
