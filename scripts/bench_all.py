@@ -13,7 +13,7 @@ results are merged into ``benchmarks/results/<date>.json``::
 and ``docs/benchmarks.md`` is written from that file alone: a header with the machine, an overview table of
 every part's summary ``rows`` (what / baseline / ratio / spread / n / note), then each part's own block
 (``markdown(res)`` of its script) in a fixed order: repair, guard, l1backward, peers, ckpt, paper, status, shared,
-restore, recovery, and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps
+restore, recovery, store, and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps
 the block it has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
 
 Parts that are not selected with ``--parts`` are carried over from an earlier merged file of the same date
@@ -77,16 +77,20 @@ PARTS = {p.name: p for p in (
          "Node-loss restore: from a peer's copy or the shared tier"),
     Part("recovery", "bench_recovery.py", "<!-- recovery-bench -->", 1500,
          "Recovery: from the fault to training again"),
+    Part("store", "bench_store.py", "<!-- store-bench -->", 300,
+         "The job's authenticated store: per-update cost against TCPStore"),
 )}
 # Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) after
 # them; the shared tier's cost last, with what is left of the budget (or alone: --parts shared).
-RUN_ORDER = ["status", "repair", "guard", "paper", "peers", "l1backward", "ckpt", "shared", "restore", "recovery"]
+RUN_ORDER = ["status", "repair", "guard", "store", "paper", "peers", "l1backward", "ckpt", "shared", "restore",
+             "recovery"]
 GPU_MARK = "<!-- gpu-check -->"
 GPU_JSON = RESULTS / "gpu-check.json"
 # What ``make bench`` passes each part beyond ``--json``/``--markdown``: the parts' own defaults, trimmed where the
 # sum of the parts would not fit the budget (a part run alone keeps its defaults).
 PART_ARGS: dict[str, list[str]] = {
     "paper": ["--repeats", "4"],
+    "store": ["--pairs", "2"],
     "restore": ["--rounds", "3"],
     "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes

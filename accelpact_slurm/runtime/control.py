@@ -1,7 +1,7 @@
 """The control plane: every out-of-band agreement between ranks.
 
-Built on its own ``TCPStore`` (never the data plane's groups, never the default
-process group) with a ``PrefixStore`` per generation, so that an agreement of a
+Built on its own client of the job's store (:mod:`.store`: only holders of the run's key get in; never the data
+plane's groups, never the default process group) with a ``PrefixStore`` per generation, so that an agreement of a
 retired generation can never be mistaken for one of the current generation.
 All calls block with a deadline and raise
 :class:`~accelpact_slurm.core.errors.ControlPlaneTimeout` naming the ranks that did
@@ -52,7 +52,7 @@ class ControlPlane:
     """Key/value agreements over a dedicated store.
 
     Args:
-        store: the control plane's own store (a ``TCPStore``).
+        store: the control plane's own client of the job's store (:class:`~.store.JobStore`; any ``dist.Store``).
         rank: this rank in the world.
         world_size: number of ranks.
         timeout_s: default deadline of every call.

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""The job's authenticated store: what it costs an update, against the code before it (default ``2abb175``).
+
+Before ``2abb175``'s successor the ranks' data plane, control plane and heartbeats used torch's ``TCPStore``; now
+they use the job's own store (``accelpact_slurm/runtime/store.py``: a handshake under the run's key, a MAC on
+every frame, a Python server thread in rank 0).  Two measurements, side by side in this one run:
+
+1. **Per update, ABBA**: the same job (the decoder example's model at its sizes, 2 emulated nodes x 2 ranks, no
+   snapshots, ``scripts/bench/guard_entry.py``: interleaved segments of plain and guarded updates, rank 0's clock)
+   run by the current code and by the earlier commit (a detached ``git worktree``), in the order current, earlier,
+   earlier, current, ...; a pair's figure is the current job's median update over the earlier one's, for plain
+   updates and for guarded ones (whose vote is a control-plane round through the store), with the added
+   milliseconds beside the ratio.
+2. **Per round trip**: one client's ``set`` then ``get`` of a vote-sized value, against the job's store and against
+   a ``TCPStore`` on this machine, interleaved in blocks (ABBA), many samples: what the ratio of (1) is made of.
+
+Output: ``--json`` (default ``benchmarks/results/<date>/store.json``) and the block between ``<!-- store-bench -->``
+markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+
+Usage: .venv/bin/python scripts/bench_store.py [--pairs 3] [--commit 2abb175]
+       .venv/bin/python scripts/bench_store.py --render benchmarks/results/<date>/store.json
+
+About 3 minutes here with the defaults (six jobs of 15-25 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import harness as h  # noqa: E402
+
+h.add_paths()
+
+PART = "store"
+MARK = "<!-- store-bench -->"
+BEFORE = "2abb175"
+DEFAULT_BUDGET_S = 420.0
+
+
+def round_trips(blocks: int = 20, per_block: int = 200) -> dict[str, Any]:
+    """Median microseconds of one ``set`` + ``get`` per block, the job's store against ``TCPStore`` (ABBA)."""
+    import torch.distributed as dist
+
+    from accelpact_slurm.runtime.store import JobStore, binding, host_store, port_candidates
+
+    key = secrets.token_bytes(32)
+    ports = port_candidates(key, "bench")
+    server = host_store("127.0.0.1", ports, key, binding("bench", 0))
+    ours = JobStore("127.0.0.1", ports, key, binding("bench", 0), 0, timedelta(seconds=30))
+    plain_host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    plain = dist.TCPStore("127.0.0.1", plain_host.port, 1, is_master=False)
+    value = b'{"ok": true, "loss": 2.5, "update": 100, "phase": "boundary"}' * 2
+    samples: dict[str, list[float]] = {"ours": [], "tcpstore": []}
+    try:
+        for i in range(blocks):
+            for name in h.abba(i, "ours", "tcpstore"):
+                store = ours if name == "ours" else plain
+                t0 = time.perf_counter()
+                for j in range(per_block):
+                    store.set(f"vote/{j % 4}", value)
+                    store.get(f"vote/{j % 4}")
+                samples[name].append((time.perf_counter() - t0) / per_block * 1e6)
+    finally:
+        ours.close()
+        server.close()
+    ratios = [a / b for a, b in zip(samples["ours"], samples["tcpstore"])]
+    return {"blocks": blocks, "per_block": per_block, "ours_us": h.spread(samples["ours"]),
+            "tcpstore_us": h.spread(samples["tcpstore"]), "ratio": h.spread(ratios)}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [MARK, "", f"Run {res.get('date', '?')} ({h.machine_line(res.get('machine', {}))}); "
+             f"the current code against commit `{res.get('commit', BEFORE)}` (torch's `TCPStore`).", ""]
+    cost = res.get("cost") or {}
+    lines += ["| measured | ratio (median, min-max) | added | samples |", "|---|---|---|---|"]
+    if cost.get("skipped"):
+        lines.append(f"| per update | not measured: {cost['skipped']} | | |")
+    else:
+        for kind, what in (("plain_ms", "plain update (FSDP collectives, heartbeats)"),
+                           ("guarded_ms", "guarded update (the vote: a control-plane round)")):
+            r, a = cost.get(kind) or {}, cost.get(f"{kind}_added") or {}
+            lines.append(f"| {what} | {h.fmt_spread(r, '{:.3f}')} | {h.fmt_spread(a, '{:+.2f}')} ms | "
+                         f"{cost.get('pairs', 0)} pairs (ABBA) |")
+    rt = res.get("round_trips") or {}
+    if rt:
+        lines.append(f"| one set + get, the job's store / TCPStore | {h.fmt_spread(rt.get('ratio'), '{:.2f}')} | "
+                     f"{h.fmt(rt['ours_us']['median'], '{:.0f}')} us against "
+                     f"{h.fmt(rt['tcpstore_us']['median'], '{:.0f}')} us | {rt['blocks']} blocks of "
+                     f"{rt['per_block']} |")
+    goal = (cost.get("guarded_ms") or {}).get("median")
+    lines += ["", f"Goal: the authenticated store costs an update at most 1% (guarded update ratio <= 1.01): "
+              f"{'met' if goal is not None and goal <= 1.01 else 'not met' if goal is not None else 'not measured'}"
+              f" ({h.fmt(goal, '{:.3f}')}).", "", MARK]
+    return "\n".join(lines)
+
+
+def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The overview's rows (``scripts/bench_all.py``)."""
+    cost, rows = res.get("cost") or {}, []
+    if cost.get("guarded_ms"):
+        added = (cost.get("guarded_ms_added") or {}).get("median")
+        rows.append(h.row("guarded update, authenticated store", f"the same job at {res.get('commit')} (TCPStore)",
+                          cost["guarded_ms"], note=f"{h.fmt(added, '{:+.2f}')} ms per update; goal <= 1.01x"))
+    rt = res.get("round_trips") or {}
+    if rt.get("ratio"):
+        rows.append(h.row("one set + get", "TCPStore, same process, interleaved", rt["ratio"],
+                          note=f"{h.fmt(rt['ours_us']['median'], '{:.0f}')} us"))
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    head, _, rest = (__doc__ or "").partition("\n\n")
+    ap = argparse.ArgumentParser(prog="bench_store.py", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=3, help="ABBA pairs of jobs (default: %(default)s)")
+    ap.add_argument("--commit", default=BEFORE, help="the earlier commit (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=4, help="segment pairs per job (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=8, help="updates per segment (default: %(default)s)")
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="time budget (default: %(default)s)")
+    h.output_args(ap, f"benchmarks/results/{h.today()}/store.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = h.logger(PART)
+    if args.render:
+        res = h.read_result(args.render)
+        if h.write_markdown(args.markdown, MARK, markdown(res)) is None:
+            print(markdown(res))
+        return 0
+    if args.pairs < 1 or args.rounds < 1 or args.steps < 1:
+        raise SystemExit("--pairs, --rounds and --steps must be >= 1")
+    from bench import recovery_cost
+
+    budget = h.Budget(h.outer_deadline(args.budget_s, margin_s=10.0, floor_s=30.0))
+    h.stop_on_signals(PART)
+    res = h.new_result(PART, json=h.json_field(args.json), commit=args.commit)
+    res["round_trips"] = round_trips()
+    rt = res["round_trips"]
+    log(f"round trip: ours {rt['ours_us']['median']:.0f} us, TCPStore {rt['tcpstore_us']['median']:.0f} us")
+    plan = {"rounds": args.rounds, "steps": args.steps, "warmup": 3}
+    res["cost"] = recovery_cost.measure(args.commit, args.pairs, log, budget, plan)
+    res["total_wall_s"] = budget.elapsed()
+    h.finish(res)
+    cost = res["cost"]
+    if not cost.get("skipped") and not cost.get("pairs"):
+        res["error"] = "no complete pair of jobs"
+        out = h.write_result(res, args.json, failed=True)
+        log(f"FAILED: {res['error']} (written to {out})")
+        return 1
+    res["rows"] = summary_rows(res)
+    out = h.write_result(res, args.json)
+    h.write_markdown(args.markdown, MARK, markdown(res))
+    g = cost.get("guarded_ms") or {}
+    log(f"result written to {out}: guarded update {h.fmt(g.get('median'), '{:.3f}')}x the earlier code's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
