@@ -288,7 +288,11 @@ class Run:
 
     def _load(self, path: str) -> None:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
-        doc = appstate.load(self.model, self.optimizer, path)
+        from ckpt_service.auth import load_key
+
+        verified = not self.job._faults.skip_reload_check
+        doc = appstate.load(self.model, self.optimizer, path, load_key(self.job.run_dir) if verified else None,
+                            verified=verified)
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]
