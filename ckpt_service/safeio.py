@@ -12,7 +12,6 @@ descriptor: only a regular file of at most the caller's bound is read.  Director
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from typing import Any
@@ -122,7 +121,3 @@ def is_plain_dir(path: str) -> bool:
     except OSError:
         return False
 
-
-def write_json_text(obj: Any) -> str:
-    """The canonical JSON text a MAC is computed over (sorted keys, no spaces)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
