@@ -36,9 +36,20 @@ def key_path(run_dir: str) -> str:
 
 
 def load_or_create_key(run_dir: str) -> bytes:
-    """The run's key; the first caller creates it (0600, exclusive create: concurrent first callers agree)."""
+    """The run's key; the first caller creates it (0600, exclusive create: concurrent first callers agree).
+
+    No key is created in a run directory that already holds snapshots (in ``node-local/*`` or
+    ``shared-ckpt``): the key was lost, and a new one would reject every snapshot and retrain from 0 without
+    a word.  :class:`CheckpointError` instead (``accelpact-run``'s start-up check names the fix).
+    """
     path = key_path(run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    if not os.path.lexists(path):
+        planted = _snapshot_names(run_dir)
+        if planted:
+            raise CheckpointError(f"{path} is missing while {planted} holds snapshots: refusing to create a new key "
+                                  f"(it would reject all of them); restore the key file, or move the snapshots "
+                                  f"away to start afresh")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -73,6 +84,27 @@ def load_key(run_dir: str) -> bytes:
             break
         threading.Event().wait(0.01)
     raise CheckpointError(f"{path} does not hold a key (64 hex digits)")
+
+
+def _snapshot_names(run_dir: str) -> str | None:
+    """The first folder of the run directory's default layout that holds a snapshot (``step-N`` with a
+    ``manifest.json``), if any."""
+    from ckpt_service.layout import step_of
+
+    candidates = [os.path.join(run_dir, "shared-ckpt")]
+    try:
+        local = os.path.join(run_dir, "node-local")
+        candidates += [os.path.join(local, n) for n in sorted(os.listdir(local))]
+    except OSError:
+        pass
+    for d in candidates:
+        try:
+            if any(step_of(n) is not None and os.path.lexists(os.path.join(d, n, "manifest.json"))
+                   for n in os.listdir(d)):
+                return d
+        except OSError:
+            continue
+    return None
 
 
 def find_run_dir(path: str) -> str | None:

@@ -11,9 +11,9 @@ deletes anything (:func:`read_indexes`: the newest step verified on every node i
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -22,6 +22,7 @@ from accelpact_slurm.core.atomic import fsync_dir, write_json_atomic  # noqa: F4
 
 from ckpt_service.layout import DAEMON_FAILED_SUFFIX, INDEX_DIR, MANIFEST, STATE, step_of
 from ckpt_service.retention import is_milestone
+from ckpt_service.safeio import is_plain_dir, read_json_why
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,9 @@ SHARED_SOURCE = "shared tier"
 
 
 def read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+    """The JSON document at ``path``, ``None`` when it is missing, unreadable, not JSON, or not a regular file
+    of at most 16 MiB (a FIFO planted as ``manifest.json`` must not block the reader: :mod:`.safeio`)."""
+    return read_json_why(path)[0]
 
 
 @dataclass
@@ -53,13 +52,17 @@ class SnapshotRecord:
 
 
 def dir_size(path: str) -> int:
+    """Bytes of the regular files in the tree at ``path``; links are neither followed nor counted (a link to
+    ``/usr`` planted in a snapshot must not make every listing walk the system's tree)."""
     total = 0
-    for root, _dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):  # os.walk does not descend into links to directories
         for f in files:
             try:
-                total += os.path.getsize(os.path.join(root, f))
+                st = os.lstat(os.path.join(root, f))
             except OSError:
-                pass
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
     return total
 
 
@@ -68,13 +71,15 @@ def read_record(path: str, milestone_every: int = 0) -> SnapshotRecord | None:
     step = step_of(path)
     if step is None:
         return None
-    manifest = read_json(os.path.join(path, MANIFEST))
-    rec = read_json(os.path.join(path, STATE)) or {}
+    manifest, bad = read_json_why(os.path.join(path, MANIFEST))
+    rec = read_json(os.path.join(path, STATE))
+    rec = rec if isinstance(rec, dict) else {}
     state = rec.get("state") if rec.get("state") in STATES else "committed"
     reason = rec.get("reason")
+    manifest = manifest if isinstance(manifest, dict) else None
     created = (manifest or {}).get("created")
     if manifest is None and state != "rejected":
-        state, reason = "rejected", "manifest.json missing or unreadable"
+        state, reason = "rejected", f"manifest.json missing or unreadable ({bad or 'not a JSON object'})"
     if not isinstance(created, (int, float)):
         try:
             created = os.path.getmtime(path)
@@ -90,7 +95,9 @@ def scan(ndir: str, milestone_every: int = 0) -> list[SnapshotRecord]:
         names = os.listdir(ndir)
     except (FileNotFoundError, NotADirectoryError, PermissionError):  # no usable node directory: nothing to list
         return []
-    out = [read_record(os.path.join(ndir, n), milestone_every) for n in names if step_of(n) is not None]
+    # A step name that is a link (to another user's folder, to /usr) or a file is no snapshot of this run.
+    out = [read_record(os.path.join(ndir, n), milestone_every) for n in names
+           if step_of(n) is not None and is_plain_dir(os.path.join(ndir, n))]
     return sorted((r for r in out if r is not None), key=lambda r: r.step)
 
 

@@ -19,13 +19,16 @@ daemons pruning at once never list or load a half-deleted snapshot.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+import stat
 
 from ckpt_service.index import fsync_dir, scan
 from ckpt_service.layout import DEL_PREFIX, TMP_PREFIX, step_dirname
 from ckpt_service.retention import Snap, is_milestone, plan_shared_retention
+from ckpt_service.safeio import NotRegular, entries, kind, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,39 @@ def should_upload(step: int, *, every_steps: int, shared_every: int, milestone_e
 # --------------------------------------------------------------------------- I/O
 
 
+def _copy_flat(src: str, dst: str) -> None:
+    """Copy the regular files of the snapshot directory ``src`` into the new directory ``dst``.
+
+    A snapshot is one flat directory of regular files.  Anything else in it (a link to ``/usr``, a FIFO, a
+    sub-directory) refuses the copy: it is no file of this service, and following it would copy whatever it
+    names (another user's folder, the system's tree) into the shared tier.
+
+    Raises:
+        NotRegular: naming the entry and what it is.
+    """
+    os.mkdir(dst)
+    for name, st in entries(src):
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(errno.EINVAL, f"{os.path.join(src, name)}: {name} is {kind(st.st_mode)}, not a regular "
+                                           f"file: the snapshot is not copied")
+        fd, _st = open_regular(os.path.join(src, name))
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as fin, \
+                    open(os.path.join(dst, name), "xb") as fout:
+                shutil.copyfileobj(fin, fout, 4 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+        finally:
+            os.close(fd)
+
+
 def copy_to_shared(src: str, shared: str, node: str) -> tuple[str | None, str]:
-    """Copy the snapshot ``src`` into ``shared``; return ``(path or None, reason)``."""
+    """Copy the snapshot ``src`` into ``shared``; return ``(path or None, reason)``.
+
+    Raises:
+        OSError: the copy failed (:class:`ckpt_service.safeio.NotRegular` when ``src`` holds anything but
+            regular files); nothing is left in ``shared``.
+    """
     name = os.path.basename(src.rstrip("/"))
     final = os.path.join(shared, name)
     if os.path.exists(final):
@@ -70,13 +104,7 @@ def copy_to_shared(src: str, shared: str, node: str) -> tuple[str | None, str]:
     os.makedirs(shared, exist_ok=True)
     tmp = os.path.join(shared, f"{TMP_PREFIX}{name}-{node}-{os.getpid()}")
     try:
-        shutil.copytree(src, tmp)
-        for f in os.listdir(tmp):
-            fd = os.open(os.path.join(tmp, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        _copy_flat(src, tmp)  # every file fsynced as it is written
         fsync_dir(tmp)
         try:
             os.rename(tmp, final)

@@ -12,49 +12,59 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 
-from ckpt_service.auth import authenticate
+from accelpact_slurm.core.errors import CheckpointError
 from ckpt_service.layout import MANIFEST, STATE
-from ckpt_service.index import read_json
-from ckpt_service.writer import sha256_file
+from ckpt_service.safeio import entries, kind
+from ckpt_service.verified import METADATA, open_checked, read_manifest, unpickle_metadata, verified_metadata_bytes
+
 
 def check_checksums(path: str, key: bytes | None) -> tuple[bool, str]:
-    """The manifest authenticated under the run's ``key`` first (nothing else is read before), then every file's
-    size and SHA-256.  ``key=None`` skips the authentication: only for a test's negative control."""
-    manifest = read_json(os.path.join(path, MANIFEST))
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return False, "manifest.json missing or unreadable"
-    if key is not None:
-        ok, why = authenticate(manifest, key)
-        if not ok:
-            return False, why
+    """The manifest authenticated under the run's ``key`` first (nothing else is read before), bound to the
+    directory's step name, then every file's size and SHA-256, each on the one descriptor it is read from
+    (:mod:`.verified`).  Anything in the directory that is not a regular file (a link, a FIFO) refuses it.
+    ``key=None`` skips the authentication: only for a test's negative control."""
+    manifest, why = read_manifest(path, key)
+    if manifest is None:
+        return False, why
     files = manifest["files"]
-    if ".metadata" not in files:
+    if METADATA not in files:
         return False, "manifest lists no .metadata"
+    try:
+        listing = entries(path)
+    except OSError as exc:
+        return False, f"cannot list the snapshot: {exc.strerror or exc}"
+    odd = [f"{n} is {kind(st.st_mode)}" for n, st in listing if not stat.S_ISREG(st.st_mode)]
+    if odd:
+        return False, f"not a regular file, not read: {'; '.join(odd)[:300]}"
     for name, want in sorted(files.items()):
-        p = os.path.join(path, name)
-        if not os.path.isfile(p):
-            return False, f"{name} is missing"
-        size = os.path.getsize(p)
-        if size != want["size"]:
-            return False, f"{name} has {size} bytes, the manifest says {want['size']} (truncated or grown)"
-        if sha256_file(p, drop=True) != want["sha256"]:  # from the disk: the writer dropped its cached pages
-            return False, f"{name} fails its SHA-256 checksum (corrupted)"
-    extra = sorted(set(os.listdir(path)) - set(files) - {MANIFEST, STATE})
+        try:  # from the disk: the writer dropped its cached pages, and this read drops them first
+            fd, _ = open_checked(path, name, want, drop=True)
+        except CheckpointError as exc:
+            return False, str(exc)
+        os.close(fd)
+    extra = sorted({n for n, _st in listing} - set(files) - {MANIFEST, STATE})
     extra = [n for n in extra if not n.startswith(STATE)]
     if extra:
         return False, f"files not in the manifest: {extra}"
     return True, f"{len(files)} file(s) match their checksums"
 
 
-def check_coverage(path: str) -> tuple[bool, str]:
-    """Every tensor in ``.metadata`` fully covered by chunks, every chunk stored in an existing file."""
-    from torch.distributed.checkpoint import FileSystemReader
+def check_coverage(path: str, key: bytes | None) -> tuple[bool, str]:
+    """Every tensor in ``.metadata`` fully covered by chunks, every chunk stored in a file the manifest lists.
+
+    ``.metadata`` is unpickled from the bytes of the one read that checked them against the authenticated
+    manifest (never re-opened: another user could rename her pickle over it between two opens)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        md = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # missing or corrupt .metadata
+        manifest, data = verified_metadata_bytes(path, key)
+    except CheckpointError as exc:
+        return False, str(exc)[:300]
+    try:
+        md = unpickle_metadata(data)
+    except Exception as exc:  # corrupt .metadata
         return False, f".metadata unreadable: {exc.__class__.__name__}: {exc}"[:300]
     n = 0
     for fqn, item in md.state_dict_metadata.items():
@@ -71,8 +81,8 @@ def check_coverage(path: str) -> tuple[bool, str]:
             return False, f"{fqn}: chunks cover {covered} of {total} elements"
     files = {info.relative_path for info in (md.storage_data or {}).values()}
     for f in sorted(files):
-        if not os.path.isfile(os.path.join(path, f)):
-            return False, f"{f} (named by .metadata) is missing"
+        if f not in manifest["files"]:
+            return False, f"{f} (named by .metadata) is not in the manifest"
     return True, f"{n} tensors fully covered"
 
 
@@ -82,7 +92,7 @@ def verify_snapshot(path: str, key: bytes | None) -> tuple[bool, str]:
     ok, why = check_checksums(path, key)
     if not ok:
         return False, why
-    ok, why = check_coverage(path)
+    ok, why = check_coverage(path, key)
     if not ok:
         return False, why
     return True, "manifest authenticated, checksums and coverage pass"

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Sequence
@@ -20,6 +21,7 @@ from typing import Sequence
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig, load_config, with_overrides
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
+from accelpact_slurm.runtime.rundir import check_run_dir
 
 log = logging.getLogger("accelpact_slurm.cli.run")
 
@@ -120,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dir = args.run_dir or default_run_dir(cfg, ctx.job_id)
             os.makedirs(run_dir, exist_ok=True)
             check_same_training(cfg, run_dir, args.allow_config_change)
+            check_run_dir(run_dir, cfg, ctx.hostname)  # before the rank joins: an unsafe run dir is exit 2
             signals.mark_ready(run_dir, ctx.restart_count, ctx.rank)  # the batch script may forward USR2 from now on
             from accelpact_slurm.runtime.job import run_rank
 
@@ -131,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir = args.run_dir or default_run_dir(cfg, None)
         os.makedirs(run_dir, exist_ok=True)
         check_same_training(cfg, run_dir, args.allow_config_change)
+        check_run_dir(run_dir, cfg, socket.gethostname())  # before any rank or daemon starts
         from accelpact_slurm.launch.local import run_local
 
         passthrough: list[str] = []

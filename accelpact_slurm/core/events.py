@@ -34,7 +34,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "membership": ("local_rank", "hostname", "pid"),
     "step": ("step", "loss", "step_s"),
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
-    "replay_ref": ("snapshot", "step", "loss", "fingerprints", "layout"),
+    "replay_ref": ("snapshot", "step", "loss", "fingerprints", "layout", "mac"),
     "replay_check": ("snapshot", "step", "verdict", "reason"),
     "warning": ("step", "reason"),
     "fault": ("phase", "step", "fault_rank", "error"),

@@ -220,7 +220,10 @@ class Run:
             if job.is_lead:
                 from accelpact_slurm.core.events import EVENTS_FILE, read_events
 
-                ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step)
+                from ckpt_service.auth import load_key
+
+                ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step,
+                                            load_key(job.run_dir))
             self._replay = (out.step, rt.control.broadcast("replay-ref", ref))
         self._t_last = time.monotonic()
         if job.is_lead:
@@ -288,7 +291,11 @@ class Run:
 
     def _load(self, path: str) -> None:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
-        doc = appstate.load(self.model, self.optimizer, path)
+        from ckpt_service.auth import load_key
+
+        verified = not self.job._faults.skip_reload_check
+        doc = appstate.load(self.model, self.optimizer, path, load_key(self.job.run_dir) if verified else None,
+                            verified=verified)
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]
@@ -432,7 +439,11 @@ class Run:
                                    frontier=snap, decided_at=time.monotonic()), job.events, job._out, job.is_lead,
                           rt.control, rt.ctx, job._environ)
         if record and job.is_lead:
-            job.events.emit("replay_ref", snapshot=prev, step=step, loss=mean, fingerprints=fps, layout=layout)
+            from ckpt_service.auth import load_or_create_key
+
+            ref = {"snapshot": prev, "step": step, "loss": mean, "fingerprints": fps, "layout": layout}
+            # MAC'd under the run's key: a line another user appends to the log cannot reject the snapshot
+            job.events.emit("replay_ref", **ref, mac=replay.ref_mac(load_or_create_key(job.run_dir), ref))
 
     def _reject_loaded(self, snap: int, why: str) -> None:
         """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the

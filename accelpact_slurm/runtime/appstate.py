@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from accelpact_slurm.core.errors import UsageError
+from accelpact_slurm.core.errors import CheckpointError, UsageError
 
 EXTRA = "extra"
 _TENSOR = "__tensor__"
@@ -172,15 +172,53 @@ def _numpy() -> Any:
     return numpy
 
 
-def load(model: Any, optimizer: Any, path: str) -> dict[str, Any]:
-    """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document."""
+def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True) -> dict[str, Any]:
+    """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document.
+
+    DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
+    run's ``key``, ``.metadata`` unpickled from the very bytes checked against it, every data file hashed
+    on the descriptor DCP then reads.  ``verified=False`` (test-only: the negative control of the
+    corruption test, with ``TestFaults.skip_reload_check``) reads with stock ``FileSystemReader``.
+
+    Raises:
+        CheckpointError: the snapshot does not pass on the handles it was read from (e.g. replaced after the
+            re-check): the start ends and the next one re-checks it.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from ckpt_service.verified import VerifiedReader, verified_metadata_bytes
+
+    checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
+
+    def reader() -> Any:
+        return VerifiedReader(path, key, checked) if verified else dcp.FileSystemReader(path)
+
+    def run(state: dict[str, Any]) -> None:
+        try:
+            dcp.load(state, storage_reader=reader(), no_dist=True)
+        except BaseException as exc:  # DCP wraps what its reader raised (in a BaseException): say what failed, as ours
+            ours = _checkpoint_error(exc)
+            if ours is None:
+                raise
+            raise CheckpointError(f"{path}: {ours}") from exc
+
     msd, osd = get_state_dict(model, optimizer)
     sd = {"model": msd, "optim": osd}
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    run(sd)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     ex = {EXTRA: {"json": ""}}
-    dcp.load(ex, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    run(ex)
     return json.loads(ex[EXTRA]["json"])
+
+
+def _checkpoint_error(exc: BaseException) -> BaseException | None:
+    """The :class:`CheckpointError` inside what ``dcp.load`` raised (its ``CheckpointException`` keeps each
+    rank's exception in ``failures``, as the exception or as ``(exception, traceback)``)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None

@@ -21,11 +21,16 @@ and says so in the event log.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
+import logging
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from accelpact_slurm.runtime.restore import same_bits
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
@@ -79,11 +84,36 @@ def _hash_local(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
         h.update(f"{start}:{float(v.sum()).hex()}:{float(torch.dot(v, w[:v.numel()])).hex()};".encode())
 
 
-def find_reference(events: Iterable[Mapping[str, Any]], snapshot: int) -> dict[str, Any] | None:
-    """The newest ``replay_ref`` event recorded for ``snapshot`` (pure)."""
+#: The fields of a ``replay_ref`` event its MAC covers.
+REF_FIELDS = ("snapshot", "step", "loss", "fingerprints", "layout")
+
+
+def ref_mac(key: bytes, record: Mapping[str, Any]) -> str:
+    """HMAC-SHA256 under the run's key of a ``replay_ref`` record's :data:`REF_FIELDS` (canonical JSON)."""
+    body = {k: record.get(k) for k in REF_FIELDS}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":"),
+                      default=lambda o: o.item() if hasattr(o, "item") else str(o)).encode()
+    return hmac.new(key, blob, hashlib.sha256).hexdigest()
+
+
+def find_reference(events: Iterable[Mapping[str, Any]], snapshot: int,
+                   key: bytes | None = None) -> dict[str, Any] | None:
+    """The newest ``replay_ref`` event recorded for ``snapshot`` whose MAC verifies under ``key`` (pure).
+
+    The event log lies in the run directory: a line anyone appended there must not reject a good snapshot,
+    so a ``replay_ref`` without a valid ``mac`` is ignored, with its reason logged.  ``key=None`` (tests of
+    the selection only) takes every line.
+    """
     found = None
     for e in events:
         if e.get("event") == "replay_ref" and e.get("snapshot") == snapshot:
+            if key is not None:
+                got = e.get("mac")
+                if not isinstance(got, str) or not hmac.compare_digest(got, ref_mac(key, e)):
+                    log.warning("ignoring a replay_ref line for snapshot %s: %s", snapshot,
+                                "it carries no MAC" if not isinstance(got, str) else
+                                "its MAC does not verify under this run's key (not written by this run)")
+                    continue
             found = dict(e)
     return found
 

@@ -7,7 +7,10 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
 
 1. **offer**: every rank lists the snapshots it can reach, its node directory first, then the
    shared tier (:func:`reachable_verified`), with the state of those it cannot use
-   (``rejected``, ``committed``); pure :func:`plan` orders the candidates: every step verified
+   (``rejected``, ``committed``).  An offer names each copy by its step and place (``node`` or
+   ``shared``), never by a path: every rank derives the paths it opens from its own layout
+   (:meth:`StateIO.path_of`: a real directory right inside its node directory or the shared tier), and
+   an entry of another shape is dropped with its reason (:func:`offered`); pure :func:`plan` orders the candidates: every step verified
    on at least one rank's reach, newest first, with the ranks that lack it;
 2. **copy** (only for a step some ranks lack, e.g. a node whose directory was lost, or a requeue
    onto a new node): the lowest rank that holds it copies its node's copy into the shared tier
@@ -82,15 +85,47 @@ def reachable_verified(ndir: str, sdir: str) -> dict[int, str]:
 
 
 def make_offer(host: str, ndir: str, sdir: str) -> dict[str, Any]:
-    """This rank's contribution to the offer round (JSON): its verified copies and why others are unusable."""
+    """This rank's contribution to the offer round (JSON): its verified copies and why others are unusable.
+
+    A copy is named by its step and where it lies (:data:`WHERE`: this node's directory or the shared
+    tier), never by a path: each rank derives the path of a copy from its own layout
+    (:meth:`StateIO.path_of`), so no path that came through the control plane is ever opened.
+    """
     verified = reachable_verified(ndir, sdir)
     other: dict[int, tuple[str, str | None]] = {}
     for d in (sdir, ndir):  # the node's record wins, as for verified copies
         for rec in scan(d):
             if rec.step not in verified:
                 other[rec.step] = (rec.state, rec.reason)
-    return {"host": host, "verified": sorted([s, p] for s, p in verified.items()),
+    node = os.path.abspath(ndir)
+    return {"host": host, "verified": sorted([s, "node" if os.path.dirname(p) == node else "shared"]
+                                             for s, p in verified.items()),
             "other": sorted([s, st, why] for s, (st, why) in other.items())}
+
+
+#: Where a copy of an offer lies: the offering rank's node directory, or the shared tier.
+WHERE = ("node", "shared")
+
+
+def offered(offer: Mapping[str, Any]) -> tuple[dict[int, str], list[str]]:
+    """``({step: where}, [why each dropped entry was dropped])`` of one rank's offer.  Pure.
+
+    An offer arrives through the control plane: an entry that is not a step (an integer from 0 to
+    :data:`~ckpt_service.layout.MAX_STEP`) with a place in :data:`WHERE` (a path, say) is dropped.
+    """
+    from ckpt_service.layout import MAX_STEP
+
+    out: dict[int, str] = {}
+    dropped: list[str] = []
+    entries = offer.get("verified") if isinstance(offer, Mapping) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                and not isinstance(entry[0], bool) and 0 <= entry[0] <= MAX_STEP and entry[1] in WHERE):
+            out[entry[0]] = entry[1]
+        else:
+            dropped.append(f"offered entry {str(entry)[:120]} dropped: not a step with a place in {list(WHERE)} "
+                           f"(a path from a message is never opened)")
+    return out, dropped
 
 
 # --------------------------------------------------------------------------- pure decisions
@@ -105,7 +140,7 @@ def plan(offers: Sequence[Mapping[str, Any]]) -> tuple[list[int], dict[int, list
     """
     if not offers:
         return [], {}, "no ranks"
-    verified = [{int(s) for s, _p in o.get("verified", [])} for o in offers]
+    verified = [set(offered(o)[0]) for o in offers]
     steps = sorted(set().union(*verified), reverse=True)
     lacking = {s: [r for r, v in enumerate(verified) if s not in v] for s in steps}
     if not steps:
@@ -172,6 +207,10 @@ def same_bits(a: Any, b: Any) -> bool:
 class ReloadIO(Protocol):
     """What :func:`reload` does to this rank's files and trainer (a fake in the unit tests)."""
 
+    def path_of(self, step: int, where: str) -> tuple[str | None, str]:
+        """``(path, reason)`` of this rank's copy of ``step`` in ``where`` (:data:`WHERE`), from its own layout;
+        ``None`` when that path does not resolve inside the run's snapshot directories."""
+
     def check(self, path: str) -> tuple[bool, str]:
         """Re-read the copy at ``path`` (no loading); ``(ok, reason)``."""
 
@@ -204,52 +243,81 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
     The loop is bounded by the candidates of the offer round: each is tried at most once.
     ``copy=False`` (test-only) takes only steps every rank reaches.
     """
+    mine, dropped = offered(offer)
+    for step, where in list(mine.items()):  # this rank's own copies: derived from its own layout, here
+        if io.path_of(step, where)[0] is None:
+            dropped.append(f"step {step} in {where}: {io.path_of(step, where)[1]}")
+            del mine[step]
+    offer = {**offer, "verified": sorted([s, w] for s, w in mine.items())}
     offers = control.all_gather("reload-offer", dict(offer), timeout_s=timeout_s)
-    hosts = [str(o.get("host")) for o in offers]
+    hosts = [str(o.get("host")) if isinstance(o, Mapping) else f"rank {r}" for r, o in enumerate(offers)]
+    offers = [offer if r == rank else (o if isinstance(o, Mapping) else {}) for r, o in enumerate(offers)]
+    for r, o in enumerate(offers):
+        dropped += [f"rank {r}: {why}" for why in offered(o)[1]]
+    for why in dropped:
+        log.warning("reload offer: %s", why)
     order, lacking, summary = plan(offers)
-    reach = [{int(s): p for s, p in o.get("verified", [])} for o in offers]
+    reach = [offered(o)[0] for o in offers]
     skipped: dict[int, str] = {}
     for step in order:
-        paths: list[str | None] = [v.get(step) for v in reach]
+        # Which copy each rank would load, by name ("node:<host>" or "shared"): the same view on every rank.
+        copies: list[str | None] = [_copy_id(v.get(step), hosts[r]) for r, v in enumerate(reach)]
+        path = io.path_of(step, reach[rank][step])[0] if step in reach[rank] else None
         copied: dict[str, Any] | None = None
         failed_check = None
         passed: set[str] = set()  # copies already re-read in this start (not re-read again)
         for _attempt in range(2):  # a second attempt only after some copies failed their re-check
-            if any(p is None for p in paths):
-                lack = [r for r, p in enumerate(paths) if p is None]
+            if any(c is None for c in copies):
+                lack = [r for r, c in enumerate(copies) if c is None]
                 if not copy:
                     skipped[step] = (f"lacking on {', '.join(_names(hosts[r] for r in lack))}, and copying is "
                                      f"disabled (test-only switch)")
                     break
-                src = source_rank(paths)
-                res = list(io.share(step, str(paths[src]))) if src == rank else None
-                ok, why, shared = control.all_gather("reload-copy", res, timeout_s=timeout_s)[src]
+                src = next((r for r, c in enumerate(copies) if c is not None and c != "shared"), None)
+                if src is None:
+                    skipped[step] = "offered in the shared tier, but some ranks cannot see it there"
+                    break
+                res = None
+                if src == rank:
+                    res = list(io.share(step, str(path)))[:2] if path is not None else \
+                        [False, "this rank's copy does not resolve inside the run's directories"]
+                answer = control.all_gather("reload-copy", res, timeout_s=timeout_s)[src]
+                ok, why = (bool(answer[0]), str(answer[1])) if isinstance(answer, list) and len(answer) >= 2 \
+                    else (False, f"no answer from {hosts[src]}")
                 if not ok:
-                    having = _names(hosts[r] for r, p in enumerate(paths) if p)
+                    having = _names(hosts[r] for r, c in enumerate(copies) if c)
                     skipped[step] = (f"verified on {', '.join(having)} only, and the copy to the shared tier "
                                      f"failed: {why}")
                     log.warning("step %d not usable: %s", step, skipped[step])
                     break
+                shared = io.path_of(step, "shared")[0]  # every rank names the copy itself: no path from a message
                 copied = {"from": hosts[src], "to": shared, "hosts": _names(hosts[r] for r in lack), "why": why}
                 if failed_check:
                     copied["after"] = failed_check
-                paths = [p or shared for p in paths]
-            path = str(paths[rank])
+                if copies[rank] is None:
+                    path = shared
+                copies = [c or "shared" for c in copies]
             if check:
-                checker = checker_ranks(paths)
-                res = [*io.check(path), path] if checker[path] == rank and path not in passed else None
+                checker = checker_ranks(copies)
+                res = None
+                if checker[copies[rank]] == rank and copies[rank] not in passed:
+                    res = [*io.check(path), copies[rank]] if path is not None else \
+                        [False, "the copy does not resolve inside the run's directories", copies[rank]]
                 ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
-                failed = {p for _r, p, _why in bad}
-                passed |= {str(p) for p in paths if p not in failed}
+                failed = {c for _r, c, _why in bad}
+                passed |= {str(c) for c in copies if c not in failed}
                 if not ok:
-                    _reject_once(rank, step, bad, io, "re-check at restart failed: ")
+                    _reject_once(rank, step, bad, io, "re-check at restart failed: ", copies[rank], path)
                     log.warning("step %d rejected at restart: %s", step, why)
-                    good = [None if p in failed else p for p in paths]
+                    good = [None if c in failed else c for c in copies]
                     if copied is None and copy and any(good):  # another node's own copy passed: copy that one
-                        failed_check, paths = f"re-check at restart failed: {why}", good
+                        failed_check, copies = f"re-check at restart failed: {why}", good
                         continue
                     skipped[step] = f"re-check at restart failed: {why}"
                     break
+            if path is None:  # unreachable with an honest control plane: checked above
+                skipped[step] = "this rank's copy does not resolve inside the run's directories"
+                break
             io.load(path)
             where = "verified on every node (or in the shared tier)" if copied is None else \
                 f"verified on {copied['from']}, copied to the shared tier for {', '.join(copied['hosts'])}"
@@ -260,18 +328,28 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
             out = _done(step, path, why, skipped)
             out.copied = copied
             return out
-    offered = bool(order)
+    offered_any = bool(order)
     why = summary if not skipped else f"every candidate was rejected ({summary})"
-    return ReloadOutcome(None, None, why, _skipped(None, skipped), offered)
+    return ReloadOutcome(None, None, why, _skipped(None, skipped), offered_any)
 
 
-def _reject_once(rank: int, step: int, bad: list[tuple[int, str, str]], io: ReloadIO, prefix: str) -> None:
-    """The lowest failing rank of each copy records the rejection (no two ranks write one state file)."""
+def _copy_id(where: str | None, host: str) -> str | None:
+    """The name of one copy, the same on every rank: the shared tier's, or a node's own (by host)."""
+    if where is None:
+        return None
+    return "shared" if where == "shared" else f"node:{host}"
+
+
+def _reject_once(rank: int, step: int, bad: list[tuple[int, str, str]], io: ReloadIO, prefix: str,
+                 mine: str | None, path: str | None) -> None:
+    """The lowest failing rank of each copy records the rejection (no two ranks write one state file).
+
+    ``mine`` names this rank's copy and ``path`` is where this rank found it: a rank rejects only its own."""
     first: dict[str, tuple[int, str]] = {}
-    for r, path, why in bad:
-        first.setdefault(path, (r, why))
-    for path, (r, why) in first.items():
-        if r == rank:
+    for r, copy_id, why in bad:
+        first.setdefault(copy_id, (r, why))
+    for copy_id, (r, why) in first.items():
+        if r == rank and copy_id == mine and path is not None:
             try:
                 io.reject(step, path, prefix + why)
             except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
@@ -304,6 +382,23 @@ class StateIO:
         self.events = events
         self.host = host
         self.milestone_every = milestone_every
+
+    def path_of(self, step: int, where: str) -> tuple[str | None, str]:
+        """This rank's copy of ``step`` in its node directory or the shared tier (see :meth:`ReloadIO.path_of`).
+
+        The step directory must be a real directory right inside that base: not a link, and resolving
+        (``realpath``) to the same place, so nothing outside the run's snapshot directories is opened."""
+        from ckpt_service.layout import step_dirname
+        from ckpt_service.safeio import is_plain_dir
+
+        base = {"node": self.ndir, "shared": self.sdir}.get(where)
+        if base is None:
+            return None, f"{where!r} is no place of a snapshot"
+        path = os.path.join(base, step_dirname(step))
+        if os.path.exists(path) and (not is_plain_dir(path) or os.path.realpath(path) !=
+                                     os.path.join(os.path.realpath(base), step_dirname(step))):
+            return None, f"{path} is a link or resolves outside {base}: not read"
+        return path, "inside the run's snapshot directories"
 
     def check(self, path: str) -> tuple[bool, str]:
         from ckpt_service.auth import load_or_create_key

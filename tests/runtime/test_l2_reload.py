@@ -70,6 +70,7 @@ class FakeIO:
     """One rank's files and state: scripted check answers, every call recorded."""
 
     def __init__(self, bad_check=None, load_error=None, reject_error=None, share_error=None) -> None:
+        self.node = N1  # this rank's node directory (set by :func:`run_ranks` from the offer's host)
         self.bad_check = bad_check or {}  # path -> reason
         self.load_error = load_error
         self.reject_error = reject_error
@@ -81,6 +82,9 @@ class FakeIO:
         if self.share_error:
             return False, self.share_error, None
         return True, "copied", SH + str(step)
+
+    def path_of(self, step, where):
+        return (SH if where == "shared" else self.node) + str(step), "inside"
 
     def check(self, path):
         self.calls.append(("check", path))
@@ -99,7 +103,8 @@ class FakeIO:
 
 
 def offer(host, verified, other=()):
-    return {"host": host, "verified": sorted([s, p] for s, p in verified.items()),
+    """``verified``: {step: path}; the offer names each copy by its place, as :func:`make_offer` does."""
+    return {"host": host, "verified": sorted([s, "shared" if p.startswith(SH) else "node"] for s, p in verified.items()),
             "other": sorted([list(o) for o in other])}
 
 
@@ -112,6 +117,8 @@ def run_ranks(offers, ios, check=True, allow_errors=False, copy=True):
     """Run :func:`reload` on one thread per rank; return (outcomes, hub)."""
     hub = Hub(len(offers))
     out: list = [None] * len(offers)
+    for r, o in enumerate(offers):
+        ios[r].node = N2 if o["host"] == "node2" else N1
 
     def body(r):
         try:
@@ -455,7 +462,8 @@ def test_make_offer_reports_verified_copies_and_the_state_of_the_others(tmp_path
     _snapshot(ndir, 9)
     record_state(str(ndir / step_dirname(9)), "rejected", "bit flip")
     got = make_offer("node1", str(ndir), str(sdir))
-    assert got == {"host": "node1", "verified": [[3, p3], [6, p6]], "other": [[9, "rejected", "bit flip"]]}
+    assert got == {"host": "node1", "verified": [[3, "node"], [6, "shared"]], "other": [[9, "rejected", "bit flip"]]}
+    assert p3.startswith(str(ndir)) and p6.startswith(str(sdir))
 
 
 def test_state_io_checks_the_copy_on_disk(tmp_path):
@@ -517,7 +525,7 @@ def test_reject_records_state_beside_the_data_event_and_index(tmp_path):
         ("checkpoint", 6, "rejected", "restore", "node1", path)
     assert "SHA-256" in ev["reason"] and ev["size_bytes"] > 0
     assert make_offer("node1", str(ndir), str(run_dir / "shared-ckpt"))["verified"] == \
-        [[3, str(ndir / step_dirname(3))]]  # never offered again
+        [[3, "node"]]  # never offered again
 
 
 def test_reject_copy_of_the_replay_check_in_the_shared_tier(tmp_path):

@@ -1,0 +1,116 @@
+"""The start-up check of a run directory: unsafe or unusable ones stop the start in one line, exit 2.
+
+Who calls: ``accelpact-run`` on every start, before any rank or daemon starts (the embedded default) or
+before the rank joins (a Slurm task), and before anything is written into the run directory.
+
+A run directory whose snapshots another user may touch cannot keep the promises of
+``docs/checkpoints.md`` ("Who may load what"), and some faults would otherwise loop through requeues or
+retrain from 0 without a word.  Each is a :class:`~accelpact_slurm.core.errors.ConfigError` naming the
+path, what is wrong and the fix (``accelpact-run`` exits 2: not requeued):
+
+- the run directory is not the job's user's, or group- or world-writable (another user could delete the
+  key, plant snapshot folders or forge event lines);
+- the key (``.accelpact-key``) has the wrong owner or mode, or is not a regular file;
+- the key is missing while snapshots exist in the run's node directories or shared tier: they could no
+  longer be authenticated, and a fresh key would reject every one of them and retrain from 0 silently;
+- the event log (``events.jsonl``) cannot be opened for appending (every rank would raise on it).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from accelpact_slurm.core.errors import CheckpointError, ConfigError
+from accelpact_slurm.core.events import EVENTS_FILE
+from ckpt_service.auth import key_path, load_key
+from ckpt_service.layout import node_dir, shared_dir, step_of
+
+
+def snapshot_dirs(run_dir: str, cfg: Any = None, host: str | None = None) -> list[str]:
+    """The folders that hold this run's snapshots and that this machine can see: the shared tier, every node
+    directory under ``RUN_DIR/node-local``, and this host's configured ``checkpoint.local_dir``."""
+    ck = getattr(cfg, "checkpoint", None)
+    dirs = [shared_dir(run_dir, getattr(ck, "shared_dir", None))]
+    local = os.path.join(run_dir, "node-local")
+    try:
+        dirs += [os.path.join(local, n) for n in sorted(os.listdir(local))]
+    except OSError:
+        pass
+    if getattr(ck, "local_dir", None) and host:
+        dirs.append(node_dir(run_dir, host, ck.local_dir))
+    return list(dict.fromkeys(dirs))
+
+
+def count_snapshots(dirs: list[str]) -> dict[str, int]:
+    """``{folder: number of snapshots}`` (``step-N`` entries with a ``manifest.json``) of the folders that hold any."""
+    out = {}
+    for d in dirs:
+        try:
+            n = sum(step_of(name) is not None and os.path.lexists(os.path.join(d, name, "manifest.json"))
+                    for name in os.listdir(d))
+        except OSError:
+            continue
+        if n:
+            out[d] = n
+    return out
+
+
+def check_run_dir(run_dir: str, cfg: Any = None, host: str | None = None) -> None:
+    """Refuse an unsafe or unusable run directory (see the module docstring).
+
+    Raises:
+        ConfigError: one line naming the path, what is wrong and the fix.
+    """
+    run_dir = os.path.abspath(run_dir)
+    st = os.lstat(run_dir)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError("run dir", run_dir, "is not a plain directory (a link or a file): use a real directory")
+    if st.st_uid != os.getuid():
+        raise ConfigError("run dir", run_dir, f"belongs to uid {st.st_uid}, not to the job's user (uid "
+                                              f"{os.getuid()}): its snapshots and key could be anyone's; use a "
+                                              f"run directory of your own")
+    if st.st_mode & 0o022:
+        raise ConfigError("run dir", run_dir, f"has mode {oct(st.st_mode & 0o777)}: other users may delete its key, "
+                                              f"plant snapshots or forge its event log; run chmod go-w {run_dir}")
+    check_key(run_dir, cfg, host)
+    check_event_log(run_dir)
+
+
+def check_key(run_dir: str, cfg: Any = None, host: str | None = None) -> None:
+    """The key is a regular 0600 file of the job's user, or absent while the run has no snapshot yet."""
+    path = key_path(run_dir)
+    if os.path.lexists(path):
+        try:
+            load_key(run_dir)
+        except CheckpointError as exc:
+            raise ConfigError("run key", path, f"{exc}; fix it with chmod 600 {path} (and chown to the job's "
+                                               f"user)") from None
+        return
+    found = count_snapshots(snapshot_dirs(run_dir, cfg, host))
+    if found:
+        where = ", ".join(f"{n} in {d}" for d, n in list(found.items())[:3])
+        raise ConfigError("run key", path, f"is missing while snapshots exist ({where}): none of them can be "
+                                           f"authenticated, and a new key would reject them all and retrain from "
+                                           f"0; restore the key file, or move the snapshots away to start afresh")
+
+
+def check_event_log(run_dir: str) -> None:
+    """An existing event log can be opened for appending, as every rank and daemon will (a missing one is created
+    by the first of them in the run directory, which :func:`check_run_dir` found to be the job's user's)."""
+    path = os.path.join(run_dir, EVENTS_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError("event log", path, f"cannot be opened for appending ({exc.strerror or exc}): make it a "
+                                             f"file the job's user may write (chmod u+w), or remove it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError("event log", path, "is not a regular file: remove it")
+    finally:
+        os.close(fd)

@@ -1,0 +1,207 @@
+"""Verify what is loaded on the handle it is loaded from: the manifest, the files, and DCP's reader over them.
+
+Authenticating ``.metadata`` on one ``open()`` and letting DCP unpickle it on a second one leaves a
+window: whoever can rename entries of the directory (anyone who can write the shared tier) puts her
+pickle in its place between the two, and it runs as the job's user.  So nothing here re-opens a file
+between its check and its use:
+
+- :func:`read_manifest` reads ``manifest.json`` once (a regular file of bounded size, :mod:`.safeio`),
+  authenticates it under the run's key and checks that the step it was signed for is the step the
+  directory is named after (an authentic older snapshot renamed to a newer step is refused);
+- :func:`open_checked` opens one listed file, checks on that descriptor that it is a regular file of
+  the job's user that nobody else may write (so its bytes cannot change under the descriptor), of the
+  listed size, and hashes it there;
+- :class:`VerifiedReader` is DCP's ``FileSystemReader`` whose ``read_metadata`` unpickles the verified
+  bytes held in memory and whose every data stream is a descriptor that passed :func:`open_checked`.
+
+Who calls: the reload (:func:`accelpact_slurm.runtime.appstate.load`) and the verification
+(:func:`ckpt_service.verify.verify_snapshot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterator
+
+from accelpact_slurm.core.errors import CheckpointError
+from ckpt_service.auth import authenticate
+from ckpt_service.layout import MANIFEST, step_of
+from ckpt_service.safeio import JSON_LIMIT, NotRegular, open_regular, read_fd, read_json_why
+
+METADATA = ".metadata"
+_BUF = 4 << 20
+
+
+def read_manifest(path: str, key: bytes | None) -> tuple[dict[str, Any] | None, str]:
+    """``(manifest, reason)`` of the snapshot directory ``path``; ``None`` with the reason when it is refused.
+
+    ``key=None`` skips the authentication (only a test's negative control).  The step binding is checked
+    whenever the directory has a step name (``step-NNNNNNNNNN``).
+    """
+    manifest, bad = read_json_why(os.path.join(path, MANIFEST), JSON_LIMIT)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None, f"manifest.json missing or unreadable{f' ({bad})' if bad else ''}"
+    if key is not None:
+        ok, why = authenticate(manifest, key)
+        if not ok:
+            return None, why
+    named = step_of(path)
+    if named is not None and manifest.get("step") != named:
+        return None, (f"the manifest was signed for step {manifest.get('step')!r}, the directory is named step "
+                      f"{named}: an older snapshot renamed to a newer step is refused")
+    for name, want in manifest["files"].items():
+        if (not isinstance(name, str) or os.sep in name or name in ("", ".", "..") or not isinstance(want, dict)
+                or not isinstance(want.get("size"), int) or not isinstance(want.get("sha256"), str)):
+            return None, f"the manifest's entry {name!r} is not a file name with a size and a SHA-256"
+    return manifest, "manifest read"
+
+
+def _hash_fd(fd: int, drop: bool) -> str:
+    """SHA-256 of what ``fd`` holds from offset 0; ``drop``: the file's cached pages are dropped first, so the
+    bytes come from the disk (a verification re-read), and again after (nothing else needs them)."""
+    if drop and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    h = hashlib.sha256()
+    offset = 0
+    while True:
+        b = os.pread(fd, _BUF, offset)
+        if not b:
+            break
+        h.update(b)
+        offset += len(b)
+    if drop and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return h.hexdigest()
+
+
+def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = False,
+                 keep_bytes: bool = False) -> tuple[int, bytes | None]:
+    """``(fd, bytes or None)`` of the listed file ``name`` in ``path``, checked on that descriptor.
+
+    ``keep_bytes``: the file is read into memory once and those bytes are hashed and returned (for
+    ``.metadata``, which is unpickled from exactly them).  The caller closes ``fd``.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it (missing, not a regular file, not the
+            job's user's, writable by others, another size, another SHA-256).
+    """
+    p = os.path.join(path, name)
+    try:
+        fd, st = open_regular(p, int(want["size"]))
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} is missing") from None
+    except NotRegular as exc:
+        raise CheckpointError(f"{name}: {exc.strerror}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{name}: cannot open it ({exc.strerror or exc})") from None
+    try:
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise CheckpointError(f"{name} belongs to uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}: only a "
+                                  f"file of this user (uid {os.getuid()}) that nobody else can write is read")
+        if st.st_size != want["size"]:
+            raise CheckpointError(f"{name} has {st.st_size} bytes, the manifest says {want['size']} "
+                                  f"(truncated or grown)")
+        data = None
+        if keep_bytes:
+            data = read_fd(fd, st.st_size, p)
+            digest = hashlib.sha256(data).hexdigest()
+        else:
+            digest = _hash_fd(fd, drop)
+        if digest != want["sha256"]:
+            raise CheckpointError(f"{name} fails its SHA-256 checksum (corrupted)")
+        return fd, data
+    except NotRegular as exc:
+        os.close(fd)
+        raise CheckpointError(f"{name}: {exc.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def verified_metadata_bytes(path: str, key: bytes | None) -> tuple[dict[str, Any], bytes]:
+    """``(manifest, the bytes of .metadata)``: authenticated, and checked on the one read they came from."""
+    manifest, why = read_manifest(path, key)
+    if manifest is None:
+        raise CheckpointError(f"{path}: {why}")
+    want = manifest["files"].get(METADATA)
+    if want is None:
+        raise CheckpointError(f"{path}: the manifest lists no .metadata")
+    fd, data = open_checked(path, METADATA, want, keep_bytes=True)
+    os.close(fd)
+    assert data is not None
+    return manifest, data
+
+
+def unpickle_metadata(data: bytes) -> Any:
+    """DCP's ``Metadata`` from the verified bytes (what ``FileSystemReader.read_metadata`` does with its own read)."""
+    return pickle.loads(data)  # noqa: S301 - the bytes passed the run's HMAC'd manifest on this very read
+
+
+def _verified_reader_class() -> type:
+    """The class is built on first use: importing this module must not import torch (the daemon's CLI)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _CheckedFS(FileSystem):
+        """DCP's file system whose read streams are descriptors checked against the manifest when opened."""
+
+        def __init__(self, root: str, files: dict[str, Any]) -> None:
+            self.root, self.files = root, files
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            if mode != "rb":
+                raise CheckpointError(f"{path}: a verified snapshot is read only")
+            name = Path(path).name
+            if os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.root) or name not in self.files:
+                raise CheckpointError(f"{path}: .metadata names a file the manifest does not list")
+            if name == METADATA:
+                raise CheckpointError(f"{path}: .metadata is read once, from its verified bytes")
+            fd, _ = open_checked(self.root, name, self.files[name])
+            with os.fdopen(fd, "rb") as fh:
+                yield fh
+
+    class VerifiedReader(FileSystemReader):
+        """``FileSystemReader`` over a snapshot checked on the handles it is read from (see the module)."""
+
+        def __init__(self, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes] | None = None) -> None:
+            super().__init__(path)
+            manifest, self._metadata_bytes = checked or verified_metadata_bytes(str(path), key)
+            self.fs = _CheckedFS(str(path), manifest["files"])
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:
+                raise CheckpointError("per-rank .metadata files are not part of a snapshot of this service")
+            metadata = unpickle_metadata(self._metadata_bytes)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader
+
+
+_READER: type | None = None
+
+
+def VerifiedReader(path: str, key: bytes | None,  # noqa: N802 - a class, built on first use
+                   checked: tuple[dict[str, Any], bytes] | None = None) -> Any:
+    """A DCP ``StorageReader`` for the snapshot at ``path``, verified under ``key`` (see the module docstring).
+
+    ``checked``: what :func:`verified_metadata_bytes` returned for ``path`` (several loads of one snapshot
+    read ``.metadata`` once).
+
+    Raises:
+        CheckpointError: the manifest or ``.metadata`` does not pass (nothing was unpickled).
+    """
+    global _READER
+    if _READER is None:
+        _READER = _verified_reader_class()
+    return _READER(path, key, checked)
