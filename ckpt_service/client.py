@@ -360,8 +360,12 @@ class SnapshotClient:
         try:
             reply = self._request({"op": "released", "step": prev, "timeout": wait_s}, wait_s + self._answer_timeout())
         except DaemonUnavailable as exc:
-            if staging.served(self.ndir) is False:  # the daemon's process has ended: nothing reads the slot
-                log.info("slot %d (snapshot %s) is free: no daemon serves %s (%s)", slot, prev, self.ndir, exc)
+            gone = self._daemon_failed()  # this start's daemon could not start: it never served, nor will
+            if gone is None and staging.served(self.ndir) is False:
+                gone = "its process has ended"  # the kernel dropped its lock: nothing reads the slot
+            if gone is not None:
+                log.info("slot %d (snapshot %s) is free: no daemon serves %s (%s; %s)", slot, prev, self.ndir, gone,
+                         exc)
                 return True, None
             if self._silent_since is None:
                 self._silent_since = time.monotonic()

@@ -117,8 +117,8 @@ def served(ndir: str) -> bool | None:
     """
     try:
         fd = os.open(os.path.join(ndir, LOCK), os.O_RDONLY)
-    except FileNotFoundError:
-        return False  # no daemon ever served this node directory
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # no daemon ever served this node directory (or it is not even a directory)
     except OSError:
         return None
     try:
