@@ -16,9 +16,15 @@ descriptor and telling the daemon (the hand-over) runs on a worker thread of the
 update: the next snapshot, every wait for the daemon, ``close()``, a fail-stop and an injected kill first
 join it, so the daemon sees a rank's snapshots in order and none taken is left unannounced.  The daemon
 writes the boxes as DCP chunks from the slot.
-Two slots alternate: a slot is reused only after the daemon has finished writing the snapshot that
-used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
-event and training goes on).  A missing or dead daemon costs a warning, never the run.
+Two slots alternate: a slot is reused only after the daemon said it has finished writing the snapshot
+that used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
+event and training goes on).  Silence is not release: a daemon that does not answer (stopped, stuck) may
+still read the slot later, so its slots stay its own and the node's snapshots are skipped until it answers
+again, with one ``warning`` event per episode; only a daemon that is gone for sure (its node directory's
+lock is free: the process has ended) frees them.  A missing or dead daemon costs a warning, never the run.
+Requests that the daemon answers at once (``staged``, ``released`` without waiting) are bounded by
+:attr:`SnapshotClient.answer_s`, so a silent daemon delays a snapshot by seconds, never by a control-plane
+timeout that the other nodes' ranks, waiting in the snapshot's exchange, would hit first.
 
 ``extra()`` returns this rank's non-tensor state as JSON-able data (``{"run": ..., "rank": ...}``:
 the frontier and whatever the runtime keeps, every ``Stateful``'s state, the RNG states); the
@@ -45,11 +51,16 @@ from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from ckpt_service import proof_cache, staging
 from ckpt_service.index import read_json
 from ckpt_service.layout import daemon_failed_marker, node_dir, socket_path, staging_root
-from ckpt_service.protocol import DaemonUnavailable, request
+from ckpt_service.protocol import DaemonSilent, DaemonUnavailable, request
 
 log = logging.getLogger(__name__)
 
 SLOTS = 2
+#: The longest a rank waits for the daemon to answer a request it answers at once (at most a quarter of
+#: ``timeouts.control_s``); past it the daemon counts as silent.  Once silent, each later snapshot asks again
+#: for at most :data:`PROBE_S`.
+ANSWER_S = 5.0
+PROBE_S = 1.0
 
 #: Every client of this process, for :func:`join_handovers`.
 _CLIENTS: "weakref.WeakSet[SnapshotClient]" = weakref.WeakSet()
@@ -88,6 +99,9 @@ class SnapshotClient:
         self._proved = False  # this start's capture was proven against the live state dict
         self._contacted = False  # the first contact waits (bounded) for a daemon still starting; later ones do not
         self.down: str | None = None  # why this node has no daemon (then snapshots are skipped on it)
+        self.answer_s = min(ANSWER_S, cfg.timeouts.control_s / 4)
+        self._silent_since: float | None = None  # when the daemon first left a request unanswered (this episode)
+        self._skipping: dict[int, tuple[int, float]] = {}  # rank 0: node -> (first skipped step, since) per episode
         self._failed_marker = daemon_failed_marker(run_dir, self.rt.ctx.hostname)
         self.taken: set[int] = set()  # steps snapshotted (not skipped) in this start
         self.last_error: str | None = None
@@ -134,7 +148,7 @@ class SnapshotClient:
         self.join_handover()
         if self._prefault is not None:
             self._prefault.join()  # the slots it makes ready are this snapshot's
-        slot = self._free_slot(cfg.timeouts.control_s)
+        slot, busy_why = self._free_slot(cfg.timeouts.control_s)
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
         t = time.monotonic()
@@ -144,6 +158,8 @@ class SnapshotClient:
         # The capture proof runs once per job and plan: each rank's plan signature travels in the exchange, with
         # the signatures a proof of this job already passed (rank 0 reads them), so every rank decides alike.
         mine: dict[str, Any] = {"extra": self.extra(), "slot_ok": slot is not None}
+        if slot is None:
+            mine["slot_why"] = busy_why
         if not self._proved:
             mine["plan"] = proof_cache.signature(plan, rt.rank, rt.layout.world_size)
             if rt.rank == 0:
@@ -151,25 +167,32 @@ class SnapshotClient:
         t = time.monotonic()
         extras = rt.control.all_gather("ckpt-extra", mine)
         parts["extra"] = time.monotonic() - t
+        resumed = self._episodes(step, extras) if rt.rank == 0 else []
         if not all(r["slot_ok"] for r in extras):
             busy = [i for i, r in enumerate(extras) if not r["slot_ok"]]
-            log.warning("snapshot %d skipped: the daemon has not finished an earlier snapshot of rank(s) %s "
-                        "within %g s", step, busy, cfg.timeouts.control_s)
+            why = "; ".join(f"rank {i}: {extras[i].get('slot_why')}" for i in busy)
+            log.warning("snapshot %d skipped: no free staging slot on rank(s) %s (%s)", step, busy, why)
             if rt.rank == 0 and self.events is not None:
                 self.events.emit("snapshot", step=step, skipped=True, blocking_s=time.monotonic() - t0,
-                                 reason=f"daemon busy with an earlier snapshot of rank(s) {busy}")
+                                 reason=f"no free staging slot on rank(s) {busy}: {why}")
             return False
         t = time.monotonic()
-        created = self.slots[slot].ensure(nbytes)
+        created = self.slots[slot].ensure(staging.slot_bytes(nbytes))
         if plan.on_gpu:
             self.slots[slot].pin()  # once per mapping: D2H at DMA speed
         parts["slot"] = time.monotonic() - t
         t = time.monotonic()
+        token = staging.new_token()
+        # cleared before the first byte changes, stamped after the last: a daemon still writing what this slot
+        # held before (it should not be: the slot was released) sees the stamp gone and commits nothing
+        staging.clear_stamp(self.slots[slot].buf, nbytes)
         plan.copy_into(self.slots[slot].buf)
+        staging.write_stamp(self.slots[slot].buf, nbytes, step, token)
         parts["copy"] = time.monotonic() - t
         other = self.slots[(slot + 1) % SLOTS]
-        if other.size < nbytes and (self._prefault is None or not self._prefault.is_alive()):
-            self._prefault = threading.Thread(target=self._ready_slot, args=(other, nbytes), name="ckpt-prefault",
+        if other.size < staging.slot_bytes(nbytes) and (self._prefault is None or not self._prefault.is_alive()):
+            self._prefault = threading.Thread(target=self._ready_slot, args=(other, staging.slot_bytes(nbytes)),
+                                              name="ckpt-prefault",
                                               daemon=True)  # the next snapshot's slot, beside training
             self._prefault.start()
         if self.faults.corrupt_capture == (step, rt.rank):
@@ -203,7 +226,8 @@ class SnapshotClient:
         self.taken.add(step)  # decided alike on every rank (the handover below may still fail on one)
         self._slot_step[slot] = step
         desc = {"step": step, "rank": rt.rank, "local_rank": rt.local_rank, "slot": self.slots[slot].path,
-                "slot_ino": self.slots[slot].ino, "nbytes": nbytes, "plain": plan.plain, "source": plan.source}
+                "slot_ino": self.slots[slot].ino, "nbytes": nbytes, "stamp": {"at": nbytes, "token": token},
+                "plain": plan.plain, "source": plan.source}
         if self._worker is None:
             self._worker = threading.Thread(target=self._hand_over_loop, daemon=True, name="ckpt-handover")
             self._worker.start()
@@ -215,7 +239,8 @@ class SnapshotClient:
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
         if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
             self.events.emit("snapshot", step=step, blocking_s=blocking, parts_s={k: round(v, 6) for k, v in parts.items()},
-                             **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}))
+                             **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}),
+                             **({"resumed": resumed} if resumed else {}))
         if self.faults.kill_after_staged == (step, rt.rank):
             self.join_handover()  # "after staging": the daemon has the descriptor
             log.warning("fault injection: rank %d kills itself after staging step %d", rt.rank, step)
@@ -237,7 +262,7 @@ class SnapshotClient:
                 plan = fsdp1_plan(self.model, self.optimizer)
                 if plan is None:
                     return
-                nbytes = plan.layout()
+                nbytes = staging.slot_bytes(plan.layout())
                 plan = None  # views of the live tensors: dropped here, on this thread
                 for slot in self.slots:
                     self._ready_slot(slot, nbytes)
@@ -269,7 +294,7 @@ class SnapshotClient:
                 path = staging.write_descriptor(self.stage_root, step, self.rt.local_rank, desc)
                 self._request({"op": "staged", "step": step, "rank": self.rt.rank,
                                "local_rank": self.rt.local_rank, "nranks": self.rt.layout.ranks_per_node,
-                               "path": path})
+                               "path": path}, self._answer_timeout())
             except Exception as exc:  # noqa: BLE001 - never fatal to training
                 self.last_error = f"snapshot {step}: {exc}"
                 log.warning("snapshot %d not handed to the daemon: %s", step, exc)
@@ -299,31 +324,93 @@ class SnapshotClient:
                 view.add_(1.0)
         log.warning("fault injection: staged weights of rank %d changed", self.rt.rank)
 
-    def _free_slot(self, timeout_s: float) -> int | None:
-        """A slot the daemon no longer reads; None when none became free within ``timeout_s``.
+    def _free_slot(self, timeout_s: float) -> tuple[int | None, str | None]:
+        """``(slot, None)``: a slot the daemon no longer reads; ``(None, why)`` when none is free now.
 
         Prefers reusing a released slot (its pages are already touched) over creating the second one,
-        so a daemon that keeps up costs one slot; waits (bounded) only when both are busy.
+        so a daemon that keeps up costs one slot; waits (bounded by ``timeout_s``) only when both are busy
+        and the daemon answers.  A slot is free only when the daemon said so (or is gone for sure): a
+        daemon that does not answer may still read it (one stopped with SIGSTOP resumes where it was).
         """
         used = sorted((s for s in range(SLOTS) if self._slot_step[s] is not None), key=lambda s: self._slot_step[s])
         unused = [s for s in range(SLOTS) if self._slot_step[s] is None]
+        silent: str | None = None
         for s in used:
-            if self._released(s, 0.0, timeout_s):
-                return s
+            released, silent = self._released(s, 0.0)
+            if released:
+                return s, None
+            if silent is not None:  # asking about the other slot would only wait out another timeout
+                break
         if unused:
-            return unused[0]
-        return used[0] if self._released(used[0], timeout_s, timeout_s + 10) else None
+            return unused[0], None
+        if silent is None:
+            released, silent = self._released(used[0], timeout_s)
+            if released:
+                return used[0], None
+        s = used[0]
+        if silent is not None:
+            return None, f"the checkpoint daemon has not released slot {s} (snapshot {self._slot_step[s]}): {silent}"
+        return None, (f"the checkpoint daemon is still writing snapshot {self._slot_step[s]} from slot {s} "
+                      f"(waited {timeout_s:g} s)")
 
-    def _released(self, slot: int, wait_s: float, timeout_s: float) -> bool:
+    def _released(self, slot: int, wait_s: float) -> tuple[bool, str | None]:
+        """``(released, silent)``: whether the daemon is done with ``slot``'s snapshot; ``silent`` says why there is
+        no answer (None when it answered).  Without an answer the slot stays busy, unless no daemon lives."""
         prev = self._slot_step[slot]
         try:
-            reply = self._request({"op": "released", "step": prev, "timeout": wait_s}, timeout_s)
-        except DaemonUnavailable:
-            return True  # no daemon: nothing reads the slot
-        return bool(reply.get("released"))
+            reply = self._request({"op": "released", "step": prev, "timeout": wait_s}, wait_s + self._answer_timeout())
+        except DaemonUnavailable as exc:
+            gone = self._daemon_failed()  # this start's daemon could not start: it never served, nor will
+            if gone is None and staging.served(self.ndir) is False:
+                gone = "its process has ended"  # the kernel dropped its lock: nothing reads the slot
+            if gone is not None:
+                log.info("slot %d (snapshot %s) is free: no daemon serves %s (%s; %s)", slot, prev, self.ndir, gone,
+                         exc)
+                return True, None
+            if self._silent_since is None:
+                self._silent_since = time.monotonic()
+            return False, f"not answering for {time.monotonic() - self._silent_since:.1f} s ({exc})"
+        return bool(reply.get("released")), None
+
+    def _answer_timeout(self) -> float:
+        """How long to wait for an answer the daemon gives at once: :attr:`answer_s`, or :data:`PROBE_S` while it
+        has been silent (each later snapshot only asks whether it is back)."""
+        return min(self.answer_s, PROBE_S) if self._silent_since is not None else self.answer_s
+
+    def _episodes(self, step: int, extras: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rank 0, at every snapshot's exchange: one ``warning`` event when a node starts skipping snapshots (no
+        free slot on one of its ranks), one log line when its daemon releases again; returns the nodes that
+        resumed now (for the snapshot event)."""
+        layout = self.rt.layout
+        now = time.monotonic()
+        resumed = []
+        for node in range(layout.num_nodes):
+            busy = [r for r in layout.shard_ranks(node) if not extras[r]["slot_ok"]]
+            host = self._host(node)
+            if busy and node not in self._skipping:
+                self._skipping[node] = (step, now)
+                why = extras[busy[0]].get("slot_why")
+                reason = (f"snapshot {step} skipped on {host} (rank {busy[0]}): {why}; training goes on, and the "
+                          f"snapshots of every node are skipped until the daemon on {host} releases its slots")
+                log.warning("%s", reason)
+                if self.events is not None:
+                    self.events.emit("warning", step=step, hostname=host, node_index=node, reason=reason)
+            elif not busy and node in self._skipping:
+                first, since = self._skipping.pop(node)
+                line = (f"the checkpoint daemon on {host} released its slots again after {now - since:.1f} s "
+                        f"(snapshots from {first} to before {step} skipped); snapshots resume")
+                log.warning("%s", line)
+                resumed.append({"hostname": host, "first_skipped": first, "skipping_s": round(now - since, 3),
+                                "reason": line})
+        return resumed
+
+    def _host(self, node: int) -> str:
+        names = list(getattr(self.rt.ctx, "nodelist", None) or ())
+        return str(names[node]) if node < len(names) else f"node {node}"
 
     def _request(self, msg: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """One request; the first contact waits (bounded) for a daemon that is still starting."""
+        """One request; the first contact waits (bounded) for a daemon that is still starting (nothing listens
+        yet); a daemon that took the connection but is silent is not waited for."""
         timeout = timeout_s or self.cfg.timeouts.control_s
         patience = self.cfg.timeouts.startup_s if not self._contacted else 0.0
         deadline = time.monotonic() + patience
@@ -332,9 +419,14 @@ class SnapshotClient:
                 reply = request(self.sock, msg, timeout)
                 self._contacted = True
                 self.down = None
+                self._silent_since = None
                 if not reply.get("ok"):
                     raise DaemonUnavailable(reply.get("error", "refused"))
                 return reply
+            except DaemonSilent:
+                if self._silent_since is None:
+                    self._silent_since = time.monotonic()
+                raise
             except DaemonUnavailable as exc:
                 failed = self._daemon_failed()
                 if time.monotonic() >= deadline or failed:

@@ -50,6 +50,8 @@ _SENTINEL = object()
 FINAL = ("verified", "rejected", "failed")
 #: How long a state record that hit a full disk waits for the writes in flight before its one retry.
 RECORD_RETRY_S = 60.0
+#: How long a starting daemon retries its node directory's lock before it says another daemon holds it.
+LOCK_RETRY_S = 1.0
 
 #: How the worker threads yield the CPU to the node's training ranks (per thread; the accept and connection
 #: threads keep the daemon's ``checkpoint.daemon_nice``, so a rank's request is answered at once):
@@ -126,15 +128,22 @@ def acquire_lock(ndir: str) -> int:
     os.makedirs(ndir, exist_ok=True)
     path = os.path.join(ndir, LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    deadline = time.monotonic() + LOCK_RETRY_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            # a rank testing whether a daemon lives (staging.served) holds a shared lock for an instant
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
         try:
             holder = os.pread(fd, 64, 0).decode().strip() or "?"
         finally:
             os.close(fd)
         raise AlreadyRunning(f"another accelpact-ckptd (pid {holder}) already serves {ndir} "
-                             f"(lock {path}); one daemon per node per job") from None
+                             f"(lock {path}); one daemon per node per job")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -369,10 +378,12 @@ class Daemon:
                 d = staging.read_descriptor(paths[lr])
                 d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
                 descs.append(d)
+            self._check_stamps(step, descs)  # the slots still hold this step (a rank reuses only a released one)
             timings: dict[str, float] = {}
             t0 = time.monotonic()
             path, size = write_snapshot(self.ndir, step, descs, compress=self.o.compress, node=self.o.node,
-                                        timings=timings, faults=self.o.faults, key=self.key)
+                                        timings=timings, faults=self.o.faults, key=self.key,
+                                        before_commit=lambda: self._check_stamps(step, descs))
             log.info("step %d committed in %.2f s (%s)", step, time.monotonic() - t0,
                      ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
         except Exception as exc:
@@ -387,6 +398,18 @@ class Daemon:
         self._set_state(step, "committed", None, path, size, timings)
         self._release(step)
         self.q_verify.put(step)
+
+    @staticmethod
+    def _check_stamps(step: int, descs: list[dict[str, Any]]) -> None:
+        """Refuse to write (or, once written, to commit) step ``step`` unless every slot is still stamped with it.
+
+        A rank reuses a slot only once :meth:`handle` ``released`` said so; this is the guard behind that rule: a
+        slot rewritten meanwhile (a rank that took silence for release, a daemon resumed after SIGSTOP) fails the
+        snapshot instead of committing another step's weights under this step's name."""
+        for d in descs:
+            why = staging.check_stamp(d["buf"], d)
+            if why is not None:
+                raise CheckpointError(f"{why}; snapshot {step} not committed")
 
     def _release(self, step: int) -> None:
         with self._changed:

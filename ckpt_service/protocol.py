@@ -25,6 +25,12 @@ class DaemonUnavailable(CheckpointError, ConnectionError):
     """The node's daemon could not be reached or did not answer in time."""
 
 
+class DaemonSilent(DaemonUnavailable, TimeoutError):
+    """The node's daemon exists (its socket took the connection, or its queue of connections is full) but did not
+    answer in time: stopped (SIGSTOP), stuck, or starved.  Not "no daemon": it may still answer, and read its
+    slots, later."""
+
+
 def peer_uid(conn: socket.socket) -> int:
     """The uid of the process at the other end of a connected Unix socket (Linux SO_PEERCRED)."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -71,6 +77,8 @@ def request(path: str, message: dict[str, Any], timeout_s: float) -> dict[str, A
                 raise DaemonUnavailable(f"checkpoint daemon at {path}: refusing its answer: {why}")
             send_line(s, message)
             reply = recv_line(s)
+    except TimeoutError as exc:  # socket.timeout: connected (or queued) but no answer
+        raise DaemonSilent(f"checkpoint daemon at {path}: no answer within {timeout_s:g} s") from exc
     except (OSError, ValueError) as exc:
         raise DaemonUnavailable(f"checkpoint daemon at {path}: {exc.__class__.__name__}: {exc}") from exc
     if not isinstance(reply, dict):

@@ -13,6 +13,12 @@ A slot is reused only after the daemon has finished writing the snapshot that us
 one is still busy.  The descriptor records the slot file's inode: a slot replaced in between
 (a restarted daemon clears the staging root) is detected, never read as the wrong data.
 
+Each slot ends in a stamp (:data:`STAMP_BYTES` after the boxes): the step and a random token of the snapshot
+it holds, also recorded in the descriptor.  The rank clears the stamp before it copies into the slot and writes
+it after the copy; the daemon checks it before it writes the snapshot and again once every byte is written,
+before the commit.  A slot rewritten in between (the same file, so the inode guard passes) fails the snapshot
+instead of committing another step's data under this step's name.
+
 Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` and :mod:`.writer`
 (``read_descriptor``, ``map_slot``), which also remove a step's descriptors once it is settled.
 A daemon drops its whole staging root at its start and at a clean exit; what a daemon killed by
@@ -30,6 +36,7 @@ import logging
 import mmap
 import os
 import shutil
+import struct
 import sys
 from typing import Any, Sequence
 
@@ -45,6 +52,84 @@ def step_stage_dir(root: str, step: int) -> str:
 
 def slot_path(root: str, local_rank: int, slot: int) -> str:
     return os.path.join(root, f"rank-{local_rank}.slot-{slot}")
+
+
+#: Bytes at the end of a slot for its stamp: magic, step, token (a multiple of the boxes' alignment).
+STAMP_BYTES = 64
+_STAMP_MAGIC = b"APSTAMP1"
+_STAMP_FMT = "<8sQ16s"
+
+
+def slot_bytes(nbytes: int) -> int:
+    """The size of a slot for boxes of ``nbytes`` (aligned, as :meth:`ckpt_service.capture.Plan.layout` returns
+    them): the boxes, then the stamp at offset ``nbytes``."""
+    return nbytes + STAMP_BYTES
+
+
+def clear_stamp(buf: Any, at: int) -> None:
+    """Invalidate the slot's stamp (a uint8 tensor over the slot) before anything of a new snapshot is copied in:
+    a daemon still writing the previous one then sees its stamp gone."""
+    buf[at:at + STAMP_BYTES].zero_()
+
+
+def write_stamp(buf: Any, at: int, step: int, token: str) -> None:
+    """Stamp the slot with the snapshot it now holds (after the copy into it has completed)."""
+    import torch
+
+    raw = bytearray(STAMP_BYTES)
+    struct.pack_into(_STAMP_FMT, raw, 0, _STAMP_MAGIC, step, bytes.fromhex(token))
+    buf[at:at + STAMP_BYTES].copy_(torch.frombuffer(raw, dtype=torch.uint8))
+
+
+def new_token() -> str:
+    return os.urandom(16).hex()
+
+
+def check_stamp(view: memoryview, desc: dict[str, Any]) -> str | None:
+    """Why the mapped slot ``view`` does not (or no longer) hold the snapshot ``desc`` describes; None when it does.
+
+    Who calls: the daemon's writer, before it writes a snapshot and once every byte is written, before the commit.
+    """
+    stamp = desc.get("stamp")
+    slot = os.path.basename(str(desc.get("slot")))
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("at"), int) or not isinstance(stamp.get("token"), str):
+        return f"the descriptor of rank {desc.get('rank')} names no stamp for {slot}"
+    at = stamp["at"]
+    if at < 0 or len(view) < at + STAMP_BYTES:
+        return f"{slot} is too short for its stamp ({len(view)} bytes, stamp at {at})"
+    magic, step, token = struct.unpack_from(_STAMP_FMT, view, at)
+    if magic != _STAMP_MAGIC:
+        return (f"{slot} of rank {desc.get('rank')} no longer holds snapshot {desc.get('step')}: its stamp was "
+                f"cleared (the rank is staging another snapshot into it)")
+    if step != desc.get("step") or token.hex() != stamp["token"]:
+        return (f"{slot} of rank {desc.get('rank')} no longer holds snapshot {desc.get('step')}: it is stamped "
+                f"with snapshot {step}")
+    return None
+
+
+def served(ndir: str) -> bool | None:
+    """Whether a live daemon serves node directory ``ndir`` (holds its ``ckptd.lock``); None when it cannot be told.
+
+    The kernel releases the lock (flock) when the holder's process ends, ``kill -9`` included, while a stopped
+    (SIGSTOP) or stuck daemon keeps it: only a daemon that is gone for sure reads no slot any more.  The lock is
+    tested with a shared lock, taken and dropped at once (a daemon starting at that moment retries its own,
+    :func:`ckpt_service.daemon.acquire_lock`).  Works across processes of one node, on any local file system.
+    """
+    try:
+        fd = os.open(os.path.join(ndir, LOCK), os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # no daemon ever served this node directory (or it is not even a directory)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return True if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 class Slot:
@@ -153,7 +238,8 @@ def read_descriptor(path: str) -> dict[str, Any]:
 
 
 def map_slot(path: str, ino: int, nbytes: int) -> memoryview:
-    """A read-only view of a rank's slot; raises OSError when it is gone, replaced or too short."""
+    """A read-only view of a rank's slot (all of it, the stamp included); raises OSError when it is gone, replaced
+    or too short."""
     fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)

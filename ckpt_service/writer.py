@@ -35,7 +35,7 @@ import shutil
 import threading
 import time
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
@@ -457,12 +457,15 @@ def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults
 
 def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, compress: bool = False,
                    node: str = "", timings: dict[str, float] | None = None,
-                   faults: TestFaults = NO_FAULTS, key: bytes | None = None) -> tuple[str, int]:
+                   faults: TestFaults = NO_FAULTS, key: bytes | None = None,
+                   before_commit: Callable[[], None] | None = None) -> tuple[str, int]:
     """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
 
     The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose
     descriptors say the proof failed is refused.  ``timings`` (if given) receives the seconds spent in
     ``dcp_save`` and ``fsync_hash``.  ``key``: the run's key, which signs the manifest (:mod:`.auth`).
+    ``before_commit``: called once every byte is written and hashed, before the manifest and the rename; what it
+    raises fails the snapshot (the daemon checks there that the slots still hold this step).
     """
     timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp
@@ -498,6 +501,8 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
                 raise CheckpointError(f"{n} has {size} bytes, {written[n][0]} were written")
             files[n] = {"size": size, "sha256": written[n][1] if n in written else sums[os.path.join(tmp, n)]}
         timings["fsync_hash"] = time.monotonic() - t
+        if before_commit is not None:
+            before_commit()
         manifest = {
             "format": FORMAT_VERSION, "step": step, "node": node, "created": time.time(),
             "job_id": meta.get("job_id"), "config_digest": meta.get("config_digest"), "config": meta.get("config"),

@@ -21,6 +21,7 @@ from typing import Sequence
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig, load_config, with_overrides
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
+from accelpact_slurm.launch.run_lock import claim
 from accelpact_slurm.runtime.rundir import check_run_dir
 
 log = logging.getLogger("accelpact_slurm.cli.run")
@@ -121,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "topology.ranks_per_node": ctx.ranks_per_node})
             run_dir = args.run_dir or default_run_dir(cfg, ctx.job_id)
             os.makedirs(run_dir, exist_ok=True)
+            # one job per run directory: global rank 0 holds the lock while it runs, the others only check it
+            lock = claim(run_dir, ctx.job_id, hold=ctx.rank == 0)  # noqa: F841 - held until this task ends
             check_same_training(cfg, run_dir, args.allow_config_change)
             check_run_dir(run_dir, cfg, ctx.hostname)  # before the rank joins: an unsafe run dir is exit 2
             signals.mark_ready(run_dir, ctx.restart_count, ctx.rank)  # the batch script may forward USR2 from now on
@@ -133,9 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "srun (see sbatch_templates/hsdp.sbatch)")
         run_dir = args.run_dir or default_run_dir(cfg, None)
         os.makedirs(run_dir, exist_ok=True)
+        from accelpact_slurm.launch.local import job_id_for, run_local
+
+        # one job per run directory: the launcher holds the lock across every relaunch, before any rank starts
+        lock = claim(os.path.abspath(run_dir), job_id_for(env), hold=True)  # noqa: F841 - held until main returns
         check_same_training(cfg, run_dir, args.allow_config_change)
         check_run_dir(run_dir, cfg, socket.gethostname())  # before any rank or daemon starts
-        from accelpact_slurm.launch.local import run_local
 
         passthrough: list[str] = []
         if args.steps is not None:

@@ -56,7 +56,7 @@ def spawn_daemon(config_path: str, run_dir: str, node: str, node_index: int, job
 
 
 def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None:
-    """SIGINT, wait for the drain (bounded), then SIGKILL.
+    """SIGINT (and SIGCONT, for a daemon someone stopped), wait for the drain (bounded), then SIGKILL.
 
     SIGINT, not SIGTERM: a daemon started with ``keep_serving_on_sigterm`` ignores SIGTERM; every daemon
     stops on SIGINT.
@@ -64,6 +64,7 @@ def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None
     for d in daemons:
         if d.proc.poll() is None:
             d.proc.send_signal(signal.SIGINT)
+            d.proc.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) daemon would hold its SIGINT until the kill
     for d in daemons:
         try:
             d.proc.wait(timeout=drain_s + 15)

@@ -105,6 +105,11 @@ def combine_exit_codes(codes: Sequence[int | None]) -> int:
     return EXIT_REQUEUE
 
 
+def job_id_for(environ: Mapping[str, str]) -> str:
+    """The embedded default's job id: ``ACCELPACT_LOCAL_JOB_ID``, else ``local-<pid of the launcher>``."""
+    return settings.local_job_id(environ) or f"local-{os.getpid()}"
+
+
 def run_local(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Sequence[str] = (),
               environ: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
     """The embedded default's whole job: launch, and relaunch on "requeue me" as Slurm would.
@@ -115,7 +120,7 @@ def run_local(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
     """
     out = out or sys.stdout
     environ = dict(os.environ if environ is None else environ)
-    job_id = settings.local_job_id(environ) or f"local-{os.getpid()}"
+    job_id = job_id_for(environ)
     zygote = start_zygote(environ)  # one per job: its imports serve every start
     try:
         return _relaunch(config_path, cfg, run_dir, worker_args, environ, out, job_id, zygote)

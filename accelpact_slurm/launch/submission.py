@@ -192,6 +192,10 @@ class RankTask(submitit.helpers.Checkpointable):
                              {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
         run_dir = run_dir_for(spec, ctx.job_id)
         os.makedirs(run_dir, exist_ok=True)
+        from accelpact_slurm.launch.run_lock import claim
+
+        # one job per run directory, before this node's daemon starts: global rank 0 holds it, the others check
+        lock = claim(run_dir, ctx.job_id, hold=ctx.rank == 0)  # noqa: F841 - held until this task ends
         from accelpact_slurm.runtime.job import run_rank
 
         daemon = start_node_daemon(spec, cfg, run_dir, ctx) if ctx.local_rank == 0 else None

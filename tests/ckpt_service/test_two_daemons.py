@@ -48,13 +48,17 @@ class Node:
         t = torch.full((4, 8), float(step))
         plan = Plan([Entry(("model", "w"), [4, 8], t.dtype, [Box([0, 0], [4, 8], t)])], {"lr": 0.1}, "test")
         nbytes = plan.layout()
-        self.slot.ensure(nbytes)
+        self.slot.ensure(staging.slot_bytes(nbytes))
+        token = staging.new_token()
+        staging.clear_stamp(self.slot.buf, nbytes)
         plan.copy_into(self.slot.buf)
+        staging.write_stamp(self.slot.buf, nbytes, step, token)
         meta = {"job_id": "t", "config_digest": None, "config": None, "world_size": 2, "layout": [2, 1],
                 "extra_json": json.dumps({"run": {"step": step}}), "capture": None}
         desc = staging.write_descriptor(self.daemon.stage_root, step, 0, {
             "step": step, "rank": self.index, "local_rank": 0, "meta": meta, "slot": self.slot.path,
-            "slot_ino": self.slot.ino, "nbytes": nbytes, "entries": plan.describe(), "plain": plan.plain,
+            "slot_ino": self.slot.ino, "nbytes": nbytes, "stamp": {"at": nbytes, "token": token},
+            "entries": plan.describe(), "plain": plan.plain,
             "source": plan.source})
         reply = self.daemon.handle({"op": "staged", "step": step, "local_rank": 0, "nranks": 1, "path": desc})
         assert reply["ok"] and reply["complete"], reply

@@ -1,0 +1,141 @@
+"""One job per run directory: an ``flock`` on ``RUN_DIR/.accelpact-lock`` that names the job holding it.
+
+Two jobs on one run directory would share its checkpoint daemons, staging slots, event log and summary: the
+second job's daemons refuse to start (the node directories are locked), its ranks then train through the first
+job's daemons and slots, and both logs interleave.  So the second job stops before any of its ranks starts, with
+one line naming the run directory and the job that holds it (:class:`RunDirInUse`, exit 2).
+
+Who holds the lock (one process per job, for as long as the job may write into the run directory):
+
+- the embedded default (``accelpact-run`` outside Slurm): the launcher, across every relaunch of the job;
+- inside an allocation (the sbatch template's ``srun`` tasks, submitit's tasks): global rank 0's task, for its
+  lifetime.  Every other rank only checks: it refuses a lock held by another job and goes on otherwise.
+
+The lock records the job id, host and pid of its holder.  A lock held under the same job id is never refused: a
+requeued job (same Slurm job id, new start) whose earlier start has not quite ended, an embedded rank under its
+own launcher, or a relaunch by the same launcher.  ``flock`` is released by the kernel when the holder's process
+ends (``kill -9`` included), so a dead job leaves no stale lock.
+
+File systems: ``flock`` works on local file systems and on NFS (Linux emulates it with NFS byte-range locks,
+visible to every client); on Lustre only with the ``flock`` mount option (``localflock`` makes it node-local: two
+jobs whose rank 0 sit on different nodes would then both take it).  Where the file system refuses locks (ENOLCK,
+ENOSYS, EOPNOTSUPP), the job goes on with a warning: the rule is not enforced there.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from accelpact_slurm.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".accelpact-lock"
+#: How long a holder retries while another rank of its job tests the lock (a shared lock held for an instant).
+RETRY_S = 1.0
+_UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+class RunDirInUse(ConfigError):
+    """Another job holds the run directory's lock.  Same shape as :class:`ConfigError` (``field, value, fix``)."""
+
+
+class RunDirLock:
+    """A held run-directory lock; :meth:`release` (or the process's end) lets it go."""
+
+    def __init__(self, path: str, fd: int, record: dict[str, Any]) -> None:
+        self.path = path
+        self.record = record
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # drops the flock
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.release()
+
+
+def lock_path(run_dir: str) -> str:
+    return os.path.join(run_dir, LOCK_FILE)
+
+
+def holder(run_dir: str) -> dict[str, Any] | None:
+    """The record of the lock's last holder (``job_id``, ``host``, ``pid``, ``since``); None when unreadable."""
+    try:
+        with open(lock_path(run_dir), encoding="utf-8") as fh:
+            rec = json.loads(fh.read() or "null")
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def describe(rec: dict[str, Any] | None) -> str:
+    if not rec:
+        return "another job (its record is not readable yet)"
+    since = rec.get("since")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+    return f"job {rec.get('job_id')} (host {rec.get('host')}, pid {rec.get('pid')}{when})"
+
+
+def claim(run_dir: str, job_id: str, *, hold: bool) -> RunDirLock | None:
+    """Make sure no other job uses ``run_dir``; with ``hold``, take its lock for this process's lifetime.
+
+    Returns the held :class:`RunDirLock` (``hold`` and the lock was free), else None: the lock is held under
+    ``job_id`` already (this job's launcher or an earlier start of it), it is free (``hold`` False: this job's
+    holder takes it), or the file system cannot lock (a warning says so).
+
+    Raises:
+        RunDirInUse: another job holds it; the message names the run directory and that job, on one line.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    path = lock_path(run_dir)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    # a holder retries for RETRY_S: another rank of its own job may be testing the lock (a shared lock, an instant)
+    deadline = time.monotonic() + (RETRY_S if hold else 0.0)
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if hold else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                rec = holder(run_dir)
+                if rec is not None and str(rec.get("job_id")) == str(job_id):
+                    os.close(fd)
+                    log.info("run directory %s is held by this job already (%s)", run_dir, describe(rec))
+                    return None
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
+                raise RunDirInUse("run dir", run_dir, f"in use by {describe(rec)}: one job per run directory; "
+                                                      f"wait for that job to end, or use another run "
+                                                      f"directory") from None
+            os.close(fd)
+            if exc.errno in _UNSUPPORTED:
+                log.warning("cannot lock %s (%s): this file system has no flock; one job per run directory is "
+                            "not enforced here", path, exc.strerror or exc)
+                return None
+            raise ConfigError("run dir", run_dir, f"cannot lock {path}: {exc.strerror or exc}") from None
+    if not hold:
+        os.close(fd)  # free: this job's holder (rank 0) takes it
+        return None
+    record = {"job_id": str(job_id), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    return RunDirLock(path, fd, record)
