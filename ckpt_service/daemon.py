@@ -37,7 +37,7 @@ from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
-from ckpt_service import faults, staging
+from ckpt_service import committed, faults, staging
 from ckpt_service.index import dir_size, publish_index, read_indexes, read_record, record_state, scan
 from ckpt_service.layout import DEL_PREFIX, LOCK, MAX_STEP, daemon_failed_marker, private_dir, shared_dir as default_shared, socket_path, staging_root
 from ckpt_service.protocol import peer_allowed, peer_uid, recv_line, send_line
@@ -429,6 +429,10 @@ class Daemon:
         self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)
         if ok:
             o = self.o
+            try:  # the newest step this node committed, signed: a later start that loads an older one says so
+                committed.record(o.run_dir, o.node, step, self.key)
+            except OSError as exc:
+                log.warning("could not record step %d as this node's newest committed: %s", step, exc)
             up, why = should_upload(step, every_steps=o.every_steps, shared_every=o.shared_every,
                                     milestone_every=o.milestone_every, node_index=o.node_index, num_nodes=o.num_nodes)
             log.debug("shared tier, step %d: %s", step, why)

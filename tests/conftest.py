@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -27,6 +28,17 @@ def run_cli(args, *, env=None, timeout=600, cwd=REPO):
 
 DECODER_JOB = os.path.join(REPO, "examples", "decoder", "job.yaml")
 VISION_JOB = os.path.join(REPO, "examples", "vision", "job.yaml")
+
+
+def wait_for(pred, timeout_s, what):
+    """``pred()``'s first truthy value, polled until the deadline (then an AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)  # polling interval, not synchronisation
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def job_text(path: str = DECODER_JOB) -> str:

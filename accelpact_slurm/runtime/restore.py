@@ -32,7 +32,9 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
    next start falls back to the next older one;
 6. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
    ``path``, ``copied`` (``{from, to, hosts, why}`` when step 2 ran) and ``skipped``
-   (``[{step, reason}]`` for every newer snapshot that was not taken).
+   (``[{step, reason}]`` for every newer snapshot that was not taken), and ``committed``: the newest step the
+   job committed (the daemons' signed records, :mod:`ckpt_service.committed`); loading an older one is one
+   ``warning`` event besides.
    Nothing is written when there was no snapshot at all.
 
 Rejections are recorded the way the daemon records them: ``state.json`` beside the data
@@ -60,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
+from accelpact_slurm.core.errors import CheckpointError
 from ckpt_service.index import common_step, newest_verified, publish_index, record_state, scan
 from ckpt_service.layout import node_dir, shared_dir
 
@@ -491,6 +494,27 @@ def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int
         threading.Event().wait(poll_s)
 
 
+def _against_committed(run_dir: str, out: ReloadOutcome, events: Any) -> int | None:
+    """Rank 0: the newest step the job committed (signed, :mod:`ckpt_service.committed`); one ``warning`` when this
+    start loads an older one."""
+    from ckpt_service import committed
+    from ckpt_service.auth import load_key
+
+    try:
+        key = load_key(run_dir)
+    except CheckpointError:  # no key yet: a first start, nothing was ever committed
+        return None
+    step, node, ignored = committed.newest(run_dir, key)
+    for why in ignored:
+        log.warning("committed-step record ignored: %s", why)
+    skipped = [int(s["step"]) for s in out.skipped if isinstance(s.get("step"), int)]
+    warning = committed.rollback(out.step, step, node, skipped)
+    if warning:
+        log.warning("%s", warning)
+        events.emit("warning", step=out.step, reason=warning)
+    return step
+
+
 def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *,
             check: bool = True, copy: bool = True) -> ReloadOutcome:
     """Collective: load the newest usable snapshot into the protected state (see the module docstring).
@@ -507,9 +531,11 @@ def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *
     offer = make_offer(rt.ctx.hostname, ndir, sdir)
     io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events, sdir)
     out = reload(rt.rank, offer, rt.control, io, check=check, copy=copy, timeout_s=timeout)
-    if rt.rank == 0 and events is not None and out.offered:
-        events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
-                    checked=check, copied=out.copied, load_s=time.monotonic() - t0)
+    if rt.rank == 0 and events is not None:
+        newest_committed = _against_committed(run_dir, out, events)
+        if out.offered:
+            events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
+                        checked=check, copied=out.copied, load_s=time.monotonic() - t0, committed=newest_committed)
     if out.step is None and out.offered:
         log.warning("not resuming: %s", out.reason)
     elif out.step is not None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,16 +29,6 @@ recovery: {{max_restarts: 0}}
 params: {{fsdp: fsdp1, mesh: device_mesh, layers: 2, width: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.1,
           sequences: 10000, batch_per_rank: 2, lr: 0.003, min_lr: 0.0003, warmup_steps: 2, weight_decay: 0.01}}
 """
-
-
-def wait_for(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)  # polling interval, not synchronisation
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_a_second_job_on_the_same_run_dir_exits_2_in_one_line_and_the_first_completes(tmp_path):

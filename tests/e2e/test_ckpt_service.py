@@ -18,7 +18,7 @@ import pytest
 
 from ckpt_service.index import newest_verified, read_record, scan
 from ckpt_service.layout import socket_path, step_dirname
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -62,16 +62,6 @@ def summary(run_dir):
         return json.load(fh)
 
 
-def wait_for(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)  # polling interval, not synchronisation
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def ckpt_events(run_dir):
     from accelpact_slurm.core.events import read_events
 
@@ -107,6 +97,9 @@ def test_snapshots_committed_verified_and_indexed(runs):
         idx = json.load(open(runs["a"] / "ckpt-index" / f"{node}.json"))
         assert idx["node"] == node and [s["state"] for s in idx["snapshots"]] == ["verified", "verified"]
         assert set(idx["snapshots"][0]) == {"step", "state", "size_bytes", "created", "path", "milestone", "reason"}
+        from ckpt_service import auth, committed
+
+        assert committed.read(committed.path_of(str(runs["a"]), node), auth.load_key(str(runs["a"]))) == (8, "signed")
         m = json.load(open(recs[0].path + "/manifest.json"))
         assert ".metadata" in m["files"] and m["step"] == 4
         assert m["capture"]["ok"] is True and "match the live state dict" in m["capture"]["reason"]

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from ckpt_service.index import scan
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,16 +38,6 @@ recovery: {{max_restarts: 0}}
 params: {{fsdp: fsdp1, mesh: device_mesh, layers: 2, width: 32, heads: 4, vocab: 64, seq_len: 16, dropout: 0.1,
           sequences: 10000, batch_per_rank: 2, lr: 0.003, min_lr: 0.0003, warmup_steps: 2, weight_decay: 0.01}}
 """
-
-
-def wait_for(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)  # polling interval, not synchronisation
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def events(run_dir):
