@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".accelpact-lock"
 #: How long a holder retries while another rank of its job tests the lock (a shared lock held for an instant).
 RETRY_S = 1.0
+#: How long a lock held under an unreadable record is taken for one whose holder is still writing it.
+RECORD_S = 5.0
 _UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -107,7 +109,8 @@ def claim(run_dir: str, job_id: str, *, hold: bool) -> RunDirLock | None:
     path = lock_path(run_dir)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     # a holder retries for RETRY_S: another rank of its own job may be testing the lock (a shared lock, an instant)
-    deadline = time.monotonic() + (RETRY_S if hold else 0.0)
+    t0 = time.monotonic()
+    deadline = t0 + (RETRY_S if hold else 0.0)
     while True:
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if hold else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -119,7 +122,8 @@ def claim(run_dir: str, job_id: str, *, hold: bool) -> RunDirLock | None:
                     os.close(fd)
                     log.info("run directory %s is held by this job already (%s)", run_dir, describe(rec))
                     return None
-                if time.monotonic() < deadline:
+                # an unreadable record: the holder has just taken the lock and is writing it (give it RECORD_S)
+                if time.monotonic() < deadline or (rec is None and time.monotonic() < t0 + RECORD_S):
                     time.sleep(0.05)
                     continue
                 os.close(fd)

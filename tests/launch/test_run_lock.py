@@ -38,6 +38,34 @@ def test_the_same_job_is_not_refused(tmp_path):
     first.release()
 
 
+def test_a_rank_that_checks_while_its_holder_writes_the_record_is_not_refused(tmp_path, monkeypatch):
+    """A requeued start: rank 0 has just taken the lock and not yet written its record when rank 2 checks.  The
+    check waits (bounded) for the record instead of taking the holder for another job (it did: every rank of the
+    requeued start then waited on rank 2's rendezvous until its timeout)."""
+    import fcntl
+
+    from accelpact_slurm.launch import run_lock
+
+    fd = os.open(run_lock.lock_path(str(tmp_path)), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held, record still empty
+    real = run_lock.holder
+    calls = []
+
+    def holder_while_written(run_dir):
+        calls.append(1)
+        if len(calls) == 1:  # the first read finds the file empty; the holder writes its record right after
+            os.pwrite(fd, b'{"job_id": "1001", "host": "node1", "pid": 1, "since": 0}\n', 0)
+            return None
+        return real(run_dir)
+
+    monkeypatch.setattr(run_lock, "holder", holder_while_written)
+    try:
+        assert claim(str(tmp_path), "1001", hold=False) is None
+        assert len(calls) >= 2
+    finally:
+        os.close(fd)
+
+
 def test_ranks_that_only_check_leave_a_free_lock_free(tmp_path):
     assert claim(str(tmp_path), "1001", hold=False) is None
     assert claim(str(tmp_path), "2002", hold=True).held  # nothing was left held by the check
