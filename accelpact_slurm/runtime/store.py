@@ -42,6 +42,8 @@ PORT_LOW, PORT_HIGH = 20000, 32768
 CANDIDATES = 16
 #: A client waits this long for a server's hello and proof before it tries the next port.
 HELLO_S = 5.0
+#: What torch's "no timeout" (a zero timeout) becomes: the longest wait the wire carries (49 days).
+NO_TIMEOUT_S = 0xFFFFFFFF / 1000.0 - HELLO_S
 
 
 def binding(job_id: str, restart: int) -> str:
@@ -135,6 +137,8 @@ class JobStore(dist.Store):
 
     def _call(self, op: int, items: list[bytes], timeout_s: float | None = None) -> list[bytes]:
         wait_s = self.timeout.total_seconds() if timeout_s is None else timeout_s
+        if wait_s <= 0:  # torch's kNoTimeout (zero): wait without a deadline, as TCPStore does
+            wait_s = NO_TIMEOUT_S
         with self._lock:
             if self._sock is None:
                 raise dist.DistNetworkError(f"the job's store connection of rank {self.rank} is closed")

@@ -5,7 +5,7 @@ One thread, non-blocking sockets, one selector.  A connection must complete the 
 handshake at once, any more are closed as they are accepted.  So a flood of idle connections (a foreign user on the
 node) costs the server one ``accept`` and one ``close`` each and nothing after they end: the keys, the waits of the
 authenticated clients and their speed are untouched.  Refused connections are counted and named (the peer's
-address and, for a peer on this node, its user) in one warning per ``warn_every_s``.
+address and, for a peer on this node, its user): the first at once, then in one warning per ``warn_every_s``.
 
 The server listens on the rendezvous address only (never on every interface), on the first port of the job's
 candidates (:func:`accelpact_slurm.runtime.store.port_candidates`) it can bind: a squatted port is skipped.
@@ -81,7 +81,7 @@ class StoreServer:
         self.refused = {"cap": 0, "bad": 0, "slow": 0}
         self._reported = dict(self.refused)
         self._offenders: list[str] = []
-        self._last_warn = time.monotonic()
+        self._last_warn = float("-inf")  # the first refusal is reported at once, later ones once per window
         self._thread = threading.Thread(target=self._loop, name="accelpact-store", daemon=True)
 
     @property

@@ -31,8 +31,9 @@ MAGIC = b"APST1\n"
 NONCE = 32
 MAC = 32
 TAG = 16
-#: The largest frame either side accepts (a value of the store is a vote, an offer or a Gloo address: small).
-MAX_FRAME = 64 << 20
+#: The largest frame either side accepts once authenticated (votes, offers and Gloo addresses are small; a
+#: snapshot's extra state grows with the job).
+MAX_FRAME = 1 << 30
 
 # Requests.
 SET, GET, ADD, CAS, CHECK, DELETE, MULTI_GET, MULTI_SET, WAIT, NUM_KEYS = range(1, 11)

@@ -100,6 +100,13 @@ def test_a_wait_ends_when_another_client_sets_the_key_and_runs_out_with_a_store_
         a.multi_get(["never"])
     a.set("after", "1")  # the connection still serves after a timeout
     assert b.get("after") == b"1"
+    # torch's "no timeout" (zero) waits without a deadline, as TCPStore's does, instead of timing out at once
+    done: list[bool] = []
+    t = threading.Thread(target=lambda: done.append(a.wait(["later"], timedelta(0)) is None))
+    t.start()
+    b.set("later", "1")
+    t.join(10)
+    assert done == [True]
 
 
 def test_gloo_groups_rendezvous_through_it(job):
@@ -200,7 +207,7 @@ def test_a_flood_of_idle_connections_is_bounded_named_and_gone_with_it():
     bind_to = binding("7", 0)
     warnings: list[str] = []
     sock, _ = listen(HOST, port_candidates(key, "7"))
-    server = StoreServer(sock, key, bind_to, handshake_s=0.5, warn_every_s=0.2, on_warning=warnings.append).start()
+    server = StoreServer(sock, key, bind_to, handshake_s=0.5, warn_every_s=5.0, on_warning=warnings.append).start()
     mine = JobStore(HOST, [server.port], key, bind_to, 0, timedelta(seconds=10))
     plain = dist.TCPStore(HOST, 0, 1, is_master=True, wait_for_workers=False)
     try:
