@@ -90,7 +90,7 @@ GPU_JSON = RESULTS / "gpu-check.json"
 # sum of the parts would not fit the budget (a part run alone keeps its defaults).
 PART_ARGS: dict[str, list[str]] = {
     "paper": ["--repeats", "4"],
-    "store": ["--pairs", "2"],
+    "store": ["--pairs", "5"],
     "restore": ["--rounds", "3"],
     "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes

@@ -100,6 +100,7 @@ class JobStore(dist.Store):
         self.host, self.rank = host, rank
         self.port, self._sock, self._sealer = self._connect(host, list(candidates), key, bind_to, rank,
                                                             timeout.total_seconds())
+        self._sock_timeout: float | None = None
 
     # ------------------------------------------------------------------ connecting
 
@@ -143,7 +144,9 @@ class JobStore(dist.Store):
             if self._sock is None:
                 raise dist.DistNetworkError(f"the job's store connection of rank {self.rank} is closed")
             try:
-                self._sock.settimeout(wait_s + HELLO_S)
+                if wait_s != self._sock_timeout:  # a syscall or two: only when the deadline changes
+                    self._sock.settimeout(wait_s + HELLO_S)
+                    self._sock_timeout = wait_s
                 self._sock.sendall(self._sealer.seal(w.request(op, int(wait_s * 1000), items)))
                 head = _recv_exact(self._sock, w.LEN_SIZE)
                 n = w.frame_length(head)

@@ -36,7 +36,8 @@ WARN_EVERY_S = 10.0
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "authed", "inbuf", "outbuf", "ns", "deadline", "sealer", "rank", "parked")
+    __slots__ = ("sock", "peer", "authed", "inbuf", "outbuf", "ns", "deadline", "sealer", "rank", "parked",
+                 "writing")
 
     def __init__(self, sock: socket.socket, peer: tuple) -> None:
         self.sock, self.peer = sock, peer
@@ -48,6 +49,7 @@ class _Conn:
         self.sealer: w.Sealer | None = None
         self.rank = -1
         self.parked: "_Wait | None" = None
+        self.writing = False  # registered for EVENT_WRITE (an answer did not fit the socket's buffer at once)
 
 
 class _Wait:
@@ -310,9 +312,12 @@ class StoreServer:
                 self._drop(conn)
                 return
             del conn.outbuf[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        writing = bool(conn.outbuf)
+        if writing == conn.writing:  # the usual case (the answer went out at once): no epoll_ctl
+            return
+        conn.writing = writing
         try:
-            self._sel.modify(conn.sock, events, conn)
+            self._sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0), conn)
         except (KeyError, ValueError, OSError):
             pass
 

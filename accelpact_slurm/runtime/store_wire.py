@@ -93,7 +93,7 @@ class Sealer:
         self._sent = self._received = 0
 
     def seal(self, payload: bytes) -> bytes:
-        tag = hmac.new(self._session, _CTR.pack(self._send_dir[0], self._sent) + payload, hashlib.sha256).digest()
+        tag = hmac.digest(self._session, _CTR.pack(self._send_dir[0], self._sent) + payload, "sha256")
         self._sent += 1
         return _LEN.pack(TAG + len(payload)) + tag[:TAG] + payload
 
@@ -102,8 +102,7 @@ class Sealer:
         if len(body) < TAG:
             return None
         tag, payload = body[:TAG], body[TAG:]
-        want = hmac.new(self._session, _CTR.pack(self._recv_dir[0], self._received) + payload,
-                        hashlib.sha256).digest()[:TAG]
+        want = hmac.digest(self._session, _CTR.pack(self._recv_dir[0], self._received) + payload, "sha256")[:TAG]
         if not hmac.compare_digest(tag, want):
             return None
         self._received += 1
