@@ -67,9 +67,11 @@ def port_candidates(key: bytes, job_id: str, first: int | None = None, n: int = 
 
 
 def host_store(host: str, candidates: Sequence[int], key: bytes, bind_to: str,
-               on_warning: Callable[[str], None] | None = None) -> StoreServer:
-    """Rank 0: serve the job's store on ``host`` at the first candidate port it can bind (see the module)."""
-    sock, taken = listen(host, candidates)
+               on_warning: Callable[[str], None] | None = None, *,
+               reached_from_other_hosts: bool = False) -> StoreServer:
+    """Rank 0: serve the job's store on ``host`` at the first candidate port it can bind (see the module;
+    ``reached_from_other_hosts``: :func:`.store_server.listen`)."""
+    sock, taken = listen(host, candidates, reached_from_other_hosts=reached_from_other_hosts)
     if taken:
         log.warning("store: port(s) %s on %s were taken (by another program or user); serving on %d",
                     taken, host, sock.getsockname()[1])

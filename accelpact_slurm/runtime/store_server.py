@@ -365,11 +365,23 @@ class StoreServer:
                 log.debug("the store's warning callback failed", exc_info=True)
 
 
-def listen(host: str, candidates: Iterable[int]) -> tuple[socket.socket, list[int]]:
-    """A listening socket on ``host`` at the first candidate port free to bind; the ports found taken beside it."""
+def listen(host: str, candidates: Iterable[int], *, reached_from_other_hosts: bool = False
+           ) -> tuple[socket.socket, list[int]]:
+    """A listening socket on ``host`` at the first candidate port free to bind; the ports found taken beside it.
+
+    ``reached_from_other_hosts``: ranks on other hosts connect.  A host name that resolves to a loopback address
+    here (Debian's ``127.0.1.1 <hostname>`` line in ``/etc/hosts``) could not be reached from them: the server then
+    listens on every interface, with a warning (it still admits only holders of the run's key).
+    """
     taken: list[int] = []
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     family, _, _, _, addr = infos[0]
+    if reached_from_other_hosts and _loopback(addr[0]):
+        log.warning("store: the rendezvous host %s resolves to %s, a loopback address, on this node; the ranks of "
+                    "the other nodes could not reach it there, so the store listens on every interface (it admits "
+                    "only holders of the run's key); fix the host's entry in /etc/hosts to listen on one", host,
+                    addr[0])
+        addr = ("::",) + tuple(addr[1:]) if family == socket.AF_INET6 else ("0.0.0.0",) + tuple(addr[1:])
     for port in candidates:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an earlier start's TIME_WAIT, not a squatter
@@ -384,6 +396,15 @@ def listen(host: str, candidates: Iterable[int]) -> tuple[socket.socket, list[in
         sock.listen(1024)
         return sock, taken
     raise OSError(errno.EADDRINUSE, f"every candidate port on {host} is taken: {taken}")
+
+
+def _loopback(ip: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def describe_peer(peer: tuple) -> str:

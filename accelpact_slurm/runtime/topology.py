@@ -153,7 +153,10 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     ports = store_ports(ctx, environ, key)
     startup = timedelta(seconds=cfg.timeouts.startup_s)
     bind_to = store_binding(ctx.job_id, ctx.restart_count)
-    server = host_store(host, ports, key, bind_to, on_warning) if ctx.rank == 0 else None
+    # Ranks on other hosts: a real allocation of more than one node (the embedded default's nodes share this one).
+    others = not settings.emulated(environ) and len(set(ctx.nodelist)) > 1
+    server = host_store(host, ports, key, bind_to, on_warning, reached_from_other_hosts=others) \
+        if ctx.rank == 0 else None
     # Two clients of the one store: a control-plane round that waits does not hold up a group's rendezvous.
     data_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)
     control_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)

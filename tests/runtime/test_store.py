@@ -340,3 +340,18 @@ def _wait_for(cond, what: str, timeout_s: float = 15.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         threading.Event().wait(0.02)
+
+
+def test_a_host_name_on_loopback_is_not_bound_there_when_other_hosts_must_reach_it():
+    """Debian maps a host's own name to 127.0.1.1: bound there, the store would be unreachable from the other
+    nodes; it listens on every interface instead (still admitting only holders of the key)."""
+    sock, _ = listen("127.0.1.1", [0], reached_from_other_hosts=True)
+    try:
+        assert sock.getsockname()[0] == "0.0.0.0"
+    finally:
+        sock.close()
+    sock, _ = listen("127.0.1.1", [0])  # the embedded default: every rank is on this host
+    try:
+        assert sock.getsockname()[0] == "127.0.1.1"
+    finally:
+        sock.close()
