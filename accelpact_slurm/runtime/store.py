@@ -42,18 +42,22 @@ PORT_LOW, PORT_HIGH = 20000, 32768
 CANDIDATES = 16
 #: A client waits this long for a server's hello and proof before it tries the next port.
 HELLO_S = 5.0
+#: How long past a call's own deadline a client waits for the store's answer (the store answers a wait that runs
+#: out itself; this covers a store host whose process is slow to get to it).
+ANSWER_MARGIN_S = 15.0
 #: What torch's "no timeout" (a zero timeout) becomes: the longest wait the wire carries (49 days).
-NO_TIMEOUT_S = 0xFFFFFFFF / 1000.0 - HELLO_S
+NO_TIMEOUT_S = 0xFFFFFFFF / 1000.0 - ANSWER_MARGIN_S
 
 
 def binding(job_id: str, restart: int) -> str:
-    """What a connection is bound to: this job and this start of it."""
+    """What a connection is bound to: this job (with its Slurm step, when it has one) and this start of it."""
     return f"{job_id}/{int(restart)}"
 
 
 def port_candidates(key: bytes, job_id: str, first: int | None = None, n: int = CANDIDATES) -> list[int]:
     """The job's store ports, in the order every rank tries them (pure): ``first`` (the launcher's), then ports
-    derived from the run's key and the job id."""
+    derived from the run's key and ``job_id`` (what :func:`binding` binds: the job, its step and its start, so
+    that each start has ports of its own)."""
     out: list[int] = [first] if first else []
     counter = 0
     while len(out) < n + (1 if first else 0):
@@ -147,18 +151,21 @@ class JobStore(dist.Store):
                 raise dist.DistNetworkError(f"the job's store connection of rank {self.rank} is closed")
             try:
                 if wait_s != self._sock_timeout:  # a syscall or two: only when the deadline changes
-                    self._sock.settimeout(wait_s + HELLO_S)
+                    self._sock.settimeout(wait_s + ANSWER_MARGIN_S)
                     self._sock_timeout = wait_s
                 self._sock.sendall(self._sealer.seal(w.request(op, int(wait_s * 1000), items)))
                 head = _recv_exact(self._sock, w.LEN_SIZE)
                 n = w.frame_length(head)
                 if n > w.MAX_FRAME:
-                    raise ControlPlaneError(f"the job's store sent a frame of {n} bytes")
+                    raise ConnectionError(f"the job's store sent a frame of {n} bytes")
                 payload = self._sealer.open(_recv_exact(self._sock, n))
             except OSError as exc:
                 self._close_locked()
                 raise dist.DistNetworkError(f"lost the job's store at {self.host}:{self.port}: "
                                             f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:  # interrupted between a request and its answer: the next call would read this
+                self._close_locked()  # one's answer (a signal's exception, say), so the connection ends here
+                raise
             if payload is None:
                 self._close_locked()
                 raise dist.DistNetworkError(f"an answer of the job's store at {self.host}:{self.port} failed its "
@@ -239,27 +246,53 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def _handshake(host: str, port: int, key: bytes, bind_to: str, rank: int,
                budget_s: float) -> tuple[socket.socket, w.Sealer]:
-    sock = socket.create_connection((host, port), timeout=min(budget_s, HELLO_S))
+    """The job's store at ``host:port``, authenticated; each of the host's addresses is tried in turn.
+
+    Raises :class:`NotOurs` when every address that answered proved not to be the job's store (wrong magic, a
+    refused proof, a wrong proof), and ``OSError`` for what may pass (refused: not up yet; closed or silent before
+    its hello: turned away while the store was busy).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    not_ours: NotOurs | None = None
+    transient: OSError | None = None
+    for family, kind, proto, _name, addr in infos:
+        try:
+            return _handshake_at(family, kind, proto, addr, key, bind_to, rank, budget_s)
+        except NotOurs as exc:
+            not_ours = exc
+        except OSError as exc:
+            transient = exc
+    if transient is not None or not_ours is None:
+        raise transient or ConnectionError(f"{host}:{port} has no address")
+    raise not_ours
+
+
+def _handshake_at(family: int, kind: int, proto: int, addr: tuple, key: bytes, bind_to: str, rank: int,
+                  budget_s: float) -> tuple[socket.socket, w.Sealer]:
+    where = f"{addr[0]}:{addr[1]}"
+    sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(min(max(budget_s, 0.5), HELLO_S))
+        sock.connect(addr)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             hello = _recv_exact(sock, w.HELLO_SIZE)
-        except socket.timeout as exc:  # a listener that says nothing is not the job's store
-            raise NotOurs(f"{host}:{port} sent no hello") from exc
+        except socket.timeout as exc:  # maybe queued behind a flood: try again later, not "not ours"
+            raise ConnectionError(f"{where} sent no hello within {sock.gettimeout():g} s") from exc
         if not hello.startswith(w.MAGIC):
-            raise NotOurs(f"{host}:{port} is not a store of this project")
+            raise NotOurs(f"{where} is not a store of this project")
         ns = hello[len(w.MAGIC):]
         nc = secrets.token_bytes(w.NONCE)
-        sock.sendall(w.client_hello(key, bind_to, ns, nc, rank))
+        server = w.endpoint(sock.getpeername())
+        sock.sendall(w.client_hello(key, bind_to, ns, nc, rank, server))
         try:
             proof = _recv_exact(sock, w.MAC)
-        except ConnectionResetError as exc:  # turned away: another job's or another start's store, or a squatter
-            raise NotOurs(f"{host}:{port} closed the handshake (not this job's store)") from exc
-        if not hmac.compare_digest(proof, w.server_proof(key, bind_to, ns, nc, rank)):
-            raise NotOurs(f"{host}:{port} does not hold the run's key")
+        except (ConnectionResetError, socket.timeout) as exc:  # our proof was refused: another job's, start's or
+            raise NotOurs(f"{where} refused the handshake (not this job's store)") from exc  # key's, or a relay
+        if not hmac.compare_digest(proof, w.server_proof(key, bind_to, ns, nc, rank, server)):
+            raise NotOurs(f"{where} does not hold the run's key")
         sock.settimeout(None)
-        return sock, w.Sealer(w.session_key(key, bind_to, ns, nc), b"c", b"s")
+        return sock, w.Sealer(w.session_key(key, bind_to, ns, nc, server), b"c", b"s")
     except BaseException:
         sock.close()
         raise

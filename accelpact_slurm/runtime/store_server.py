@@ -2,12 +2,13 @@
 
 One thread, non-blocking sockets, one selector.  A connection must complete the handshake of
 :mod:`.store_wire` within ``handshake_s`` or it is closed; at most ``pending_cap`` connections may be in their
-handshake at once, any more are closed as they are accepted.  So a flood of idle connections (a foreign user on the
+handshake at once: a new one makes the oldest leave.  So a flood of idle connections (a foreign user on the
 node) costs the server one ``accept`` and one ``close`` each and nothing after they end: the keys, the waits of the
 authenticated clients and their speed are untouched.  Refused connections are counted and named (the peer's
 address and, for a peer on this node, its user): the first at once, then in one warning per ``warn_every_s``.
 
-The server listens on the rendezvous address only (never on every interface), on the first port of the job's
+The server listens on the rendezvous address only (unless it resolves to loopback where ranks on other hosts must
+reach it: :func:`listen`), on the first port of the job's
 candidates (:func:`accelpact_slurm.runtime.store.port_candidates`) it can bind: a squatted port is skipped.
 
 Who calls: :func:`accelpact_slurm.runtime.store.host_store` on rank 0; :meth:`StoreServer.close` at the rank's end
@@ -37,7 +38,7 @@ WARN_EVERY_S = 10.0
 
 class _Conn:
     __slots__ = ("sock", "peer", "authed", "inbuf", "outbuf", "ns", "deadline", "sealer", "rank", "parked",
-                 "writing")
+                 "writing", "here", "who")
 
     def __init__(self, sock: socket.socket, peer: tuple) -> None:
         self.sock, self.peer = sock, peer
@@ -50,6 +51,8 @@ class _Conn:
         self.rank = -1
         self.parked: "_Wait | None" = None
         self.writing = False  # registered for EVENT_WRITE (an answer did not fit the socket's buffer at once)
+        self.here = w.endpoint(sock.getsockname())  # the address the peer dialled, as this end sees it
+        self.who: str | None = None  # the peer in words (its user), looked up while its socket surely exists
 
 
 class _Wait:
@@ -79,10 +82,13 @@ class StoreServer:
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stop = False
+        self._pending: dict[int, _Conn] = {}  # in their handshake, oldest first (dicts keep insertion order)
+        self._accept_paused_until = 0.0  # out of file descriptors: the listener rests a moment
         #: Connections turned away: closed at accept (too many in their handshake), a wrong handshake, too slow.
         self.refused = {"cap": 0, "bad": 0, "slow": 0}
         self._reported = dict(self.refused)
         self._offenders: list[str] = []
+        self._lookups_left, self._lookup_window = 8, time.monotonic()
         self._last_warn = float("-inf")  # the first refusal is reported at once, later ones once per window
         self._thread = threading.Thread(target=self._loop, name="accelpact-store", daemon=True)
 
@@ -116,42 +122,51 @@ class StoreServer:
 
     def connections(self) -> dict[str, int]:
         """How many connections are open, by state (for tests and the flood warning)."""
-        authed = sum(1 for c in self._conns.values() if c.authed)
-        return {"authenticated": authed, "handshake": len(self._conns) - authed}
+        return {"authenticated": len(self._conns) - len(self._pending), "handshake": len(self._pending)}
 
     # ------------------------------------------------------------------ loop
 
     def _loop(self) -> None:
-        while not self._stop:
-            timeout = self._next_deadline()
+        try:
+            while not self._stop:
+                self._step()
+        except Exception:  # noqa: BLE001 - a bug here must not leave the ranks waiting on open sockets
+            log.exception("the job's store failed; closing every connection (the ranks fail stop at once)")
+            for conn in list(self._conns.values()):
+                self._drop(conn)
             try:
-                ready = self._sel.select(timeout)
-            except OSError:  # pragma: no cover - the selector itself failed: nothing to serve with
-                log.exception("the store's selector failed")
-                return
-            for key, mask in ready:
-                if key.data is None:
-                    self._accept()
-                elif key.data == "wake":
-                    try:
-                        self._wake_r.recv(64)
-                    except OSError:
-                        pass
-                else:
-                    conn = key.data
-                    if mask & selectors.EVENT_READ:
-                        self._read(conn)
-                    if mask & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns:
-                        self._flush(conn)
-            self._expire()
-            self._maybe_warn()
+                self._listen.close()
+            except OSError:
+                pass
+
+    def _step(self) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self._listen, selectors.EVENT_READ, None)
+        for key, mask in self._sel.select(self._next_deadline()):
+            if key.data is None:
+                self._accept()
+            elif key.data == "wake":
+                try:
+                    self._wake_r.recv(64)
+                except OSError:
+                    pass
+            else:
+                conn = key.data
+                if mask & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
+                    self._read(conn)
+                if mask & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns:
+                    self._flush(conn)
+        self._expire()
+        self._maybe_warn()
 
     def _next_deadline(self) -> float:
         now = time.monotonic()
         soonest = now + 1.0
-        for c in self._conns.values():
-            if not c.authed:
-                soonest = min(soonest, c.deadline)
+        if self._pending:
+            soonest = min(soonest, next(iter(self._pending.values())).deadline)  # the oldest expires first
+        if self._accept_paused_until:
+            soonest = min(soonest, self._accept_paused_until)
         for wt in self._waits:
             soonest = min(soonest, wt.deadline)
         return max(0.0, soonest - now)
@@ -165,26 +180,34 @@ class StoreServer:
             except OSError as exc:  # EMFILE and the like: the flood reached the process's limit
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     self.refused["cap"] += 1
+                    # the listener stays readable: rest it a moment instead of spinning on it
+                    self._sel.unregister(self._listen)
+                    self._accept_paused_until = time.monotonic() + 0.1
                 return
-            pending = sum(1 for c in self._conns.values() if not c.authed)
-            if pending >= self.pending_cap:
+            if len(self._pending) >= self.pending_cap:
+                # the oldest waiting handshake makes room: a rank completes its own in milliseconds, so a flood
+                # must outpace that to keep one out, and nothing it holds lasts
+                oldest = next(iter(self._pending.values()))
                 self.refused["cap"] += 1
-                self._note(sock, peer)
-                sock.close()
-                continue
+                self._note(oldest)
+                self._drop(oldest)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, peer)
             conn.deadline = time.monotonic() + self.handshake_s
+            if self._lookups_left > 0:  # a few per window: a flood's connections are not each looked up
+                self._lookups_left -= 1
+                conn.who = describe_peer(peer)
             self._conns[sock.fileno()] = conn
+            self._pending[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
             conn.outbuf += w.MAGIC + conn.ns
             self._flush(conn)
 
-    def _note(self, sock: socket.socket, peer: tuple) -> None:
-        """Remember who it was (the first few of each warning's window), while the peer's socket still exists."""
+    def _note(self, conn: _Conn) -> None:
+        """Remember who it was (the first few of each warning's window)."""
         if len(self._offenders) < 4:
-            who = describe_peer(peer)
+            who = conn.who if conn.who and "uid" in conn.who else describe_peer(conn.peer)
             if who not in self._offenders:
                 self._offenders.append(who)
 
@@ -202,22 +225,24 @@ class StoreServer:
         if not conn.authed:
             if len(conn.inbuf) < w.CLIENT_HELLO_SIZE:
                 return
-            got = w.parse_client_hello(bytes(conn.inbuf[:w.CLIENT_HELLO_SIZE]), self._key, self._binding, conn.ns)
+            got = w.parse_client_hello(bytes(conn.inbuf[:w.CLIENT_HELLO_SIZE]), self._key, self._binding, conn.ns,
+                                       conn.here)
             if got is None:
                 self.refused["bad"] += 1
-                self._note(conn.sock, conn.peer)
+                self._note(conn)
                 self._drop(conn)
                 return
             nc, conn.rank = got
             del conn.inbuf[:w.CLIENT_HELLO_SIZE]
-            conn.outbuf += w.server_proof(self._key, self._binding, conn.ns, nc, conn.rank)
-            conn.sealer = w.Sealer(w.session_key(self._key, self._binding, conn.ns, nc), b"s", b"c")
+            conn.outbuf += w.server_proof(self._key, self._binding, conn.ns, nc, conn.rank, conn.here)
+            conn.sealer = w.Sealer(w.session_key(self._key, self._binding, conn.ns, nc, conn.here), b"s", b"c")
             conn.authed = True
+            self._pending.pop(conn.sock.fileno(), None)
             self._flush(conn)
         self._serve(conn)
 
     def _serve(self, conn: _Conn) -> None:
-        while conn.parked is None and len(conn.inbuf) >= w.LEN_SIZE:
+        while conn.parked is None and len(conn.inbuf) >= w.LEN_SIZE and conn.sock.fileno() in self._conns:
             n = w.frame_length(bytes(conn.inbuf[:w.LEN_SIZE]))
             if n > w.MAX_FRAME:
                 log.warning("store: rank %d sent a frame of %d bytes; closing its connection", conn.rank, n)
@@ -290,6 +315,8 @@ class StoreServer:
                 self._finish(wt, w.OK, [] if wt.op == w.WAIT else [d[k] for k in wt.keys])
 
     def _finish(self, wt: _Wait, status: int, items: list[bytes]) -> None:
+        if wt not in self._waits:  # already answered (a set served meanwhile woke it)
+            return
         self._waits.remove(wt)
         conn = wt.conn
         conn.parked = None
@@ -324,6 +351,7 @@ class StoreServer:
     def _drop(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
         self._conns.pop(fd, None)
+        self._pending.pop(fd, None)
         if conn.parked is not None and conn.parked in self._waits:
             self._waits.remove(conn.parked)
         try:
@@ -339,13 +367,15 @@ class StoreServer:
         now = time.monotonic()
         for wt in [wt for wt in self._waits if wt.deadline <= now]:
             self._finish(wt, w.TIMEOUT, [])
-        for conn in [c for c in self._conns.values() if not c.authed and c.deadline <= now]:
+        for conn in [c for c in self._pending.values() if c.deadline <= now]:
             self.refused["slow"] += 1
-            self._note(conn.sock, conn.peer)
+            self._note(conn)
             self._drop(conn)
 
     def _maybe_warn(self) -> None:
         now = time.monotonic()
+        if now - self._lookup_window >= self.warn_every_s:
+            self._lookup_window, self._lookups_left = now, 8
         if now - self._last_warn < self.warn_every_s or self.refused == self._reported:
             return
         new = {k: self.refused[k] - self._reported[k] for k in self.refused}
@@ -422,26 +452,27 @@ def describe_peer(peer: tuple) -> str:
 
 
 def peer_uid(peer: tuple) -> int | None:
-    """The owner of the socket at ``peer`` on this node (from ``/proc/net/tcp``), or None."""
-    ip, port = peer[0], int(peer[1])
+    """The owner of the socket at ``peer`` on this node (from ``/proc/net/tcp``, or ``tcp6`` for an IPv6 socket,
+    an IPv4 peer's included: a dual-stack client shows there as ``::ffff:a.b.c.d``), or None."""
+    ip, port = str(peer[0]).split("%")[0], int(peer[1])
     try:
         packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
     except OSError:
         return None
+    wanted: list[tuple[str, str]] = []
     if len(packed) == 4:
-        want = f"{int.from_bytes(packed, 'little'):08X}:{port:04X}"
-        table = "/proc/net/tcp"
-    else:
-        words = [int.from_bytes(packed[i:i + 4], "little") for i in range(0, 16, 4)]
-        want = "".join(f"{x:08X}" for x in words) + f":{port:04X}"
-        table = "/proc/net/tcp6"
-    try:
-        with open(table) as fh:
-            next(fh)
-            for line in fh:
-                f = line.split()
-                if len(f) > 7 and f[1] == want:
-                    return int(f[7])
-    except OSError:
-        return None
+        wanted.append(("/proc/net/tcp", f"{int.from_bytes(packed, 'little'):08X}:{port:04X}"))
+        packed = b"\0" * 10 + b"\xff\xff" + packed  # the same peer on a dual-stack socket
+    words = [int.from_bytes(packed[i:i + 4], "little") for i in range(0, 16, 4)]
+    wanted.append(("/proc/net/tcp6", "".join(f"{x:08X}" for x in words) + f":{port:04X}"))
+    for table, want in wanted:
+        try:
+            with open(table) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 7 and f[1] == want:
+                        return int(f[7])
+        except OSError:
+            continue
     return None

@@ -7,18 +7,21 @@ instead; it is small enough to read in one sitting.  Torch-free.
 Handshake (fixed sizes, before anything else is read or answered)::
 
     server -> client   MAGIC | Ns (32 random bytes)
-    client -> server   MAGIC | Nc (32) | rank (4) | HMAC(key, "client" | binding | Ns | Nc | rank)
-    server -> client   HMAC(key, "server" | binding | Ns | Nc | rank)
+    client -> server   MAGIC | Nc (32) | rank (4) | HMAC(key, "client" | binding | server | Ns | Nc | rank)
+    server -> client   HMAC(key, "server" | binding | server | Ns | Nc | rank)
 
-``binding`` names the job and its start (``<job id>/<restart>``): a client of another job, or of an earlier start
-of this one, does not get in, and a server that cannot answer with the run's key (a squatter on the port) is not
-believed.  Both sides then derive a session key from the two nonces; every frame after that is::
+``binding`` names the job, its step and its start (``<job id>/<restart>``): a client of another job, or of an
+earlier start of this one, does not get in, and a server that cannot answer with the run's key (a squatter on the
+port) is not believed.  ``server`` is the server's address and port as the client dialled it and as the server's
+socket has it: a relay (another user's listener forwarding the bytes to the real store) is dialled elsewhere, so
+its connections fail the proof.  Each part of a MAC's input is length-prefixed.  Both sides then derive a session key from the two nonces; every frame after that is::
 
     length (4) | tag (16) | payload
 
 with ``tag = HMAC(session, direction | counter | payload)[:16]``: a frame cannot be forged, replayed or reordered
-inside the connection.  A request's payload is ``op (1) | timeout in ms (4) | items``; an answer's is
-``status (1) | items``; items are ``count (2)`` then ``length (4) | bytes`` each.
+inside the connection (frames are authenticated, not encrypted: only the job's ranks get a connection).  A
+request's payload is ``op (1) | timeout in ms (4) | items``; an answer's is
+``status (1) | items``; items are ``count (4)`` then ``length (4) | bytes`` each.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ OK, TIMEOUT, ERROR = 0, 1, 2
 _HELLO = struct.Struct(">i")
 _LEN = struct.Struct(">I")
 _REQ = struct.Struct(">BI")
-_COUNT = struct.Struct(">H")
+_COUNT = struct.Struct(">I")
 _CTR = struct.Struct(">BQ")
 
 HELLO_SIZE = len(MAGIC) + NONCE
@@ -53,33 +56,46 @@ CLIENT_HELLO_SIZE = len(MAGIC) + NONCE + _HELLO.size + MAC
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
+    return hmac.new(key, b"".join(_LEN.pack(len(p)) + p for p in parts), hashlib.sha256).digest()
 
 
-def client_proof(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int) -> bytes:
-    return _mac(key, b"client", binding.encode(), ns, nc, _HELLO.pack(rank))
+def endpoint(address: tuple) -> bytes:
+    """The server's end of a connection, as both sides see it: ``ip:port`` (an IPv4 address a dual-stack socket
+    shows as ``::ffff:a.b.c.d`` is written as ``a.b.c.d``)."""
+    ip = str(address[0]).split("%")[0]
+    if ip.startswith("::ffff:") and "." in ip:
+        ip = ip[len("::ffff:"):]
+    return f"{ip}:{int(address[1])}".encode()
 
 
-def server_proof(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int) -> bytes:
-    return _mac(key, b"server", binding.encode(), ns, nc, _HELLO.pack(rank))
+def client_proof(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int, server: bytes) -> bytes:
+    return _mac(key, b"client", binding.encode(), server, ns, nc, _HELLO.pack(rank))
 
 
-def session_key(key: bytes, binding: str, ns: bytes, nc: bytes) -> bytes:
-    return _mac(key, b"session", binding.encode(), ns, nc)
+def server_proof(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int, server: bytes) -> bytes:
+    return _mac(key, b"server", binding.encode(), server, ns, nc, _HELLO.pack(rank))
 
 
-def client_hello(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int) -> bytes:
-    return MAGIC + nc + _HELLO.pack(rank) + client_proof(key, binding, ns, nc, rank)
+def session_key(key: bytes, binding: str, ns: bytes, nc: bytes, server: bytes) -> bytes:
+    return _mac(key, b"session", binding.encode(), server, ns, nc)
 
 
-def parse_client_hello(blob: bytes, key: bytes, binding: str, ns: bytes) -> tuple[bytes, int] | None:
-    """``(Nc, rank)`` of an authentic client hello, else None (pure)."""
+def client_hello(key: bytes, binding: str, ns: bytes, nc: bytes, rank: int, server: bytes) -> bytes:
+    """``server``: :func:`endpoint` of the address the client dialled.  A relay (another user's listener that
+    forwards the bytes to the job's store) is dialled at another address than the store's: the store refuses the
+    proof, and the relay cannot change it."""
+    return MAGIC + nc + _HELLO.pack(rank) + client_proof(key, binding, ns, nc, rank, server)
+
+
+def parse_client_hello(blob: bytes, key: bytes, binding: str, ns: bytes, server: bytes) -> tuple[bytes, int] | None:
+    """``(Nc, rank)`` of an authentic client hello that dialled ``server`` (this end's :func:`endpoint`), else
+    None (pure)."""
     if len(blob) != CLIENT_HELLO_SIZE or not blob.startswith(MAGIC):
         return None
     nc = blob[len(MAGIC):len(MAGIC) + NONCE]
     (rank,) = _HELLO.unpack_from(blob, len(MAGIC) + NONCE)
     proof = blob[len(MAGIC) + NONCE + _HELLO.size:]
-    if not hmac.compare_digest(proof, client_proof(key, binding, ns, nc, rank)):
+    if not hmac.compare_digest(proof, client_proof(key, binding, ns, nc, rank, server)):
         return None
     return nc, rank
 

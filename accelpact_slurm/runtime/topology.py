@@ -104,9 +104,10 @@ class Runtime:
             log.debug("destroy_process_group failed at close", exc_info=True)
 
 
-def store_ports(ctx: SlurmContext, environ: Mapping[str, str], key: bytes) -> list[int]:
+def store_ports(bind_to: str, environ: Mapping[str, str], key: bytes) -> list[int]:
     """The job's store ports, in the order every rank tries them: the launcher's ``ACCELPACT_MASTER_PORT`` when
-    it gave one, then ports derived from the run's key and the job id (:func:`.store.port_candidates`)."""
+    it gave one, then ports derived from the run's key and ``bind_to`` (the job, its step and its start:
+    :func:`.store.port_candidates`)."""
     _addr, explicit, _control = settings.rendezvous(environ)
     first = None
     if explicit:
@@ -116,7 +117,7 @@ def store_ports(ctx: SlurmContext, environ: Mapping[str, str], key: bytes) -> li
             raise ConfigError(settings.MASTER_PORT, explicit, "must be a TCP port number") from None
         if not 0 < first < 65536:
             raise ConfigError(settings.MASTER_PORT, explicit, "must be a TCP port number (1-65535)")
-    return port_candidates(key, ctx.job_id, first)
+    return port_candidates(key, bind_to, first)
 
 
 def layout_from(ctx: SlurmContext) -> Layout:
@@ -150,9 +151,13 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
             log.warning("NCCL %s is known to hang in communicator abort (fixed in 2.26.2): a replaced communicator "
                         "is retired in the background and may never finish; upgrade NCCL", hw.versions["nccl"])
     host = settings.rendezvous(environ)[0] or ctx.rendezvous_host
-    ports = store_ports(ctx, environ, key)
+    # Bound to the job, its Slurm step (two steps of one allocation share the job id and the run's key) and
+    # this start: each has its own ports, and no client of one gets into another's store.
+    step = environ.get("SLURM_STEP_ID", "")
+    job = f"{ctx.job_id}.{step}" if step else ctx.job_id
+    bind_to = store_binding(job, ctx.restart_count)
+    ports = store_ports(bind_to, environ, key)
     startup = timedelta(seconds=cfg.timeouts.startup_s)
-    bind_to = store_binding(ctx.job_id, ctx.restart_count)
     # Ranks on other hosts: a real allocation of more than one node (the embedded default's nodes share this one).
     others = not settings.emulated(environ) and len(set(ctx.nodelist)) > 1
     server = host_store(host, ports, key, bind_to, on_warning, reached_from_other_hosts=others) \

@@ -179,7 +179,7 @@ def test_another_user_can_neither_read_nor_change_a_vote(job):
         import torch.distributed as dist
         def probe(port):
             try:
-                s = dist.TCPStore("{HOST}", port, 1, False, timeout=timedelta(seconds=1))
+                s = dist.TCPStore("{HOST}", port, 1, False, timeout=timedelta(seconds=2))
                 value = s.get("cp/g0/vote#3/1")
                 s.set("cp/g0/vote#3/1", '{{"ok": false, "reason": "hers"}}')
                 return "read " + value.decode()
@@ -355,3 +355,119 @@ def test_a_host_name_on_loopback_is_not_bound_there_when_other_hosts_must_reach_
         assert sock.getsockname()[0] == "127.0.1.1"
     finally:
         sock.close()
+
+
+def _relay(to_port: int) -> tuple[socket.socket, threading.Thread]:
+    """A listener that forwards every byte to the store and back (what another user could put on a port)."""
+    lst = socket.socket()
+    lst.bind((HOST, 0))
+    lst.listen(4)
+
+    def pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve() -> None:
+        try:
+            c, _ = lst.accept()
+        except OSError:
+            return
+        up = socket.create_connection((HOST, to_port))
+        threading.Thread(target=pump, args=(c, up), daemon=True).start()
+        pump(up, c)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lst, t
+
+
+def test_a_relay_in_the_middle_gets_no_connection(job):
+    """She binds a port the ranks try first and forwards the bytes to the job's store: the handshake names the
+    address the rank dialled, so the store refuses it (before, the relayed handshake passed and she read every
+    frame)."""
+    server, _client, _w, key = job
+    lst, t = _relay(server.port)
+    try:
+        with pytest.raises(dist.DistNetworkError, match="answered without the run's key"):
+            JobStore(HOST, [lst.getsockname()[1]], key, binding("4242", 0), 1, timedelta(seconds=2))
+        assert server.refused["bad"] == 1
+    finally:
+        lst.close()
+        t.join(5)
+
+
+def test_a_flood_of_handshakes_cannot_keep_a_rank_out():
+    """Connections that never finish their handshake fill the slots: a new one makes the oldest leave, so a rank
+    gets in at once (before, it was closed at accept until the flood's connections timed out)."""
+    key = secrets.token_bytes(32)
+    sock, _ = listen(HOST, port_candidates(key, "5"))
+    server = StoreServer(sock, key, binding("5", 0), pending_cap=4, handshake_s=60.0).start()
+    idle = [socket.create_connection((HOST, server.port)) for _ in range(4)]
+    try:
+        for s in idle:
+            assert s.recv(100).startswith(w.MAGIC)  # each was taken into the handshake
+        client = JobStore(HOST, [server.port], key, binding("5", 0), 0, timedelta(seconds=3))
+        client.set("k", "v")
+        assert client.get("k") == b"v" and server.refused["cap"] >= 1
+        client.close()
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+def test_pipelined_requests_neither_kill_the_store_nor_shift_its_answers(job):
+    """A client that does not wait for its answers: A waits for k with a set of j queued behind it, B waits for
+    j, C sets k.  Serving A's queued set answers B inside the same wake-up; B must not be answered twice (that
+    raised inside the store's thread and ended it, leaving every rank waiting on an open socket)."""
+    server, client, _w, _k = job
+    a, b, c = client(0), client(1), client(2)
+
+    def answer(store):
+        n = w.frame_length(store._sock.recv(w.LEN_SIZE, socket.MSG_WAITALL))
+        return w.parse_answer(store._sealer.open(store._sock.recv(n, socket.MSG_WAITALL)))
+
+    a._sock.sendall(a._sealer.seal(w.request(w.GET, 10000, [b"k"])) + a._sealer.seal(w.request(w.SET, 0, [b"j", b"J"])))
+    b._sock.sendall(b._sealer.seal(w.request(w.GET, 10000, [b"j"])))
+    _wait_for(lambda: len(server._waits) == 2, "both waits parked")
+    c.set("k", "K")
+    assert answer(a) == (w.OK, [b"K"]) and answer(a) == (w.OK, []) and answer(b) == (w.OK, [b"J"])
+    c.set("after", "1")  # the store still serves
+    assert c.get("after") == b"1" and server._thread.is_alive()
+
+
+def test_a_call_interrupted_before_its_answer_closes_the_connection(job, monkeypatch):
+    """An exception between a request and its answer (a signal's, say): the next call must not read the old
+    answer as its own; the connection is closed instead."""
+    import accelpact_slurm.runtime.store as st
+
+    _server, client, _w, _k = job
+    c = client(0)
+    c.set("a", "1")
+    c.set("b", "2")
+    real = st._recv_exact
+    calls = []
+
+    def interrupted(sock, n):
+        calls.append(n)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(sock, n)
+
+    monkeypatch.setattr(st, "_recv_exact", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        c.get("a")
+    with pytest.raises(dist.DistNetworkError, match="closed"):
+        c.get("b")
