@@ -77,7 +77,7 @@ PARTS = {p.name: p for p in (
          "Node-loss restore: from a peer's copy or the shared tier"),
     Part("recovery", "bench_recovery.py", "<!-- recovery-bench -->", 1500,
          "Recovery: from the fault to training again"),
-    Part("store", "bench_store.py", "<!-- store-bench -->", 300,
+    Part("store", "bench_store.py", "<!-- store-bench -->", 420,
          "The job's authenticated store: per-update cost against TCPStore"),
 )}
 # Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) after
@@ -90,7 +90,7 @@ GPU_JSON = RESULTS / "gpu-check.json"
 # sum of the parts would not fit the budget (a part run alone keeps its defaults).
 PART_ARGS: dict[str, list[str]] = {
     "paper": ["--repeats", "4"],
-    "store": ["--pairs", "5"],
+    "store": ["--pairs", "9"],
     "restore": ["--rounds", "3"],
     "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes
