@@ -1,5 +1,5 @@
-"""The one shim around private torch APIs this package uses (tests/test_ckpt_unit.py and
-tests/test_ckpt_capture.py notice if they move)."""
+"""The one shim around private torch APIs this package uses (tests/ckpt_service/test_ckpt_unit.py and
+tests/ckpt_service/test_ckpt_capture.py notice if they move)."""
 
 from __future__ import annotations
 

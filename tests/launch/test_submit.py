@@ -357,8 +357,13 @@ def test_local_executor_stops_a_bug_once_and_does_not_relaunch_it(tmp_path):
     logs = " ".join(p.read_text(errors="replace") for p in (run_dir / "submitit").rglob("*_log.*"))
     assert "Traceback (most recent call last)" in logs and "buggy_train.py" in logs
     env["ACCELPACT_TEST_BUG_RESTARTS"] = "1"
-    again = _submit([str(job), "--local", "--run-dir", str(tmp_path / "control"), "--wait", "--wait-timeout", "240"],
-                    env, 300)
+    # one relaunch shows it; a relaunch may wait (up to startup_s) for the daemon of the start before it to end
+    control = tmp_path / "control.yaml"
+    control.write_text(job.read_text().replace("startup_s: 120", "startup_s: 30").replace("max_restarts: 20",
+                                                                                          "max_restarts: 1"))
+    assert "max_restarts: 1" in control.read_text() and "startup_s: 30" in control.read_text()
+    again = _submit([str(control), "--local", "--run-dir", str(tmp_path / "control"), "--wait", "--wait-timeout",
+                     "240"], env, 300)
     assert "relaunching" in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
 
 

@@ -3,7 +3,7 @@
 In the end-to-end tests the vote has already agreed on (F, generation) before the engine runs, so
 ``control_barrier``'s own check never sees a mismatch there; here it is given one, both on the vote's
 data (what the guard hands the engine) and through its own agreement (a caller without a vote).
-``replace``, ``rebind`` and ``validate`` need real groups (tests/test_l1_repair.py); a rank outside the
+``replace``, ``rebind`` and ``validate`` need real groups (tests/e2e/test_l1_repair.py); a rank outside the
 affected replication group skips the first two, so the whole driver runs here for such a rank, and the
 release's failure reports are checked here: a rank that fails after the control barrier puts its
 failure into the release, and a failure reported there fails every other rank stop.
