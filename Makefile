@@ -1,6 +1,7 @@
 # The two commands of the README quick start, and the benchmarks; all set up everything themselves.
 #   make demo   run the reference job on the embedded default (2 emulated nodes x 2 ranks, CPU)
-#   make test   run the whole test suite (installs Slurm for the end-to-end tests)
+#   make test   run the whole test suite (installs Slurm for the end-to-end tests), then the torch-internals
+#               tests on every other supported torch release (make test-releases)
 #   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b")
 
 PYTHON ?= python3
@@ -8,8 +9,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.accelpact-installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+# The supported torch releases (accelpact_slurm/runtime/envelope.py SUPPORTED_RELEASES): the pinned one runs the
+# whole suite; each other one runs RELEASE_TESTS in a venv of its own (scripts/torch_venv.py, cached).
+TORCH_PINNED := 2.13.0
+TORCH_RELEASES ?= 2.14.1 2.15.0
+# What reaches into torch's internals: the repair shim, the runtime, snapshot capture and restore, both examples
+# end to end (an L1 boundary, an L1 backward and an L2 restart each, digests against the uninterrupted run) and
+# the shipped envelope's keys earned again by accelpact-qualify trials.
+RELEASE_TESTS := tests/repair tests/runtime tests/ckpt_service/test_ckpt_capture.py tests/e2e/test_examples.py \
+                 tests/e2e/test_envelope_earned.py
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-releases bench venv clean envelope
 
 venv: $(STAMP)
 
@@ -17,7 +27,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_PINNED)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[train,test,plot]'
 	@touch $(STAMP)
 
@@ -26,6 +36,20 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests $(PYTEST_ARGS)
+	$(MAKE) test-releases
+
+# Each other release: its venv (built once, then cached), then RELEASE_TESTS run from this checkout.
+test-releases:
+	@set -e; for v in $(TORCH_RELEASES); do \
+	  py=$$($(PYTHON) scripts/torch_venv.py $$v | tail -n 1); \
+	  echo "== torch $$v: $(RELEASE_TESTS)"; \
+	  PYTHONPATH=$(CURDIR) $$py -m pytest $(RELEASE_TESTS) $(PYTEST_ARGS); \
+	done
+
+# Earn the shipped envelope's keys again on every supported release and write them (scripts/earn_envelope.py).
+envelope: $(STAMP)
+	$(PYTHON) scripts/earn_envelope.py --write --python $(PY) \
+	  $(foreach v,$(TORCH_RELEASES),--python $$($(PYTHON) scripts/torch_venv.py $(v) | tail -n 1))
 
 bench: $(STAMP)
 	$(PY) scripts/bench_all.py $(BENCH_ARGS)

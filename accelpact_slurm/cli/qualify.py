@@ -4,7 +4,9 @@ Runs one uninterrupted reference run of the job, then N trial runs that each inj
 real fault in the failure phase being qualified (--phase), with Preserve attempted:
 ``committed`` (a rank withholds its part of the replication collective at the committed
 boundary of an update) or ``backward`` (a rank withholds every replication all-reduce of
-an update's backward; the update is discarded and runs again).  A trial succeeds when the run repairs in process (a
+an update's backward; the update is discarded and runs again), or ``all`` (both in turn, after one shared
+reference run: what a job's start-up warning on an unqualified release asks for).  A trial succeeds when the run
+repairs in process (a
 ``repair`` event, no ``fail_stop``), exits 0 and ends with the reference run's
 ``final_state_digest``.  The key <platform, profile, phase, objective> comes from the job
 itself (the reference run's ``protected`` event); the objective is ``exact``.
@@ -56,6 +58,8 @@ PHASES: dict[str, tuple[str, str]] = {
                              "STEP; the update is discarded and runs again"),
 }
 DEFAULT_PHASE = "committed"
+#: ``--phase all``: every phase of PHASES, in this order, after one reference run.
+ALL_PHASES = "all"
 #: A trial's output (launcher and rank 0) goes to this file in its run directory.
 OUTPUT_FILE = "accelpact-run.out"
 #: How often a wait for a run looks at its deadline and at a stop request.
@@ -80,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"runtime layers over the shipped envelope); created if missing")
     p.add_argument("--steps", type=int, default=12, metavar="N",
                    help="updates per run, at least 3 (default 12)")
-    p.add_argument("--phase", choices=sorted(PHASES), default=DEFAULT_PHASE,
-                   help="the failure phase to qualify: committed (a fault at the guard's collective; default) or "
-                        "backward (a replication fault during backward: the update is discarded and runs again)")
+    p.add_argument("--phase", choices=[*sorted(PHASES), ALL_PHASES], default=DEFAULT_PHASE,
+                   help="the failure phase to qualify: committed (a fault at the guard's collective; default), "
+                        "backward (a replication fault during backward: the update is discarded and runs again), "
+                        f"or {ALL_PHASES} (each in turn, after one shared reference run)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="folder under which a fresh folder holds the runs' directories (default: the system's "
                         "temporary folder); they are kept for inspection")
@@ -234,26 +239,31 @@ def _stopped(stop: Mapping[str, int | None]) -> int:
 
 
 def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trials: int, steps: int,
-            work: str, phase: str = DEFAULT_PHASE, environ: Mapping[str, str] | None = None,
+            work: str, phase: str | Sequence[str] = DEFAULT_PHASE, environ: Mapping[str, str] | None = None,
             stop: Mapping[str, int | None] | None = None) -> int:
-    """Run the reference and the trials for ``phase``, write the entry, and return the exit code.
+    """Run the reference, then the trials of each phase in ``phase`` (one phase or several: they share the
+    reference run), write each phase's entry as it is decided, and return the exit code (qualified only when
+    every phase is).
 
     ``stop["signal"]``, once set (by ``main``'s SIGINT/SIGTERM handler), stops the running run and returns
-    128 + the signal without writing anything.
+    128 + the signal; entries already decided stay written, the running phase's is not.
     """
-    import torch
-
     environ = os.environ if environ is None else environ
     stop = {"signal": None} if stop is None else stop
-    faults = trial_faults(phase, trials, steps, cfg.world_size)
+    phases = [phase] if isinstance(phase, str) else list(phase)
+    for ph in phases:
+        if ph not in PHASES:
+            raise ConfigError("phase", ph, f"accelpact-qualify qualifies the phase(s) {', '.join(PHASES)}")
     env = dict(environ)
     env.pop(settings.QUALIFYING, None)
     timeout = cfg.timeouts.startup_s + 60 + steps * 10
     grace = cfg.timeouts.shutdown_s + 5
-    kind, what = PHASES[phase]
-    print(f"[qualify] phase {phase}: each trial injects {kind}:STEP:RANK ({what}); Preserve is attempted", flush=True)
+    for ph in phases:
+        kind, what = PHASES[ph]
+        print(f"[qualify] phase {ph}: each trial injects {kind}:STEP:RANK ({what}); Preserve is attempted",
+              flush=True)
     print(f"[qualify] envelope file {envelope_path} ({note})", flush=True)
-    print(f"[qualify] {trials} trials of {steps} updates; runs in {work}", flush=True)
+    print(f"[qualify] {trials} trials of {steps} updates per phase; runs in {work}", flush=True)
     ref_dir = os.path.join(work, "reference")
     rc, events, ref = run_job(config, ref_dir, ["--steps", str(steps)], env, timeout, grace, stop)
     if stop["signal"] is not None:
@@ -269,12 +279,35 @@ def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trial
         print("accelpact-qualify: error: the reference run never called job.protect, so it has no envelope key; "
               "nothing written", file=sys.stderr)
         return EXIT_NOT_QUALIFIED
-    key = env_mod.Key(protected[0]["platform"], protected[0]["profile"], phase)
+    code = EXIT_QUALIFIED
+    for ph in phases:
+        key = env_mod.Key(protected[0]["platform"], protected[0]["profile"], ph)
+        got = _qualify_phase(config, key, ref, env, trials=trials, steps=steps, world=cfg.world_size,
+                             work=os.path.join(work, ph) if len(phases) > 1 else work, timeout=timeout,
+                             grace=grace, stop=stop, envelope_path=envelope_path,
+                             torch_version=_torch_version())
+        if got != EXIT_QUALIFIED:
+            if got != EXIT_NOT_QUALIFIED:
+                return got
+            code = got
+    return code
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _qualify_phase(config: str, key: env_mod.Key, ref: dict[str, Any], env: dict[str, str], *, trials: int,
+                   steps: int, world: int, work: str, timeout: float, grace: float,
+                   stop: Mapping[str, int | None], envelope_path: str, torch_version: str) -> int:
+    """The trials of ``key.phase`` against the reference run ``ref``, and the entry they earn, written."""
     print(f"[qualify] key {key}", flush=True)
-    env[settings.QUALIFYING] = phase
+    env = dict(env, **{settings.QUALIFYING: key.phase})
     failures: list[str] = []
     failed: list[str] = []
-    for i, fault in enumerate(faults):
+    for i, fault in enumerate(trial_faults(key.phase, trials, steps, world)):
         run_dir = os.path.join(work, f"trial-{i + 1}")
         rc, events, summary = run_job(config, run_dir, ["--steps", str(steps), "--inject-fault", fault], env,
                                       timeout, grace, stop)
@@ -293,7 +326,7 @@ def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trial
     ran = int(failed[-1]) if failed else trials
     successes = ran - len(failures)
     evidence: dict[str, Any] = {"trials": ran, "successes": successes, "date": env_mod.today(),
-                                "torch": str(torch.__version__), "backend": key.platform.partition("/")[2], "steps": steps}
+                                "torch": torch_version, "backend": key.platform.partition("/")[2], "steps": steps}
     if failures:
         evidence["failures"] = failures
     actions = (env_mod.RESTART,) if failures else (env_mod.PRESERVE, env_mod.RESTART)
@@ -336,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return qualify(args.config, cfg, envelope_path=path, note=note, trials=args.trials, steps=args.steps,
-                       work=work, phase=args.phase, stop=stop)
+                       work=work, phase=list(PHASES) if args.phase == ALL_PHASES else args.phase, stop=stop)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -11,13 +11,17 @@ import threading
 
 import torch.distributed as dist
 
-#: The ``ProcessGroup`` methods through which ``torch.distributed``'s Python collectives reach a backend (torch
-#: 2.13 names; ``_allgather_base`` / ``_reduce_scatter_base`` on older releases).  Point-to-point calls are left out.
+#: The ``ProcessGroup`` methods through which ``torch.distributed``'s Python collectives reach a backend, over the
+#: supported releases: torch 2.13's, and ``gather_single`` / ``gather_into_tensor`` that 2.14.1 added (what
+#: ``dist.gather_into_tensor`` calls); a name a release lacks is skipped.  Point-to-point calls are left out.
+#: (2.14.1's ``ProcessGroup.register_pre_hook`` / ``register_post_hook`` see a call but not the wait on its work,
+#: which is what the detector watches, and 2.13 has neither: the class methods stay patched on every release.)
 TAPPED_METHODS = (
     "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "all_gather_single", "_allgather_base",
     "allgather_into_tensor_coalesced", "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "broadcast",
-    "barrier", "reduce", "gather", "scatter", "alltoall", "all_to_all_single", "alltoall_base",
+    "barrier", "reduce", "gather", "gather_single", "gather_into_tensor", "scatter", "alltoall", "all_to_all_single",
+    "alltoall_base",
 )
 _tap_lock = threading.Lock()
 #: name -> the class's own attribute before the tap (its raw descriptor; None: it was inherited).

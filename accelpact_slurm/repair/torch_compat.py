@@ -24,6 +24,7 @@ the fault injection's patch point (:func:`replication_all_reduce_sites`) live he
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from datetime import timedelta
@@ -73,13 +74,19 @@ def group_name(pg: dist.ProcessGroup) -> str:
     return pg.group_name
 
 
+#: The class names of an NCCL backend object: the legacy one, and torch 2.14.1+'s nccl2 (2.15's default for "nccl").
+NCCL_BACKEND_CLASSES = ("ProcessGroupNCCL", "ProcessGroupNCCL2")
+
+
 def nccl_backend(pg: dist.ProcessGroup) -> object | None:
     """The group's NCCL backend, or None for a group without one (Gloo only)."""
     try:
         backend = pg._get_backend(torch.device("cuda"))
     except RuntimeError:
         return None
-    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
+    # torch 2.15's "nccl" is ProcessGroupNCCL2 unless TORCH_DIST_USE_NCCL2=0 (not a subclass of the legacy one):
+    # either way the group has a communicator to abort, never Gloo's destroy (runtime/hardware.py refuses nccl2).
+    return backend if type(backend).__name__ in NCCL_BACKEND_CLASSES else None
 
 
 def _unregister(pg: dist.ProcessGroup) -> None:
@@ -87,7 +94,11 @@ def _unregister(pg: dist.ProcessGroup) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     w = c10d._world
-    for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_coalesce_state):
+    tables = [w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_coalesce_state]
+    hooks = getattr(w, "pg_flight_recorder_hooks", None)  # torch 2.15: one more table keyed by the group
+    if isinstance(hooks, dict):
+        tables.append(hooks)
+    for table in tables:
         table.pop(pg, None)
     tag = w.pg_to_tag.pop(pg, None)
     for t in (tag, ""):
@@ -258,7 +269,9 @@ def set_group_timeout(pg: dist.ProcessGroup, timeout_s: float) -> None:
     """Give a group created by DeviceMesh (default 30 min on Gloo) the job's collective timeout."""
     from torch.distributed import distributed_c10d as c10d
 
-    c10d._set_pg_timeout(timedelta(seconds=timeout_s), pg)
+    # torch 2.14.1 added the public set_timeout; its _set_pg_timeout forwards there with a FutureWarning.
+    setter = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout
+    setter(timedelta(seconds=timeout_s), pg)
 
 
 def wrapping(model: nn.Module) -> tuple[str, str]:
@@ -537,14 +550,30 @@ def fsdp2_discard_iteration(model: nn.Module) -> dict[str, int]:
     for group in fsdp2_param_groups(model):
         counts["param_groups"] += 1
         for fp in group.fsdp_params:
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is not None and unsharded.grad is not None:
-                unsharded.grad = None
-                counts["unsharded_grads"] += 1
-            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
-                fp.unsharded_accumulated_grad = None
-                counts["accumulated_grads"] += 1
-            if fp.sharded_param.grad is not None:
-                fp.sharded_param.grad = None
-                counts["sharded_grads"] += 1
+            for what in fsdp2_drop_param_grads(fp):
+                counts[what] += 1
     return counts
+
+
+def fsdp2_drop_param_grads(fp: object) -> list[str]:
+    """Drop every gradient one ``FSDPParam`` holds; returns the kinds dropped (``counts`` keys).
+
+    ``unsharded_accumulated_grad`` is an attribute of its own up to torch 2.14 (the gradient accumulated in the
+    reduce dtype) and a read-only property in 2.15 that reads ``_unsharded_param.grad``, dropped just before:
+    assigning it there would raise.
+    """
+    dropped = []
+    unsharded = getattr(fp, "_unsharded_param", None)
+    if unsharded is not None and unsharded.grad is not None:
+        unsharded.grad = None
+        dropped.append("unsharded_grads")
+    alias = inspect.getattr_static(type(fp), "unsharded_accumulated_grad", None)
+    if not (isinstance(alias, property) and alias.fset is None):
+        if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+            fp.unsharded_accumulated_grad = None
+            dropped.append("accumulated_grads")
+    sharded = getattr(fp, "sharded_param", None)
+    if sharded is not None and sharded.grad is not None:
+        sharded.grad = None
+        dropped.append("sharded_grads")
+    return dropped

@@ -32,11 +32,13 @@ from typing import Any, Iterable, Iterator, Mapping, TextIO
 
 import torch
 
+from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, UsageError
 from accelpact_slurm.core.events import EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import appstate, replay
+from accelpact_slurm.runtime import envelope as env_mod
 from accelpact_slurm.runtime.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
                                             log_exception)
 from accelpact_slurm.runtime.sampler import ShardedSampler
@@ -210,6 +212,11 @@ class Run:
         if job.is_lead:
             job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self.wrapping[0],
                             mesh=self.wrapping[1], state=sorted(self.statefuls))
+            if not settings.qualifying(job._environ):  # a trial's envelope holds its own phase only
+                note = env_mod.coverage_note(self._guard.envelope, self._guard.key_for)
+                if note:  # said at the start, not first at a fault
+                    print(f"[accelpact] warning: {note}", file=job._out, flush=True)
+                    job.events.emit("warning", step=None, reason=note)
         try:
             out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check,
                           copy=not job._faults.no_restore_copy)

@@ -32,6 +32,10 @@ ACTIONS = (PRESERVE, RESTART)
 MIN_TRIALS = 3
 DEFAULT_OBJECTIVE = "exact"
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "envelope.yaml")
+#: The torch releases the project supports and tests (``make test`` runs each; ``setup.cfg``'s range spans their
+#: minors), and for which the shipped envelope holds CPU/Gloo keys earned by accelpact-qualify trials
+#: (``scripts/earn_envelope.py``).
+SUPPORTED_RELEASES = ("2.13.0", "2.14.1", "2.15.0")
 #: The user's envelope, relative to their configuration directory (:func:`user_path`).
 USER_FILE = os.path.join("accelpact", "envelope.yaml")
 
@@ -77,8 +81,52 @@ class Envelope:
         self.entries = [e for e in self.entries if e.key != entry.key] + [entry]
 
 
+def release_of(torch_version: str) -> str:
+    """The public release of a torch version: ``2.14.1+cu130`` -> ``2.14.1`` (the build label dropped)."""
+    return torch_version.split("+", 1)[0]
+
+
 def platform_key(torch_version: str, backend: str) -> str:
-    return f"torch-{torch_version}/{backend}"
+    """``torch-<release>/<backend>``.
+
+    The release is matched exactly, patch included, and the build label is not part of it:
+
+    * the build label (``+cpu``, ``+cu130``) names how torch was compiled, not the Python code of FSDP, DeviceMesh
+      and c10d that the repair reaches into, so a CPU build and a CUDA build of one release share a CPU/Gloo key
+      (a GPU key names its NCCL and CUDA versions besides: :attr:`..hardware.Hardware.platform`);
+    * a patch release gets no L1 from its sibling: patch releases do move that private state (2.14.1 deprecated
+      the c10d call that sets a group's timeout), and the exactness a key promises was shown on one release.
+      Nobody loses it silently either: a job on an unqualified release says so when it starts
+      (:func:`coverage_note`), with the command that earns the key.
+    """
+    return f"torch-{release_of(torch_version)}/{backend}"
+
+
+def _minor(platform: str) -> tuple[str, str]:
+    """``("2.14", "gloo")`` of ``torch-2.14.1/gloo``; ``("", platform)`` for another form."""
+    head, _, backend = platform.partition("/")
+    release = head[len("torch-"):] if head.startswith("torch-") else ""
+    return ".".join(release.split(".")[:2]), backend
+
+
+def coverage_note(envelope: "Envelope", key_for, min_trials: int = MIN_TRIALS) -> str | None:
+    """None when L1 is qualified for this job in every qualifiable phase; else the line a job prints when it
+    starts: what is not qualified, what a replication fault does then, a qualified sibling release if there is
+    one, and the command that earns the key."""
+    missing = [ph for ph in QUALIFIABLE_PHASES if decide(envelope, key_for(ph), min_trials)[0] != PRESERVE]
+    if not missing:
+        return None
+    key = key_for(missing[0])
+    minor, backend = _minor(key.platform)
+    siblings = sorted({e.key.platform for e in envelope.entries
+                       if e.key.profile == key.profile and e.key.platform != key.platform and minor
+                       and _minor(e.key.platform) == (minor, backend) and PRESERVE in e.actions})
+    line = (f"L1 is not qualified for {key.platform} {key.profile} (phase {', '.join(missing)}): a replication "
+            f"fault there restarts the job (L2) instead of repairing in process")
+    if siblings:
+        line += (f"; {', '.join(siblings)} is qualified, but a patch release is not assumed to behave as its "
+                 f"sibling (it may move the private state the repair rebinds)")
+    return line + ". Earn L1 here with: accelpact-qualify JOB.yaml --phase all (a few minutes, real trials)"
 
 
 def profile_key(device: str, nodes: int, ranks_per_node: int, fsdp: str, mesh: str) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping
 
 from accelpact_slurm.core.errors import ConfigError
+from accelpact_slurm.runtime.envelope import platform_key, release_of
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,13 @@ NCCL_ENV: dict[str, tuple[str, str]] = {
                                   "(torch 2.15 makes 'nccl' mean a new one)"),
     "NCCL_NVLS_ENABLE": ("0", "NVLink SHARP communicators are known to hang in abort"),
 }
+NCCL2 = "TORCH_DIST_USE_NCCL2"
+#: Why a job on a GPU refuses torch's nccl2 backend (the user asked for it with TORCH_DIST_USE_NCCL2=1), in one line.
+NCCL2_REFUSED = ("asks for torch's nccl2 process group (torch 2.15's default for 'nccl'); L1 on NCCL is built and "
+                 "tested on the legacy ProcessGroupNCCL only: nccl2 has its own error handling (a failed collective "
+                 "revokes its communicator in reconfigurable mode), none of the TORCH_NCCL_* settings above is known "
+                 "to hold for it, and an upstream bug mishandles ncclInProgress in that revoke; unset it or set "
+                 "TORCH_DIST_USE_NCCL2=0 (the project sets 0 when unset)")
 #: Settings whose other values make a replication fault kill the process (so L1 cannot repair it).
 L1_CRITICAL = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING")
 #: NCCL releases known to hang in communicator abort (fixed in 2.26.2).
@@ -80,9 +88,10 @@ class Hardware:
     @property
     def platform(self) -> str:
         """The envelope's platform key: what was qualified here is allowed here only."""
-        base = f"torch-{self.versions.get('torch', '?')}"
+        torch_version = self.versions.get("torch", "?")
         if not self.is_cuda:
-            return f"{base}/gloo"
+            return platform_key(torch_version, "gloo")
+        base = f"torch-{release_of(torch_version)}"
         return f"{base}/nccl-{self.versions.get('nccl', '?')}/cuda-{self.versions.get('cuda', '?')}"
 
 
@@ -154,6 +163,9 @@ def nccl_environment(environ: MutableMapping[str, str] | None = None) -> list[st
     """Set :data:`NCCL_ENV` in ``environ`` (default ``os.environ``) where unset; return warnings for the values
     the user set that make a replication fault kill the process (L1 then cannot repair it; L2 still does)."""
     environ = os.environ if environ is None else environ
+    asked = environ.get(NCCL2)
+    if asked not in (None, "", "0"):
+        raise ConfigError(NCCL2, asked, NCCL2_REFUSED)
     warnings = []
     for name, (value, why) in NCCL_ENV.items():
         have = environ.get(name)

@@ -187,6 +187,11 @@ def qualify(work: str, device: str, timeout_s: float = 300, steps: int = 10) -> 
             res["envelope"] = fh.read()
     except OSError:
         res["envelope"] = None
+    # The keys this machine's own torch qualified (or failed), as a user's envelope would hold them.
+    from accelpact_slurm.runtime import envelope as env_mod
+
+    res["keys"] = [{"key": str(e.key), "actions": list(e.actions), "torch": e.evidence.get("torch")}
+                   for e in env_mod.load_file(env_file).entries]
     res["ok"] = rc == 0 and len(repairs) >= 3
     _log(f"qualify: rc {rc} in {wall:.0f} s, {len(repairs)} repairs, phases {res['phase_median_s']}")
     return res

@@ -105,6 +105,9 @@ def test_qualifying_run_writes_the_users_file_and_the_next_lookup_uses_it(tmp_pa
     assert action == env_mod.PRESERVE and f"on {env_mod.today()}" in reason
     # Every trial really repaired: its run directory holds a repair event and no fail-stop.
     (work,) = (tmp_path / "work").iterdir()
+    # The shipped envelope qualifies this key: the reference run starts without the unqualified-release warning.
+    assert not [e for e in read_events(work / "reference" / "events.jsonl")
+                if e["event"] == "warning" and "L1 is not qualified" in e["reason"]]
     for i in range(1, env_mod.MIN_TRIALS + 1):
         events = list(read_events(work / f"trial-{i}" / "events.jsonl"))
         assert any(e["event"] == "repair" for e in events) and not any(e["event"] == "fail_stop" for e in events)
@@ -148,8 +151,14 @@ def test_failed_trials_exit_1_record_restart_and_the_next_job_restarts(tmp_path,
     proc = run_cli(["accelpact_slurm.cli.run", job, "--run-dir", str(run_dir), "--steps", "4",
                     "--inject-fault", "boundary:2:1"], timeout=300)
     assert proc.returncode == EXIT_REQUEUE, (proc.stdout + proc.stderr)[-3000:]
-    stops = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail_stop"]
+    events = list(read_events(run_dir / "events.jsonl"))
+    stops = [e for e in events if e["event"] == "fail_stop"]
     assert stops and "does not qualify preserve" in stops[0]["reason"], stops
+    # ... and the job said so when it started, before its fault, with the command that earns the key.
+    told = [i for i, e in enumerate(events) if e["event"] == "warning" and "L1 is not qualified" in e["reason"]]
+    assert told and told[0] < events.index(stops[0]), events
+    assert f"L1 is not qualified for {key.platform} {key.profile} (phase committed)" in events[told[0]]["reason"]
+    assert "accelpact-qualify JOB.yaml --phase all" in proc.stdout + proc.stderr
 
 
 def alive(pid: int) -> bool:

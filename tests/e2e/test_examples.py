@@ -1,8 +1,8 @@
 """Both examples, written against the public API only, on the embedded default (2 emulated nodes x 2 ranks).
 
-For each example: an uninterrupted run; an L1 boundary fault repaired in process; an L2 restart (a
-fault in compute: fail-stop, relaunch, reload of the newest verified snapshot, replay check of the
-first update).  Both end with the uninterrupted run's ``final_state_digest``, which covers the
+For each example: an uninterrupted run; an L1 boundary fault repaired in process; an L1 backward fault
+(the update discarded, the groups replaced, the update run again) in process; an L2 restart (a fault in
+compute: fail-stop, relaunch, reload of the newest verified snapshot, replay check of the first update).  Both end with the uninterrupted run's ``final_state_digest``, which covers the
 weights, the optimizer state, every rank's RNG, the scheduler and the data loader's position.
 Negative control: the same restart with the extra state's restore broken (and the replay check,
 which would catch it, switched off) ends elsewhere.
@@ -20,15 +20,15 @@ from tests.conftest import DECODER_JOB, VISION_JOB, job_text, run_cli
 
 pytestmark = pytest.mark.multiproc
 
-# (job file, steps, checkpoint cadence, L1 fault, L2 fault)
+# (job file, steps, checkpoint cadence, L1 fault, L2 fault, L1 backward fault)
 EXAMPLES = {
-    "decoder": (DECODER_JOB, 12, 4, "boundary:7:1", "forward:10:2"),
-    "vision": (VISION_JOB, 12, 4, "boundary:6:2", "forward:11:1"),
+    "decoder": (DECODER_JOB, 12, 4, "boundary:7:1", "forward:10:2", "backward:5:3"),
+    "vision": (VISION_JOB, 12, 4, "boundary:6:2", "forward:11:1", "backward:9:1"),
 }
 
 
 def _job(tmp: Path, example: str) -> str:
-    path, steps, every, _, _ = EXAMPLES[example]
+    path, steps, every = EXAMPLES[example][:3]
     text = job_text(path)
     for line in text.splitlines():
         if line.startswith("steps:"):
@@ -58,11 +58,12 @@ def runs(request, tmp_path_factory):
     example = request.param
     tmp = tmp_path_factory.mktemp(example)
     config = _job(tmp, example)
-    _, _, _, l1, l2 = EXAMPLES[example]
+    l1, l2, l1b = EXAMPLES[example][3:]
     broken = {"ACCELPACT_TEST_SKIP_EXTRA_RESTORE": "1", "ACCELPACT_TEST_SKIP_RELOAD_CHECK": "1"}
     out = {"example": example, "base": _run(tmp, config, "base"), "l1": _run(tmp, config, "l1", l1),
-           "l2": _run(tmp, config, "l2", l2), "broken": _run(tmp, config, "broken", l2, env=broken)}
-    for name in ("base", "l1", "l2", "broken"):
+           "l1b": _run(tmp, config, "l1b", l1b), "l2": _run(tmp, config, "l2", l2),
+           "broken": _run(tmp, config, "broken", l2, env=broken)}
+    for name in ("base", "l1", "l1b", "l2", "broken"):
         r = out[name]
         assert r["proc"].returncode == 0, f"{example} {name}: " + r["proc"].stdout[-3000:] + r["proc"].stderr[-2000:]
     return out
@@ -80,6 +81,16 @@ def test_l1_boundary_fault_ends_in_the_uninterrupted_state(runs):
     assert [e["step"] for e in _kinds(l1["events"], "step")] == list(range(1, base["summary"]["final_step"] + 1))
     assert l1["summary"]["final_state_digest"] == base["summary"]["final_state_digest"]
     assert l1["summary"]["losses"] == base["summary"]["losses"]
+
+
+def test_l1_backward_fault_redoes_the_update_in_process_and_ends_in_the_uninterrupted_state(runs):
+    base, l1b = runs["base"], runs["l1b"]
+    update = int(EXAMPLES[runs["example"]][5].split(":")[1])
+    (repair,) = _kinds(l1b["events"], "repair")
+    assert repair["decision"] == "preserve" and repair["scope"] == "update" and repair["discarded_update"] == update
+    assert not _kinds(l1b["events"], "fail_stop") and l1b["summary"]["restart_count"] == 0
+    assert l1b["summary"]["final_state_digest"] == base["summary"]["final_state_digest"]
+    assert l1b["summary"]["losses"] == base["summary"]["losses"]
 
 
 def test_l2_restart_reloads_replays_and_ends_in_the_uninterrupted_state(runs):

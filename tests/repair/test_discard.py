@@ -139,14 +139,24 @@ def _vote(store, key, rank, ok):
 
 
 def _partial_discard(model, optimizer, fsdp):
-    """What the negative control leaves out: FSDP2, torch's documented recovery alone (``reset_iter_state``,
-    ``zero_grad``); FSDP1, ``discard_update`` with the half-reduced ``_saved_grad_shard`` kept."""
+    """What the negative control leaves out: the stale gradient of a reduction that never ran.
+
+    FSDP2: torch's documented recovery (``reset_iter_state``, ``zero_grad``) with the unsharded parameters'
+    gradients kept, as ``reset_iter_state`` itself leaves them up to torch 2.14 (2.15's clears them: the
+    control must not depend on which release cleans up).  FSDP1: ``discard_update`` with the half-reduced
+    ``_saved_grad_shard`` kept."""
     from accelpact_slurm.repair import torch_compat as tc
     from accelpact_slurm.repair.discard import discard_update
 
     if fsdp == "fsdp2":
+        stale = [(fp._unsharded_param, fp._unsharded_param.grad) for group in tc.fsdp2_param_groups(model)
+                 for fp in group.fsdp_params
+                 if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None]
+        assert stale, "the faulted backward left no unsharded gradient: nothing for the control to keep"
         tc.fsdp2_root(model).reset_iter_state()
         optimizer.zero_grad(set_to_none=True)
+        for param, grad in stale:
+            param.grad = grad
         return
     kept = {id(u): u._handle.flat_param._saved_grad_shard for u in tc.fsdp1_units(model)
             if u._handle is not None and hasattr(u._handle.flat_param, "_saved_grad_shard")}

@@ -183,7 +183,32 @@ def _tap(rank, mesh):
     assert not seen, "the tap is gone once removed"
 
 
-SECTIONS = {"fsdp1": _fsdp1, "fsdp2": _fsdp2, "tap": _tap, "mesh_rebind": _mesh_rebind}
+def _set_timeout(rank, mesh):
+    """A group's timeout is set without a deprecated call (torch 2.14.1 deprecated ``_set_pg_timeout``), and it
+    holds: a collective a peer never joins ends at the new timeout."""
+    import time
+    import warnings
+
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = tc.build_gloo_group([0, 1, 2, 3], c10d._get_default_store(), f"timeout-{rank // 4}", 60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning would raise here
+        tc.set_group_timeout(pg, 0.5)
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=pg)
+        except RuntimeError:
+            took = time.monotonic() - t0
+            assert took < 20, f"the collective waited {took:.1f} s, not the 0.5 s timeout set"
+        else:
+            raise AssertionError("a collective no peer joined completed")
+    tc.retire_group(pg)
+
+
+SECTIONS = {"fsdp1": _fsdp1, "fsdp2": _fsdp2, "tap": _tap, "mesh_rebind": _mesh_rebind,
+            "set_timeout": _set_timeout}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -244,6 +269,11 @@ def test_mesh_dimension_rebinds_to_a_new_group(hsdp_2x2):
     _check(hsdp_2x2, "mesh_rebind")
 
 
+@pytest.mark.multiproc
+def test_a_group_timeout_is_set_through_the_current_api_and_holds(hsdp_2x2):
+    _check(hsdp_2x2, "set_timeout")
+
+
 def test_scan_finds_hidden_references_and_ignores_names():
     class PG:  # stands in for the object identity only
         group_name = "1"
@@ -294,3 +324,40 @@ def test_scan_of_several_groups_in_one_walk_misses_nothing_it_prunes():
     assert sorted(found["a"]) == ["root0['od'].note", "root3[0][0]"]
     assert found["b"] == ["root2._Base__hidden"]
     assert sorted(rb.find_references(roots, other)) == ["root0['first']", "root2.plain"]
+
+
+def test_an_fsdp2_parameter_loses_every_gradient_whichever_form_its_release_gives_the_accumulated_one():
+    """Up to torch 2.14 ``unsharded_accumulated_grad`` is an attribute of its own; 2.15 makes it a read-only property
+    reading ``_unsharded_param.grad``.  The drop handles both, and this release's ``FSDPParam`` has one of them."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    def grad_param():
+        p = nn.Parameter(torch.ones(2))
+        p.grad = torch.ones(2)
+        return p
+
+    class Attribute:  # torch 2.13 / 2.14
+        def __init__(self):
+            self._unsharded_param, self.sharded_param = grad_param(), grad_param()
+            self.unsharded_accumulated_grad = torch.ones(2)
+
+    class Alias:  # torch 2.15
+        def __init__(self):
+            self._unsharded_param, self.sharded_param = grad_param(), grad_param()
+
+        @property
+        def unsharded_accumulated_grad(self):
+            return self._unsharded_param.grad
+
+    a, b = Attribute(), Alias()
+    assert tc.fsdp2_drop_param_grads(a) == ["unsharded_grads", "accumulated_grads", "sharded_grads"]
+    assert a.unsharded_accumulated_grad is None and a._unsharded_param.grad is None and a.sharded_param.grad is None
+    assert tc.fsdp2_drop_param_grads(b) == ["unsharded_grads", "sharded_grads"]
+    assert b.unsharded_accumulated_grad is None and b.sharded_param.grad is None
+    with pytest.raises(AttributeError):  # the control: what assigning the 2.15 form does
+        b.unsharded_accumulated_grad = None
+    form = inspect.getattr_static(FSDPParam, "unsharded_accumulated_grad", None)
+    if form is not None:  # this release's class: a property without a setter, or a plain instance attribute
+        assert isinstance(form, property) and form.fset is None, form

@@ -16,7 +16,7 @@ SLURM = dict(emulated=False, versions={"torch": "2.13.0+cu130", "cuda": "13.0", 
 def test_cpu_is_gloo_whatever_the_gpus():
     h = hw.choose("cpu", visible=8, rank=3, local_rank=3, ranks_per_node=4, world_size=8, **SLURM)
     assert (h.device, h.backend, h.data) == ("cpu", "gloo", "gloo")
-    assert h.platform == "torch-2.13.0+cu130/gloo"
+    assert h.platform == "torch-2.13.0/gloo"  # the build label is not part of the key
 
 
 @pytest.mark.parametrize("visible, local, want", [
@@ -27,7 +27,7 @@ def test_cpu_is_gloo_whatever_the_gpus():
 def test_slurm_ranks_take_one_gpu_each(visible, local, want):
     h = hw.choose("auto", visible=visible, rank=4 + local, local_rank=local, ranks_per_node=4, world_size=8, **SLURM)
     assert h.device == want and h.backend == "cpu:gloo,cuda:nccl" and h.data == "nccl"
-    assert h.platform == "torch-2.13.0+cu130/nccl-2.29.7/cuda-13.0"
+    assert h.platform == "torch-2.13.0/nccl-2.29.7/cuda-13.0"
 
 
 def test_too_few_gpus_is_an_error_when_asked_for_and_the_cpu_when_auto():
@@ -60,6 +60,32 @@ def test_the_nccl_environment_is_set_where_unset_and_a_value_that_defeats_l1_is_
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["NCCL_NVLS_ENABLE"] == "1"  # the user's value wins
     assert len(warnings) == 1 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in warnings[0] and "=0" in warnings[0]
     assert set(hw.NCCL_ENV) <= set(env)
+
+
+@pytest.mark.parametrize("asked", ["1", "true"])
+def test_a_users_explicit_nccl2_is_refused_in_one_line_and_0_or_unset_keeps_the_legacy_class(asked):
+    with pytest.raises(ConfigError, match=r"TORCH_DIST_USE_NCCL2: invalid value '.*': asks for torch's nccl2") as err:
+        hw.nccl_environment({"TORCH_DIST_USE_NCCL2": asked})
+    assert "\n" not in str(err.value) and "TORCH_DIST_USE_NCCL2=0" in str(err.value)
+    for env in ({}, {"TORCH_DIST_USE_NCCL2": "0"}, {"TORCH_DIST_USE_NCCL2": ""}):
+        hw.nccl_environment(env)
+        assert env["TORCH_DIST_USE_NCCL2"] in ("0", "")
+
+
+def test_a_group_on_nccl2_is_retired_as_an_nccl_group_not_as_gloo():
+    """torch 2.15's ProcessGroupNCCL2 is no subclass of ProcessGroupNCCL: the retire path must still see an NCCL
+    communicator there (abort in the background), never take it for Gloo (destroy, which waits on its kernels)."""
+    from accelpact_slurm.repair import torch_compat as tc
+
+    def group_with(name):
+        backend = type(name, (), {})()
+        return type("Group", (), {"_get_backend": lambda self, device: backend})(), backend
+
+    for name in ("ProcessGroupNCCL", "ProcessGroupNCCL2"):
+        pg, backend = group_with(name)
+        assert tc.nccl_backend(pg) is backend
+    pg, _ = group_with("ProcessGroupGloo")
+    assert tc.nccl_backend(pg) is None
 
 
 def test_nccl_releases_known_to_hang_in_abort():

@@ -206,3 +206,61 @@ def test_an_update_discarded_three_times_in_a_row_restarts_instead():
         guard.decide(7, "backward", "withheld", None)
     assert repairs == [7] * MAX_REDOS
     assert guard.decide(8, "backward", "withheld", None)[0] == REDO  # another update starts its own count
+
+
+def coverage_gaps(envelope, releases=env_mod.SUPPORTED_RELEASES) -> list[str]:
+    """The CPU/Gloo keys of the embedded default (2 nodes x 2 ranks) that ``envelope`` does not qualify."""
+    gaps = []
+    for release in releases:
+        for fsdp, mesh in WRAPPINGS:
+            for phase in env_mod.QUALIFIABLE_PHASES:
+                key = env_mod.Key(env_mod.platform_key(release, "gloo"), env_mod.profile_key("cpu", 2, 2, fsdp, mesh),
+                                  phase)
+                if env_mod.decide(envelope, key)[0] != env_mod.PRESERVE:
+                    gaps.append(f"torch {release}: {key}")
+    return gaps
+
+
+def test_the_shipped_envelope_covers_every_supported_release_and_a_removed_key_is_named():
+    shipped = env_mod.load_file(env_mod.SHIPPED)
+    assert coverage_gaps(shipped) == [], "the shipped envelope does not qualify L1 on a supported release"
+    for release in env_mod.SUPPORTED_RELEASES:  # negative control, per release: one key taken out is named
+        victim = next(e for e in shipped.entries if e.key.platform == env_mod.platform_key(release, "gloo"))
+        cut = env_mod.Envelope([e for e in shipped.entries if e is not victim])
+        assert coverage_gaps(cut) == [f"torch {release}: {victim.key}"]
+
+
+def test_the_supported_releases_are_the_tested_ones_and_the_installable_range():
+    """setup.cfg's torch range spans exactly the supported minors; the Makefile tests exactly those releases."""
+    from tests.conftest import REPO
+
+    with open(f"{REPO}/setup.cfg", encoding="utf-8") as fh:
+        (lo, hi), = re.findall(r"^\s*torch>=(\d+\.\d+),<(\d+\.\d+)\s*$", fh.read(), flags=re.M)
+    minors = [tuple(map(int, r.split(".")[:2])) for r in env_mod.SUPPORTED_RELEASES]
+    assert tuple(map(int, lo.split("."))) == minors[0]
+    assert tuple(map(int, hi.split("."))) == (minors[-1][0], minors[-1][1] + 1)
+    assert minors == [(minors[0][0], minors[0][1] + i) for i in range(len(minors))], "one release per minor"
+    with open(f"{REPO}/Makefile", encoding="utf-8") as fh:
+        make = fh.read()
+    pinned = re.search(r"^TORCH_PINNED\s*:?=\s*(\S+)", make, flags=re.M)[1]
+    others = re.search(r"^TORCH_RELEASES\s*\??=\s*(.+)$", make, flags=re.M)[1].split()
+    assert (pinned, *others) == env_mod.SUPPORTED_RELEASES
+
+
+def test_a_job_on_an_unqualified_release_is_told_at_its_start_with_the_command_that_earns_l1():
+    profile = env_mod.profile_key("cpu", 2, 2, "fsdp1", "device_mesh")
+    evidence = {"trials": 3, "successes": 3, "date": "d"}
+    envelope = env_mod.Envelope([env_mod.Entry(env_mod.Key("torch-2.14.1/gloo", profile, ph), ("preserve", "restart"),
+                                               evidence) for ph in env_mod.QUALIFIABLE_PHASES])
+
+    def key_for(release):
+        return lambda phase: env_mod.Key(env_mod.platform_key(release, "gloo"), profile, phase)
+
+    assert env_mod.coverage_note(envelope, key_for("2.14.1+cu130")) is None  # the build label is not the release
+    note = env_mod.coverage_note(envelope, key_for("2.14.2"))  # a patch release gets no L1 from its sibling ...
+    assert "L1 is not qualified for torch-2.14.2/gloo" in note and "phase committed, backward" in note
+    assert "torch-2.14.1/gloo is qualified" in note and "restarts the job (L2)" in note
+    assert "accelpact-qualify JOB.yaml --phase all" in note  # ... and is told how to earn it
+    assert "is qualified" not in env_mod.coverage_note(envelope, key_for("2.15.0"))  # another minor: no sibling
+    half = env_mod.Envelope([e for e in envelope.entries if e.key.phase == "committed"])
+    assert "(phase backward)" in env_mod.coverage_note(half, key_for("2.14.1"))
