@@ -38,6 +38,16 @@ EMULATED = "ACCELPACT_EMULATED"
 LOCAL_JOB_ID = "ACCELPACT_LOCAL_JOB_ID"
 
 
+#: ``1``: an L1 repair always builds new groups and rebinds every reference, even where torch (2.14.1+, Gloo) could
+#: give a failed group a new transport in place.
+REPAIR_REBUILD = "ACCELPACT_REPAIR_REBUILD"
+
+
+def repair_rebuild(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(REPAIR_REBUILD, "") not in ("", "0")
+
+
 #: ``0`` starts the embedded default's ranks as plain subprocesses instead of forking them from one zygote.
 ZYGOTE = "ACCELPACT_ZYGOTE"
 

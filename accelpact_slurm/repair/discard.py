@@ -152,6 +152,7 @@ class GroupReplacement:
     new: dict[str, dist.ProcessGroup]
     rebound: dict[str, int] = field(default_factory=dict)
     retired: int = 0
+    in_place: tuple[str, ...] = ()  # the dimensions whose group was reconfigured in place (in ``new``, not ``old``)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -159,7 +160,8 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
                           mesh: Any = None, dims: tuple[str, ...] = ("replicate", "shard"),
                           extra_roots: tuple[Any, ...] = (),
                           on_rebound: Callable[[dict[str, dist.ProcessGroup]], None] | None = None,
-                          retire: bool = True, device: Any = None) -> GroupReplacement:
+                          retire: bool = True, device: Any = None,
+                          reconfigure_uuid: int | None = None) -> GroupReplacement:
     """Replace this rank's HSDP groups named in ``dims`` by new ones and rebind every reference to them.
 
     Called on every rank, in the same order relative to other group constructions, after
@@ -183,6 +185,11 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
     retired.  ``retire`` unregisters the old groups from c10d (on Gloo that does not touch peers, dead
     or not; an NCCL communicator is aborted in the background).  ``device``: on a GPU the new groups get
     an NCCL communicator there (:func:`torch_compat.build_group`).
+
+    ``reconfigure_uuid`` given (never the same twice for one group): a group torch can reconfigure in place
+    (2.14.1+, Gloo: :func:`torch_compat.can_reconfigure`) gets a new transport over the same members instead,
+    its key under ``{tag}/reconfigure/{dim}/{lowest member}``; it stays the same object (in ``new`` too,
+    listed in ``in_place``), so nothing of it is rebound, scanned for or retired.
     """
     t0 = time.monotonic()
     shard, replicate = tc.hsdp_groups(model, fsdp)
@@ -198,22 +205,31 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
                                   f"the model's {dim} group is {pg.group_name!r}")
     old: dict[str, dist.ProcessGroup] = {}
     new: dict[str, dist.ProcessGroup] = {}
-    for dim in ("replicate", "shard"):  # one fixed order on every rank
-        if dim not in dims:
-            continue
+    in_place: list[str] = []
+    order = [d for d in ("replicate", "shard") if d in dims]  # one fixed order on every rank
+    if "shard" in dims and fsdp == "fsdp2":  # FSDP2's own reduce-scatter group(s) over the shard ranks, if set
+        for i, pg in enumerate(tc.fsdp2_separate_reduce_scatter_groups(model)):
+            current[f"reduce_scatter{i or ''}"] = pg
+            order.append(f"reduce_scatter{i or ''}")
+    for dim in order:
         members = dist.get_process_group_ranks(current[dim])
         first = min(members)
         prefix = f"{tag}/{dim}/{first}"
+        if reconfigure_uuid is not None and tc.can_reconfigure(current[dim]):
+            tc.reconfigure_group(current[dim], store, f"{tag}/reconfigure/{dim}/{first}", reconfigure_uuid, timeout_s)
+            new[dim] = current[dim]
+            in_place.append(dim)
+            continue
         old[dim] = current[dim]
         new[dim] = tc.build_group(members, dist.PrefixStore(prefix, store), f"accelpact-{dim}-{first}-{tag}",
                                   timeout_s, device)
     t1 = time.monotonic()
-    rebound = rb.rebind_groups(model, fsdp, mesh, {old[d]: new[d] for d in old})
+    rebound = rb.rebind_groups(model, fsdp, mesh, {old[d]: new[d] for d in old}) if old else {}
     if on_rebound is not None:
         on_rebound(dict(new))
     t2 = time.monotonic()
     roots = [*tc.framework_roots(model, mesh), *extra_roots]
-    left = rb.find_references_to(roots, old, mesh)  # one walk for every replaced group
+    left = rb.find_references_to(roots, old, mesh) if old else {}  # one walk for every replaced group
     left = {dim: paths for dim, paths in left.items() if paths}
     t3 = time.monotonic()
     if left:
@@ -225,7 +241,7 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
             tc.retire_group(pg)
             retired += 1
     t4 = time.monotonic()
-    result = GroupReplacement(old=old, new=new, rebound=rebound, retired=retired,
+    result = GroupReplacement(old=old, new=new, rebound=rebound, retired=retired, in_place=tuple(in_place),
                               seconds={"build": t1 - t0, "rebind": t2 - t1, "scan": t3 - t2, "retire": t4 - t3,
                                        "total": t4 - t0})
     log.info("replaced %s groups under %r: rebound %s in %.1f ms", "+".join(old), tag, rebound,

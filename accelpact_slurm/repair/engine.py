@@ -91,6 +91,7 @@ class RepairContext:
     advanced: bool = False  # this rank moved to the repair's control-plane generation (control_barrier passed)
     released: bool = False  # this rank took its part in the release (no failure may be put there after it)
     replace_parts: dict[str, float] = field(default_factory=dict)  # replace_all: build, rebind, scan, retire
+    in_place: list[str] = field(default_factory=list)  # the groups given a new transport in place (not rebuilt)
 
 
 def rss_bytes() -> int:
@@ -180,7 +181,7 @@ class RepairEngine:
                 total_s=total, fault_to_resume_s=time.monotonic() - observed, decision="preserve", key=key,
                 reason=reason, scope=scope, discarded_update=step if scope == "update" else None,
                 replayed_updates=1 if scope == "update" else 0, discarded=ctx.discarded or None,
-                replace_parts_s=ctx.replace_parts or None,
+                replace_parts_s=ctx.replace_parts or None, reconfigured=ctx.in_place or None,
             )
         log.info("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
                  total * 1000, ctx.rebound)
@@ -189,6 +190,9 @@ class RepairEngine:
             phases = {**ctx.lead_view.get("phases", {}), last: ctx.durations[last]}
             detail = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items())
             what = f"update {step} discarded, every group replaced; " if scope == "update" else ""
+            in_place = ctx.lead_view.get("in_place") or ctx.in_place
+            if in_place:
+                what += f"{'+'.join(in_place)} reconfigured in place (torch's reconfigure); "
             print(f"[accelpact] L1 repair (generation {ctx.generation}) at F={frontier}, ranks {ranks}: {what}"
                   f"{ctx.lead_view.get('rebound', 0)} references rebound; {detail}; total {total * 1000:.1f} ms, "
                   f"fault to resume {time.monotonic() - observed:.2f} s", file=self.out, flush=True)
@@ -249,17 +253,28 @@ class RepairEngine:
         ctx.advanced = True
 
     def replace(self, ctx: RepairContext) -> None:
-        """Members of R build a group with identical membership under a fresh store prefix."""
+        """Members of R give the group a new transport in place where torch can (2.14.1+, Gloo), else build a
+        group with identical membership under a fresh store prefix."""
         if not ctx.member:
             return
         gen = self.rt.control.generation
+        if tc.can_reconfigure(ctx.old):
+            if self.skip_rebind:  # the negative control: the group keeps its failed transport
+                log.warning("reconfigure skipped (test-only fault injection)")
+            else:
+                tc.reconfigure_group(ctx.old, self.rt.control.base_store,
+                                     f"accelpact/reconfigure/replicate/{self.rt.local_rank}/g{gen}", gen,
+                                     self.rt.collective_timeout_s)
+                self._renewed(ctx.old, gen)
+            ctx.new, ctx.in_place = ctx.old, ["replicate"]
+            return
         store = dist.PrefixStore(f"accelpact/replicate/{self.rt.local_rank}/g{gen}", self.rt.control.base_store)
         name = f"accelpact-replicate-{self.rt.local_rank}-g{gen}"
         ctx.new = tc.build_group(ctx.members, store, name, self.rt.collective_timeout_s, self.device)
 
     def rebind(self, ctx: RepairContext) -> None:
         """Every cached reference to the retired group now names the new one; none remains."""
-        if not ctx.member:
+        if not ctx.member or ctx.in_place:  # the same object, reconfigured: every cached reference holds
             return
         old, new = ctx.old, ctx.new
         if self.skip_rebind:
@@ -291,7 +306,7 @@ class RepairEngine:
         lead = min(ctx.ranks)
         mine: dict[str, Any] = {"ok": True}
         if self.rt.rank == lead:
-            mine["view"] = {"phases": ctx.durations, "rebound": sum(ctx.rebound.values())}
+            mine["view"] = {"phases": ctx.durations, "rebound": sum(ctx.rebound.values()), "in_place": ctx.in_place}
         ctx.released = True
         values = self.rt.control.all_gather(RELEASE, mine)
         failed = [(r, v.get("why", "?")) for r, v in enumerate(values) if not v.get("ok")]
@@ -325,6 +340,12 @@ class RepairEngine:
                 raise RepairError(f"validation all-reduce on the new {name} group ({dev.type}) gave {int(t)}, "
                                   f"expected {pg.size()}")
 
+    def _renewed(self, pg: dist.ProcessGroup, generation: int) -> None:
+        """Tell the rank's collective detector that ``pg`` runs on a new transport now (it gave the old one up)."""
+        detector = getattr(self.rt, "detector", None)
+        if detector is not None:
+            detector.renewed(pg, generation)
+
     def _retire(self, ctx: RepairContext) -> None:
         """After the release: unregister the replaced groups; an NCCL communicator is aborted in the background."""
         for pg in ctx.retired:
@@ -355,8 +376,11 @@ class RepairEngine:
 
         res = replace_broken_groups(self.model, self.fsdp, store=rt.control.base_store,
                                     tag=f"accelpact/l1/g{rt.control.generation}", timeout_s=rt.collective_timeout_s,
-                                    mesh=rt.mesh, on_rebound=rebound, retire=False, device=self.device)
-        ctx.member, ctx.new = True, res.new
+                                    mesh=rt.mesh, on_rebound=rebound, retire=False, device=self.device,
+                                    reconfigure_uuid=rt.control.generation)
+        ctx.member, ctx.new, ctx.in_place = True, res.new, list(res.in_place)
+        for dim in res.in_place:
+            self._renewed(res.new[dim], rt.control.generation)
         ctx.replace_parts = dict(res.seconds)
         ctx.retired = list(res.old.values())
         ctx.rebound = dict(res.rebound)

@@ -20,6 +20,8 @@ tree); FSDP2's ``mesh_info.shard_process_group`` (and ``reduce_scatter_process_g
 
 Discarding a failed iteration (:func:`fsdp1_discard_iteration`, :func:`fsdp2_discard_iteration`) and
 the fault injection's patch point (:func:`replication_all_reduce_sites`) live here for the same reason.
+On torch 2.14.1+ a Gloo group is given a new transport in place instead (:func:`can_reconfigure`,
+:func:`reconfigure_group`, from :mod:`accelpact_slurm.repair.group_reconfigure`): then no slot is rebound.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from torch import nn
 
 from accelpact_slurm.repair.collective_tap import (  # noqa: F401 - re-exported: the one shim
     TAPPED_METHODS, install_collective_tap, remove_collective_tap)
+from accelpact_slurm.repair.group_reconfigure import (  # noqa: F401 - re-exported: the one shim
+    can_reconfigure, reconfigure_group, reconfigured_uuid)
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +228,17 @@ def fsdp2_param_groups(model: nn.Module) -> list[object]:
             if groups is None:  # older torch: one group or None
                 groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
             out.extend(groups)
+    return out
+
+
+def fsdp2_separate_reduce_scatter_groups(model: nn.Module) -> list[dist.ProcessGroup]:
+    """The distinct groups ``set_separate_reduce_scatter_group`` gave FSDP2's reduce-scatter (in
+    ``mesh_info.reduce_scatter_process_group``; none by default, when it runs on the shard group)."""
+    out: list[dist.ProcessGroup] = []
+    for info in fsdp2_mesh_infos(model):
+        pg = getattr(info, "reduce_scatter_process_group", None)
+        if pg is not None and pg is not getattr(info, "shard_process_group", None) and all(pg is not x for x in out):
+            out.append(pg)
     return out
 
 

@@ -293,6 +293,18 @@ class Detector:
             self.state.done = {x.name: x.done for x in self._known.values()}
         return g
 
+    def renewed(self, pg: Any, generation: int) -> None:
+        """A repair gave ``pg`` a new transport in place (reconfigured, the same object): no longer given up, and
+        numbered afresh under a name of this generation's, so that no peer compares its counts with the old
+        transport's.  Every member calls this with the same ``generation``."""
+        self._abandoned.discard(id(pg))
+        for dim, g in list(self._known.items()):
+            if g.pg is pg:
+                fresh = _Group(pg, dim, g.members)
+                fresh.name = f"{getattr(pg, 'group_name', dim)}@g{generation}"
+                self._known[dim] = fresh
+        self.state.done = {x.name: x.done for x in self._known.values()}
+
     # ------------------------------------------------------------------ fault injection
 
     def stall_next(self, dim: str = "replicate") -> None:

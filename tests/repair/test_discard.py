@@ -46,6 +46,8 @@ VOTE_S = 20.0  # a vote waits past the collective timeout (plus stalls)
 DEADLINE_S = 150.0
 WRAPPINGS = ("fsdp1_mesh", "fsdp1_pair", "fsdp2_mesh")
 VARIANTS = ("reference", "repair", "no_rng", "no_discard", "partial")
+# FSDP2 with set_separate_reduce_scatter_group: its reduce-scatter on a group of its own, replaced too.
+SCENARIOS = [(w, v) for w in WRAPPINGS for v in VARIANTS] + [("fsdp2_rs", "reference"), ("fsdp2_rs", "repair")]
 
 pytestmark = pytest.mark.multiproc
 
@@ -95,12 +97,19 @@ def _fresh_groups(rank, mesh, store, tag):
 def _wrap(wrapping, mesh, shard, rep):
     torch.manual_seed(0)
     net = Net()
-    if wrapping == "fsdp2_mesh":
+    if wrapping in ("fsdp2_mesh", "fsdp2_rs"):
         from torch.distributed.fsdp import fully_shard
+
+        from accelpact_slurm.repair import torch_compat as tc
 
         for b in net.blocks:
             fully_shard(b, mesh=mesh)
-        return fully_shard(net, mesh=mesh), "fsdp2"
+        model = fully_shard(net, mesh=mesh)
+        if wrapping == "fsdp2_rs":
+            model.set_separate_reduce_scatter_group()
+            for pg in tc.fsdp2_separate_reduce_scatter_groups(model):
+                tc.set_group_timeout(pg, TIMEOUT_S)
+        return model, "fsdp2"
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -227,10 +236,15 @@ def _scenario(rank, mesh, store, wrapping, variant):
             event.update(rebound=new.rebound, retired=new.retired, replace_s=new.seconds,
                          discard_s=t1 - t0, discard_replace_s=t2 - t0,
                          groups_now=[tc.group_name(g) for g in tc.hsdp_groups(model, fsdp)],
+                         rs_groups=[tc.group_name(g) for g in tc.fsdp2_separate_reduce_scatter_groups(model)]
+                         if fsdp == "fsdp2" else [],
                          holder_follows=[holder["shard"], holder["replicate"]] == list(tc.hsdp_groups(model, fsdp)))
             if variant != "no_rng":
                 torch.set_rng_state(rng)
     out["digest"] = _digest(model, optimizer)
+    if fsdp == "fsdp2":
+        out["rs_first"] = [tc.group_name(g) for g in tc.fsdp2_separate_reduce_scatter_groups(model)]
+        out["shard_first"] = tc.group_name(tc.hsdp_groups(model, fsdp)[0])
     if variant == "reference":
         out["scan_control"] = _rebinders_without_shard_slots(model, fsdp, mesh, store, f"{tag}-scan")
     return out
@@ -264,15 +278,14 @@ def _worker(rank: int, port: int, store_port: int, out_dir: str) -> None:
     store = dist.TCPStore("127.0.0.1", store_port, WORLD, rank == 0, timeout=timedelta(seconds=60))
     try:
         mesh = init_device_mesh("cpu", (WORLD // RPN, RPN), mesh_dim_names=("replicate", "shard"))
-        for wrapping in WRAPPINGS:
-            for variant in VARIANTS:
-                key = f"{wrapping}/{variant}"
-                try:
-                    results[key] = _scenario(rank, mesh, store, wrapping, variant)
-                except BaseException as exc:  # reported to the test through the result file
-                    results[key] = {"fail": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-                # Every rank starts the next scenario together (a scenario may end early on one rank).
-                _barrier(store, f"{key}/done", rank)
+        for wrapping, variant in SCENARIOS:
+            key = f"{wrapping}/{variant}"
+            try:
+                results[key] = _scenario(rank, mesh, store, wrapping, variant)
+            except BaseException as exc:  # reported to the test through the result file
+                results[key] = {"fail": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+            # Every rank starts the next scenario together (a scenario may end early on one rank).
+            _barrier(store, f"{key}/done", rank)
     finally:
         with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as fh:
             json.dump(results, fh)
@@ -323,6 +336,18 @@ def test_repaired_run_is_bitwise_the_uninterrupted_one(runs, wrapping):
         assert rep[r]["events"][0]["error"].startswith("RuntimeError"), rep[r]["events"][0]
     # ... and at least one only once the collective timeout had passed
     assert max(rep[r]["events"][0]["raised_after_s"] for r in peers) >= TIMEOUT_S * 0.9, rep
+
+
+def test_a_separate_reduce_scatter_group_is_replaced_too_and_the_redo_is_bitwise(runs):
+    ref, rep = _get(runs, "fsdp2_rs", "reference"), _get(runs, "fsdp2_rs", "repair")
+    for r in range(WORLD):
+        (event,) = rep[r]["events"]
+        first = r // RPN * RPN  # the lowest member of this rank's shard group
+        assert event["rs_groups"] == [f"accelpact-reduce_scatter-{first}-fsdp2_rs-repair-u{FAULT_STEP}"], event
+        assert event["retired"] == 3, event  # replication, shard and reduce-scatter groups
+        assert rep[r]["digest"] == ref[r]["digest"], f"rank {r}: repaired run differs from the reference"
+    # The control: before the repair the reduce-scatter ran on a group of its own, not on the shard group.
+    assert ref[0]["rs_first"] and ref[0]["shard_first"] not in ref[0]["rs_first"], ref[0]
 
 
 @pytest.mark.parametrize("wrapping", WRAPPINGS)

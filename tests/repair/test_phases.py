@@ -191,7 +191,8 @@ def test_the_lead_sends_its_phase_timings_in_the_release():
     ctx.durations = {"observe": 0.5}
     engine.control_barrier(ctx)
     engine.validate(ctx)
-    assert control.calls == [("repair-release", {"ok": True, "view": {"phases": {"observe": 0.5}, "rebound": 0}})]
+    assert control.calls == [("repair-release", {"ok": True, "view": {"phases": {"observe": 0.5}, "rebound": 0,
+                                                                       "in_place": []}})]
 
 
 def test_a_failure_reported_in_the_release_fails_every_other_rank_stop():
