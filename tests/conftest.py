@@ -30,6 +30,16 @@ DECODER_JOB = os.path.join(REPO, "examples", "decoder", "job.yaml")
 VISION_JOB = os.path.join(REPO, "examples", "vision", "job.yaml")
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def wait_for(pred, timeout_s, what):
     """``pred()``'s first truthy value, polled until the deadline (then an AssertionError naming ``what``)."""
     deadline = time.monotonic() + timeout_s

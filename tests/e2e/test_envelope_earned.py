@@ -10,29 +10,20 @@ when the shipped envelope lacks a key earned here, or when it holds one not earn
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 
 import pytest
 
 from accelpact_slurm.runtime import envelope as env_mod
-from tests.conftest import REPO
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.multiproc
-
-
-def _earn_module():
-    spec = importlib.util.spec_from_file_location("earn_envelope", os.path.join(REPO, "scripts", "earn_envelope.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_shipped_key_of_this_release_is_earned_again_by_real_trials(tmp_path, capsys):
     import torch
 
-    earn = _earn_module()
+    earn = load_script("earn_envelope")
     release = env_mod.release_of(torch.__version__)
     assert release in env_mod.SUPPORTED_RELEASES, (
         f"torch {torch.__version__} is outside the supported releases {env_mod.SUPPORTED_RELEASES}")

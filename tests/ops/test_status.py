@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -20,10 +19,9 @@ END_TS = 1700000488.2  # job_end of the sample run
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_status", os.path.join(REPO, "scripts", "bench_status.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.conftest import load_script
+
+    return load_script("bench_status")
 
 
 def _write_events(path, recs):
