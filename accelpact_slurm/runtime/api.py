@@ -184,6 +184,9 @@ class Run:
             self.wrapping = tc.wrapping(model)
         except ValueError as exc:
             raise UsageError("model", type(model).__name__, str(exc)) from None
+        if self.wrapping[0] == "fsdp2":  # a reduce-scatter group of its own (set_separate_reduce_scatter_group) is
+            for pg in tc.fsdp2_separate_reduce_scatter_groups(model):  # created with Gloo's 30-min default
+                tc.set_group_timeout(pg, rt.collective_timeout_s)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError("optimizer", type(optimizer).__name__, "pass a torch.optim.Optimizer over model.parameters()")
         self.statefuls = _statefuls(scheduler, state)
