@@ -32,6 +32,7 @@ from typing import Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from accelpact_slurm.core import settings  # noqa: E402
 from accelpact_slurm.runtime import envelope as env_mod  # noqa: E402
 
 DECODER_JOB = os.path.join(REPO, "examples", "decoder", "job.yaml")
@@ -85,8 +86,8 @@ def earn(python: str, work: str, *, out=sys.stdout, timeout_s: float = 900) -> t
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("ACCELPACT_ENVELOPE", None)
-    env.pop("ACCELPACT_QUALIFYING", None)
+    env.pop(settings.ENVELOPE, None)  # the trials' envelope is the one this script names
+    env.pop(settings.QUALIFYING, None)
     return env
 
 

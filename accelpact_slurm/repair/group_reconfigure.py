@@ -5,7 +5,8 @@ torch 2.14.1 and 2.15.0 let a ``ProcessGroup`` rebuild its communicator over a l
 for it.  The Python object stays the same, so every reference FSDP, DeviceMesh and the runtime cached to it stays
 valid: nothing is rebound, nothing is retired.  L1 gives a failed group the same members in the same order (its
 group ranks do not move), so none of c10d's rank bookkeeping goes stale either.  Where it is not available
-(torch 2.13, a group with an NCCL communicator: torch refuses groups of several backends, ``ACCELPACT_REPAIR_REBUILD=1``)
+(torch 2.13, a group with an NCCL communicator: torch refuses groups of several backends, or the rebuild
+setting :data:`accelpact_slurm.core.settings.REPAIR_REBUILD` turned on)
 the repair builds a new group and rebinds every reference (:func:`torch_compat.build_group`, :mod:`rebind`).
 
 The call is private and documented as experimental in both releases; this module is the one place that makes it
