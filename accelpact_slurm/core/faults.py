@@ -14,7 +14,11 @@ Switches (all off by default):
 - ``ACCELPACT_TEST_SKIP_REBIND=1``: the repair skips rebinding and its invariant scan.
 - ``ACCELPACT_TEST_SKIP_DISCARD=1``: the repair of a backward fault skips discarding the update (FSDP's
   per-iteration state and the gradients stay); ``ACCELPACT_TEST_SKIP_REDO_RNG=1``: the update runs again
-  without the RNG states it began with (negative controls of the backward-fault tests).
+  without the RNG states it began with (negative controls of the backward-fault tests);
+  ``ACCELPACT_TEST_SKIP_BUFFER_RESTORE=1``: it runs again over the buffers its discarded forward changed
+  (batch-norm statistics: the negative control of the buffer tests).
+- ``ACCELPACT_TEST_SKIP_RANK_BUFFERS=1``: snapshots hold no per-rank buffers (each rank resumes with the
+  snapshot's one copy: the negative control of the per-rank buffer test).
 - ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1``: restore loads weights and optimizer but not the extra state
   (RNG, data loader, scheduler, user state): the negative control of the bitwise-resume tests.
 - ``ACCELPACT_CKPTD_PAUSE_AT=PHASE[:STEP]``: the daemon writes ``<node dir>/.paused-PHASE`` and blocks there.
@@ -50,6 +54,8 @@ NO_RESTORE_COPY = "ACCELPACT_TEST_NO_RESTORE_COPY"
 SKIP_DISCARD = "ACCELPACT_TEST_SKIP_DISCARD"
 SKIP_REDO_RNG = "ACCELPACT_TEST_SKIP_REDO_RNG"
 SKIP_EXTRA_RESTORE = "ACCELPACT_TEST_SKIP_EXTRA_RESTORE"
+SKIP_BUFFER_RESTORE = "ACCELPACT_TEST_SKIP_BUFFER_RESTORE"
+SKIP_RANK_BUFFERS = "ACCELPACT_TEST_SKIP_RANK_BUFFERS"
 PAUSE_AT = "ACCELPACT_CKPTD_PAUSE_AT"
 KILL_AFTER_STAGED = "ACCELPACT_CKPT_KILL_AFTER_STAGED"
 CORRUPT_CAPTURE = "ACCELPACT_CKPT_CORRUPT_CAPTURE"
@@ -75,6 +81,8 @@ class TestFaults:
     skip_discard: bool = False
     skip_redo_rng: bool = False
     skip_extra_restore: bool = False
+    skip_buffer_restore: bool = False
+    skip_rank_buffers: bool = False
     pause_at: tuple[str, int | None] | None = None
     kill_after_staged: tuple[int, int] | None = None
     corrupt_capture: tuple[int, int] | None = None
@@ -120,6 +128,8 @@ class TestFaults:
             skip_discard=env.get(SKIP_DISCARD) == "1",
             skip_redo_rng=env.get(SKIP_REDO_RNG) == "1",
             skip_extra_restore=env.get(SKIP_EXTRA_RESTORE) == "1",
+            skip_buffer_restore=env.get(SKIP_BUFFER_RESTORE) == "1",
+            skip_rank_buffers=env.get(SKIP_RANK_BUFFERS) == "1",
             pause_at=pause,
             kill_after_staged=_pair(env, KILL_AFTER_STAGED),
             corrupt_capture=_pair(env, CORRUPT_CAPTURE),

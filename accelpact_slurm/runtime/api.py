@@ -38,6 +38,7 @@ from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailSto
 from accelpact_slurm.core.events import EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime import appstate, replay
+from accelpact_slurm.runtime.buffers import forward_state
 from accelpact_slurm.runtime import envelope as env_mod
 from accelpact_slurm.runtime.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
                                             log_exception)
@@ -154,6 +155,7 @@ class Update:
             log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", job.rank, self.step)
             os.kill(os.getpid(), signal.SIGSTOP)
         self.rng = appstate.rng_snapshot()  # an update discarded by L1 runs again with these
+        self.run._forward.keep()  # and over these buffers (batch-norm statistics its forward changes)
         self.run._current = self
         self.run._tracker.begin(self.step)
         return self
@@ -190,6 +192,7 @@ class Run:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError("optimizer", type(optimizer).__name__, "pass a torch.optim.Optimizer over model.parameters()")
         self.statefuls = _statefuls(scheduler, state)
+        self._forward = forward_state(model, job._faults)
         self.step, self.epoch = 0, 0
         self.losses: list[float | None] = []
         # RNG states are the project's: every rank draws its own stream from the job's seed (a reload overrides it).
@@ -294,10 +297,13 @@ class Run:
     # ------------------------------------------------------------------ state
 
     def _extra(self) -> dict[str, Any]:
-        """This rank's non-tensor state for a snapshot (JSON-able)."""
-        return {"run": {"step": self.step, "epoch": self.epoch, "losses": list(self.losses)},
-                "rank": {"rng": appstate.rng_state(),
-                         "state": {n: appstate.encode(o.state_dict(), f"state[{n!r}]") for n, o in self.statefuls.items()}}}
+        """This rank's non-tensor state for a snapshot (JSON-able), with the buffers only this rank holds."""
+        rank = {"rng": appstate.rng_state(),
+                "state": {n: appstate.encode(o.state_dict(), f"state[{n!r}]") for n, o in self.statefuls.items()}}
+        own = self._forward.per_rank()
+        if own:  # batch-norm statistics: the sharded state dict holds one copy of a buffer
+            rank["buffers"] = appstate.encode(own, "buffers")
+        return {"run": {"step": self.step, "epoch": self.epoch, "losses": list(self.losses)}, "rank": rank}
 
     def _load(self, path: str) -> None:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
@@ -318,6 +324,10 @@ class Run:
         for name, obj in self.statefuls.items():
             if name in mine["state"]:
                 obj.load_state_dict(appstate.decode(mine["state"][name]))
+        if "buffers" in mine:
+            missing = self._forward.load(appstate.decode(mine["buffers"]))
+            if missing:
+                log.warning("snapshot %s holds buffers this model does not have: %s", path, ", ".join(missing[:5]))
 
     # ------------------------------------------------------------------ the end of an update
 
@@ -348,6 +358,7 @@ class Run:
         if outcome == "redo":
             if not job._faults.skip_redo_rng:
                 appstate.rng_restore(update.rng)
+            self._forward.restore()
             self._redo = True
         elif update.need_fp:
             self._replay_bookkeeping(self.step, update.step, mean, [d.get("fp") for d in raw])

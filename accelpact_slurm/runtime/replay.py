@@ -28,14 +28,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from accelpact_slurm.runtime.buffers import buffer_items
 from accelpact_slurm.runtime.restore import same_bits
 
 log = logging.getLogger(__name__)
 
 
 def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
-    """SHA-256 over this rank's local shards of the parameters, their reduced gradients and the optimizer
-    state: per tensor, the float64 sum and a position-weighted sum (a permutation or cancelling changes inside a
+    """SHA-256 over this rank's local shards of the parameters, their reduced gradients, the optimizer
+    state and the rank's persistent buffers (batch-norm statistics, after the update's forward): per tensor, the float64 sum and a position-weighted sum (a permutation or cancelling changes inside a
     shard move the second).  Taken at the update's vote, before its step: these determine the step exactly.
     Cheap, and exact for the same bits."""
     h = hashlib.sha256()
@@ -51,11 +52,13 @@ def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
                     v = state[k]
                     if isinstance(v, torch.Tensor):
                         _hash_local(h, f"{names.get(id(p), '?')}.{k}", v)
+        for name, buf in buffer_items(model):
+            _hash_local(h, f"buffer:{name}", buf)
     return FP_VERSION + h.hexdigest()
 
 
 #: Written before every fingerprint: one recorded by another way of computing it is not compared.
-FP_VERSION = "fp2:"
+FP_VERSION = "fp3:"
 #: Elements per chunk: the weighted sum runs over one cached weight vector of this length, in cache.
 _CHUNK = 1 << 20
 _weights: dict[Any, torch.Tensor] = {}
@@ -141,7 +144,8 @@ def judge(reference: Mapping[str, Any] | None, loss: float | None, fingerprints:
         bad = [r for r, (a, b) in enumerate(zip(fingerprints, reference["fingerprints"])) if a != b]
         if bad:
             return "mismatch", (f"replay mismatch at update {reference.get('step')}: the parameters of rank(s) "
-                                f"{bad} differ from the recorded ones")
+                                f"{bad} differ from the recorded ones (weights, reduced gradients, optimizer "
+                                f"state or buffers)")
         checked.append(f"parameters of all {len(fingerprints)} ranks")
     if not checked:
         return "unconfirmed", "the recorded update reported no loss and ran on another layout"

@@ -1,8 +1,9 @@
 """The training state's digest: one SHA-256 that names a training state.
 
 ``final_state_digest`` covers the full (unsharded) parameters and optimizer state, the committed
-frontier and epoch, every rank's ``Stateful`` states (scheduler, data loader, the user's own) and
-every rank's RNG states (``final_model_digest``: the same without the per-rank parts).  Two runs
+frontier and epoch, every rank's ``Stateful`` states (scheduler, data loader, the user's own),
+every rank's RNG states and every rank's persistent buffers (batch-norm running statistics differ per rank)
+(``final_model_digest``: the same without the per-rank parts).  Two runs
 that end in the same training state print the same digest, whatever happened on the way (repairs, restarts) and whatever the wrapping (FSDP1 on the mesh or
 the group pair, FSDP2): it hashes each full tensor, not the shards.
 
@@ -37,10 +38,17 @@ def _update_tensor(h: "hashlib._Hash", name: str, value: Any) -> None:
 
 
 def rank_fingerprint(run: Any) -> dict[str, str]:
-    """This rank's RNG and Stateful states, hashed."""
+    """This rank's RNG and Stateful states and its persistent buffers (batch-norm statistics differ per rank), hashed."""
     rng = hashlib.sha256(json.dumps(appstate.rng_state(), sort_keys=True).encode()).hexdigest()
     states = {n: appstate.encode(o.state_dict(), n) for n, o in run.statefuls.items()}
-    return {"rng": rng, "state": hashlib.sha256(json.dumps(states, sort_keys=True).encode()).hexdigest()}
+    out = {"rng": rng, "state": hashlib.sha256(json.dumps(states, sort_keys=True).encode()).hexdigest()}
+    items = run._forward.digest_items()
+    if items:
+        h = hashlib.sha256()
+        for name, buf in items:
+            _update_tensor(h, f"buffer:{name}", buf)
+        out["buffers"] = h.hexdigest()
+    return out
 
 
 def state_digest(run: Any) -> str | None:
@@ -90,4 +98,6 @@ def state_digests(run: Any) -> tuple[str | None, str | None]:
     model = h.hexdigest()
     for r, fp in enumerate(ranks):
         h.update(f"rank:{r}:{fp['rng']}:{fp['state']}".encode())
+        if "buffers" in fp:
+            h.update(f"rank:{r}:buffers:{fp['buffers']}".encode())
     return h.hexdigest(), model

@@ -127,7 +127,7 @@ def main(job: Job) -> None:
     k = int(p.get("accumulate", 1))
 
     model = VisionNet(classes=p["classes"], channels=p["channels"], dropout=p.get("dropout", 0.1),
-                      seed=job.seed).to(job.device)
+                      seed=job.seed, norm=p.get("norm", "group")).to(job.device)
     size = sum(t.numel() for t in model.parameters())
     model = shard(model, job, flavour)
     opt = torch.optim.SGD(model.parameters(), lr=p["lr"], momentum=p["momentum"], foreach=False)

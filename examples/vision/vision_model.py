@@ -2,9 +2,10 @@
 
 This is the second example user job's model code; it shares nothing with the
 reference causal decoder.  :class:`VisionNet` is a conv stem, three
-:class:`ConvBlock` residual units (each its own FSDP wrap unit), GroupNorm
-(never BatchNorm: its running buffers complicate sharding), global average
-pooling and a linear head, with dropout so that the RNG state matters.
+:class:`ConvBlock` residual units (each its own FSDP wrap unit), GroupNorm or
+BatchNorm (``norm="batch"``: running statistics the forward updates, a buffer
+per rank, since each rank sees its own batches), global average pooling and a
+linear head, with dropout so that the RNG state matters.
 
 Both halves are deterministic without touching the global RNG: weights come
 from an explicit generator seeded by ``seed`` (every rank builds bit-identical
@@ -19,6 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 _MASK63 = (1 << 63) - 1
+
+
+def make_norm(kind: str, channels: int) -> nn.Module:
+    """``"group"``: GroupNorm with 4 groups; ``"batch"``: BatchNorm2d (running statistics in buffers)."""
+    if kind == "group":
+        return nn.GroupNorm(4, channels)
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    raise ValueError(f"norm {kind!r}: use 'group' or 'batch'")
 
 
 def _mix(seed: int, index: int) -> int:
@@ -36,13 +46,14 @@ class ConvBlock(nn.Module):
         cout: Output channels.
         stride: 1 keeps the resolution, 2 halves it.
         dropout: Dropout probability inside the residual branch.
+        norm: ``"group"`` or ``"batch"`` (see :func:`make_norm`).
     """
 
-    def __init__(self, cin: int, cout: int, stride: int = 1, dropout: float = 0.1) -> None:
+    def __init__(self, cin: int, cout: int, stride: int = 1, dropout: float = 0.1, norm: str = "group") -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(4, cin)
+        self.norm1 = make_norm(norm, cin)
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.norm2 = nn.GroupNorm(4, cout)
+        self.norm2 = make_norm(norm, cout)
         self.drop = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
         self.skip = nn.Conv2d(cin, cout, 1, stride=stride, bias=False) if (cin != cout or stride != 1) else None
@@ -63,9 +74,11 @@ class VisionNet(nn.Module):
         channels: Width of the stem and the first block (later blocks use twice that).
         dropout: Dropout probability (residual branches and before the head).
         seed: Seed of the explicit generator every weight is drawn from.
+        norm: ``"group"`` or ``"batch"`` (see :func:`make_norm`).
     """
 
-    def __init__(self, classes: int = 10, channels: int = 16, dropout: float = 0.1, seed: int = 0) -> None:
+    def __init__(self, classes: int = 10, channels: int = 16, dropout: float = 0.1, seed: int = 0,
+                 norm: str = "group") -> None:
         super().__init__()
         c = channels
         # Module constructors run their default init on the global RNG: fork it so that
@@ -73,11 +86,11 @@ class VisionNet(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.stem = nn.Conv2d(3, c, 3, padding=1, bias=False)
             self.blocks = nn.ModuleList([
-                ConvBlock(c, c, 1, dropout),
-                ConvBlock(c, 2 * c, 2, dropout),
-                ConvBlock(2 * c, 2 * c, 1, dropout),
+                ConvBlock(c, c, 1, dropout, norm),
+                ConvBlock(c, 2 * c, 2, dropout, norm),
+                ConvBlock(2 * c, 2 * c, 1, dropout, norm),
             ])
-            self.norm = nn.GroupNorm(4, 2 * c)
+            self.norm = make_norm(norm, 2 * c)
             self.drop = nn.Dropout(dropout)
             self.head = nn.Linear(2 * c, classes)
         self.reset_parameters(seed)
@@ -97,7 +110,7 @@ class VisionNet(nn.Module):
         for name, p in sorted(self.named_parameters()):
             if name.endswith("bias"):
                 p.zero_()
-            elif p.dim() == 1:  # GroupNorm scale
+            elif p.dim() == 1:  # a norm's scale
                 p.fill_(1.0)
             else:
                 fan_in = p[0].numel()

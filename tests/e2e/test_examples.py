@@ -6,6 +6,11 @@ compute: fail-stop, relaunch, reload of the newest verified snapshot, replay che
 weights, the optimizer state, every rank's RNG, the scheduler and the data loader's position.
 Negative control: the same restart with the extra state's restore broken (and the replay check,
 which would catch it, switched off) ends elsewhere.
+
+The vision example runs with BatchNorm (``norm: batch``): its forward updates running statistics in buffers,
+and each rank's differ.  Its negative controls: the backward-fault redo without putting the buffers back ends
+elsewhere with the same losses; the restart without the per-rank buffers is caught by the replay check, and with
+that check off ends elsewhere (the digest covers every rank's buffers).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def _job(tmp: Path, example: str) -> str:
             text = text.replace(line, f"  every_steps: {every}", 1)
         if line.strip().startswith("collective_s:"):
             text = text.replace(line, "  collective_s: 3", 1)
+        if line.strip().startswith("norm:"):  # the vision example: buffers the forward changes, per rank
+            text = text.replace(line, "  norm: batch", 1)
     out = tmp / f"{example}.yaml"
     out.write_text(text)
     return str(out)
@@ -66,7 +73,14 @@ def runs(request, tmp_path_factory):
     out = {"example": example, "base": _run(tmp, config, "base"), "l1": _run(tmp, config, "l1", l1),
            "l1b": _run(tmp, config, "l1b", l1b), "l2": _run(tmp, config, "l2", l2),
            "broken": _run(tmp, config, "broken", l2, env=broken)}
-    for name in ("base", "l1", "l1b", "l2", "broken"):
+    names = ["base", "l1", "l1b", "l2", "broken"]
+    if example == "vision":  # the negative controls of the buffer guarantees (batch-norm statistics)
+        out["stale_buffers"] = _run(tmp, config, "stale_buffers", l1b, env={"ACCELPACT_TEST_SKIP_BUFFER_RESTORE": "1"})
+        out["shared_buffers"] = _run(tmp, config, "shared_buffers", l2, env={"ACCELPACT_TEST_SKIP_RANK_BUFFERS": "1"})
+        out["shared_unchecked"] = _run(tmp, config, "shared_unchecked", l2, env={
+            "ACCELPACT_TEST_SKIP_RANK_BUFFERS": "1", "ACCELPACT_TEST_SKIP_RELOAD_CHECK": "1"})
+        names += ["stale_buffers", "shared_buffers", "shared_unchecked"]
+    for name in names:
         r = out[name]
         assert r["proc"].returncode == 0, f"{example} {name}: " + r["proc"].stdout[-3000:] + r["proc"].stderr[-2000:]
     return out
@@ -122,6 +136,27 @@ def test_negative_control_without_the_extra_state_the_restart_ends_elsewhere(run
     assert broken["summary"]["final_state_digest"] != base["summary"]["final_state_digest"]
     assert broken["summary"]["losses"][:8] == base["summary"]["losses"][:8]
     assert broken["summary"]["losses"][8:] != base["summary"]["losses"][8:]  # the training itself went elsewhere
+
+
+def test_negative_controls_buffers_the_forward_changes_are_restored_on_a_redo_and_saved_per_rank(runs):
+    if runs["example"] != "vision":
+        pytest.skip("the decoder has no buffer its forward changes")
+    base, stale = runs["base"], runs["stale_buffers"]
+    # The redo ran over the running statistics its discarded forward had already updated: the same losses
+    # (a training-mode batch-norm normalises with the batch's statistics), another state.
+    assert _kinds(stale["events"], "repair")[0]["scope"] == "update"
+    assert stale["summary"]["losses"] == base["summary"]["losses"]
+    assert stale["summary"]["final_state_digest"] != base["summary"]["final_state_digest"]
+    # Without the per-rank buffers every rank of a node resumes with one rank's statistics: the replay check
+    # names the other ranks and rejects the snapshot ...
+    shared = runs["shared_buffers"]
+    checks = _kinds(shared["events"], "replay_check")
+    assert checks and checks[0]["snapshot"] == 8 and checks[0]["verdict"] == "mismatch", checks
+    assert "rank(s) [1, 3]" in checks[0]["reason"], checks[0]
+    # ... and with the check off the job ends elsewhere: the digest covers every rank's buffers.
+    unchecked = runs["shared_unchecked"]
+    assert _kinds(unchecked["events"], "restart_load")[0]["step"] == 8
+    assert unchecked["summary"]["final_state_digest"] != base["summary"]["final_state_digest"]
 
 
 @pytest.mark.parametrize("fsdp", ["fsdp1", "fsdp2"])

@@ -119,7 +119,7 @@ def test_a_forged_replay_ref_line_does_not_reject_a_good_snapshot(tmp_path):
     from accelpact_slurm.runtime import replay
 
     key = load_or_create_key(str(tmp_path))
-    ref = {"snapshot": 10, "step": 11, "loss": 2.5, "fingerprints": ["fp2:a", "fp2:b"], "layout": [1, 2]}
+    ref = {"snapshot": 10, "step": 11, "loss": 2.5, "fingerprints": [replay.FP_VERSION + "a", replay.FP_VERSION + "b"], "layout": [1, 2]}
     with EventLog(tmp_path / "events.jsonl") as ev:
         ev.emit("replay_ref", **ref, mac=replay.ref_mac(key, ref))
         ev.emit("replay_ref", **{**ref, "loss": 9.0}, mac="0" * 64)  # forged: a MAC she cannot compute
@@ -127,7 +127,7 @@ def test_a_forged_replay_ref_line_does_not_reject_a_good_snapshot(tmp_path):
     events = list(read_events(tmp_path / "events.jsonl"))
     got = replay.find_reference(events, 10, key)
     assert got is not None and got["loss"] == 2.5
-    assert replay.judge(got, 2.5, ["fp2:a", "fp2:b"], [1, 2])[0] == "match"
+    assert replay.judge(got, 2.5, [replay.FP_VERSION + "a", replay.FP_VERSION + "b"], [1, 2])[0] == "match"
     forged = replay.find_reference(events, 10)  # no key: the code before the fix
-    assert replay.judge(forged, 2.5, ["fp2:a", "fp2:b"], [1, 2])[0] == "mismatch"
+    assert replay.judge(forged, 2.5, [replay.FP_VERSION + "a", replay.FP_VERSION + "b"], [1, 2])[0] == "mismatch"
     assert replay.find_reference(events, 10, b"x" * 32) is None  # another run's key: nothing verifies
