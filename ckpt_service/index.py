@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from accelpact_slurm.core.atomic import fsync_dir, write_json_atomic  # noqa: F401  (re-exported)
+from accelpact_slurm.core.events import finite_number
 
-from ckpt_service.layout import DAEMON_FAILED_SUFFIX, INDEX_DIR, MANIFEST, STATE, step_of
+from ckpt_service.layout import DAEMON_FAILED_SUFFIX, INDEX_DIR, MANIFEST, STATE, step_name_problem, step_of
 from ckpt_service.retention import is_milestone
 from ckpt_service.safeio import is_plain_dir, read_json_why
 
@@ -80,7 +81,7 @@ def read_record(path: str, milestone_every: int = 0) -> SnapshotRecord | None:
     created = (manifest or {}).get("created")
     if manifest is None and state != "rejected":
         state, reason = "rejected", f"manifest.json missing or unreadable ({bad or 'not a JSON object'})"
-    if not isinstance(created, (int, float)):
+    if finite_number(created) is None:  # 1e400 or a 400-digit integer: float() overflows, or an age is inf
         try:
             created = os.path.getmtime(path)
         except OSError:
@@ -89,16 +90,33 @@ def read_record(path: str, milestone_every: int = 0) -> SnapshotRecord | None:
                           path=os.path.abspath(path), milestone=is_milestone(step, milestone_every), reason=reason)
 
 
-def scan(ndir: str, milestone_every: int = 0) -> list[SnapshotRecord]:
-    """Every committed snapshot of a node directory, by step (temporary and deleted ones never appear)."""
+def scan(ndir: str, milestone_every: int = 0, bad: list[tuple[str, str]] | None = None) -> list[SnapshotRecord]:
+    """Every committed snapshot of a node directory, by step (temporary and deleted ones never appear).
+
+    ``bad`` (when given) gets ``(path, why)`` for each entry named like a snapshot that is left out: a ``step-``
+    name of another form (eleven digits, other scripts' digits), or a step name that is a link or a file.
+    """
     try:
-        names = os.listdir(ndir)
+        names = sorted(os.listdir(ndir))
     except (FileNotFoundError, NotADirectoryError, PermissionError):  # no usable node directory: nothing to list
         return []
-    # A step name that is a link (to another user's folder, to /usr) or a file is no snapshot of this run.
-    out = [read_record(os.path.join(ndir, n), milestone_every) for n in names
-           if step_of(n) is not None and is_plain_dir(os.path.join(ndir, n))]
-    return sorted((r for r in out if r is not None), key=lambda r: r.step)
+    out = []
+    for n in names:
+        path = os.path.join(ndir, n)
+        if step_of(n) is None:
+            why = step_name_problem(n)
+            if why is not None and bad is not None:
+                bad.append((path, why))
+            continue
+        # A step name that is a link (to another user's folder, to /usr) or a file is no snapshot of this run.
+        if not is_plain_dir(path):
+            if bad is not None:
+                bad.append((path, "not a directory (a link or a file)"))
+            continue
+        rec = read_record(path, milestone_every)
+        if rec is not None:
+            out.append(rec)
+    return sorted(out, key=lambda r: r.step)
 
 
 def record_state(path: str, state: str, reason: str | None = None, **extra: Any) -> None:

@@ -30,9 +30,11 @@ STATE = "state.json"
 LOCK = "ckptd.lock"
 INDEX_DIR = "ckpt-index"
 DAEMON_FAILED_SUFFIX = ".daemon-failed.json"
-_STEP_RE = re.compile(r"^step-(\d{10})$")
+#: Ten ASCII digits: ``\d`` would take other scripts' digits too, and ``int()`` reads them.
+_STEP_RE = re.compile(r"^step-([0-9]{10})$")
+STEP_DIGITS = 10
 #: Steps the service accepts: step directory names hold ten digits.
-MAX_STEP = 10**10 - 1
+MAX_STEP = 10**STEP_DIGITS - 1
 
 
 def step_dirname(step: int) -> str:
@@ -43,6 +45,18 @@ def step_of(name: str) -> int | None:
     """The step of a committed snapshot directory name, ``None`` for anything else."""
     m = _STEP_RE.match(os.path.basename(name.rstrip("/")))
     return int(m.group(1)) if m else None
+
+
+def step_name_problem(name: str) -> str | None:
+    """Why a name that starts like a snapshot's (``step-``) is none the layout writes; ``None`` for a step name
+    or a name of another kind (``.tmp-``, ``manifest.json``)."""
+    base = os.path.basename(name.rstrip("/"))
+    if not base.startswith(STEP_PREFIX) or step_of(base) is not None:
+        return None
+    tail = base[len(STEP_PREFIX):]
+    if tail.isascii() and tail.isdigit():
+        return f"{len(tail)} digits, the layout writes {STEP_DIGITS}: no step of this service"
+    return f"not {STEP_DIGITS} ASCII digits after {STEP_PREFIX!r}: no step of this service"
 
 
 def node_dir(run_dir: str, node: str, local_dir: str | None = None) -> str:

@@ -106,8 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = EXIT_USAGE
     if args.json:  # stdout holds the document; people still see what was skipped
         for b in doc["bad_lines"]:
-            print(f"accelpact-cadence: {b['path']}:{b['lineno']}: skipped: {b['reason']}", file=sys.stderr)
+            print(f"accelpact-cadence: {_bad_line(b)}", file=sys.stderr)
     return rc
+
+
+def _bad_line(b: dict[str, Any]) -> str:
+    """One skipped line or file of the document, as :class:`BadLine` prints it (line 0: the whole file)."""
+    return str(BadLine(b["path"], b["lineno"], b["reason"]))
 
 
 # --------------------------------------------------------------------------- analysis
@@ -305,7 +310,7 @@ def render(doc: dict[str, Any]) -> str:
     out.append(f"Observed {cd.format_duration(observed or 0)} over {doc['runs']} run(s) ({srcs}); "
                f"{len(doc['bad_lines'])} bad line(s) skipped")
     for b in doc["bad_lines"][:20]:
-        out.append(f"  {b['path']}:{b['lineno']}: skipped: {b['reason']}")
+        out.append(f"  {_bad_line(b)}")
     if len(doc["bad_lines"]) > 20:
         out.append(f"  ... and {len(doc['bad_lines']) - 20} more (all of them are in --json)")
     if doc["classes"]:

@@ -14,10 +14,12 @@ This module must not import torch: login-node tools read it.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +30,8 @@ log = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
 SUMMARY_FILE = "summary.json"
 
-#: Event kinds and the fields each one carries beyond the common ones.
+#: Event kinds and the fields each one carries beyond the common ones: every kind the package emits
+#: (``tests/test_docs_paths.py`` reads the sources for the kinds emitted and fails on one not listed).
 EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "job_start": ("config", "world_size", "nodes", "ranks_per_node", "hostnames"),
     "membership": ("local_rank", "hostname", "pid"),
@@ -39,11 +42,13 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "warning": ("step", "reason"),
     "fault": ("phase", "step", "fault_rank", "error"),
     "repair": ("generation", "frontier", "ranks", "rebound", "phases", "total_s"),
+    "repair_rank": ("generation", "frontier", "member", "rebound", "total_s", "rss_bytes"),
     "fail_stop": ("reason", "exit_code", "cause", "phase", "frontier", "decision_s"),
     "detector": ("bounds_s", "slow_waits", "longest_wait_s", "verdicts"),
     "requeue": ("reason", "by"),
     "restart_load": ("step", "reason", "skipped"),
     "checkpoint": ("step", "state", "size_bytes", "path", "reason"),
+    "checkpoint_copy": ("step", "source", "path", "size_bytes", "copy_s", "hostname", "reason"),
     "shared_upload": ("step", "ok", "source", "path", "size_bytes", "copy_s", "reason", "pruned"),
     "snapshot": ("step", "blocking_s", "parts_s"),
     "job_end": ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code"),
@@ -117,7 +122,145 @@ class BadLine:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.lineno}: skipped: {self.reason}"
+        where = f"{self.path}:{self.lineno}" if self.lineno else self.path  # 0: the whole file
+        return f"{where}: skipped: {self.reason}"
+
+
+# --------------------------------------------------------------------------- bounded, non-blocking reads
+
+#: What a login-node tool reads of one event log (or Slurm log): the bytes past it are not read, and that is
+#: one bad line.  A gibibyte is some ten million events, tens of seconds of parsing; a log that large
+#: is not read to its end by a tool that must answer.
+READ_LIMIT = 1 << 30
+#: The longest line read (a job_start event of thousands of hosts is a few hundred kilobytes); a longer
+#: one is skipped without being held in memory.
+LINE_LIMIT = 16 << 20
+#: The largest JSON document read whole (``summary.json``, a node's ``ckpt-index/<node>.json``).
+JSON_FILE_LIMIT = 64 << 20
+
+
+class NotRegular(OSError):
+    """The path is a directory, a FIFO, a device or a socket: nothing a tool reads as a file."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """``(fd, fstat)`` of the regular file ``path`` opened read-only, never blocking.
+
+    ``O_NONBLOCK`` opens a FIFO at once instead of waiting for a writer; ``fstat`` on the very
+    descriptor then refuses anything that is not a regular file (a link is followed to what it names:
+    a link to ``/dev/zero`` is a device, refused).
+
+    Raises:
+        NotRegular: naming the path and what it is; FileNotFoundError and other OSErrors as they come.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise NotRegular(errno.EISDIR, "is a directory, not a regular file: not read") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file: not read")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_file(path: str, limit: int = JSON_FILE_LIMIT) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them (:func:`open_regular`).
+
+    Raises:
+        NotRegular: not a regular file, or more than ``limit`` bytes (the message says so); other OSErrors.
+    """
+    fd, st = open_regular(path)
+    try:
+        if st.st_size > limit:
+            raise NotRegular(errno.EFBIG, f"has {st.st_size} bytes, more than the {limit} read here: not read")
+        data = os.read(fd, limit + 1)
+        chunks = [data]
+        total = len(data)
+        while data and total <= limit:
+            data = os.read(fd, limit + 1 - total)
+            chunks.append(data)
+            total += len(data)
+        if total > limit:
+            raise NotRegular(errno.EFBIG, f"grew past the {limit} bytes read here: not read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_lines(path: str | os.PathLike[str], bad: list[BadLine] | None = None, *, limit: int = READ_LIMIT,
+               line_limit: int = LINE_LIMIT) -> Iterator[tuple[int, bytes]]:
+    """``(1-based line number, line)`` of a log, bounded and never blocking; a missing file yields nothing.
+
+    A path that is not a regular file (a directory, a FIFO), cannot be opened, or holds more than
+    ``limit`` bytes is one :class:`BadLine` in ``bad`` (line 0 for the whole file; past ``limit`` the
+    rest is not read); a line longer than ``line_limit`` bytes is one bad line, skipped without being
+    held in memory.  Never raises for what the file is or holds.
+    """
+    path = os.fspath(path)
+
+    def skip(lineno: int, reason: str) -> None:
+        if bad is not None:
+            bad.append(BadLine(path, lineno, reason))
+
+    try:
+        fd, _st = open_regular(path)
+    except FileNotFoundError:
+        return
+    except NotRegular as exc:
+        skip(0, str(exc.strerror))
+        return
+    except OSError as exc:
+        skip(0, f"cannot open: {exc.strerror or exc}")
+        return
+    past = f"past the first {limit} bytes (the most read of one log): the rest of the file is not read"
+    with os.fdopen(fd, "rb") as fh:
+        consumed, lineno = 0, 0
+        while True:
+            room = limit - consumed
+            if room <= 0:
+                if fh.read(1):
+                    skip(lineno + 1, past)
+                return
+            want = min(line_limit + 1, room)
+            try:
+                raw = fh.readline(want)
+            except OSError as exc:
+                skip(lineno + 1, f"cannot read: {exc.strerror or exc}")
+                return
+            if not raw:
+                return
+            consumed += len(raw)
+            lineno += 1
+            if raw.endswith(b"\n") or len(raw) < want:  # a whole line, or the file's last
+                yield lineno, raw
+                continue
+            if want == room and room <= line_limit:  # at the limit of the file, not of a line
+                if fh.read(1):
+                    skip(lineno, past)
+                else:  # the file's last line ends exactly there
+                    yield lineno, raw
+                return
+            while not raw.endswith(b"\n"):  # longer than line_limit: read past it, chunk by chunk
+                room = limit - consumed
+                if room <= 0:
+                    break
+                raw = fh.readline(min(1 << 20, room))
+                if not raw:
+                    break
+                consumed += len(raw)
+            skip(lineno, f"longer than {line_limit} bytes: not read")
 
 
 #: No event of ours nests deeper than a few levels (job_start's config and its params).  A deeper
@@ -180,29 +323,27 @@ def finite_number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def read_events(path: str | os.PathLike[str], bad: list[BadLine] | None = None) -> Iterator[dict[str, Any]]:
+def read_events(path: str | os.PathLike[str], bad: list[BadLine] | None = None, *,
+                limit: int = READ_LIMIT) -> Iterator[dict[str, Any]]:
     """Yield the events of a log in order, skipping malformed or truncated lines.
 
     Each skipped line is appended to ``bad`` (when given) with its line number and
-    why (:func:`parse_event_line`); the reader never raises on content.  A missing
+    why (:func:`parse_event_line`); the reader never raises on content, nor on what
+    the path is: a directory or a FIFO is one bad line (line 0), not a traceback or a
+    hang, and no more than ``limit`` bytes are read (:func:`read_lines`).  A missing
     file yields nothing.
     """
     path = os.fspath(path)
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with fh:
-        for lineno, raw in enumerate(fh, start=1):
-            text = raw.strip()
-            if not text:
-                continue
-            record, reason = parse_event_line(text)
-            if reason is not None:
-                if bad is not None:
-                    bad.append(BadLine(path, lineno, reason))
-                continue
-            yield record
+    for lineno, raw in read_lines(path, bad, limit=limit):
+        text = raw.strip()
+        if not text:
+            continue
+        record, reason = parse_event_line(text)
+        if reason is not None:
+            if bad is not None:
+                bad.append(BadLine(path, lineno, reason))
+            continue
+        yield record
 
 
 def parse_event_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable
 
-from accelpact_slurm.core.events import EVENTS_FILE, BadLine, finite_number, read_events
+from accelpact_slurm.core.events import EVENTS_FILE, BadLine, finite_number, read_events, read_lines
 
 COMM_COMMITTED = "comm_committed"  # communicator fault at a committed boundary: L1-eligible
 UNCOMMITTED = "uncommitted"  # fault in forward/backward/optimizer: L2 by design
@@ -243,9 +243,11 @@ class EventScan:
 
 
 def events_path(path: str | os.PathLike[str]) -> str:
-    """A run directory stands for its ``events.jsonl``."""
+    """A run directory stands for its ``events.jsonl`` (a directory named ``events.jsonl`` is that, refused)."""
     path = os.fspath(path)
-    return os.path.join(path, EVENTS_FILE) if os.path.isdir(path) else path
+    if os.path.isdir(path) and os.path.basename(os.path.normpath(path)) != EVENTS_FILE:
+        return os.path.join(path, EVENTS_FILE)
+    return path
 
 
 def scan_events(paths: Iterable[str | os.PathLike[str]], bad: list[BadLine], scan: EventScan | None = None) -> EventScan:
@@ -437,20 +439,18 @@ def build_history(slurm_runs: list[SlurmRun], scan: EventScan) -> History:
 
 
 def _lines(path: str, bad: list[BadLine]) -> Iterable[tuple[int, str]]:
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        bad.append(BadLine(path, 0, f"cannot open: {exc.strerror or exc}"))
+    """The non-empty lines of a Slurm log, decoded; bounded and never blocking (:func:`read_lines`)."""
+    if not os.path.exists(path):
+        bad.append(BadLine(path, 0, "no such file"))
         return
-    with fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError:
-                bad.append(BadLine(path, lineno, "not UTF-8"))
-                continue
-            if line.strip():
-                yield lineno, line
+    for lineno, raw in read_lines(path, bad):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            bad.append(BadLine(path, lineno, "not UTF-8"))
+            continue
+        if line.strip():
+            yield lineno, line
 
 
 def _slurm_time(text: str) -> float | None:

@@ -25,7 +25,8 @@ from typing import Any, Iterable, Mapping
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
 from accelpact_slurm.core.events import (
-    EVENTS_FILE, SUMMARY_FILE, BadLine, TooDeep, finite_number, parse_json, read_events,
+    EVENTS_FILE, JSON_FILE_LIMIT, SUMMARY_FILE, BadLine, NotRegular, TooDeep, finite_number, parse_json, read_events,
+    read_file,
 )
 from ckpt_service.index import SHARED_SOURCE, restart_source, scan
 from ckpt_service.layout import DAEMON_FAILED_SUFFIX, shared_dir
@@ -212,7 +213,7 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
     nodes = _read_index(os.path.join(run_dir, INDEX_DIR), bad, now)
     all_snaps = [s for n in nodes for s in n["snapshots"]]
     best, best_reason = newest_verified(all_snaps)
-    shared = _read_shared(run_dir, ev["shared_dir"], ev["milestone_every"], now)
+    shared = _read_shared(run_dir, ev["shared_dir"], ev["milestone_every"], now, bad)
     restart_step, restart_from, restart_why = restart_source(
         {**{n["node"]: n["snapshots"] for n in nodes}, SHARED_SOURCE: shared["snapshots"]})
     common, common_why = newest_common({n["node"]: [s["step"] for s in n["snapshots"] if s["state"] == "verified"]
@@ -231,8 +232,11 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
     if stale and dir_state == "RUNNING":
         dir_state = "STALE"
     warnings = []
-    if bad:
-        warnings.append(f"{len(bad)} unreadable line(s) skipped")
+    files = sum(b.lineno == 0 for b in bad)  # line 0: a whole file (a directory, a FIFO), each one in bad_lines
+    counts = ([f"{len(bad) - files} unreadable line(s)"] if len(bad) > files else []) + \
+        ([f"{files} unreadable file(s)"] if files else [])
+    if counts:
+        warnings.append(f"{' and '.join(counts)} skipped")
     if not os.path.isdir(run_dir):
         warnings.append(f"no run directory {run_dir}")
 
@@ -465,20 +469,28 @@ def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str
     return nodes
 
 
-def _read_shared(run_dir: str, configured: str | None, milestone_every: int, now: float) -> dict[str, Any]:
-    """The shared tier's snapshots (``scan``: the records beside the data), in the index's snapshot form."""
+def _read_shared(run_dir: str, configured: str | None, milestone_every: int, now: float,
+                 bad: list[BadLine]) -> dict[str, Any]:
+    """The shared tier's snapshots (``scan``: the records beside the data), in the index's snapshot form; an entry
+    named like a snapshot that is none (``step-`` and eleven digits, a step name that is a file) is one bad line."""
     where = shared_dir(run_dir, configured)
+    odd: list[tuple[str, str]] = []
     snaps = [{"node": SHARED_SOURCE, "step": r.step, "state": r.state, "size_bytes": r.size_bytes,
               "created": r.created, "age_s": now - r.created, "path": r.path, "milestone": r.milestone,
-              "reason": r.reason} for r in scan(where, milestone_every)]
+              "reason": r.reason} for r in scan(where, milestone_every, bad=odd)]
+    bad.extend(BadLine(path, 0, why) for path, why in odd)
     return {"dir": where, "snapshots": snaps, "counts": _count_states(snaps)}
 
 
 def _read_json(path: str, bad: list[BadLine]) -> Any:
+    """The JSON document at ``path``; ``None`` when it is missing, or with one bad line when it is not a regular
+    file of at most :data:`~accelpact_slurm.core.events.JSON_FILE_LIMIT` bytes (a FIFO must not block the status)."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_file(path, JSON_FILE_LIMIT)
     except FileNotFoundError:
+        return None
+    except NotRegular as exc:
+        bad.append(BadLine(path, 0, str(exc.strerror)))
         return None
     except OSError as exc:
         bad.append(BadLine(path, 0, f"cannot read: {exc.strerror or exc}"))

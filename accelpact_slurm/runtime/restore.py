@@ -6,7 +6,9 @@ Who calls: every rank, before the training loop, at the same point (collective):
 The steps, in this order on every rank (each round is one control-plane ``all_gather``):
 
 1. **offer**: every rank lists the snapshots it can reach, its node directory first, then the
-   shared tier (:func:`reachable_verified`), with the state of those it cannot use
+   shared tier (:func:`reachable_verified`; an entry that cannot be a snapshot of this run, e.g. a step
+   name of eleven digits or a step beyond the job's last update, is skipped with one warning line:
+   :func:`candidates`), with the state of those it cannot use
    (``rejected``, ``committed``).  An offer names each copy by its step and place (``node`` or
    ``shared``), never by a path: every rank derives the paths it opens from its own layout
    (:meth:`StateIO.path_of`: a real directory right inside its node directory or the shared tier), and
@@ -69,7 +71,7 @@ from ckpt_service.layout import node_dir, shared_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["reachable_verified", "restore", "newest_verified", "common_step", "plan", "agree",
+__all__ = ["candidates", "reachable_verified", "restore", "newest_verified", "common_step", "plan", "agree",
            "reload", "ReloadOutcome"]
 _MAX_HOSTS_NAMED = 4
 
@@ -77,29 +79,56 @@ _MAX_HOSTS_NAMED = 4
 # --------------------------------------------------------------------------- what this rank can reach
 
 
-def reachable_verified(ndir: str, sdir: str) -> dict[int, str]:
-    """``{step: path}`` of verified snapshots this rank can load; the node's copy wins over the shared tier."""
-    out: dict[int, str] = {}
+def candidates(ndir: str, sdir: str, max_step: int | None = None, warn: bool = True) -> list[Any]:
+    """The snapshot records of the shared tier, then of this node's directory, that may be loaded.
+
+    Left out, each with one warning line naming its path (``warn``): an entry named like a snapshot the
+    layout never writes (``step-`` and eleven digits, say), a step name that is no directory, and a step
+    beyond ``max_step`` (the job's number of updates: no snapshot of this run can hold a later one).
+    None of them reaches the re-check or the load.
+    """
+    out: list[Any] = []
+    bad: list[tuple[str, str]] = []
     for d in (sdir, ndir):
-        for rec in scan(d):
-            if rec.state == "verified":
-                out[rec.step] = rec.path
+        for rec in scan(d, bad=bad):
+            if max_step is not None and rec.step > max_step:
+                bad.append((rec.path, f"step {rec.step} is beyond the job's last update ({max_step}): no snapshot "
+                                      f"of this run"))
+                continue
+            out.append(rec)
+    if warn:
+        for path, why in bad:
+            log.warning("%s: %s, skipped", path, why)
     return out
 
 
-def make_offer(host: str, ndir: str, sdir: str) -> dict[str, Any]:
+def reachable_verified(ndir: str, sdir: str, max_step: int | None = None) -> dict[int, str]:
+    """``{step: path}`` of verified snapshots this rank can load; the node's copy wins over the shared tier."""
+    return _verified(candidates(ndir, sdir, max_step))
+
+
+def _verified(records: Sequence[Any]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for rec in records:  # the shared tier's first: the node's copy wins
+        if rec.state == "verified":
+            out[rec.step] = rec.path
+    return out
+
+
+def make_offer(host: str, ndir: str, sdir: str, max_step: int | None = None) -> dict[str, Any]:
     """This rank's contribution to the offer round (JSON): its verified copies and why others are unusable.
 
     A copy is named by its step and where it lies (:data:`WHERE`: this node's directory or the shared
     tier), never by a path: each rank derives the path of a copy from its own layout
-    (:meth:`StateIO.path_of`), so no path that came through the control plane is ever opened.
+    (:meth:`StateIO.path_of`), so no path that came through the control plane is ever opened.  Entries
+    that cannot be snapshots of this run are left out with one warning each (:func:`candidates`).
     """
-    verified = reachable_verified(ndir, sdir)
+    records = candidates(ndir, sdir, max_step)
+    verified = _verified(records)
     other: dict[int, tuple[str, str | None]] = {}
-    for d in (sdir, ndir):  # the node's record wins, as for verified copies
-        for rec in scan(d):
-            if rec.step not in verified:
-                other[rec.step] = (rec.state, rec.reason)
+    for rec in records:  # the node's record wins, as for verified copies
+        if rec.step not in verified:
+            other[rec.step] = (rec.state, rec.reason)
     node = os.path.abspath(ndir)
     return {"host": host, "verified": sorted([s, "node" if os.path.dirname(p) == node else "shared"]
                                              for s, p in verified.items()),
@@ -528,7 +557,8 @@ def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *
         log.warning("reload re-check and replay disabled (test-only fault injection)")
     timeout = max(cfg.timeouts.control_s, cfg.timeouts.startup_s)
     settle_pending(ndir, timeout)
-    offer = make_offer(rt.ctx.hostname, ndir, sdir)
+    steps = getattr(cfg, "steps", None)  # the job's number of updates: its last snapshot is of that step
+    offer = make_offer(rt.ctx.hostname, ndir, sdir, steps if isinstance(steps, int) and steps >= 0 else None)
     io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events, sdir)
     out = reload(rt.rank, offer, rt.control, io, check=check, copy=copy, timeout_s=timeout)
     if rt.rank == 0 and events is not None:
