@@ -3,7 +3,7 @@
 Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.api.Run`):
 
 1. ``SnapshotClient(cfg, rt, run_dir, events, model, optimizer, extra)`` after the user's
-   ``job.protect``;
+   ``job.protect`` (``rt``: the rank as the client reads it, :class:`accelpact_slurm.core.rank.RankContext`);
 2. ``after_commit(step)`` right after an update committed (collective on snapshot steps: the
    extra-state exchange goes over the control plane; on the first snapshot of a start also the
    capture proof, whose ``get_state_dict`` is an FSDP collective);
@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.core.rank import RankContext
 
 from ckpt_service import proof_cache, staging
 from ckpt_service.index import read_json
@@ -80,10 +81,10 @@ def join_handovers(timeout_s: float) -> int:
 
 
 class SnapshotClient:
-    def __init__(self, cfg: Any, rt: Any, run_dir: str, events: Any, model: Any, optimizer: Any,
+    def __init__(self, cfg: Any, rt: RankContext, run_dir: str, events: Any, model: Any, optimizer: Any,
                  extra: Callable[[], dict[str, Any]], faults: TestFaults = NO_FAULTS) -> None:
         self.cfg = cfg
-        self.rt = rt
+        self.rt: RankContext = rt  # what the client reads of the rank: nothing outside RankContext
         self.run_dir = run_dir
         self.events = events
         self.model = model

@@ -146,3 +146,191 @@ def test_negative_control_an_added_example_import_is_found(tmp_path):
     with open(tmp_path / "ckpt_service" / "writer.py", "a", encoding="utf-8") as fh:
         fh.write("\nfrom decoder_model import build_model  # noqa\n")
     assert library_imports_of_examples(str(tmp_path), example_modules()) == ["ckpt_service/writer.py: decoder_model"]
+
+
+# --------------------------------------------------------------------------- what each part reads from a rank
+
+# (file, the protocol through which it sees the rank): every rt.X / self.rt.X it reads must be a member.
+RANK_READERS = [
+    ("ckpt_service/client.py", "RankContext"),
+    ("accelpact_slurm/runtime/restore.py", "RankContext"),
+    ("accelpact_slurm/runtime/guard.py", "GuardRank"),
+    ("accelpact_slurm/runtime/recovery.py", "RecoveryRank"),
+    ("accelpact_slurm/repair/engine.py", "RepairRank"),
+]
+_RANK_NAMES = {"rt"}  # a local name for the rank; self.rt and self._rt are the rank held by an object
+_HELD = {"rt", "_rt"}
+
+
+def _chain(node) -> list[str] | None:
+    """``self.rt.ctx.hostname`` -> ``["ctx", "hostname"]`` (the attributes read of the rank); None when the
+    expression does not start at the rank."""
+    import ast
+
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    attrs.reverse()
+    if isinstance(node, ast.Name) and node.id in _RANK_NAMES:
+        return attrs
+    if isinstance(node, ast.Name) and node.id == "self" and attrs and attrs[0] in _HELD:
+        return attrs[1:]
+    return None
+
+
+def rank_uses(source: str, path: str = "<source>") -> tuple[set[tuple[str, ...]], set[tuple[str, ...]]]:
+    """``(reads, writes)``: every attribute path of the rank a module reads (``rt.layout.num_nodes``,
+    ``getattr(self.rt, "device", None)``) and every one it assigns to (``rt.replicate_group = ...``)."""
+    import ast
+
+    tree = ast.parse(source, path)
+    reads: set[tuple[str, ...]] = set()
+    writes: set[tuple[str, ...]] = set()
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # only whole chains count
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain = _chain(node)
+            if chain:
+                (writes if isinstance(node.ctx, (ast.Store, ast.Del)) else reads).add(tuple(chain))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
+            chain = _chain(node.args[0])
+            if chain is not None:
+                (writes if node.func.id == "setattr" else reads).add((*chain, node.args[1].value))
+    # a chain read only as the value of a longer one (rt.ctx of rt.ctx.hostname) is in the longer one already
+    return reads, writes
+
+
+def _nested(proto: type, name: str) -> type | None:
+    """The protocol a member of ``proto`` is typed with (``RankContext.ctx`` -> ``JobIdentity``), if any."""
+    import typing
+
+    member = getattr(proto, name)
+    fn = member.fget if isinstance(member, property) else None
+    if fn is None:
+        return None
+    hint = typing.get_type_hints(fn).get("return")
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and getattr(t, "_is_protocol", False):
+            return t
+    return None
+
+
+def outside_protocol(reads: set[tuple[str, ...]], proto: type) -> list[str]:
+    """The paths of ``reads`` that ``proto`` (and the protocols of its members) do not declare."""
+    from accelpact_slurm.core.rank import protocol_members
+
+    bad = []
+    for path in sorted(reads):
+        current: type | None = proto
+        for i, name in enumerate(path):
+            if current is None:
+                break  # typed Any here: what is read of it is not the rank's business
+            if name not in protocol_members(current):
+                bad.append(".".join(path[:i + 1]))
+                break
+            current = _nested(current, name)
+    return bad
+
+
+def _source(rel: str, root: str = REPO) -> str:
+    with open(os.path.join(root, rel), encoding="utf-8") as fh:
+        return fh.read()
+
+
+@pytest.mark.parametrize("path,proto", RANK_READERS, ids=[p for p, _ in RANK_READERS])
+def test_each_part_reads_only_its_protocol_of_the_rank(path, proto):
+    from accelpact_slurm.core import rank
+
+    reads, writes = rank_uses(_source(path), path)
+    assert reads, f"{path}: no read of the rank found (the scan lost track of it)"
+    assert outside_protocol(reads, getattr(rank, proto)) == [], f"{path} reads the rank outside {proto}"
+    assert writes == set(), f"{path} assigns to the rank: {sorted(writes)}"
+
+
+def test_the_checkpoint_client_reads_what_it_needs_of_the_rank():
+    """Positive control of the scan: the client's known reads are all found, nested ones included."""
+    reads, _ = rank_uses(_source("ckpt_service/client.py"))
+    assert {("ctx", "hostname"), ("ctx", "job_id"), ("ctx", "restart_count"), ("ctx", "nodelist"), ("local_rank",),
+            ("rank",), ("node",), ("layout", "world_size"), ("layout", "shard_ranks"), ("control", "all_gather"),
+            ("control", "barrier")} <= reads, sorted(reads)
+
+
+@pytest.mark.parametrize("line,found", [
+    ("self.rt.hardware", "hardware"),  # a member of the runtime, not of the client's protocol
+    ("rt.ctx.step_id", "ctx.step_id"),
+    ("getattr(self.rt.layout, 'mesh', None)", "layout.mesh"),
+    ("self.rt.control.set_generation(0)", "control.set_generation"),
+])
+def test_negative_control_a_read_outside_the_protocol_is_found(line, found):
+    from accelpact_slurm.core.rank import RankContext
+
+    text = _source("ckpt_service/client.py") + f"\n\ndef _added(self, rt):\n    return {line}\n"
+    assert outside_protocol(rank_uses(text)[0], RankContext) == [found]
+
+
+def test_negative_control_an_assignment_to_the_rank_is_found():
+    text = _source("accelpact_slurm/repair/engine.py") + (
+        "\n\ndef _added(self, new):\n    self.rt.replicate_group = new\n    rt = self.rt\n"
+        "    rt.shard_group, rt.mesh = new, new\n")
+    assert rank_uses(text)[1] == {("replicate_group",), ("shard_group",), ("mesh",)}
+
+
+def test_the_runtime_class_has_every_member_of_each_protocol():
+    """Checked on the classes (a built runtime: the next test): the runtime, its layout, its control plane, its
+    fault detector and its Slurm context each declare what the protocols name."""
+    from accelpact_slurm.core import rank
+    from accelpact_slurm.runtime.collectives import Detector
+    from accelpact_slurm.runtime.control import ControlPlane
+    from accelpact_slurm.runtime.topology import Layout, Runtime
+    from accelpact_slurm.slurm.env import SlurmContext
+
+    def declared(cls) -> set[str]:
+        return set(getattr(cls, "__dataclass_fields__", {})) | set(dir(cls))
+
+    for proto, cls in [(rank.RankContext, Runtime), (rank.RepairRank, Runtime), (rank.GuardRank, Runtime),
+                       (rank.RecoveryRank, Runtime), (rank.RankLayout, Layout), (rank.JobIdentity, SlurmContext),
+                       (rank.RepairControl, ControlPlane), (rank.ControlRounds, ControlPlane),
+                       (rank.GroupDetector, Detector)]:
+        missing = rank.protocol_members(proto) - declared(cls)
+        assert not missing, f"{cls.__name__} lacks {sorted(missing)} of {proto.__name__}"
+    # and the protocols say something: the members each consumer reads
+    assert rank.protocol_members(rank.RankContext) == {"rank", "local_rank", "node", "layout", "ctx", "control"}
+    assert {"replicate_group", "mesh", "detector", "collective_timeout_s"} <= rank.protocol_members(rank.RepairRank)
+
+
+BUILT_RUNTIME = '''
+import json, os, sys
+from accelpact_slurm.core import rank
+from accelpact_slurm.core.config import load_config
+from accelpact_slurm.runtime.topology import init_runtime
+from accelpact_slurm.slurm.env import SlurmContext
+
+ctx = SlurmContext(job_id="4242", rank=0, local_rank=0, node_index=0, num_nodes=1, world_size=1,
+                   tasks_per_node=(1,), nodelist=("localhost",), hostname="localhost")
+rt = init_runtime(ctx, load_config(sys.argv[1]), {"ACCELPACT_EMULATED": "1", "PATH": os.environ["PATH"]},
+                  key=os.urandom(32))
+checks = {name: isinstance(rt, getattr(rank, name)) for name in ("RankContext", "RepairRank", "GuardRank",
+                                                                   "RecoveryRank")}
+checks.update(layout=isinstance(rt.layout, rank.RankLayout), ctx=isinstance(rt.ctx, rank.JobIdentity),
+              control=isinstance(rt.control, rank.RepairControl), detector=isinstance(rt.detector, rank.GroupDetector))
+print(json.dumps(checks), flush=True)
+os._exit(0)  # Gloo's and the detector's teardown stay out of the check
+'''
+
+
+def test_a_built_runtime_satisfies_each_protocol():
+    """A real runtime, built by init_runtime on a world of one (Gloo, the job's store, the detector)."""
+    import json
+
+    from accelpact_slurm.core import settings
+    from tests.conftest import DECODER_JOB
+
+    assert settings.EMULATED == "ACCELPACT_EMULATED"
+    proc = subprocess.run([sys.executable, "-c", BUILT_RUNTIME, DECODER_JOB], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert checks == dict.fromkeys(checks, True) and len(checks) == 8, checks

@@ -2,7 +2,7 @@
 
 Pure math and pure decisions: every function takes numbers and returns numbers,
 or ``(value, reason)``.  Nothing here reads a file, a clock or the environment;
-``accelpact_slurm.cli.cadence`` gathers the inputs and prints the answers.
+``accelpact_slurm.ops.cadence_analysis`` gathers the inputs and ``accelpact_slurm.cli.cadence`` prints the answers.
 
 Units are seconds and events per second unless a name says otherwise.  An
 interval ``tau`` is *compute* time between checkpoints (Daly's convention): the

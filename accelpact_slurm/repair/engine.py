@@ -26,6 +26,11 @@ every rank), and the caller runs the update again.
 
 Any exception in a phase becomes a fail-stop (``FailStop``, "requeue me"):
 L1 never continues on a state it could not validate.
+
+The engine reads the rank through :class:`accelpact_slurm.core.rank.RepairRank` and never assigns to it: the
+groups a repair puts in place of the rank's own come back as a :class:`Replaced` (in the returned context,
+and handed to ``on_replaced`` as soon as the model is rebound to them, before their validation), and the
+runtime applies them to itself (:func:`accelpact_slurm.runtime.recovery.adopt`).
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, RepairError
+from accelpact_slurm.core.rank import RepairRank
 from accelpact_slurm.repair import rebind as rb
 from accelpact_slurm.repair import torch_compat as tc
 
@@ -67,6 +73,18 @@ UPDATE_TRANSITIONS: dict[str, str] = {
 RELEASE = "repair-release"
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """The HSDP groups a repair put in place of the rank's own: what the rank holds from now on.
+
+    ``shard_group`` is None when the repair left the shard group as it was (a repair at the committed boundary
+    replaces the replication group only).  A group reconfigured in place is the same object as before.
+    """
+
+    replicate_group: Any
+    shard_group: Any = None
+
+
 @dataclass
 class RepairContext:
     frontier: int
@@ -92,6 +110,7 @@ class RepairContext:
     released: bool = False  # this rank took its part in the release (no failure may be put there after it)
     replace_parts: dict[str, float] = field(default_factory=dict)  # replace_all: build, rebind, scan, retire
     in_place: list[str] = field(default_factory=list)  # the groups given a new transport in place (not rebuilt)
+    replaced: Replaced | None = None  # the rank's groups after the repair (None: this rank kept its groups)
 
 
 def rss_bytes() -> int:
@@ -107,15 +126,19 @@ class RepairEngine:
     """Owns the repair of one rank.
 
     ``model`` is the user's wrapped model (FSDP1 or FSDP2; the flavour is read from it), ``rt`` the
-    rank's runtime (``rank``, ``local_rank``, ``layout``, ``control``, ``replicate_group``, ``mesh``,
-    ``collective_timeout_s``: a fake one in the phase tests), ``events`` the event log.
-    ``skip_rebind`` is the negative control of the rebinding tests (never set in production).
+    rank's runtime as the engine reads it (:class:`~accelpact_slurm.core.rank.RepairRank`: a small stand-in
+    in the phase tests; ``device`` and ``detector`` may be missing there), ``events`` the event log.
+    ``on_replaced(replaced)``: the caller takes over the groups the repair replaced (:class:`Replaced`), as soon as
+    the model is rebound to them and before they are validated (the rank's fault detector watches the rank's
+    current groups: the validation's collectives included).  ``skip_rebind`` is the negative control of the
+    rebinding tests (never set in production).
     """
 
-    def __init__(self, model, rt, events, *, fsdp: str, skip_rebind: bool = False, skip_discard: bool = False,
-                 out=None) -> None:
+    def __init__(self, model, rt: RepairRank, events, *, fsdp: str, skip_rebind: bool = False,
+                 skip_discard: bool = False, out=None, on_replaced: Callable[[Replaced], None] | None = None) -> None:
         self.model = model
         self.rt = rt
+        self.on_replaced = on_replaced
         self.events = events
         self.fsdp = fsdp
         self.skip_rebind = skip_rebind
@@ -279,10 +302,10 @@ class RepairEngine:
         old, new = ctx.old, ctx.new
         if self.skip_rebind:
             log.warning("rebinding skipped (test-only fault injection)")
-            self.rt.replicate_group = new
+            self._replaced(ctx, Replaced(replicate_group=new))
             return
         ctx.rebound = rb.rebind_all(self.model, self.fsdp, self.rt.mesh, 0, old, new)
-        self.rt.replicate_group = new
+        self._replaced(ctx, Replaced(replicate_group=new))
         left = rb.find_references(tc.framework_roots(self.model, self.rt.mesh), old, self.rt.mesh)
         if left:
             raise FailStop(f"rebinding invariant violated: {len(left)} reference(s) to the retired group remain, "
@@ -340,6 +363,12 @@ class RepairEngine:
                 raise RepairError(f"validation all-reduce on the new {name} group ({dev.type}) gave {int(t)}, "
                                   f"expected {pg.size()}")
 
+    def _replaced(self, ctx: RepairContext, replaced: Replaced) -> None:
+        """The model is rebound to the new groups: hand them to the caller (the rank takes them over now)."""
+        ctx.replaced = replaced
+        if self.on_replaced is not None:
+            self.on_replaced(replaced)
+
     def _renewed(self, pg: dist.ProcessGroup, generation: int) -> None:
         """Tell the rank's collective detector that ``pg`` runs on a new transport now (it gave the old one up)."""
         detector = getattr(self.rt, "detector", None)
@@ -372,7 +401,7 @@ class RepairEngine:
         rt = self.rt
 
         def rebound(new: dict[str, Any]) -> None:
-            rt.replicate_group, rt.shard_group = new["replicate"], new["shard"]
+            self._replaced(ctx, Replaced(replicate_group=new["replicate"], shard_group=new["shard"]))
 
         res = replace_broken_groups(self.model, self.fsdp, store=rt.control.base_store,
                                     tag=f"accelpact/l1/g{rt.control.generation}", timeout_s=rt.collective_timeout_s,

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, FailStop
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.core.rank import GuardRank
 from accelpact_slurm.runtime import envelope as env_mod
 from accelpact_slurm.runtime.phases import BACKWARD, COMMITTED, TRAINING_CODE, Withheld
 
@@ -130,10 +131,11 @@ class BoundaryGuard:
     """Decides one update on one rank; see the module docstring.
 
     Who calls: :class:`accelpact_slurm.runtime.api.Run` on every rank, at the decision point of every
-    update (:meth:`decide`), in the same order.
+    update (:meth:`decide`), in the same order.  ``rt``: the rank as the guard reads it
+    (:class:`~accelpact_slurm.core.rank.GuardRank`).
     """
 
-    def __init__(self, rt, events, envelope: env_mod.Envelope, key_for: Callable[[str], env_mod.Key], engine,
+    def __init__(self, rt: GuardRank, events, envelope: env_mod.Envelope, key_for: Callable[[str], env_mod.Key], engine,
                  injector, faults: TestFaults = NO_FAULTS) -> None:
         self.rt = rt
         self.events = events

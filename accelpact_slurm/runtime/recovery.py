@@ -1,4 +1,8 @@
-"""Wiring of L1 for one rank: the envelope key of this job, the engine and the guard."""
+"""Wiring of L1 for one rank: the envelope key of this job, the engine and the guard.
+
+The engine returns the groups a repair replaced instead of assigning them to the runtime; the wiring hands them
+to the runtime (``on_replaced=rt.adopt``: :meth:`accelpact_slurm.runtime.topology.Runtime.adopt`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.core.rank import RecoveryRank
 from accelpact_slurm.repair.engine import RepairEngine
 from accelpact_slurm.runtime import envelope as env_mod
 from accelpact_slurm.runtime.guard import BoundaryGuard
@@ -36,7 +41,7 @@ def key_factory(nodes: int, ranks_per_node: int, fsdp: str, mesh: str, hardware:
     return key_for
 
 
-def build_guard(cfg: JobConfig, rt: Any, model: Any, events: Any, wrapping: tuple[str, str], *,
+def build_guard(cfg: JobConfig, rt: RecoveryRank, model: Any, events: Any, wrapping: tuple[str, str], *,
                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None, out=None) -> BoundaryGuard:
     """The guard of one rank, with its envelope and engine.
 
@@ -50,6 +55,6 @@ def build_guard(cfg: JobConfig, rt: Any, model: Any, events: Any, wrapping: tupl
     if trial_phase:
         envelope = env_mod.trial_envelope(key_for(trial_phase))
     engine = RepairEngine(model, rt, events, fsdp=fsdp, skip_rebind=faults.skip_rebind,
-                          skip_discard=faults.skip_discard, out=out)
+                          skip_discard=faults.skip_discard, out=out, on_replaced=rt.adopt)
     injector = FaultInjector(cfg.faults, rt.rank, rt.ctx.restart_count)
     return BoundaryGuard(rt, events, envelope, key_for, engine, injector, faults)

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.rank import RankContext
 from ckpt_service.index import common_step, newest_verified, publish_index, record_state, scan
 from ckpt_service.layout import node_dir, shared_dir
 
@@ -544,7 +545,7 @@ def _against_committed(run_dir: str, out: ReloadOutcome, events: Any) -> int | N
     return step
 
 
-def restore(rt: Any, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *,
+def restore(rt: RankContext, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *,
             check: bool = True, copy: bool = True) -> ReloadOutcome:
     """Collective: load the newest usable snapshot into the protected state (see the module docstring).
 

@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from accelpact_slurm.runtime.store import JobStore, binding as store_binding, ho
 from accelpact_slurm.runtime.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.slurm.env import SlurmContext
+
+if TYPE_CHECKING:
+    from accelpact_slurm.repair.engine import Replaced
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,13 @@ class Runtime:
     def device(self) -> torch.device:
         """The device this rank trains on (``cpu`` or ``cuda:N``)."""
         return torch.device(self.hardware.device)
+
+    def adopt(self, replaced: Replaced) -> None:
+        """Hold the groups an L1 repair put in place of this rank's own (the engine returns them, it does not
+        assign them here): the replication group, and the shard group when the repair replaced it too."""
+        self.replicate_group = replaced.replicate_group
+        if replaced.shard_group is not None:
+            self.shard_group = replaced.shard_group
 
     def describe(self, rank: int) -> str:
         """``rank 3 (node 1)``: a rank in words, for messages."""

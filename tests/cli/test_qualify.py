@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from accelpact_slurm.cli import qualify as q
+from accelpact_slurm.launch import qualify as q
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from accelpact_slurm.core.events import read_events

@@ -26,9 +26,9 @@ SCRIPT = textwrap.dedent('''
     from types import SimpleNamespace
     import torch, torch.distributed as dist
     from accelpact_slurm.core.errors import FailStop
-    from accelpact_slurm.repair.engine import RepairEngine, RepairContext
+    from accelpact_slurm.repair.engine import RepairEngine, RepairContext, Replaced
     from accelpact_slurm.repair import torch_compat as tc
-    from accelpact_slurm.runtime.topology import Layout
+    from accelpact_slurm.runtime.topology import Layout, Runtime
 
     class Control:
         def __init__(self, generation):
@@ -53,12 +53,15 @@ SCRIPT = textwrap.dedent('''
         rt = SimpleNamespace(rank=0, layout=Layout(1, 1), local_rank=0, control=Control(0 if case == "clean" else 5), replicate_group=old,
                              mesh=None, collective_timeout_s=5)
         model = Holder(old) if case == "stale" else torch.nn.Linear(2, 2)
-        engine = RepairEngine(model, rt, SimpleNamespace(emit=lambda *a, **k: None), fsdp="fsdp1", out=io.StringIO())
+        # the runtime's own applier takes over what the engine returns (the engine assigns nothing to rt)
+        engine = RepairEngine(model, rt, SimpleNamespace(emit=lambda *a, **k: None), fsdp="fsdp1", out=io.StringIO(),
+                              on_replaced=lambda replaced, rt=rt: Runtime.adopt(rt, replaced))
         ctx = RepairContext(frontier=3, ranks=[0], observed=0.0, key="<k>", reason="test")
         try:
             for phase in ("observe", "control_barrier", "replace", "rebind", "validate"):
                 getattr(engine, phase)(ctx)
             out[case] = {"ok": True, "new_is_bound": rt.replicate_group is ctx.new and ctx.new is not old,
+                         "returned": ctx.replaced == Replaced(replicate_group=ctx.new),
                          "name": tc.group_name(ctx.new), "generation": rt.control.generation}
         except FailStop as stop:
             out[case] = {"ok": False, "reason": stop.reason, "exit": stop.exit_code}
@@ -104,7 +107,7 @@ def results():
 
 def test_replace_rebind_validate_on_a_real_group(results):
     clean = results["clean"]
-    assert clean["ok"] and clean["new_is_bound"], clean
+    assert clean["ok"] and clean["new_is_bound"] and clean["returned"], clean
     assert clean["name"] == "accelpact-replicate-0-g1" and clean["generation"] == 1
 
 

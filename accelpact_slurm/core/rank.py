@@ -1,0 +1,216 @@
+"""What each part reads from a rank: typing protocols of the rank's runtime, one per consumer.
+
+The rank's runtime is :class:`accelpact_slurm.runtime.topology.Runtime` (built by ``init_runtime``); the parts
+that read it do not import it (the checkpoint client may import only ``core``; the repair engine sits below
+the runtime) and see it through one of these protocols, which names only what that part reads:
+
+- :class:`RankContext`: who this rank is in the job (rank, node, local rank, the HSDP layout, the Slurm
+  context) and the control plane's rounds.  Read by the checkpoint client (``ckpt_service.client``) and by
+  the reload (``runtime.restore``).
+- :class:`RepairRank`: what the L1 repair engine (``repair.engine``) reads: the layout, the control plane
+  (its generations and its store), the replication group, the mesh, the collective timeout, the device and
+  the fault detector.  The engine never assigns to the runtime: it returns the groups it replaced
+  (``repair.engine.Replaced``), and the runtime applies them (``runtime.recovery.adopt``).
+- :class:`GuardRank`: what the boundary guard (``runtime.guard``) reads for its collective and its vote.
+- :class:`RecoveryRank`: what the L1 wiring (``runtime.recovery.build_guard``) reads: the guard's and the
+  engine's, plus the hardware and the Slurm context; and ``adopt``, the runtime's own method that takes over
+  the groups a repair replaced.
+
+Every member is read-only here (a property): a consumer that assigns to the runtime does not type-check; the
+one change a consumer makes to a rank goes through ``RecoveryRank.adopt``.
+This module imports neither torch nor anything above ``core``: process groups, the mesh, the device and
+stores are typed ``Any``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+__all__ = ["JobIdentity", "RankLayout", "ControlRounds", "RepairControl", "GroupDetector", "RankContext",
+           "RepairRank", "GuardRank", "RecoveryRank", "protocol_members"]
+
+
+@runtime_checkable
+class JobIdentity(Protocol):
+    """The Slurm context as the rank's consumers read it (:class:`accelpact_slurm.slurm.env.SlurmContext`)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def hostname(self) -> str: ...
+
+    @property
+    def nodelist(self) -> Sequence[str]: ...
+
+    @property
+    def restart_count(self) -> int: ...
+
+
+@runtime_checkable
+class RankLayout(Protocol):
+    """The (replicate x shard) layout (:class:`accelpact_slurm.runtime.topology.Layout`)."""
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def ranks_per_node(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def node_of(self, rank: int) -> int: ...
+
+    def local_of(self, rank: int) -> int: ...
+
+    def shard_ranks(self, node: int) -> list[int]: ...
+
+    def replicate_ranks(self, local_rank: int) -> list[int]: ...
+
+
+@runtime_checkable
+class ControlRounds(Protocol):
+    """The control plane's agreements (:class:`accelpact_slurm.runtime.control.ControlPlane`)."""
+
+    def all_gather(self, name: str, value: Any, ranks: Sequence[int] | None = None,
+                   timeout_s: float | None = None) -> list[Any]: ...
+
+    def barrier(self, name: str, ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> None: ...
+
+
+@runtime_checkable
+class RepairControl(ControlRounds, Protocol):
+    """The control plane as a repair uses it: its generations, its own store, a failure put into a round."""
+
+    @property
+    def generation(self) -> int: ...
+
+    def set_generation(self, generation: int) -> None: ...
+
+    @property
+    def base_store(self) -> Any: ...
+
+    def contribute(self, name: str, value: Any, ranks: Sequence[int] | None = None) -> None: ...
+
+
+@runtime_checkable
+class GroupDetector(Protocol):
+    """The fault detector on the data plane (:class:`accelpact_slurm.runtime.collectives.Detector`)."""
+
+    def stall_next(self, dim: str = "replicate") -> None: ...
+
+    def take_latched(self) -> tuple[str, str] | None: ...
+
+    def wait_device(self, work: Any, pg: Any, timeout_s: float) -> None: ...
+
+    def renewed(self, pg: Any, generation: int) -> None: ...
+
+
+@runtime_checkable
+class RankContext(Protocol):
+    """Who this rank is in the job, and the control plane's rounds: the checkpoint client's and the reload's view."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def node(self) -> int: ...
+
+    @property
+    def layout(self) -> RankLayout: ...
+
+    @property
+    def ctx(self) -> JobIdentity: ...
+
+    @property
+    def control(self) -> ControlRounds: ...
+
+
+@runtime_checkable
+class RepairRank(Protocol):
+    """The repair engine's view of a rank (its phase tests give it a small stand-in with these members)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def layout(self) -> RankLayout: ...
+
+    @property
+    def control(self) -> RepairControl: ...
+
+    @property
+    def replicate_group(self) -> Any: ...
+
+    @property
+    def mesh(self) -> Any: ...
+
+    @property
+    def collective_timeout_s(self) -> float: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def detector(self) -> GroupDetector | None: ...
+
+
+@runtime_checkable
+class GuardRank(Protocol):
+    """The boundary guard's view of a rank: its collective on the replication group and the vote."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def layout(self) -> RankLayout: ...
+
+    @property
+    def control(self) -> ControlRounds: ...
+
+    @property
+    def replicate_group(self) -> Any: ...
+
+    @property
+    def collective_timeout_s(self) -> float: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def detector(self) -> GroupDetector | None: ...
+
+
+@runtime_checkable
+class RecoveryRank(GuardRank, RepairRank, Protocol):
+    """The L1 wiring's view of a rank: what the guard and the engine read, the hardware and the Slurm context."""
+
+    @property
+    def control(self) -> RepairControl: ...
+
+    @property
+    def ctx(self) -> JobIdentity: ...
+
+    @property
+    def hardware(self) -> Any: ...
+
+    def adopt(self, replaced: Any) -> None:
+        """Hold the groups a repair put in place of the rank's own (``repair.engine.Replaced``)."""
+
+
+def protocol_members(proto: type) -> frozenset[str]:
+    """The names a protocol class declares, its bases' included (attributes, properties, methods)."""
+    names: set[str] = set()
+    for cls in proto.__mro__:
+        if cls in (Protocol, object) or not getattr(cls, "_is_protocol", False):
+            continue
+        names |= {n for n in (*vars(cls), *getattr(cls, "__annotations__", {}))
+                  if not n.startswith("_")}
+    return frozenset(names)
