@@ -14,13 +14,14 @@ optimizer, scheduler and data loader, and hands them to :meth:`Job.protect`, whi
             with run.update() as update:
                 loss = my_loss(model(batch.x), batch.y)
                 loss.backward()
+                update.loss = loss          # before the step: it travels in the vote taken there
                 opt.step(); sched.step(); opt.zero_grad()
-                update.loss = loss
 
 Who calls what, in which order (every rank, the same calls in the same order): the runtime builds
 the :class:`Job` and calls the entry point; the entry point calls :meth:`Job.protect` once (a
 collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and, for every
-update, :meth:`Run.update`.  When the entry point returns, the runtime writes the summary.
+update, :meth:`Run.update`.  When the entry point returns, the runtime writes the summary and calls
+:meth:`Run.close`.
 ``docs/api.md`` documents every public name.
 """
 
@@ -63,7 +64,8 @@ class Job:
         device: the device to train on: ``cuda:N`` (one GPU per rank, NCCL data plane) or ``cpu`` (Gloo), from
             the job file's ``topology.device`` and the allocation (``docs/gpus.md``).
         mesh: the 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (nodes x ranks of a node).
-        groups: ``(shard_group, replicate_group)``, the explicit pair for FSDP1 ``process_group=``.
+        groups: ``(shard_group, replicate_group)``, the explicit pair for FSDP1 ``process_group=``: always the
+            live groups (an L1 repair may replace them; read ``job.groups`` again rather than keeping the tuple).
         run_dir: the job's run directory (shared by all nodes); events: its event log.
         params: the job file's free-form ``params`` section; seed, steps: the job file's values.
         config: the project's effective configuration (read-only).
@@ -81,12 +83,16 @@ class Job:
         self.local_rank, self.ranks_per_node = rt.local_rank, rt.layout.ranks_per_node
         self.device = torch.device(getattr(rt, "device", "cpu"))
         self.mesh = rt.mesh
-        self.groups = (rt.shard_group, rt.replicate_group)
         self.run_dir = run_dir
         self.events = events
         self.params: dict[str, Any] = dict(cfg.params)
         self.seed, self.steps = cfg.seed, cfg.steps
         self.run: Run | None = None
+
+    @property
+    def groups(self) -> tuple[Any, Any]:
+        """``(shard_group, replicate_group)`` as they are now: an L1 repair may have replaced the ones of the start."""
+        return self._rt.shard_group, self._rt.replicate_group
 
     @property
     def is_lead(self) -> bool:
@@ -124,24 +130,39 @@ class Job:
 class Update:
     """The context of one update (``with run.update() as update``).
 
-    Set ``update.loss`` to report the update's loss, before ``optimizer.step()``: it travels in the vote
-    taken there (a loss set later is not reported).
+    Attributes:
+        step: the number of the update this context runs (``run.step + 1``).
+        loss: set it to report the update's loss on this rank, **before** ``optimizer.step()``: it is read at the
+            vote taken there (or at the update's end when the update never steps).  Setting it after the vote
+            raises :class:`UsageError` (a loss set late would never be reported).
     """
 
     def __init__(self, run: "Run") -> None:
-        self.run = run
+        self._run = run
         self.step = run.step + 1  # the update this context runs (F + 1)
-        self.loss: Any = None
-        self.redoable = run._take_yielded()  # its batch came from run.batches: it can run again
-        self.rng: Any = None
-        self.decided: str | None = None  # the vote's outcome once taken (continue | redo)
-        self.mean: float | None = None
-        self.votes: list[dict[str, Any]] = []
-        self.need_fp = False
-        self.exception: dict[str, Any] | None = None  # a training-code error of this update, described
+        self._loss: Any = None
+        self._redoable = run._take_yielded()  # its batch came from run.batches: it can run again
+        self._rng: Any = None
+        self._decided: str | None = None  # the vote's outcome once taken (continue | redo)
+        self._mean: float | None = None
+        self._votes: list[dict[str, Any]] = []
+        self._need_fp = False
+        self._exception: dict[str, Any] | None = None  # a training-code error of this update, described
+
+    @property
+    def loss(self) -> Any:
+        return self._loss
+
+    @loss.setter
+    def loss(self, value: Any) -> None:
+        if self._decided is not None:
+            raise UsageError("update.loss", "set after optimizer.step()",
+                             f"set update.loss before optimizer.step(): the loss of update {self.step} travels in "
+                             f"the vote taken at the step, so a loss set later is never reported")
+        self._loss = value
 
     def __enter__(self) -> "Update":
-        job = self.run.job
+        job = self._run.job
         if job._faults.crash_at == (self.step, job.rank):  # test-only: a crash, as the OOM killer's SIGKILL
             import os
             import signal
@@ -154,20 +175,21 @@ class Update:
 
             log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", job.rank, self.step)
             os.kill(os.getpid(), signal.SIGSTOP)
-        self.rng = appstate.rng_snapshot()  # an update discarded by L1 runs again with these
-        self.run._forward.keep()  # and over these buffers (batch-norm statistics its forward changes)
-        self.run._current = self
-        self.run._tracker.begin(self.step)
+        self._rng = appstate.rng_snapshot()  # an update discarded by L1 runs again with these
+        self._run._forward.keep()  # and over these buffers (batch-norm statistics its forward changes)
+        self._run._current = self
+        self._run._tracker.begin(self.step)
         return self
 
     def __exit__(self, et: Any, ev: BaseException | None, tb: Any) -> bool:
-        return self.run._finish(self, ev)
+        return self._run._finish(self, ev)
 
 
 class Run:
     """What :meth:`Job.protect` returns: the loop's side of the guarantees.
 
     Attributes:
+        job: the :class:`Job` it belongs to.
         step: committed updates so far (the frontier F); epoch: passes over the data so far;
         losses: the job's mean reported loss of every committed update (None where none was reported).
     """
@@ -179,28 +201,29 @@ class Run:
         from accelpact_slurm.runtime.restore import restore
         from ckpt_service.client import SnapshotClient
 
-        self.job, self.model, self.optimizer = job, model, optimizer
-        self.exact = exact
+        self.job = job
+        self._model, self._optimizer = model, optimizer
+        self._exact = exact
         rt, cfg = job._rt, job.config
         try:
-            self.wrapping = tc.wrapping(model)
+            self._wrapping = tc.wrapping(model)
         except ValueError as exc:
             raise UsageError("model", type(model).__name__, str(exc)) from None
-        if self.wrapping[0] == "fsdp2":  # a reduce-scatter group of its own (set_separate_reduce_scatter_group) is
+        if self._wrapping[0] == "fsdp2":  # a reduce-scatter group of its own (set_separate_reduce_scatter_group) is
             for pg in tc.fsdp2_separate_reduce_scatter_groups(model):  # created with Gloo's 30-min default
                 tc.set_group_timeout(pg, rt.collective_timeout_s)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError("optimizer", type(optimizer).__name__, "pass a torch.optim.Optimizer over model.parameters()")
-        self.statefuls = _statefuls(scheduler, state)
+        self._statefuls = _statefuls(scheduler, state)
         self._forward = forward_state(model, job._faults)
         self.step, self.epoch = 0, 0
         self.losses: list[float | None] = []
         # RNG states are the project's: every rank draws its own stream from the job's seed (a reload overrides it).
         appstate.seed_all(job.seed * 1000 + job.rank + 1)
-        self._guard = build_guard(cfg, rt, model, job.events, self.wrapping, faults=job._faults,
+        self._guard = build_guard(cfg, rt, model, job.events, self._wrapping, faults=job._faults,
                                   environ=job._environ, out=job._out)
         detector = getattr(rt, "detector", None)
-        self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self.wrapping[0],
+        self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self._wrapping[0],
                                      state=getattr(detector, "state", None), detector=detector,
                                      slow=(job._faults.slow_at[0], job._faults.slow_at[2])
                                      if job._faults.slow_at and job._faults.slow_at[1] == job.rank else None)
@@ -214,10 +237,11 @@ class Run:
         self._redo = False  # the last update was discarded: run.batches yields its batch again
         self._current: Update | None = None
         self._loaded: str | None = None
+        self._closed = False
         key = self._guard.key_for("committed")
         if job.is_lead:
-            job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self.wrapping[0],
-                            mesh=self.wrapping[1], state=sorted(self.statefuls))
+            job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self._wrapping[0],
+                            mesh=self._wrapping[1], state=sorted(self._statefuls))
             if not settings.qualifying(job._environ):  # a trial's envelope holds its own phase only
                 note = env_mod.coverage_note(self._guard.envelope, self._guard.key_for)
                 if note:  # said at the start, not first at a fault
@@ -242,7 +266,7 @@ class Run:
         if job.is_lead:
             start = f", resumed at update {self.step}" if self.step else ""
             print(f"[accelpact] job {rt.ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
-                  f"{self.wrapping[0]} {self.wrapping[1]}, {job.steps} updates{start}, run dir {job.run_dir}",
+                  f"{self._wrapping[0]} {self._wrapping[1]}, {job.steps} updates{start}, run dir {job.run_dir}",
                   file=job._out, flush=True)
 
     # ------------------------------------------------------------------ the loop
@@ -292,14 +316,36 @@ class Run:
 
     def update(self) -> Update:
         """The context of one update: forward, backward and ``optimizer.step`` go inside it."""
+        if self._closed:
+            raise UsageError("run.update", "called after run.close()", "close the run after its last update")
         return Update(self)
+
+    def close(self) -> None:
+        """Release what the run holds: the snapshot client (its staging slots), the phase hooks and the repair
+        engine's background aborts.  The runtime calls it after the entry point returns; calling it again does
+        nothing.  No update may run after it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._snapshots.close()
+        self._tracker.close()
+        left = self._guard.engine.close(self.job.config.timeouts.shutdown_s)  # retired NCCL communicators
+        if left:  # pragma: no cover - GPU only
+            log.warning("%d retired communicator(s) still aborting at the end of the job", left)
+
+    def _digests(self) -> tuple[str | None, str | None]:
+        """Collective: ``(final_state_digest, final_model_digest)`` (:mod:`.state`)."""
+        from accelpact_slurm.runtime.state import state_digests
+
+        return state_digests(self.job._rt, self._model, self._optimizer, self._statefuls, self._forward,
+                             self.step, self.epoch)
 
     # ------------------------------------------------------------------ state
 
     def _extra(self) -> dict[str, Any]:
         """This rank's non-tensor state for a snapshot (JSON-able), with the buffers only this rank holds."""
         rank = {"rng": appstate.rng_state(),
-                "state": {n: appstate.encode(o.state_dict(), f"state[{n!r}]") for n, o in self.statefuls.items()}}
+                "state": {n: appstate.encode(o.state_dict(), f"state[{n!r}]") for n, o in self._statefuls.items()}}
         own = self._forward.per_rank()
         if own:  # batch-norm statistics: the sharded state dict holds one copy of a buffer
             rank["buffers"] = appstate.encode(own, "buffers")
@@ -310,7 +356,7 @@ class Run:
         from ckpt_service.auth import load_key
 
         verified = not self.job._faults.skip_reload_check
-        doc = appstate.load(self.model, self.optimizer, path, load_key(self.job.run_dir) if verified else None,
+        doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
                             verified=verified)
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
@@ -321,7 +367,7 @@ class Run:
             log.warning("extra state not restored (test-only fault injection)")
             return
         appstate.set_rng_state(rng)
-        for name, obj in self.statefuls.items():
+        for name, obj in self._statefuls.items():
             if name in mine["state"]:
                 obj.load_state_dict(appstate.decode(mine["state"][name]))
         if "buffers" in mine:
@@ -339,28 +385,28 @@ class Run:
         latched = detector.take_latched() if detector is not None else None
         if latched and not fault:  # a collective given up whose error the training code swallowed
             fault, error = latched
-        loss = None if fault else _as_float(update.loss)
-        if update.loss is None and not fault and self.losses and self.losses[-1] is not None \
+        loss = None if fault else _as_float(update._loss)
+        if update._loss is None and not fault and self.losses and self.losses[-1] is not None \
                 and not self._warned_late_loss:
             self._warned_late_loss = True
             log.warning("update %d reached optimizer.step() without update.loss: set it before the step "
                         "(the loss travels in the vote taken there)", update.step)
-        update.need_fp = not fault and (self.step in self._snapshots.taken or self._replay is not None)
-        extra = {"fp": replay.fingerprint(self.model, self.optimizer)} if update.need_fp else None
+        update._need_fp = not fault and (self.step in self._snapshots.taken or self._replay is not None)
+        extra = {"fp": replay.fingerprint(self._model, self._optimizer)} if update._need_fp else None
         try:
             outcome, mean, raw = self._guard.decide(update.step, fault, error, loss, extra,
-                                                    redoable=update.redoable, optimizer=self.optimizer,
-                                                    exception=update.exception)
+                                                    redoable=update._redoable, optimizer=self._optimizer,
+                                                    exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
             fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step), job.events, job._out,
                       job.is_lead, rt.control, rt.ctx, job._environ)
-        update.decided, update.mean, update.votes = outcome, mean, raw
+        update._decided, update._mean, update._votes = outcome, mean, raw
         if outcome == "redo":
             if not job._faults.skip_redo_rng:
-                appstate.rng_restore(update.rng)
+                appstate.rng_restore(update._rng)
             self._forward.restore()
             self._redo = True
-        elif update.need_fp:
+        elif update._need_fp:
             self._replay_bookkeeping(self.step, update.step, mean, [d.get("fp") for d in raw])
         return outcome
 
@@ -372,6 +418,11 @@ class Run:
         if isinstance(ev, Redo):
             tracker.end()
             return True  # the vote discarded the update: run.batches yields its batch again
+        if update._decided == "redo" and ev is None:
+            tracker.end()  # the script caught the Redo raised out of optimizer.step() and went on
+            raise UsageError("optimizer.step()", f"its Redo caught by the script in update {update.step}",
+                             "let accelpact_slurm's Redo leave the update (it is a BaseException: catch Exception, "
+                             "not BaseException, around optimizer.step()); the update is discarded and runs again")
         if ev is not None:
             tracker.end()
             if isinstance(ev, FailStop):  # the detector: a member is dead, hung or stopped (no vote can complete)
@@ -386,25 +437,25 @@ class Run:
             fault = phase if phase != "committed" else "forward"
             if not communication_fault(ev):  # the training code's own error: a redo or a restart fails the same way
                 fault = TRAINING_CODE
-                update.exception = log_exception(
+                update._exception = log_exception(
                     log, f"update {update.step}: the training code raised {type(ev).__name__} on rank {job.rank} "
                          f"(the job stops, not to be requeued)", ev)
                 if job.events is not None:
                     job.events.emit("fault", phase=TRAINING_CODE, step=update.step, fault_rank=job.rank,
-                                    error=f"{type(ev).__name__}: {update.exception['message']}",
-                                    frontier=self.step, exception=update.exception)
-            elif update.decided:  # after the vote (in the optimizer step or later): peers may have stepped
+                                    error=f"{type(ev).__name__}: {update._exception['message']}",
+                                    frontier=self.step, exception=update._exception)
+            elif update._decided:  # after the vote (in the optimizer step or later): peers may have stepped
                 fault = "optimizer"
             if isinstance(ev, Withheld):
                 error = f"injected fault: rank {job.rank} withheld its part in {ev.args[0]} of update {update.step}"
             else:
                 error = f"{type(ev).__name__}: {(str(ev).splitlines() or [''])[0][:300]}"
-            if update.decided:
+            if update._decided:
                 # Vote again with the old frontier: the others' next vote reports the new one, and the
                 # frontier mismatch fails every rank stop (no rank can repair a state it does not share).
                 try:
                     self._guard.decide(update.step, fault, error, None, None, redoable=False,
-                                       exception=update.exception)
+                                       exception=update._exception)
                 except FailStop as stop:
                     fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
                 raise AssertionError("unreachable: a fault after the vote always fails stop")  # pragma: no cover
@@ -417,10 +468,10 @@ class Run:
             if job.is_lead:
                 job.events.emit("warning", step=update.step, reason="update ended without optimizer.step()")
         tracker.end()
-        if not update.decided:
+        if not update._decided:
             if self._decide(update, fault, error) == "redo":
                 return True
-        mean = update.mean
+        mean = update._mean
         self.step = update.step
         self.losses.append(mean)
         now = time.monotonic()
@@ -448,7 +499,7 @@ class Run:
         if self._replay is not None:
             snap, ref = self._replay
             self._replay = None
-            verdict, why = replay.judge(ref, mean, fps, layout) if self.exact else (
+            verdict, why = replay.judge(ref, mean, fps, layout) if self._exact else (
                 "unconfirmed", "job.protect(..., exact=False): the first update after a load is not compared bitwise")
             record = record or verdict == "unconfirmed"
             if job.is_lead:

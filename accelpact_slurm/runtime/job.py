@@ -186,11 +186,9 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
 def _end(cfg: JobConfig, ctx: SlurmContext, rt: Any, run: Any, run_dir: str, events: EventLog, out: TextIO,
          lead: bool, wall0: float, train_s: float) -> int:
     """After the entry returned on every rank: the digests, the summary, the job's last rounds (collective)."""
-    from accelpact_slurm.runtime.state import state_digests
-
     if rt.detector is not None:  # before the digests' collective: every rank's lands before rank 0's job_end
         events.emit("detector", **rt.detector.summary())
-    digest, model_digest = state_digests(run)
+    digest, model_digest = run._digests()
     wall_s = time.monotonic() - wall0
     if lead:
         summary = {
@@ -207,11 +205,7 @@ def _end(cfg: JobConfig, ctx: SlurmContext, rt: Any, run: Any, run_dir: str, eve
         print(f"[accelpact] done: {run.step} updates in {wall_s:.1f} s, final loss {final}\n"
               f"[accelpact] final_state_digest {digest}\n"
               f"[accelpact] summary: {os.path.join(run_dir, SUMMARY_FILE)}", file=out, flush=True)
-    run._snapshots.close()
-    run._tracker.close()
-    left = run._guard.engine.close(cfg.timeouts.shutdown_s)  # background aborts of replaced NCCL communicators
-    if left:  # pragma: no cover - GPU only
-        log.warning("%d retired communicator(s) still aborting at the end of the job", left)
+    run.close()
     if rt.detector is not None:  # a peer that sees this rank's process end now knows it finished, not died
         rt.detector.publish_stop({"cause": "completed", "reason": "the job finished", "exit_code": EXIT_OK})
     rt.control.barrier("job-end")

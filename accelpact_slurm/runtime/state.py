@@ -37,12 +37,12 @@ def _update_tensor(h: "hashlib._Hash", name: str, value: Any) -> None:
         h.update(repr(value).encode())
 
 
-def rank_fingerprint(run: Any) -> dict[str, str]:
+def rank_fingerprint(statefuls: dict[str, Any], forward: Any) -> dict[str, str]:
     """This rank's RNG and Stateful states and its persistent buffers (batch-norm statistics differ per rank), hashed."""
     rng = hashlib.sha256(json.dumps(appstate.rng_state(), sort_keys=True).encode()).hexdigest()
-    states = {n: appstate.encode(o.state_dict(), n) for n, o in run.statefuls.items()}
+    states = {n: appstate.encode(o.state_dict(), n) for n, o in statefuls.items()}
     out = {"rng": rng, "state": hashlib.sha256(json.dumps(states, sort_keys=True).encode()).hexdigest()}
-    items = run._forward.digest_items()
+    items = forward.digest_items()
     if items:
         h = hashlib.sha256()
         for name, buf in items:
@@ -51,12 +51,8 @@ def rank_fingerprint(run: Any) -> dict[str, str]:
     return out
 
 
-def state_digest(run: Any) -> str | None:
-    """Collective: return the digest on rank 0, ``None`` elsewhere."""
-    return state_digests(run)[0]
-
-
-def state_digests(run: Any) -> tuple[str | None, str | None]:
+def state_digests(rt: Any, model: Any, optimizer: Any, statefuls: dict[str, Any], forward: Any, step: int,
+                  epoch: int) -> tuple[str | None, str | None]:
     """Collective: ``(final_state_digest, final_model_digest)`` on rank 0, ``(None, None)`` elsewhere.
 
     The model digest covers the full parameters, the optimizer state, the frontier and the epoch, and
@@ -67,9 +63,8 @@ def state_digests(run: Any) -> tuple[str | None, str | None]:
 
     from ckpt_service.capture import _local_chunks
 
-    rt = run.job._rt
-    msd, osd = get_state_dict(run.model, run.optimizer)  # sharded: DTensor / ShardedTensor, nothing gathered
-    ranks = rt.control.all_gather("digest-rank", rank_fingerprint(run))
+    msd, osd = get_state_dict(model, optimizer)  # sharded: DTensor / ShardedTensor, nothing gathered
+    ranks = rt.control.all_gather("digest-rank", rank_fingerprint(statefuls, forward))
     on_node0 = rt.node == 0
     h = hashlib.sha256() if rt.rank == 0 else None
     items = [(f"param:{n}", msd[n]) for n in sorted(msd)]
@@ -94,7 +89,7 @@ def state_digests(run: Any) -> tuple[str | None, str | None]:
             del full
     if h is None:
         return None, None
-    h.update(f"frontier:{run.step};epoch:{run.epoch}".encode())
+    h.update(f"frontier:{step};epoch:{epoch}".encode())
     model = h.hexdigest()
     for r, fp in enumerate(ranks):
         h.update(f"rank:{r}:{fp['rng']}:{fp['state']}".encode())

@@ -41,7 +41,7 @@ def main(job: Any) -> None:
     try:
         for tokens in run.batches(parts.loader):
             with run.update() as u:
-                u.loss = update(parts, tokens, before_step=bench.wait_staging)
+                update(parts, tokens, before_step=bench.wait_staging, into=u)
             bench.after_update(run.step)
     finally:
         bench.close()

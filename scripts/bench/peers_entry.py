@@ -43,7 +43,7 @@ def main(job: Any) -> None:
 
     def guarded() -> None:
         with run.update() as u:
-            u.loss = update(parts, next(batches))
+            update(parts, next(batches), into=u)
 
     for _ in range(plan["warmup"]):
         update(parts, next(batches))

@@ -221,7 +221,7 @@ class RepairRank:
 
         def guarded() -> int:
             with run.update() as u:
-                u.loss = update(parts, next(batches))
+                update(parts, next(batches), into=u)
             return run.step
 
         p = parts.params
@@ -266,7 +266,7 @@ class RepairRank:
             for _ in range(K):
                 if kind == "guarded":
                     with run.update() as u:
-                        u.loss = update(parts, next(batches))
+                        update(parts, next(batches), into=u)
                 else:
                     update(parts, next(batches))
             return {"s": time.monotonic() - t0, **extras}

@@ -38,7 +38,7 @@ def main(job: Any) -> None:
     last = time.perf_counter()
     for tokens in run.batches(parts.loader):
         with run.update() as u:
-            u.loss = update(parts, tokens)
+            update(parts, tokens, into=u)
         now = time.perf_counter()  # after the update's commit and, on a snapshot step, its hand-over
         times.append(now - last)
         last = now

@@ -158,13 +158,16 @@ def decoder_parts(job: Any, **overrides: Any) -> Parts:
     return Parts(model, opt, sched, loader, p)
 
 
-def update(parts: Parts, tokens: Any, before_step: Callable[[], None] | None = None) -> Any:
+def update(parts: Parts, tokens: Any, before_step: Callable[[], None] | None = None, into: Any = None) -> Any:
     """The example's update body (forward, backward, optimizer step, schedule step); returns the loss.
 
-    Inside ``with run.update()`` it is a guarded update; outside, the same update without the guard.
+    Inside ``with run.update() as u`` it is a guarded update (pass ``into=u``: the loss is reported before the
+    step, where the vote reads it); outside, the same update without the guard.
     ``before_step`` runs right before ``optimizer.step`` (a benchmark's wait for an async copy)."""
     loss = lm_loss(parts.model, tokens)
     loss.backward()
+    if into is not None:
+        into.loss = loss
     if before_step is not None:
         before_step()
     parts.optimizer.step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 
 import pytest
@@ -65,10 +66,24 @@ ENTRY = textwrap.dedent('''
         attempt(results, "nondeterministic", nondeterministic)
         opt.zero_grad()
         for _ in run.batches(range(10)):
-            with run.update():
+            with run.update() as update:
                 model(torch.ones(2, 4)).sum().backward()
                 opt.step()
                 opt.zero_grad()
+                results["public_update"] = sorted(n for n in vars(update) if not n.startswith("_"))
+        results["public_run"] = sorted(n for n in vars(run) if not n.startswith("_"))
+        results["public_job"] = sorted(n for n in vars(job) if not n.startswith("_"))
+        def late_loss():
+            with run.update() as update:
+                loss = model(torch.ones(2, 4)).sum()
+                loss.backward()
+                opt.step()
+                update.loss = loss  # after the vote: never reported
+        attempt(results, "late_loss", late_loss)
+        opt.zero_grad()
+        run.close()
+        run.close()  # a second close does nothing
+        attempt(results, "after_close", lambda: run.update())
         with open(os.path.join(job.run_dir, "errors.json"), "w") as fh:
             json.dump(results, fh)
 ''')
@@ -99,11 +114,27 @@ def errors(tmp_path_factory):
     ("not_stateful", "state['data']", "state_dict() and load_state_dict()"),
     ("unsaveable", "scheduler", "only numbers, strings"),
     ("nondeterministic", "model", "no deterministic implementation"),
+    ("late_loss", "update.loss", "set update.loss before optimizer.step()"),
+    ("after_close", "run.update", "called after run.close()"),
 ])
 def test_a_mistake_is_named_with_its_fix(errors, case, field, words):
     msg = errors[case]
     assert msg is not None, f"{case}: no error"
     assert msg.startswith(field) and words in msg and "\n" not in msg, msg
+
+
+def test_the_public_names_are_the_documented_ones(errors):
+    """Internals are private: what a script sees on Job, Run and Update instances is what docs/api.md lists."""
+    assert errors["public_update"] == ["step"]  # loss is a property (its setter refuses a late loss)
+    assert errors["public_run"] == ["epoch", "job", "losses", "step"]
+    assert errors["public_job"] == ["config", "device", "events", "local_rank", "mesh", "node", "num_nodes",
+                                    "params", "rank", "ranks_per_node", "run", "run_dir", "seed", "steps",
+                                    "world_size"]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    for name in errors["public_run"] + errors["public_job"] + ["loss", "groups"]:
+        assert f"`{name}`" in doc, name
+    for call in ("run.close()", "run.batches(iterable)", "run.update()"):
+        assert f"`{call}" in doc, call
 
 
 def test_an_entry_point_that_does_not_exist_is_a_usage_error(tmp_path):
