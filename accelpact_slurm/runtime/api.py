@@ -294,8 +294,12 @@ class Run:
     # ------------------------------------------------------------------ state
 
     def _extra(self) -> dict[str, Any]:
-        """This rank's non-tensor state for a snapshot (JSON-able)."""
-        return {"run": {"step": self.step, "epoch": self.epoch, "losses": list(self.losses)},
+        """This rank's non-tensor state for a snapshot (JSON-able).  The loss history is the same on every rank and
+        the snapshot keeps rank 0's ``run`` only: only rank 0 sends it, so the other ranks' part stays O(1)."""
+        run: dict[str, Any] = {"step": self.step, "epoch": self.epoch}
+        if self.job.rank == 0:
+            run["losses"] = list(self.losses)
+        return {"run": run,
                 "rank": {"rng": appstate.rng_state(),
                          "state": {n: appstate.encode(o.state_dict(), f"state[{n!r}]") for n, o in self.statefuls.items()}}}
 
