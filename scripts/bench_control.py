@@ -253,7 +253,8 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
 def markdown(res: dict[str, Any]) -> str:
     m = res.get("measured") or {}
     label = res.get("commit_label", BEFORE)
-    lines = [MARK, "", f"Run {res.get('date', '?')} ({h.machine_line(res.get('machine', {}))}); the current code "
+    lines = [MARK, "## The control plane at scale: one decision with 4 to 1,024 members", "",
+             f"Run {res.get('date', '?')} ({h.machine_line(res.get('machine', {}))}); the current code "
              f"(new: the round's lead reads the N values and posts one combined result, every other member reads "
              f"that one key) against `{label}` (old, commit `{res.get('commit', '?')}`: every member reads every "
              f"member's key; its store server too). Every member is a thread of one process with a job-store "

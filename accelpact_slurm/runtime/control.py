@@ -209,7 +209,7 @@ class ControlPlane:
         if marker.get("timeout"):
             raise ControlPlaneTimeout(marker["timeout"])
         if marker.get("direct"):  # the lead contributed and left: every member's value, as before
-            left = max(0.0, timeout - (time.monotonic() - started))
+            left = max(0.001, timeout - (time.monotonic() - started))  # a store's zero timeout waits forever
             return self._gather_every(key, name, ranks, left, round_)
         raise ControlPlaneError(f"control-plane agreement {name!r}: unreadable result {raw[:80]!r}")
 
