@@ -2,7 +2,8 @@
 #   make demo   run the reference job on the embedded default (2 emulated nodes x 2 ranks, CPU)
 #   make test   run the whole test suite (installs Slurm for the end-to-end tests), then the torch-internals
 #               tests on every other supported torch release (make test-releases)
-#   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b")
+#   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b";
+#               the parts are scripts/bench_<part>.py, listed in scripts/bench_all.py: e.g. --parts store,control)
 
 PYTHON ?= python3
 VENV   ?= .venv

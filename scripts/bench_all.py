@@ -13,7 +13,7 @@ results are merged into ``benchmarks/results/<date>.json``::
 and ``docs/benchmarks.md`` is written from that file alone: a header with the machine, an overview table of
 every part's summary ``rows`` (what / baseline / ratio / spread / n / note), then each part's own block
 (``markdown(res)`` of its script) in a fixed order: repair, guard, l1backward, peers, ckpt, paper, status, shared,
-restore, recovery, store, and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps
+restore, recovery, store, control, and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps
 the block it has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
 
 Parts that are not selected with ``--parts`` are carried over from an earlier merged file of the same date
@@ -79,10 +79,12 @@ PARTS = {p.name: p for p in (
          "Recovery: from the fault to training again"),
     Part("store", "bench_store.py", "<!-- store-bench -->", 420,
          "The job's authenticated store: per-update cost against TCPStore"),
+    Part("control", "bench_control.py", "<!-- control-bench -->", 360,
+         "The control plane at scale: one decision with 4 to 1,024 members"),
 )}
 # Cheap and certain first; the checkpoint benchmark (the longest, and the one that may run out of memory) after
 # them; the shared tier's cost last, with what is left of the budget (or alone: --parts shared).
-RUN_ORDER = ["status", "repair", "guard", "store", "paper", "peers", "l1backward", "ckpt", "shared", "restore",
+RUN_ORDER = ["status", "repair", "guard", "store", "control", "paper", "peers", "l1backward", "ckpt", "shared", "restore",
              "recovery"]
 GPU_MARK = "<!-- gpu-check -->"
 GPU_JSON = RESULTS / "gpu-check.json"

@@ -7,10 +7,21 @@ All calls block with a deadline and raise
 :class:`~accelpact_slurm.core.errors.ControlPlaneTimeout` naming the ranks that did
 not answer.
 
-While a round lasts, the rank's liveness thread looks at the records of the members that have not joined it
-yet (:mod:`.liveness`): a member that is dead, stopped or hung fails the round at once with
-:class:`~accelpact_slurm.core.errors.FailStop` naming it, on every rank waiting in it, instead of waiting out the
-deadline.  A store that is gone (its host, rank 0, died) fails the round at once too.
+One round of an agreement over N members costs the store O(N), not O(N^2): every member posts its value under a
+key of its own; the round's lead (its lowest member, rank 0 for the world) reads the N values in one blocking read
+and posts them, in rank order, as one combined result (``<round>/all``); every other member reads that one key.
+So a member does three requests of one key each (its value, the result, the cleanup of its value two rounds back),
+the lead one read of N keys and one write of the result.  What a member reads is the same bytes as before (the N
+values: an all-gather), in one item instead of N.
+
+While a round lasts, the rank's liveness thread looks at the records of those it waits on (:mod:`.liveness`): the
+lead at the members that have not joined yet, every other member at the lead.  A member that is dead, stopped or
+hung gets a stop in its place (the lead's watcher puts it there); the lead's read ends at once and the lead posts
+that stop as the round's result, so the round fails with :class:`~accelpact_slurm.core.errors.FailStop` naming
+it on every rank waiting in it, one request later than on the lead.  A lead that is dead, stopped or hung gets a
+stop in the place of its result (the members' watchers put it there), which fails them alike.  A store that is
+gone (its host, rank 0, died) fails the round at once too.  A lead that runs into the round's deadline posts
+whose values were missing, so every member raises the same :class:`ControlPlaneTimeout`.
 
 Who calls: every rank of the world, the same calls in the same order (like a
 collective).  Values are JSON.
@@ -34,6 +45,11 @@ log = logging.getLogger(__name__)
 POLL_S = 0.01
 #: The value a watcher puts in the place of a member that will never join a round: ``{STOP_KEY: {...}}``.
 STOP_KEY = "__accelpact_stop__"
+#: What a round's lead posts in place of the result when there is none: ``{ROUND_KEY: {"timeout": why}}`` (it ran
+#: into the deadline) or ``{ROUND_KEY: {"direct": true}}`` (it contributed and left: read every member's value).
+ROUND_KEY = "__accelpact_round__"
+#: The key of a round's combined result, beside the members' ``<round>/<rank>``.
+RESULT = "all"
 
 
 def poisoned(raw: bytes) -> dict[str, Any] | None:
@@ -100,33 +116,123 @@ class ControlPlane:
 
         ``name`` must be used once per round; a sequence number is appended so a
         name may be reused (the n-th call with a name on every rank matches).
-        Two round trips to the store: this rank's value (no answer awaited), then one
-        blocking read of every member's value, bounded by the deadline.
+        This rank's value (no answer awaited), then one blocking read bounded by the deadline: of every other
+        member's value on the round's lead (which then posts the combined result), of that result on every other
+        member (see the module docstring).
         """
         ranks, key = self._enter(name, ranks)
+        n = self._seq[name] - 1
+        mine = json.dumps(value)
         try:
-            self._store.set(f"{key}/{self.rank}", json.dumps(value))
+            self._store.set(f"{key}/{self.rank}", mine)
         except Exception as exc:  # noqa: BLE001 - the store's host is gone
             raise self._lost(name, exc) from exc
-        keys = [f"{key}/{r}" for r in ranks]
-        values = [json.loads(v) for v in self._read(keys, name, ranks, timeout_s, self._seq[name] - 1)]
-        n = self._seq[name] - 1
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        lead = min(ranks)
+        if self.all_read_all:
+            values = self._gather_every(key, name, ranks, timeout, n)
+        elif self.rank == lead:
+            values = self._gather_lead(key, name, ranks, mine.encode(), timeout, n)
+        else:
+            values = self._gather_member(key, name, ranks, lead, timeout, n)
         if n >= 2:  # every member has finished round n-2 once round n-1 is complete
-            try:
-                self._store.delete_key(f"{name}#{n - 2}/{self.rank}")
-            except Exception:  # pragma: no cover - cleanup is best effort
-                log.debug("could not delete control key %s#%d/%d", name, n - 2, self.rank)
+            stale = [f"{name}#{n - 2}/{self.rank}"]
+            if self.rank == lead and not self.all_read_all:
+                stale.append(f"{name}#{n - 2}/{RESULT}")
+            for k in stale:
+                try:
+                    self._store.delete_key(k)
+                except Exception:  # pragma: no cover - cleanup is best effort
+                    log.debug("could not delete control key %s", k)
         return values
+
+    #: The earlier algorithm, every member reading every member's value (O(N^2) a round): for comparisons only.
+    all_read_all = False
+
+    def _gather_every(self, key: str, name: str, ranks: list[int], timeout: float, round_: int) -> list[Any]:
+        keys = [f"{key}/{r}" for r in ranks]
+        raws = self._read(keys, name, ranks, timeout, round_)
+        for v in raws:
+            self._raise_stop(v, name)
+        return [json.loads(v) for v in raws]
+
+    def _gather_lead(self, key: str, name: str, ranks: list[int], mine: bytes, timeout: float,
+                     round_: int) -> list[Any]:
+        """The lead: the other members' values, then the combined result (or the stop, or the timeout) posted."""
+        others = [r for r in ranks if r != self.rank]
+        try:
+            raws = self._read([f"{key}/{r}" for r in others], name, others, timeout, round_) if others else []
+        except ControlPlaneTimeout as exc:
+            self._post_result(key, name, json.dumps({ROUND_KEY: {"timeout": str(exc)}}).encode(), check=False)
+            raise
+        got = dict(zip(others, raws))
+        got[self.rank] = mine
+        ordered = [got[r] for r in ranks]
+        stop = next((v for v in ordered if poisoned(v) is not None), None)
+        result = stop if stop is not None else b"[" + b",".join(ordered) + b"]"
+        self._post_result(key, name, result)
+        if stop is not None:
+            self._raise_stop(stop, name)
+        return [json.loads(v) for v in ordered]
+
+    def _post_result(self, key: str, name: str, result: bytes, check: bool = True) -> None:
+        """Post the round's result unless a watcher already put a stop in its place (this lead was judged dead,
+        stopped or hung): then that stop is the round's result here too."""
+        try:
+            there = self._store.compare_set(f"{key}/{RESULT}", "", result)
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone
+            if not check:
+                return
+            raise self._lost(name, exc) from exc
+        if check and there != result:
+            self._raise_stop(there, name)
+
+    def _gather_member(self, key: str, name: str, ranks: list[int], lead: int, timeout: float,
+                       round_: int) -> list[Any]:
+        """Any member but the lead: the lead's one combined result."""
+        started = time.monotonic()
+        try:
+            raw = self._read([f"{key}/{RESULT}"], name, [lead], timeout, round_)[0]
+        except ControlPlaneTimeout:
+            missing = [r for r in ranks if not self._has(f"{key}/{r}")]
+            raise ControlPlaneTimeout(
+                f"control-plane agreement {name!r} (generation {self._generation}) incomplete after "
+                f"{timeout:g} s: no answer from rank(s) {missing or [lead]}"
+                + ("" if missing else " (the round's lead: every value is in, its result is not)")) from None
+        if raw.startswith(b"["):
+            return json.loads(raw)
+        self._raise_stop(raw, name)
+        try:
+            marker = json.loads(raw).get(ROUND_KEY) or {}
+        except (ValueError, AttributeError):
+            marker = {}
+        if marker.get("timeout"):
+            raise ControlPlaneTimeout(marker["timeout"])
+        if marker.get("direct"):  # the lead contributed and left: every member's value, as before
+            left = max(0.001, timeout - (time.monotonic() - started))  # a store's zero timeout waits forever
+            return self._gather_every(key, name, ranks, left, round_)
+        raise ControlPlaneError(f"control-plane agreement {name!r}: unreadable result {raw[:80]!r}")
+
+    @staticmethod
+    def _raise_stop(raw: bytes, name: str) -> None:
+        stop = poisoned(raw)
+        if stop is not None:
+            from accelpact_slurm.runtime.collectives import stop_from_round
+
+            raise stop_from_round(stop, name)
 
     def contribute(self, name: str, value: Any, ranks: Sequence[int] | None = None) -> None:
         """Take part in this round of the agreement ``name`` without waiting for the others.
 
         For a rank that is about to fail stop: the members' :meth:`all_gather` of the same round
         returns at once with ``value`` in this rank's place (e.g. why it failed), instead of waiting
-        for the deadline.  The round counts as this rank's call of ``name``.
+        for the deadline.  The round counts as this rank's call of ``name``.  The round's lead, which will not
+        gather, tells the members to read every value themselves.
         """
-        _, key = self._enter(name, ranks)
+        ranks, key = self._enter(name, ranks)
         self._store.set(f"{key}/{self.rank}", json.dumps(value))
+        if self.rank == min(ranks) and not self.all_read_all:
+            self._store.compare_set(f"{key}/{RESULT}", "", json.dumps({ROUND_KEY: {"direct": True}}))
 
     def _enter(self, name: str, ranks: Sequence[int] | None) -> tuple[list[int], str]:
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
@@ -187,9 +293,9 @@ class ControlPlane:
         missing keys up to its timeout, set here to this call's deadline for the read and put back after).
 
         With the detector, the rank's liveness thread watches the round while it lasts (past its first slice: the
-        missing members' records, every slice); a member that will never come gets a stop in its place in the
-        round, which ends the read at once, here and on every other rank waiting in it
-        (:meth:`accelpact_slurm.runtime.liveness.Publisher.watch_round`).
+        records of ``ranks`` whose ``keys`` are missing, every slice); one that will never come gets a stop in the
+        place of its key, which ends the read at once (:meth:`accelpact_slurm.runtime.liveness.Publisher._look_round`).
+        A stop among the values is the caller's to raise.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         watch = self.watch
@@ -207,12 +313,6 @@ class ControlPlane:
             self._base.set_timeout(before)
             if token is not None:
                 watch.round_ends(token)
-        for v in values:
-            stop = poisoned(v)
-            if stop is not None:
-                from accelpact_slurm.runtime.collectives import stop_from_round
-
-                raise stop_from_round(stop, name)
         return values
 
     def _lost(self, name: str, exc: BaseException) -> FailStop:

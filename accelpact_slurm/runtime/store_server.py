@@ -18,6 +18,8 @@ Who calls: :func:`accelpact_slurm.runtime.store.host_store` on rank 0; :meth:`St
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import logging
 import os
 import secrets
@@ -56,10 +58,11 @@ class _Conn:
 
 
 class _Wait:
-    __slots__ = ("conn", "op", "keys", "deadline")
+    __slots__ = ("conn", "op", "keys", "deadline", "next")
 
     def __init__(self, conn: _Conn, op: int, keys: list[bytes], deadline: float) -> None:
         self.conn, self.op, self.keys, self.deadline = conn, op, keys, deadline
+        self.next = 0  # keys[:next] were there when last looked at (keys are never taken back but by a delete)
 
 
 class StoreServer:
@@ -75,7 +78,13 @@ class StoreServer:
         self._on_warning = on_warning
         self._data: dict[bytes, bytes] = {}
         self._conns: dict[int, _Conn] = {}
-        self._waits: list[_Wait] = []
+        # The parked waits; each is filed under the first of its keys found missing, so that a write wakes only the
+        # waits on the keys it wrote (O(1) a write, not O(waits)); their deadlines in a heap (stale entries of
+        # answered waits are skipped, and dropped when they outnumber the live ones).
+        self._waits: set[_Wait] = set()
+        self._waiting_on: dict[bytes, list[_Wait]] = {}
+        self._deadlines: list[tuple[float, int, _Wait]] = []
+        self._tie = itertools.count()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listen, selectors.EVENT_READ, None)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -167,8 +176,11 @@ class StoreServer:
             soonest = min(soonest, next(iter(self._pending.values())).deadline)  # the oldest expires first
         if self._accept_paused_until:
             soonest = min(soonest, self._accept_paused_until)
-        for wt in self._waits:
-            soonest = min(soonest, wt.deadline)
+        heap = self._deadlines
+        while heap and heap[0][2] not in self._waits:
+            heapq.heappop(heap)
+        if heap:
+            soonest = min(soonest, heap[0][0])
         return max(0.0, soonest - now)
 
     def _accept(self) -> None:
@@ -271,34 +283,39 @@ class StoreServer:
         if op == w.SET:
             d[items[0]] = items[1]
             self._reply(conn, w.OK, [])
-            self._wake()
+            self._wake(items[:1])
         elif op == w.MULTI_SET:
             if len(items) % 2:
                 raise ValueError("multi_set needs key/value pairs")
             for k, v in zip(items[0::2], items[1::2]):
                 d[k] = v
             self._reply(conn, w.OK, [])
-            self._wake()
+            self._wake(items[0::2])
         elif op in (w.GET, w.MULTI_GET, w.WAIT):
             if op == w.GET and len(items) != 1:
                 raise ValueError("get takes one key")
             if all(k in d for k in items):
                 self._reply(conn, w.OK, [] if op == w.WAIT else [d[k] for k in items])
             else:
-                conn.parked = _Wait(conn, op, items, time.monotonic() + timeout_ms / 1000.0)
-                self._waits.append(conn.parked)
+                conn.parked = wt = _Wait(conn, op, items, time.monotonic() + timeout_ms / 1000.0)
+                self._waits.add(wt)
+                heapq.heappush(self._deadlines, (wt.deadline, next(self._tie), wt))
+                if len(self._deadlines) > 2 * len(self._waits) + 64:
+                    self._deadlines = [e for e in self._deadlines if e[2] in self._waits]
+                    heapq.heapify(self._deadlines)
+                self._file(wt)
         elif op == w.ADD:
             value = int(d.get(items[0], b"0")) + int(items[1])
             d[items[0]] = str(value).encode()
             self._reply(conn, w.OK, [d[items[0]]])
-            self._wake()
+            self._wake(items[:1])
         elif op == w.CAS:
             k, expected, desired = items
             cur = d.get(k)
             if (cur is None and expected == b"") or (cur is not None and cur == expected):
                 d[k] = desired
                 self._reply(conn, w.OK, [desired])
-                self._wake()
+                self._wake([k])
             else:
                 self._reply(conn, w.OK, [expected if cur is None else cur])
         elif op == w.CHECK:
@@ -308,16 +325,45 @@ class StoreServer:
         elif op == w.NUM_KEYS:
             self._reply(conn, w.OK, [str(len(d)).encode()])
 
-    def _wake(self) -> None:
-        d = self._data
-        for wt in list(self._waits):
-            if all(k in d for k in wt.keys):
-                self._finish(wt, w.OK, [] if wt.op == w.WAIT else [d[k] for k in wt.keys])
+    def _file(self, wt: _Wait) -> None:
+        """File a wait under the first of its keys that is missing; answer it when none is."""
+        d, keys = self._data, wt.keys
+        while True:
+            while wt.next < len(keys) and keys[wt.next] in d:
+                wt.next += 1
+            if wt.next < len(keys):
+                self._waiting_on.setdefault(keys[wt.next], []).append(wt)
+                return
+            if all(k in d for k in keys):
+                self._finish(wt, w.OK, [] if wt.op == w.WAIT else [d[k] for k in keys])
+                return
+            wt.next = 0  # a key found earlier was deleted since: look again from the first
+
+    def _unfile(self, wt: _Wait) -> None:
+        """Take a wait that ends unanswered (its deadline, its connection gone) off the key it is filed under."""
+        if wt.next < len(wt.keys):
+            filed = self._waiting_on.get(wt.keys[wt.next])
+            if filed is not None:
+                try:
+                    filed.remove(wt)
+                except ValueError:
+                    pass
+                if not filed:
+                    del self._waiting_on[wt.keys[wt.next]]
+
+    def _wake(self, written: list[bytes]) -> None:
+        """The waits filed under the keys just written: answered, or filed under their next missing key."""
+        for k in written:
+            for wt in self._waiting_on.pop(k, ()):
+                if wt in self._waits:
+                    self._file(wt)
 
     def _finish(self, wt: _Wait, status: int, items: list[bytes]) -> None:
         if wt not in self._waits:  # already answered (a set served meanwhile woke it)
             return
-        self._waits.remove(wt)
+        self._waits.discard(wt)
+        if status != w.OK:
+            self._unfile(wt)
         conn = wt.conn
         conn.parked = None
         if conn.sock.fileno() in self._conns:
@@ -353,7 +399,8 @@ class StoreServer:
         self._conns.pop(fd, None)
         self._pending.pop(fd, None)
         if conn.parked is not None and conn.parked in self._waits:
-            self._waits.remove(conn.parked)
+            self._waits.discard(conn.parked)
+            self._unfile(conn.parked)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
@@ -365,8 +412,11 @@ class StoreServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for wt in [wt for wt in self._waits if wt.deadline <= now]:
-            self._finish(wt, w.TIMEOUT, [])
+        heap = self._deadlines
+        while heap and (heap[0][2] not in self._waits or heap[0][0] <= now):
+            _deadline, _tie, wt = heapq.heappop(heap)
+            if wt in self._waits:
+                self._finish(wt, w.TIMEOUT, [])
         for conn in [c for c in self._pending.values() if c.deadline <= now]:
             self.refused["slow"] += 1
             self._note(conn)

@@ -38,3 +38,26 @@ def test_a_new_rank_takes_a_donors_statefuls_and_a_fresh_documented_rng():
     _, other = appstate.rank_state(ranks, 2, seed=7, frontier=10)
     appstate.set_rng_state(other)
     assert not torch.equal(got[0], torch.rand(3))  # two new ranks draw distinct streams
+
+
+def test_only_rank_0_sends_the_loss_history_in_a_snapshots_extra_state():
+    """The extra-state round of a snapshot: a non-zero rank's part holds no loss history (O(1) in the steps), rank
+    0's holds it, and the snapshot's ``run`` (rank 0's, as the snapshot client keeps it) is what a load reads."""
+    import json
+    from types import SimpleNamespace
+
+    from accelpact_slurm.runtime.api import Run
+
+    losses = [2.5 - 0.001 * i for i in range(5000)] + [None]
+
+    def part(rank, history):
+        run = SimpleNamespace(job=SimpleNamespace(rank=rank), step=len(history), epoch=1, losses=history,
+                              _statefuls={}, _forward=SimpleNamespace(per_rank=dict))
+        return Run._extra(run)
+
+    extras = [part(r, losses) for r in range(4)]
+    for r in (1, 2, 3):
+        assert "losses" not in extras[r]["run"] and extras[r]["run"] == {"step": len(losses), "epoch": 1}
+        assert len(json.dumps(extras[r])) < len(json.dumps(extras[0])) - 50_000
+    doc = {"run": extras[0]["run"]}  # ckpt_service.client.SnapshotClient._meta: extras[0]'s run
+    assert doc["run"]["losses"] == losses and doc["run"]["step"] == len(losses)

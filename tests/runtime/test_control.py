@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from datetime import timedelta
@@ -10,7 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import ControlPlaneTimeout
+from accelpact_slurm.runtime import store_wire as w
 from accelpact_slurm.runtime.control import ControlPlane
+from accelpact_slurm.runtime.store import JobStore, binding, host_store, port_candidates
 
 WORLD = 3
 
@@ -81,3 +84,93 @@ def test_a_contribution_ends_the_others_wait_at_once(planes):
     assert got[0] == got[2] == [{"ok": True}, {"ok": False, "why": "validation failed"}, {"ok": True}]
     # The round counts as the contributing rank's call: the next round pairs up again.
     assert on_every_rank(planes, lambda p: p.all_gather("release", p.rank)) == [[0, 1, 2]] * WORLD
+
+
+def test_a_lead_that_contributes_and_leaves_still_ends_the_others_wait_at_once(planes):
+    """The round's lead (rank 0) will not gather: the others read every member's value themselves."""
+    def release(p):
+        if p.rank == 0:
+            p.contribute("release", {"ok": False, "why": "rank 0 failed"})
+            return "left"
+        return p.all_gather("release", {"ok": True}, timeout_s=5)
+
+    t0 = time.monotonic()
+    got = on_every_rank(planes, release)
+    assert time.monotonic() - t0 < 4
+    assert got[0] == "left"
+    assert got[1] == got[2] == [{"ok": False, "why": "rank 0 failed"}, {"ok": True}, {"ok": True}]
+
+
+# ------------------------------------------------------------------ what a round costs the store
+
+
+class Counting(JobStore):
+    """The project's store client, counting its requests: (operation, keys it names)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int]] = []
+
+    def _call(self, op, items, timeout_s=None):
+        keys = len(items) // 2 if op in (w.SET, w.MULTI_SET) else 1 if op == w.CAS else len(items)
+        self.calls.append((w.OPS[op], keys))
+        return super()._call(op, items, timeout_s)
+
+
+@pytest.fixture
+def counted():
+    """A served job store and, per rank, a control plane over a counting client of its own."""
+    key = secrets.token_bytes(32)
+    bind_to = binding("77", 0)
+    ports = port_candidates(key, "77")
+    server = host_store("127.0.0.1", ports, key, bind_to)
+    made: list[Counting] = []
+
+    def planes(world: int) -> list[ControlPlane]:
+        made.extend(Counting("127.0.0.1", ports, key, bind_to, r, timedelta(seconds=20)) for r in range(world))
+        return [ControlPlane(c, rank=r, world_size=world, timeout_s=10) for r, c in enumerate(made[-world:])]
+
+    yield planes, made
+    for c in made:
+        c.close()
+    server.close()
+
+
+def test_a_round_costs_every_member_but_the_lead_a_constant_number_of_one_key_requests(counted):
+    """N = 8 members, 6 rounds of a vote: past the first rounds (with their cleanup running), each member but the
+    lead sends 3 requests a round, none naming more than one key; the lead reads the other N-1 in one request.
+    The earlier algorithm (every member reads every member's key: ``all_read_all``) fails this."""
+    make, clients = counted
+    world = 8
+    planes = make(world)
+    rounds = 6
+
+    def votes(p):
+        return [p.all_gather("vote", {"r": p.rank, "n": n}) for n in range(rounds)]
+
+    for got in on_every_rank(planes, votes):
+        assert got == [[{"r": r, "n": n} for r in range(world)] for n in range(rounds)]
+    for r, c in enumerate(clients):
+        steady = c.calls[-3 * 2:] if r else c.calls[-5 * 2:]  # the last two rounds
+        if r:
+            assert len(c.calls) <= 3 * rounds, (r, c.calls)
+            assert max(k for _op, k in c.calls) == 1, (r, c.calls)
+            assert sorted(op for op, _k in steady) == ["delete_key", "delete_key", "multi_get", "multi_get", "set",
+                                                       "set"], (r, steady)
+        else:
+            reads = [k for op, k in c.calls if op in ("get", "multi_get")]
+            assert reads == [world - 1] * rounds, c.calls
+            assert len(c.calls) <= 5 * rounds
+    # The store keeps at most two rounds of keys: each member's value and the result.
+    assert clients[0].num_keys() <= 2 * (world + 1)
+
+
+def test_the_earlier_algorithm_reads_every_members_key_on_every_member(counted):
+    """The control for the test above: the same rounds with ``all_read_all`` read N keys on every member."""
+    make, clients = counted
+    planes = make(4)
+    for p in planes:
+        p.all_read_all = True
+    on_every_rank(planes, lambda p: [p.all_gather("vote", p.rank) for _ in range(3)])
+    for c in clients:
+        assert [k for op, k in c.calls if op == "multi_get"] == [4] * 3

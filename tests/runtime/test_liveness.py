@@ -273,3 +273,56 @@ def test_a_round_a_dead_member_will_never_join_ends_at_once_on_every_waiting_ran
     finally:
         for _cp, pub in planes:
             pub.close()
+
+
+def test_a_round_whose_lead_is_dead_ends_at_once_on_every_other_member(store):
+    """The round's lead (rank 0, which gathers the values and posts the result) is dead and never joins; ranks 1
+    and 2 wait for its result.  Their liveness threads watch the lead: both reads end with the fail-stop naming
+    rank 0, long before the 20 s deadline.  (The store here is not rank 0's process, so its death alone would
+    not end the round.)  Negative control: the same round, blind, runs into its deadline and names rank 0."""
+    for r in range(3):
+        lv.Publisher(store(), r, lv.LocalState(), interval_s=60.0).start()
+    store().set(lv.record_key(0), json.dumps({"dead": {"by": 1, "how": "its process ended"}, "n": 99}))
+
+    class Watch:
+        def __init__(self, pub):
+            self.pub = pub
+
+        def round_begins(self, *args):
+            return self.pub.round_begins(*args)
+
+        def round_ends(self, token):
+            self.pub.round_ends(token)
+
+    planes, pubs = {}, []
+    for r in (1, 2):
+        cp = ControlPlane(store(), rank=r, world_size=3, timeout_s=20)
+        pub = lv.Publisher(store(), r, lv.LocalState(), interval_s=0.05, heartbeat_s=HB)
+        pub.start()
+        pubs.append(pub)
+        cp.watch = Watch(pub)
+        planes[r] = cp
+    out: dict[int, object] = {}
+
+    def vote(r):
+        try:
+            out[r] = planes[r].all_gather("vote", {"F": 3})
+        except FailStop as exc:
+            out[r] = exc
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=vote, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert time.monotonic() - t0 < 10
+        for r in (1, 2):
+            assert isinstance(out[r], FailStop) and out[r].cause == "dead-rank" and out[r].context["rank"] == 0
+        blind = ControlPlane(store(), rank=1, world_size=3, timeout_s=0.5)
+        with pytest.raises(Exception, match=r"no answer from rank\(s\) \[0, 2\]"):
+            blind.all_gather("other", 1)
+    finally:
+        for pub in pubs:
+            pub.close()

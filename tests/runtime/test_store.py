@@ -471,3 +471,28 @@ def test_a_call_interrupted_before_its_answer_closes_the_connection(job, monkeyp
         c.get("a")
     with pytest.raises(dist.DistNetworkError, match="closed"):
         c.get("b")
+
+
+def test_a_write_wakes_only_the_waits_on_its_key_and_a_deleted_key_is_waited_for_again(job):
+    """Waits are filed under the first key they miss: a write answers exactly those that then have every key,
+    one whose key was deleted meanwhile waits on, and one that runs out leaves nothing filed behind."""
+    server, client, _w, _k = job
+    a, b, c = client(0), client(1), client(2)
+
+    def answer(store):
+        n = w.frame_length(store._sock.recv(w.LEN_SIZE, socket.MSG_WAITALL))
+        return w.parse_answer(store._sealer.open(store._sock.recv(n, socket.MSG_WAITALL)))
+
+    a._sock.sendall(a._sealer.seal(w.request(w.MULTI_GET, 10000, [b"x", b"y", b"z"])))
+    b._sock.sendall(b._sealer.seal(w.request(w.GET, 300, [b"never"])))
+    _wait_for(lambda: len(server._waits) == 2, "both waits parked")
+    c.set("x", "1")
+    c.set("y", "2")
+    c.delete_key("x")
+    c.set("z", "3")  # x is gone again: a's wait goes on
+    assert c.check(["y", "z"]) and len(server._waits) >= 1
+    c.set("x", "4")
+    assert answer(a) == (w.OK, [b"4", b"2", b"3"])
+    assert answer(b)[0] == w.TIMEOUT
+    c.set("after", "1")  # a round trip: the store has served everything before it
+    assert not server._waits and not server._waiting_on
