@@ -129,7 +129,8 @@ class ControlPlane:
             raise self._lost(name, exc) from exc
         timeout = self.timeout_s if timeout_s is None else timeout_s
         lead = min(ranks)
-        if self.all_read_all:
+        through_lead = self._through_lead(ranks)
+        if not through_lead:
             values = self._gather_every(key, name, ranks, timeout, n)
         elif self.rank == lead:
             values = self._gather_lead(key, name, ranks, mine.encode(), timeout, n)
@@ -137,7 +138,7 @@ class ControlPlane:
             values = self._gather_member(key, name, ranks, lead, timeout, n)
         if n >= 2:  # every member has finished round n-2 once round n-1 is complete
             stale = [f"{name}#{n - 2}/{self.rank}"]
-            if self.rank == lead and not self.all_read_all:
+            if self.rank == lead and through_lead:
                 stale.append(f"{name}#{n - 2}/{RESULT}")
             for k in stale:
                 try:
@@ -146,8 +147,15 @@ class ControlPlane:
                     log.debug("could not delete control key %s", k)
         return values
 
-    #: The earlier algorithm, every member reading every member's value (O(N^2) a round): for comparisons only.
+    #: Every member reading every member's value at any size (O(N^2) a round): for comparisons only.
     all_read_all = False
+    #: From this many members on, a round goes through its lead.  Below, every member reads every value (one
+    #: request of N keys each): with few members that is cheaper than the lead's two extra hops (measured by
+    #: ``make bench`` part ``control``: the two cross between 16 and 64 members on this machine).
+    LEAD_FROM = 32
+
+    def _through_lead(self, ranks: Sequence[int]) -> bool:
+        return not self.all_read_all and len(ranks) >= self.LEAD_FROM
 
     def _gather_every(self, key: str, name: str, ranks: list[int], timeout: float, round_: int) -> list[Any]:
         keys = [f"{key}/{r}" for r in ranks]
@@ -231,7 +239,7 @@ class ControlPlane:
         """
         ranks, key = self._enter(name, ranks)
         self._store.set(f"{key}/{self.rank}", json.dumps(value))
-        if self.rank == min(ranks) and not self.all_read_all:
+        if self.rank == min(ranks) and self._through_lead(ranks):
             self._store.compare_set(f"{key}/{RESULT}", "", json.dumps({ROUND_KEY: {"direct": True}}))
 
     def _enter(self, name: str, ranks: Sequence[int] | None) -> tuple[list[int], str]:

@@ -18,8 +18,10 @@ from accelpact_slurm.runtime.store import JobStore, binding, host_store, port_ca
 WORLD = 3
 
 
-@pytest.fixture
-def planes():
+@pytest.fixture(params=["every-member-reads", "through-the-lead"])
+def planes(request, monkeypatch):
+    """Both ways a round goes: every member reading every value (few members), through the round's lead (many)."""
+    monkeypatch.setattr(ControlPlane, "LEAD_FROM", 10**9 if request.param == "every-member-reads" else 1)
     host = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=20))
     clients = [dist.TCPStore("127.0.0.1", host.port, WORLD, is_master=False, timeout=timedelta(seconds=20))
@@ -118,8 +120,10 @@ class Counting(JobStore):
 
 
 @pytest.fixture
-def counted():
-    """A served job store and, per rank, a control plane over a counting client of its own."""
+def counted(monkeypatch):
+    """A served job store and, per rank, a control plane over a counting client of its own; every round through
+    its lead (as from ``ControlPlane.LEAD_FROM`` members on)."""
+    monkeypatch.setattr(ControlPlane, "LEAD_FROM", 1)
     key = secrets.token_bytes(32)
     bind_to = binding("77", 0)
     ports = port_candidates(key, "77")

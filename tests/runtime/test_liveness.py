@@ -223,10 +223,12 @@ def test_the_death_of_a_node_peer_is_published_within_a_fraction_of_a_second(sto
         peer.wait()
 
 
-def test_a_round_a_dead_member_will_never_join_ends_at_once_on_every_waiting_rank(store):
+@pytest.mark.parametrize("lead_from", [1, 10**9], ids=["through-the-lead", "every-member-reads"])
+def test_a_round_a_dead_member_will_never_join_ends_at_once_on_every_waiting_rank(store, lead_from, monkeypatch):
     """Ranks 0 and 1 wait in a vote rank 2 never joins: rank 2's record says dead, so the liveness thread of each
     waiter puts a stop in rank 2's place and both reads end with the fail-stop, long before the 20 s deadline.
     Negative control: the same round, blind (no detector), runs into its deadline."""
+    monkeypatch.setattr(ControlPlane, "LEAD_FROM", lead_from)
     for r in range(3):
         lv.Publisher(store(), r, lv.LocalState(), interval_s=60.0).start()
     dead = {"dead": {"by": 1, "how": "its process ended"}, "n": 99}
@@ -275,11 +277,13 @@ def test_a_round_a_dead_member_will_never_join_ends_at_once_on_every_waiting_ran
             pub.close()
 
 
-def test_a_round_whose_lead_is_dead_ends_at_once_on_every_other_member(store):
+@pytest.mark.parametrize("lead_from", [1, 10**9], ids=["through-the-lead", "every-member-reads"])
+def test_a_round_whose_lead_is_dead_ends_at_once_on_every_other_member(store, lead_from, monkeypatch):
     """The round's lead (rank 0, which gathers the values and posts the result) is dead and never joins; ranks 1
     and 2 wait for its result.  Their liveness threads watch the lead: both reads end with the fail-stop naming
     rank 0, long before the 20 s deadline.  (The store here is not rank 0's process, so its death alone would
     not end the round.)  Negative control: the same round, blind, runs into its deadline and names rank 0."""
+    monkeypatch.setattr(ControlPlane, "LEAD_FROM", lead_from)
     for r in range(3):
         lv.Publisher(store(), r, lv.LocalState(), interval_s=60.0).start()
     store().set(lv.record_key(0), json.dumps({"dead": {"by": 1, "how": "its process ended"}, "n": 99}))
