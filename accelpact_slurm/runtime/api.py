@@ -145,7 +145,6 @@ class Update:
         self._rng: Any = None
         self._decided: str | None = None  # the vote's outcome once taken (continue | redo)
         self._mean: float | None = None
-        self._votes: list[dict[str, Any]] = []
         self._need_fp = False
         self._exception: dict[str, Any] | None = None  # a training-code error of this update, described
 
@@ -399,20 +398,20 @@ class Run:
         update._need_fp = not fault and (self.step in self._snapshots.taken or self._replay is not None)
         extra = {"fp": replay.fingerprint(self._model, self._optimizer)} if update._need_fp else None
         try:
-            outcome, mean, raw = self._guard.decide(update.step, fault, error, loss, extra,
+            outcome, mean, fps = self._guard.decide(update.step, fault, error, loss, extra,
                                                     redoable=update._redoable, optimizer=self._optimizer,
                                                     exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
             fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step), job.events, job._out,
                       job.is_lead, rt.control, rt.ctx, job._environ)
-        update._decided, update._mean, update._votes = outcome, mean, raw
+        update._decided, update._mean = outcome, mean
         if outcome == "redo":
             if not job._faults.skip_redo_rng:
                 appstate.rng_restore(update._rng)
             self._forward.restore()
             self._redo = True
         elif update._need_fp:
-            self._replay_bookkeeping(self.step, update.step, mean, [d.get("fp") for d in raw])
+            self._replay_bookkeeping(self.step, update.step, mean, fps)
         return outcome
 
     def _finish(self, update: Update, ev: BaseException | None) -> bool:

@@ -11,8 +11,11 @@ One round of an agreement over N members costs the store O(N), not O(N^2): every
 key of its own; the round's lead (its lowest member, rank 0 for the world) reads the N values in one blocking read
 and posts them, in rank order, as one combined result (``<round>/all``); every other member reads that one key.
 So a member does three requests of one key each (its value, the result, the cleanup of its value two rounds back),
-the lead one read of N keys and one write of the result.  What a member reads is the same bytes as before (the N
-values: an all-gather), in one item instead of N.
+the lead one read of N keys and one write of the result.  In :meth:`ControlPlane.all_gather` what a member reads
+is the N values (an all-gather), in one item instead of N; in :meth:`ControlPlane.all_reduce` (the vote) the lead
+combines the N values once and every other member reads only the combined result, whose size does not grow with N.
+Below ``ControlPlane.LEAD_FROM`` members every member reads every value (one request of N keys) and combines
+them itself: cheaper than the lead's two extra hops while N is small.
 
 While a round lasts, the rank's liveness thread looks at the records of those it waits on (:mod:`.liveness`): the
 lead at the members that have not joined yet, every other member at the lead.  A member that is dead, stopped or
@@ -33,7 +36,7 @@ import json
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -120,6 +123,21 @@ class ControlPlane:
         member's value on the round's lead (which then posts the combined result), of that result on every other
         member (see the module docstring).
         """
+        return self._round(name, value, ranks, timeout_s, None)
+
+    def all_reduce(self, name: str, value: Any, combine: Callable[[list[Any]], Any],
+                   ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> Any:
+        """Every rank in ``ranks`` contributes ``value``; all get ``combine(values in rank order)``.
+
+        ``combine`` must be pure and JSON-able in its result: from :attr:`LEAD_FROM` members on it runs once, on
+        the round's lead, and every other member reads its result only (O(1) in the members when the result is);
+        below, every member runs it on every value.  Either way every member returns the same JSON round trip
+        of it.  Deadlines, stops and the lead's death as in :meth:`all_gather`.
+        """
+        return self._round(name, value, ranks, timeout_s, combine)
+
+    def _round(self, name: str, value: Any, ranks: Sequence[int] | None, timeout_s: float | None,
+               combine: Callable[[list[Any]], Any] | None) -> Any:
         ranks, key = self._enter(name, ranks)
         n = self._seq[name] - 1
         mine = json.dumps(value)
@@ -132,10 +150,12 @@ class ControlPlane:
         through_lead = self._through_lead(ranks)
         if not through_lead:
             values = self._gather_every(key, name, ranks, timeout, n)
+            if combine is not None:
+                values = json.loads(json.dumps(combine(values)))
         elif self.rank == lead:
-            values = self._gather_lead(key, name, ranks, mine.encode(), timeout, n)
+            values = self._gather_lead(key, name, ranks, mine.encode(), timeout, n, combine)
         else:
-            values = self._gather_member(key, name, ranks, lead, timeout, n)
+            values = self._gather_member(key, name, ranks, lead, timeout, n, combine)
         if n >= 2:  # every member has finished round n-2 once round n-1 is complete
             stale = [f"{name}#{n - 2}/{self.rank}"]
             if self.rank == lead and through_lead:
@@ -165,7 +185,7 @@ class ControlPlane:
         return [json.loads(v) for v in raws]
 
     def _gather_lead(self, key: str, name: str, ranks: list[int], mine: bytes, timeout: float,
-                     round_: int) -> list[Any]:
+                     round_: int, combine: Callable[[list[Any]], Any] | None = None) -> Any:
         """The lead: the other members' values, then the combined result (or the stop, or the timeout) posted."""
         others = [r for r in ranks if r != self.rank]
         try:
@@ -177,10 +197,17 @@ class ControlPlane:
         got[self.rank] = mine
         ordered = [got[r] for r in ranks]
         stop = next((v for v in ordered if poisoned(v) is not None), None)
-        result = stop if stop is not None else b"[" + b",".join(ordered) + b"]"
+        if stop is not None:
+            result = stop
+        elif combine is None:
+            result = b"[" + b",".join(ordered) + b"]"
+        else:  # one combined value for everyone: posted as a one-item list, read back the same on every member
+            result = json.dumps([combine([json.loads(v) for v in ordered])]).encode()
         self._post_result(key, name, result)
         if stop is not None:
             self._raise_stop(stop, name)
+        if combine is not None:
+            return json.loads(result)[0]
         return [json.loads(v) for v in ordered]
 
     def _post_result(self, key: str, name: str, result: bytes, check: bool = True) -> None:
@@ -196,7 +223,7 @@ class ControlPlane:
             self._raise_stop(there, name)
 
     def _gather_member(self, key: str, name: str, ranks: list[int], lead: int, timeout: float,
-                       round_: int) -> list[Any]:
+                       round_: int, combine: Callable[[list[Any]], Any] | None = None) -> Any:
         """Any member but the lead: the lead's one combined result."""
         started = time.monotonic()
         try:
@@ -208,7 +235,7 @@ class ControlPlane:
                 f"{timeout:g} s: no answer from rank(s) {missing or [lead]}"
                 + ("" if missing else " (the round's lead: every value is in, its result is not)")) from None
         if raw.startswith(b"["):
-            return json.loads(raw)
+            return json.loads(raw)[0] if combine is not None else json.loads(raw)
         self._raise_stop(raw, name)
         try:
             marker = json.loads(raw).get(ROUND_KEY) or {}
@@ -218,7 +245,8 @@ class ControlPlane:
             raise ControlPlaneTimeout(marker["timeout"])
         if marker.get("direct"):  # the lead contributed and left: every member's value, as before
             left = max(0.001, timeout - (time.monotonic() - started))  # a store's zero timeout waits forever
-            return self._gather_every(key, name, ranks, left, round_)
+            values = self._gather_every(key, name, ranks, left, round_)
+            return values if combine is None else json.loads(json.dumps(combine(values)))
         raise ControlPlaneError(f"control-plane agreement {name!r}: unreadable result {raw[:80]!r}")
 
     @staticmethod

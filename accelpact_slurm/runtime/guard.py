@@ -68,6 +68,27 @@ class Vote:
                    exc if isinstance(exc, dict) else None)
 
 
+def summarize_votes(raw: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the decision needs of every rank's vote, in a size that does not grow with the ranks (pure).
+
+    The round's lead computes it once (:meth:`~accelpact_slurm.runtime.control.ControlPlane.all_reduce`); every
+    rank decides from it exactly as from every vote: the votes of the lowest and the highest frontier (the lowest
+    rank of each) and of every rank that saw a fault, the any-stop and all-redoable flags, the mean loss (summed in
+    rank order), rank 0's (F, generation) and the first rank that differs from it, and the replay fingerprints
+    (only in the votes that carry them: the update after a snapshot or a load)."""
+    fs = [int(d["F"]) for d in raw]
+    lo = min(range(len(raw)), key=lambda r: (fs[r], r))
+    hi = max(range(len(raw)), key=lambda r: (fs[r], -r))
+    keep = sorted({lo, hi, *(r for r, d in enumerate(raw) if d.get("fault"))})
+    losses = [d.get("loss") for d in raw if d.get("loss") is not None]
+    pairs = [{"F": d["F"], "g": d.get("g")} for d in raw]
+    diff = next(([r, p] for r, p in enumerate(pairs) if p != pairs[0]), None)
+    fps = [d.get("fp") for d in raw] if any("fp" in d for d in raw) else None
+    return {"n": len(raw), "votes": [[r, {k: v for k, v in raw[r].items() if k != "fp"}] for r in keep],
+            "stop": any(d.get("stop") for d in raw), "redo": all(d.get("redo", True) for d in raw),
+            "mean": sum(losses) / len(losses) if losses else None, "agreed": [pairs[0], diff], "fps": fps}
+
+
 def decide_votes(votes: list[Vote], lookup: Callable[[str], tuple[str, str]],
                  redoable: bool = True, bugs_stop: bool = True) -> tuple[str, str]:
     """Pure decision from every rank's vote: ``(continue | preserve | redo's preserve | restart | stop, reason)``.
@@ -159,7 +180,7 @@ class BoundaryGuard:
         ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None);
         ``exception``: a training-code error's description (:func:`accelpact_slurm.runtime.phases.describe_exception`).
         ``extra`` rides along in this rank's vote (the replay fingerprint).  Returns ``(outcome, the
-        job's mean loss or None, every rank's raw vote)``; ``outcome`` is ``continue`` (step and commit)
+        job's mean loss or None, every rank's replay fingerprint or None)``; ``outcome`` is ``continue`` (step and commit)
         or ``redo`` (the update was discarded and every group repaired: run it again).
 
         Raises:
@@ -197,17 +218,16 @@ class BoundaryGuard:
                 "stop": signals.requested(), "redo": redoable, **(extra or {})}
         if exception:
             mine["exc"] = {k: exception.get(k) for k in ("type", "message", "file", "line", "function")}
-        raw = rt.control.all_gather("vote", mine)
+        summary = rt.control.all_reduce("vote", mine, summarize_votes)
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
-        self.stop_requested = any(d.get("stop") for d in raw)
-        votes = [Vote.from_json(r, d) for r, d in enumerate(raw)]
-        action, reason = decide_votes(votes, self.lookup, all(d.get("redo", True) for d in raw),
-                                      bugs_stop=not self.faults.bug_restarts)
+        self.stop_requested = bool(summary["stop"])
+        votes = [Vote.from_json(r, d) for r, d in summary["votes"]]
+        action, reason = decide_votes(votes, self.lookup, summary["redo"], bugs_stop=not self.faults.bug_restarts)
         decided = time.monotonic()
-        losses = [v.loss for v in votes if v.loss is not None]
-        mean = sum(losses) / len(losses) if losses else None
+        mean = summary["mean"]
+        fps = summary["fps"] or [None] * summary["n"]
         if action == CONTINUE:
-            return CONTINUE, mean, raw
+            return CONTINUE, mean, fps
         if action == STOP:
             culprit = next(v for v in votes if v.fault == TRAINING_CODE)
             mine = exception if culprit.rank == rt.rank and exception else culprit.exception  # its own: the traceback
@@ -219,7 +239,10 @@ class BoundaryGuard:
         phase = others[0] if others else BACKWARD if BACKWARD in phases else COMMITTED
         key = self.key_for(phase)
         # The repair's control barrier checks every rank's (F, generation) on the vote's data: no round trip.
-        agreed = [{"F": d["F"], "g": d.get("g")} for d in raw]
+        first, diff = summary["agreed"]
+        agreed = [first] * summary["n"]
+        if diff is not None:
+            agreed[diff[0]] = diff[1]
         if action == env_mod.PRESERVE:
             ranks = affected_ranks(votes, rt.layout.replicate_ranks, rt.layout.local_of)
             if phase == BACKWARD:
@@ -233,10 +256,10 @@ class BoundaryGuard:
                 self.engine.repair(frontier=frontier, ranks=list(range(rt.layout.world_size)), observed=observed,
                                    key=str(key), reason=reason, scope="update", optimizer=optimizer, step=step,
                                    agreed=agreed)
-                return REDO, None, raw
+                return REDO, None, fps
             self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason,
                                agreed=agreed)
-            return CONTINUE, mean, raw
+            return CONTINUE, mean, fps
         raise FailStop(reason, EXIT_REQUEUE, cause="link", phase=phase, frontier=min(v.frontier for v in votes),
                        decided_at=decided, key=str(key))
 

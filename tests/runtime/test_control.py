@@ -112,11 +112,16 @@ class Counting(JobStore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[str, int]] = []
+        self.read_bytes = 0
 
     def _call(self, op, items, timeout_s=None):
         keys = len(items) // 2 if op in (w.SET, w.MULTI_SET) else 1 if op == w.CAS else len(items)
         self.calls.append((w.OPS[op], keys))
-        return super()._call(op, items, timeout_s)
+        out = super()._call(op, items, timeout_s)
+        if w.OPS[op] in ("get", "multi_get"):
+            got = out if isinstance(out, (list, tuple)) else [out]
+            self.read_bytes += sum(len(x) for x in got if isinstance(x, (bytes, bytearray)))
+        return out
 
 
 @pytest.fixture
@@ -178,3 +183,31 @@ def test_the_earlier_algorithm_reads_every_members_key_on_every_member(counted):
     on_every_rank(planes, lambda p: [p.all_gather("vote", p.rank) for _ in range(3)])
     for c in clients:
         assert [k for op, k in c.calls if op == "multi_get"] == [4] * 3
+
+
+def test_a_reduced_round_costs_every_member_but_the_lead_bytes_that_do_not_grow_with_the_members(counted):
+    """all_reduce (the vote): the lead reads the N values and combines them once; every other member reads only
+    the combined result, a few bytes whatever N.  An all_gather of the same values reads them all on every member
+    (the control)."""
+    make, clients = counted
+    world = 12
+    planes = make(world)
+    padding = "x" * 1000  # a vote-sized value and then some
+
+    def count(values):
+        return {"n": len(values), "ranks": sum(v["r"] for v in values)}
+
+    got = on_every_rank(planes, lambda p: p.all_reduce("vote", {"r": p.rank, "pad": padding}, count))
+    assert got == [{"n": world, "ranks": sum(range(world))}] * world
+    lead_bytes, member_bytes = clients[0].read_bytes, [c.read_bytes for c in clients[1:]]
+    assert lead_bytes >= (world - 1) * 1000, lead_bytes
+    assert max(member_bytes) < 200, member_bytes
+    before = [c.read_bytes for c in clients]
+    on_every_rank(planes, lambda p: p.all_gather("vote-all", {"r": p.rank, "pad": padding}))
+    assert min(c.read_bytes - b for c, b in zip(clients[1:], before[1:])) >= world * 1000
+
+
+def test_all_reduce_gives_every_member_the_same_combined_value_both_ways(planes):
+    got = on_every_rank(planes, lambda p: [p.all_reduce("sum", p.rank + n, lambda vs: {"total": sum(vs)})
+                                           for n in range(3)])
+    assert got == [[{"total": 3 * n + 3} for n in range(3)]] * len(planes)

@@ -194,7 +194,8 @@ def test_an_update_discarded_three_times_in_a_row_restarts_instead():
 
     layout = Layout(2, 1)
     repairs = []
-    control = SimpleNamespace(all_gather=lambda tag, mine: [mine, {**mine, "fault": None, "error": None}])
+    control = SimpleNamespace(all_reduce=lambda tag, mine, combine: combine([mine, {**mine, "fault": None,
+                                                                                  "error": None}]))
     rt = SimpleNamespace(rank=0, layout=layout, control=control)
     engine = SimpleNamespace(generation=0, repair=lambda **kw: repairs.append(kw["step"]))
     events = SimpleNamespace(emit=lambda *a, **k: None)
@@ -264,3 +265,47 @@ def test_a_job_on_an_unqualified_release_is_told_at_its_start_with_the_command_t
     assert "is qualified" not in env_mod.coverage_note(envelope, key_for("2.15.0"))  # another minor: no sibling
     half = env_mod.Envelope([e for e in envelope.entries if e.key.phase == "committed"])
     assert "(phase backward)" in env_mod.coverage_note(half, key_for("2.14.1"))
+
+
+def test_the_votes_summary_decides_exactly_as_every_vote_and_does_not_grow_with_the_ranks():
+    """The round's lead summarises the votes (guard.summarize_votes) and every rank decides from the summary:
+    for random vote sets (faults, bugs, frontier skews, losses, stops, unredoable batches) the decision, its
+    reason, the mean loss, the flags and the repair's (F, generation) check are those of every vote.  Without
+    faults the summary of 4,096 votes is no larger than that of 4 (the control: the votes themselves grow)."""
+    import json
+    import random
+
+    from accelpact_slurm.runtime.guard import Vote, decide_votes, summarize_votes
+
+    lookup = lambda phase: ("preserve", "qualified") if phase in ("committed", "backward") else ("restart", "no")  # noqa: E731
+    rng = random.Random(7)
+    for trial in range(400):
+        n = rng.choice([1, 2, 3, 4, 8, 17])
+        raw = []
+        for r in range(n):
+            fault = rng.choice([None] * 6 + ["committed", "backward", "forward", "training-code"])
+            raw.append({"F": 10 + (rng.random() < 0.05) * rng.choice([-1, 1]), "g": rng.choice([0, 0, 0, 1]),
+                        "fault": fault, "error": f"e{r}" if fault else None,
+                        "loss": None if rng.random() < 0.2 else rng.random(), "stop": rng.random() < 0.05,
+                        "redo": rng.random() > 0.05,
+                        "exc": {"type": "ValueError", "message": str(r)} if fault == "training-code" else None})
+            if trial % 3 == 0:
+                raw[-1]["fp"] = f"fp{r}"
+        s = json.loads(json.dumps(summarize_votes(raw)))
+        full = decide_votes([Vote.from_json(r, d) for r, d in enumerate(raw)], lookup,
+                            all(d.get("redo", True) for d in raw))
+        assert decide_votes([Vote.from_json(r, d) for r, d in s["votes"]], lookup, s["redo"]) == full, raw
+        losses = [d["loss"] for d in raw if d["loss"] is not None]
+        assert s["mean"] == (sum(losses) / len(losses) if losses else None)
+        assert s["stop"] == any(d["stop"] for d in raw) and s["n"] == n
+        assert s["fps"] == ([d["fp"] for d in raw] if trial % 3 == 0 else None)
+        pairs = [{"F": d["F"], "g": d["g"]} for d in raw]
+        first, diff = s["agreed"]
+        assert first == pairs[0]
+        assert diff == next(([r, p] for r, p in enumerate(pairs) if p != pairs[0]), None)
+
+    def quiet(n):
+        return [{"F": 10, "g": 0, "fault": None, "error": None, "loss": 2.5, "stop": False, "redo": True}] * n
+
+    assert len(json.dumps(summarize_votes(quiet(4096)))) <= len(json.dumps(summarize_votes(quiet(4)))) + 8  # "n"
+    assert len(json.dumps(quiet(4096))) > 1000 * len(json.dumps(quiet(4)))
