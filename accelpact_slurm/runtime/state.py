@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime import appstate
 
 
@@ -56,6 +57,7 @@ def state_digest(run: Any) -> str | None:
     return state_digests(run)[0]
 
 
+@quiet_state_dict_calls()  # torch's deprecation noise on a group pair's ShardedTensors (shape, dtype), every rank
 def state_digests(run: Any) -> tuple[str | None, str | None]:
     """Collective: ``(final_state_digest, final_model_digest)`` on rank 0, ``(None, None)`` elsewhere.
 
