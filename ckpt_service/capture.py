@@ -241,9 +241,12 @@ def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
-    entries: list[Entry] = []
-    plain = {"model": _split(("model",), msd, entries), "optim": _split(("optim",), osd, entries)}
+    from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
+
+    with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
+        msd, osd = get_state_dict(model, optimizer)
+        entries: list[Entry] = []
+        plain = {"model": _split(("model",), msd, entries), "optim": _split(("optim",), osd, entries)}
     return Plan(entries, plain, "state_dict")
 
 

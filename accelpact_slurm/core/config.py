@@ -409,6 +409,31 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"faults[{i}]", str(f), f"RANK must be < the world size ({cfg.world_size})")
 
 
+# --------------------------------------------------------------------------- what the defaults mean at a start
+
+
+def snapshot_note(cfg: JobConfig) -> str | None:
+    """The start-up warning of a job that takes no snapshots (``checkpoint.every_steps`` 0, the default), else None.
+
+    Snapshots off is a deliberate default (a job file asks for them, and for their cadence): the warning says
+    what it costs, so that nobody learns it at the first restart.
+    """
+    if cfg.checkpoint.every_steps > 0 or cfg.steps == 0:
+        return None
+    return (f"no snapshots are taken (checkpoint.every_steps is 0, the default): a restart (L2: a fault L1 does "
+            f"not repair, a preemption, a requeue) starts again from update 1 and redoes every update, up to all "
+            f"{cfg.steps}; set checkpoint.every_steps: N in the job file to snapshot every N updates "
+            f"(accelpact-cadence recommends N)")
+
+
+def relaunch_resumes(every_steps: int) -> str:
+    """What a relaunch does, in the words a launcher prints after "relaunching the job (restart K); "."""
+    if every_steps > 0:
+        return "it reloads the newest verified snapshot"
+    return ("it starts again from update 1 unless an earlier start left a verified snapshot (checkpoint.every_steps "
+            "is 0: this job takes none)")
+
+
 # --------------------------------------------------------------------------- the training-relevant part
 
 #: The keys whose change makes a run directory's snapshots another training's (the rest: where, how often,

@@ -12,6 +12,9 @@ from typing import Mapping
 RUNS_ROOT = "ACCELPACT_RUNS_ROOT"
 #: Log level of the CLIs (DEBUG, INFO, WARNING).
 LOG_LEVEL = "ACCELPACT_LOG_LEVEL"
+#: ``1``: whoever collects a rank's output labels its lines with the rank already (``srun --label``, a launcher's
+#: prefix), so the rank's log records carry none of their own; else every line of them starts ``[rank R] ``.
+OUTPUT_LABELLED = "ACCELPACT_OUTPUT_LABELLED"
 
 
 def runs_root(environ: Mapping[str, str] | None = None) -> str:
@@ -22,6 +25,11 @@ def runs_root(environ: Mapping[str, str] | None = None) -> str:
 def log_level(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     return (environ.get(LOG_LEVEL) or "WARNING").upper()
+
+
+def output_labelled(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(OUTPUT_LABELLED, "") not in ("", "0")
 
 
 #: Path of the one envelope file to read (default: the user's file layered over the one shipped in the package).

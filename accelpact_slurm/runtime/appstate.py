@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from accelpact_slurm.core.errors import CheckpointError, UsageError
+from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 
 EXTRA = "extra"
 _TENSOR = "__tensor__"
@@ -203,10 +204,11 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
                 raise
             raise CheckpointError(f"{path}: {ours}") from exc
 
-    msd, osd = get_state_dict(model, optimizer)
-    sd = {"model": msd, "optim": osd}
-    run(sd)
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd}
+        run(sd)
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     ex = {EXTRA: {"json": ""}}
     run(ex)
     return json.loads(ex[EXTRA]["json"])

@@ -16,8 +16,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping, TextIO
 
+from accelpact_slurm.core import settings
 from accelpact_slurm.core.atomic import write_json_atomic
-from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.config import JobConfig, snapshot_note
 from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, AccelpactError, CheckpointError,
                                          ConfigError, FailStop, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
@@ -106,6 +107,37 @@ def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
     return fn
 
 
+class RankFormatter(logging.Formatter):
+    """Another formatter's text with every line (a traceback's too) prefixed ``[rank R] ``."""
+
+    def __init__(self, rank: int, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.label = f"[rank {rank}] "
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(self.label + line for line in self.inner.format(record).split("\n"))
+
+
+def label_log_records(rank: int, environ: Mapping[str, str] | None = None) -> None:
+    """Make the log records this rank prints (its root logger's handlers) carry its rank, unless its output is
+    labelled already (``ACCELPACT_OUTPUT_LABELLED=1``: ``srun --label``, a launcher's own prefix)."""
+    if settings.output_labelled(environ):
+        return
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler.formatter, RankFormatter):
+            handler.setFormatter(RankFormatter(rank, handler.formatter))
+
+
+def warn_at_start(cfg: JobConfig, events: EventLog, out: TextIO) -> None:
+    """Rank 0, once per start: what the job file's defaults cost that its user may not know (one line and one
+    ``warning`` event each)."""
+    note = snapshot_note(cfg)
+    if note:
+        print(f"[accelpact] warning: {note}", file=out, flush=True)
+        events.emit("warning", step=None, reason=note)
+
+
 def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None = None,
              out: TextIO | None = None, job_file: str | None = None) -> int:
     """Run the job's entry point on this rank to its end; return the process exit code."""
@@ -121,6 +153,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
 
     out = out or sys.stdout
     environ = os.environ if environ is None else environ
+    label_log_records(ctx.rank, environ)
     # Noise from libraries on every rank's log, not the user's concern: torchdata's deprecated set_vital, DCP's
     # "assuming the intent is to save/load in a single process" (the daemon and the reload use no_dist on purpose).
     warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -153,6 +186,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
                     hostnames=list(ctx.nodelist), run_dir=os.path.abspath(run_dir), entry=cfg.entry,
                     device=rt.hardware.device, backend=rt.hardware.backend, device_reason=rt.hardware.reason,
                     versions=rt.hardware.versions)
+        warn_at_start(cfg, events, out)
     events.emit("membership", local_rank=rt.local_rank, hostname=ctx.hostname or socket.gethostname(),
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))

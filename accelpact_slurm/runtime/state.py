@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime import appstate
 
 
@@ -51,6 +52,7 @@ def rank_fingerprint(statefuls: dict[str, Any], forward: Any) -> dict[str, str]:
     return out
 
 
+@quiet_state_dict_calls()  # torch's deprecation noise on a group pair's ShardedTensors (shape, dtype), every rank
 def state_digests(rt: Any, model: Any, optimizer: Any, statefuls: dict[str, Any], forward: Any, step: int,
                   epoch: int) -> tuple[str | None, str | None]:
     """Collective: ``(final_state_digest, final_model_digest)`` on rank 0, ``(None, None)`` elsewhere.

@@ -235,3 +235,14 @@ def test_cli_non_utf8_job_file_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("accelpact-run: error: config:") and "UTF-8" in lines[0]
+
+
+def test_a_job_without_snapshots_gets_a_start_up_note_naming_the_field_and_the_cost():
+    from accelpact_slurm.core.config import relaunch_resumes, snapshot_note
+
+    note = snapshot_note(JobConfig(steps=40))
+    assert note and "no snapshots are taken" in note and "checkpoint.every_steps" in note and "40" in note
+    assert snapshot_note(parse_config("checkpoint: {every_steps: 5}")) is None
+    assert snapshot_note(JobConfig(steps=0)) is None  # nothing to redo
+    assert relaunch_resumes(5) == "it reloads the newest verified snapshot"
+    assert relaunch_resumes(0).startswith("it starts again from update 1") and "every_steps is 0" in relaunch_resumes(0)

@@ -98,6 +98,26 @@ def test_boundary_and_backward_faults_are_repaired_in_process_bitwise(baseline, 
     assert not [e for e in events if e["event"] in ("fail_stop", "restart_load")]
     if (fsdp, mesh) == ("fsdp1", "device_mesh"):
         operator_tools_read(tmp_path / "run")
+    # Snapshots every 10 updates (two here, the capture proof, the final digest): on a group pair's ShardedTensors
+    # each state-dict call of the project's made torch warn about its own deprecations, on every rank.  Negative
+    # control: without quiet_state_dict_calls around those calls the group-pair run's output holds all of them.
+    assert [e for e in events if e["event"] == "checkpoint" and e["state"] == "verified"]
+    assert_no_torch_state_dict_warnings(proc, tmp_path / "run")
+    assert "no snapshots are taken" not in proc.stdout  # snapshots on: no start-up warning about them
+
+
+def assert_no_torch_state_dict_warnings(proc, run_dir: Path) -> None:
+    """None of the torch warnings the project silences around its own state-dict calls in a job's output."""
+    from accelpact_slurm.core.torch_warnings import TORCH_STATE_DICT_WARNINGS
+
+    texts = {"stdout": proc.stdout, "stderr": proc.stderr}
+    texts.update({p.name: p.read_text() for p in sorted((run_dir / "logs").glob("rank-*.log"))})
+    assert len(texts) == 6
+    import re
+
+    found = {(where, message) for where, text in texts.items() for message, _ in TORCH_STATE_DICT_WARNINGS
+             if re.search(message, text)}
+    assert found == set(), sorted(found)
 
 
 def test_negative_control_blind_the_same_fault_waits_out_the_collective_timeout(baseline, tmp_path):
@@ -110,6 +130,26 @@ def test_negative_control_blind_the_same_fault_waits_out_the_collective_timeout(
     (repair,) = [e for e in events if e["event"] == "repair"]
     assert repair["fault_to_resume_s"] >= 3 * 0.9, repair
     assert not any("given up" in e["error"] for e in events if e["event"] == "fault")
+
+
+def snapshots_off_warned_once_and_log_lines_carry_the_rank(proc, events, run_dir: Path) -> None:
+    """A job without snapshots says so once as it starts (rank 0's line, one ``warning`` event), naming the field
+    to set; and every line of the log records a rank prints (here: its repairs' warnings) starts ``[rank R] ``.
+    Negative controls: before, the job took no snapshot and said nothing, and the records carried no rank."""
+    import re
+
+    told = [line for line in proc.stdout.splitlines() if "no snapshots are taken" in line]
+    assert len(told) == 1 and told[0].startswith("[accelpact] warning: ") and "checkpoint.every_steps" in told[0], \
+        proc.stdout[-3000:]
+    (warning,) = [e for e in events if e["event"] == "warning" and "no snapshots are taken" in e["reason"]]
+    assert warning["rank"] == 0 and "checkpoint.every_steps" in warning["reason"]
+    assert events.index(warning) < next(i for i, e in enumerate(events) if e["event"] == "step")
+    record = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+    for rank in range(4):
+        lines = (run_dir / "logs" / f"rank-{rank}.log").read_text().splitlines()
+        records = [line for line in lines if record.search(line)]
+        assert records, f"rank {rank} logged nothing: the check proves nothing"
+        assert [line for line in records if not line.startswith(f"[rank {rank}] ")] == []
 
 
 def operator_tools_read(run_dir: Path) -> None:
@@ -202,6 +242,7 @@ def test_twenty_successive_faults_all_repaired_without_memory_growth(baseline, t
     assert [e["discarded_update"] for e in repairs if e["scope"] == "update"] == [2 * i + 4 for i in range(10)]
     assert len([e for e in repairs if e["scope"] == "replicate"]) == 10
     assert summary["final_state_digest"] == baseline["final_state_digest"]
+    snapshots_off_warned_once_and_log_lines_carry_the_rank(proc, events, tmp_path / "run")
     # Measured from the third repair on: the first of each kind (a boundary one, then a backward one) makes the
     # one-time allocations (the first group builds, the first discard) while training itself still warms up.
     for rank in range(4):
