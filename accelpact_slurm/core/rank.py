@@ -24,7 +24,7 @@ stores are typed ``Any``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 __all__ = ["JobIdentity", "RankLayout", "ControlRounds", "RepairControl", "GroupDetector", "RankContext",
            "RepairRank", "GuardRank", "RecoveryRank", "protocol_members"]
@@ -75,6 +75,9 @@ class ControlRounds(Protocol):
 
     def all_gather(self, name: str, value: Any, ranks: Sequence[int] | None = None,
                    timeout_s: float | None = None) -> list[Any]: ...
+
+    def all_reduce(self, name: str, value: Any, combine: Callable[[list[Any]], Any],
+                   ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> Any: ...
 
     def barrier(self, name: str, ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> None: ...
 
