@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
-import signal
 import threading
 import time
 import weakref
 from typing import Any, Callable
 
-from accelpact_slurm.core.errors import EXIT_REQUEUE
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.core.rank import RankContext
 
+from ckpt_service import faults as faults_mod
 from ckpt_service import proof_cache, staging
 from ckpt_service.index import read_json
 from ckpt_service.layout import daemon_failed_marker, node_dir, socket_path, staging_root
@@ -128,15 +126,7 @@ class SnapshotClient:
                 self._prepare_slots()
             return
         self.snapshot(step)
-        if self.faults.exit_after_verified == step:
-            state = self.wait(step, self.cfg.timeouts.startup_s)
-            self.rt.control.barrier("ckpt-exit-after-verified", timeout_s=self.cfg.timeouts.startup_s)
-            log.warning("fault injection: exiting after snapshot %d (%s)", step, state)
-            if self.events is not None:  # a decided stop (exit 75 without a requeue request), not a crash
-                self.events.emit("fail_stop", reason=f"fault injection: exit after snapshot {step} ({state})",
-                                 exit_code=EXIT_REQUEUE, phase="committed", frontier=step, decision_s=None,
-                                 decision="restart", key=None)
-            raise SystemExit(EXIT_REQUEUE)
+        faults_mod.exit_after_verified(self, step, self.faults)
 
     def snapshot(self, step: int) -> bool:
         """Collective: stage this rank's state at committed step ``step``; False when it was skipped."""
@@ -196,8 +186,7 @@ class SnapshotClient:
                                               name="ckpt-prefault",
                                               daemon=True)  # the next snapshot's slot, beside training
             self._prefault.start()
-        if self.faults.corrupt_capture == (step, rt.rank):
-            self._corrupt(plan, slot)
+        faults_mod.corrupt_capture(self, plan, slot, step, self.faults)
         capture = None
         if not self._proved:  # once per job and plan, the same decision on every rank
             t = time.monotonic()
@@ -242,10 +231,7 @@ class SnapshotClient:
             self.events.emit("snapshot", step=step, blocking_s=blocking, parts_s={k: round(v, 6) for k, v in parts.items()},
                              **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}),
                              **({"resumed": resumed} if resumed else {}))
-        if self.faults.kill_after_staged == (step, rt.rank):
-            self.join_handover()  # "after staging": the daemon has the descriptor
-            log.warning("fault injection: rank %d kills itself after staging step %d", rt.rank, step)
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults_mod.kill_after_staged(self, step, self.faults)
         return True
 
     def _prepare_slots(self) -> None:
@@ -317,13 +303,6 @@ class SnapshotClient:
     def join_handover(self) -> None:
         """Wait for the last snapshot's hand-over (bounded by its own request's timeouts)."""
         self._idle.wait()
-
-    def _corrupt(self, plan: Any, slot: int) -> None:
-        """Fault injection: change this rank's staged weights (as a wrong capture mapping would)."""
-        for e, _b, view in plan.regions(self.slots[slot].buf):
-            if e.key[0] == "model":
-                view.add_(1.0)
-        log.warning("fault injection: staged weights of rank %d changed", self.rt.rank)
 
     def _free_slot(self, timeout_s: float) -> tuple[int | None, str | None]:
         """``(slot, None)``: a slot the daemon no longer reads; ``(None, why)`` when none is free now.

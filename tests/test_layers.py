@@ -334,3 +334,62 @@ def test_a_built_runtime_satisfies_each_protocol():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checks = json.loads(proc.stdout.strip().splitlines()[-1])
     assert checks == dict.fromkeys(checks, True) and len(checks) == 8, checks
+
+
+#: Where an object is built: the one place a test's switch may pick a collaborator (a broken one, for a negative
+#: control) instead of a branch where the work runs.
+BUILDERS = {"__init__", "forward_state", "build_guard", "run_rank", "init_runtime", "main", "from_environ"}
+
+
+def _fault_branches(path) -> list[str]:
+    """``function:line`` of every ``if`` / conditional expression outside a builder whose test reads a
+    :class:`TestFaults` switch (``faults.X``, ``self.faults.X``, ``job._faults.X``, ``self.o.faults.X``)."""
+    import ast
+    import dataclasses
+
+    from accelpact_slurm.core.faults import TestFaults
+
+    fields = {f.name for f in dataclasses.fields(TestFaults)}
+    tree = ast.parse(path.read_text())
+    out = []
+
+    def reads_switch(node: ast.AST) -> bool:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and sub.attr in fields:
+                base = sub.value
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                if name.endswith("faults"):
+                    return True
+        return False
+
+    def visit(node: ast.AST, func: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, (ast.If, ast.IfExp, ast.While)) and name not in BUILDERS and reads_switch(child.test):
+                out.append(f"{name}:{child.lineno}")
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return out
+
+
+def test_test_faults_are_collaborators_not_branches_in_the_methods_that_do_the_work():
+    """A switch that breaks a step is a method of TestFaults (or of ckpt_service.faults), called where the fault
+    belongs; one that turns a guarantee off picks a collaborator where the object is built.  No production
+    method branches on a switch.  Negative control: such a branch, planted, is found."""
+    from pathlib import Path
+
+    repo = Path(REPO)
+    roots = [repo / "accelpact_slurm", repo / "ckpt_service"]
+    allowed = {repo / "accelpact_slurm" / "core" / "faults.py", repo / "ckpt_service" / "faults.py"}
+    found = {str(p.relative_to(repo)): hits for root in roots for p in sorted(root.rglob("*.py"))
+             if p not in allowed and (hits := _fault_branches(p))}
+    assert found == {}, found
+
+
+def test_negative_control_a_planted_fault_branch_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("class C:\n    def step(self, s):\n        if self.faults.crash_at == (s, 0):\n"
+                       "            pass\n    def __init__(self, job):\n"
+                       "        self.f = 1 if job._faults.skip_discard else 2\n")
+    assert _fault_branches(planted) == ["step:3"]

@@ -4,6 +4,12 @@ This is the one module that reads the test-only ``ACCELPACT_TEST_*`` / ``ACCELPA
 (subprocess tests cannot hand objects to a process they start).  Production modules never read them:
 they receive a :class:`TestFaults` (``TestFaults()`` injects nothing) from their ``main``.
 
+Production code never branches on a switch: a switch that breaks a step is one method here (``at_update_start``,
+``reported_frontier``, ``slow_forward``), or in :mod:`ckpt_service.faults` for the checkpoint service, called
+where the fault belongs and doing nothing on ``NO_FAULTS``; a switch that turns a guarantee off (a negative
+control) picks another collaborator where the object is built (e.g.
+:func:`accelpact_slurm.runtime.buffers.forward_state`).  ``tests/test_layers.py`` holds the tree to that.
+
 Switches (all off by default):
 
 - ``ACCELPACT_TEST_FRONTIER_SKEW=RANK:STEP``: RANK reports a frontier one ahead in the vote of update STEP.
@@ -137,6 +143,37 @@ class TestFaults:
             slow_verify=slow,
             crash_at=crash,
         )
+
+
+    # ------------------------------------------------------------------ injection points
+
+    def at_update_start(self, step: int, rank: int) -> None:
+        """As update ``step`` begins on ``rank``: a crash (SIGKILL, as the OOM killer's) or a hang (SIGSTOP: alive,
+        silent) when the test asked for one there; nothing otherwise."""
+        import signal
+
+        if self.crash_at == (step, rank):
+            _log().warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.hang_at == (step, rank):
+            _log().warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", rank, step)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def reported_frontier(self, rank: int, step: int, frontier: int) -> int:
+        """The frontier ``rank`` reports in the vote of update ``step`` (one ahead where the test skews it)."""
+        return frontier + 1 if self.frontier_skew == (rank, step) else frontier
+
+    def slow_forward(self, rank: int) -> tuple[int, str] | None:
+        """``(update, seconds)`` this rank computes longer in that update's forward, or None."""
+        if self.slow_at and self.slow_at[1] == rank:
+            return self.slow_at[0], self.slow_at[2]
+        return None
+
+
+def _log():  # noqa: ANN202 - one logger, made when a fault fires
+    import logging
+
+    return logging.getLogger(__name__)
 
 
 NO_FAULTS = TestFaults()

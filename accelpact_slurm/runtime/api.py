@@ -162,18 +162,7 @@ class Update:
 
     def __enter__(self) -> "Update":
         job = self._run.job
-        if job._faults.crash_at == (self.step, job.rank):  # test-only: a crash, as the OOM killer's SIGKILL
-            import os
-            import signal
-
-            log.warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", job.rank, self.step)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if job._faults.hang_at == (self.step, job.rank):  # test-only: a hung process (alive, silent)
-            import os
-            import signal
-
-            log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", job.rank, self.step)
-            os.kill(os.getpid(), signal.SIGSTOP)
+        job._faults.at_update_start(self.step, job.rank)  # a test's crash or hang; nothing otherwise
         self._rng = appstate.rng_snapshot()  # an update discarded by L1 runs again with these
         self._run._forward.keep()  # and over these buffers (batch-norm statistics its forward changes)
         self._run._current = self
@@ -215,6 +204,10 @@ class Run:
             raise UsageError("optimizer", type(optimizer).__name__, "pass a torch.optim.Optimizer over model.parameters()")
         self._statefuls = _statefuls(scheduler, state)
         self._forward = forward_state(model, job._faults)
+        #: What a test's negative controls turn off, picked here, not branched on where it runs.
+        self._checked = not job._faults.skip_reload_check  # restore re-checks checksums; the replay check runs
+        self._rng_restore = appstate.rng_restore if not job._faults.skip_redo_rng else _keep_rng
+        self._extra_restore = self._restore_extra if not job._faults.skip_extra_restore else _skip_extra
         self.step, self.epoch = 0, 0
         self.losses: list[float | None] = []
         # RNG states are the project's: every rank draws its own stream from the job's seed (a reload overrides it).
@@ -224,8 +217,7 @@ class Run:
         detector = getattr(rt, "detector", None)
         self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self._wrapping[0],
                                      state=getattr(detector, "state", None), detector=detector,
-                                     slow=(job._faults.slow_at[0], job._faults.slow_at[2])
-                                     if job._faults.slow_at and job._faults.slow_at[1] == job.rank else None)
+                                     slow=job._faults.slow_forward(job.rank))
         self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
@@ -247,11 +239,11 @@ class Run:
                     print(f"[accelpact] warning: {note}", file=job._out, flush=True)
                     job.events.emit("warning", step=None, reason=note)
         try:
-            out = restore(rt, cfg, job.run_dir, self._load, job.events, check=not job._faults.skip_reload_check,
+            out = restore(rt, cfg, job.run_dir, self._load, job.events, check=self._checked,
                           copy=not job._faults.no_restore_copy)
         except FailStop as stop:  # a snapshot this job cannot load: the documented "requeue me" path
             fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
-        if out.step is not None and not job._faults.skip_reload_check:
+        if out.step is not None and self._checked:
             ref = None
             if job.is_lead:
                 from accelpact_slurm.core.events import EVENTS_FILE, read_events
@@ -359,7 +351,7 @@ class Run:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
         from ckpt_service.auth import load_key
 
-        verified = not self.job._faults.skip_reload_check
+        verified = self._checked
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
                             verified=verified)
         run = doc["run"]
@@ -367,9 +359,10 @@ class Run:
         self.losses = [None if x is None else float(x) for x in run["losses"]]
         self._loaded = path
         mine, rng = appstate.rank_state(doc["ranks"], self.job.rank, self.job.seed, self.step)
-        if self.job._faults.skip_extra_restore:
-            log.warning("extra state not restored (test-only fault injection)")
-            return
+        self._extra_restore(path, mine, rng)
+
+    def _restore_extra(self, path: str, mine: dict[str, Any], rng: dict[str, Any]) -> None:
+        """This rank's RNG, Stateful states and own buffers from the snapshot at ``path``."""
         appstate.set_rng_state(rng)
         for name, obj in self._statefuls.items():
             if name in mine["state"]:
@@ -406,8 +399,7 @@ class Run:
                       job.is_lead, rt.control, rt.ctx, job._environ)
         update._decided, update._mean = outcome, mean
         if outcome == "redo":
-            if not job._faults.skip_redo_rng:
-                appstate.rng_restore(update._rng)
+            self._rng_restore(update._rng)
             self._forward.restore()
             self._redo = True
         elif update._need_fp:
@@ -548,6 +540,15 @@ class Run:
                             rt.ctx.hostname, cfg.checkpoint.milestone_every, self.job.events, source="replay")
             except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
                 log.warning("could not record the rejection of %s: %s", path, exc)
+
+
+def _keep_rng(snap: Any) -> None:
+    """Test-only (``ACCELPACT_TEST_SKIP_REDO_RNG``): a redo draws on from where the discarded attempt left the RNG."""
+
+
+def _skip_extra(path: str, mine: Any, rng: Any) -> None:
+    """Test-only (``ACCELPACT_TEST_SKIP_EXTRA_RESTORE``): the extra state of a snapshot is not restored."""
+    log.warning("extra state not restored (test-only fault injection)")
 
 
 def _statefuls(scheduler: Any, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -205,9 +205,7 @@ class BoundaryGuard:
                 fault, error = COMMITTED, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 if getattr(rt, "detector", None) is not None:
                     rt.detector.take_latched()  # reported here, in this vote
-        reported = frontier
-        if self.faults.frontier_skew == (rt.rank, step):
-            reported = frontier + 1
+        reported = self.faults.reported_frontier(rt.rank, step, frontier)
         observed = time.monotonic()
         if fault:
             log.warning("rank %d saw a fault in %s at update %d: %s", rt.rank, fault, step, error)
