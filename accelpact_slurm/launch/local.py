@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TextIO
 
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import EXIT_REQUEUE, LaunchError
+from accelpact_slurm.core.errors import LaunchError
 from accelpact_slurm.core import settings
-from accelpact_slurm.launch.core import combine_exit_codes, exit_verdict, rank_label, relaunch_in_place
+from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: also this module's API
+    DONE, RELAUNCH, STOP, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
 from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def _relaunch(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
         verdict = exit_verdict(code, ending=bool(stopped), slurm=False)
         again, reason = relaunch_in_place(verdict, restart, cfg.recovery.max_restarts)
         if not again:
-            if verdict.action != "stop" and verdict.action != "done":
+            if verdict.action not in (STOP, DONE):
                 print(f"[accelpact] {reason}", file=out, flush=True)
             return code
         restart += 1
@@ -242,7 +243,8 @@ def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, ran
     events = EventLog(path, job_id=job_id, restart=restart, rank=None, node=None)
     try:
         events.emit("fail_stop", reason=reason, exit_code=code, cause=cause, phase=None, frontier=None,
-                    decision_s=None, decision="restart" if code == EXIT_REQUEUE else "stop", key=None, by="launcher")
+                    decision_s=None, decision="restart" if exit_verdict(code, ending=cause == "signal", slurm=False).action == RELAUNCH
+                    else "stop", key=None, by="launcher")
     finally:
         events.close()
 
