@@ -346,9 +346,10 @@ def test_local_executor_runs_the_job_to_the_reference_digest(reference, tmp_path
     # path skipped check_same_training and signals.mark_ready (no job-training.json, no .ready markers).
     assert sorted(p.name for p in (run_dir / signals.READY_DIR).iterdir()) == ["0-0", "0-1", "0-2", "0-3"]
     assert (run_dir / "job-training.json").exists()
-    logs = sorted((run_dir / "submitit").rglob("*_1_log.out"))
-    lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.strip()] if logs else []
-    assert lines and all(ln.startswith("1: ") for ln in lines if "submitit" not in ln), lines[:5]
+    lines = [ln for p in sorted((run_dir / "submitit").rglob("*_0_log.*"))
+             for ln in p.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith("submitit ")]
+    assert lines and all(ln.startswith("0: ") for ln in lines), lines[:5]
+    assert any("final_state_digest" in ln for ln in lines), lines[-5:]
 
 
 @pytest.mark.multiproc
