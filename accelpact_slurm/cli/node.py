@@ -1,7 +1,9 @@
-"""``python -m accelpact_slurm.cli.node {serve,usr2,settle}``: the sbatch template's hooks into the launch core.
+"""``python -m accelpact_slurm.cli.node {gpus,serve,usr2,settle}``: the sbatch template's hooks into the launch core.
 
 Not a user command: ``sbatch_templates/hsdp.sbatch`` spells no protocol itself and calls these instead.
 
+* ``gpus``: print the allocation's GPUs per node (0: a CPU job); exit 2 with a one-line error when they differ from
+  the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`).
 * ``serve CONFIG --run-dir DIR``: this node's checkpoint daemon (one task per node), then the shared-memory
   staging a killed daemon left (:func:`accelpact_slurm.launch.core.serve_node`).
 * ``usr2 RUN_DIR [--step-pid PID]``: the pre-timeout USR2 reached the batch shell: record it, and forward it to the
@@ -27,6 +29,7 @@ PROG = "accelpact_slurm.cli.node"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     sub = p.add_subparsers(dest="what", required=True)
+    sub.add_parser("gpus", help="the allocation's GPUs per node, checked against its tasks per node")
     serve = sub.add_parser("serve", help="this node's checkpoint daemon, then its leftover staging")
     serve.add_argument("config", metavar="CONFIG")
     serve.add_argument("--run-dir", required=True, metavar="DIR")
@@ -52,6 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from accelpact_slurm.launch import core
 
     restart = _int_env("SLURM_RESTART_COUNT", 0)
+    if args.what == "gpus":
+        try:
+            print(core.gpus_per_node(os.environ))
+        except ValueError as exc:
+            print(f"hsdp.sbatch: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE  # a requeue would not help
+        return 0
     if args.what == "serve":
         return core.serve_node(os.path.abspath(args.config), os.path.abspath(args.run_dir), os.environ)
     if args.what == "usr2":

@@ -28,6 +28,7 @@ What lives here, and who calls it:
   nobody decided on is requeued here (``scontrol requeue``; exit 75), as the embedded default relaunches it.
 * :func:`forward_usr2` -- the batch script's pre-timeout USR2: recorded in the run directory, forwarded to the
   training step once every task is ready (:func:`~accelpact_slurm.slurm.signals.mark_ready`).
+* :func:`gpus_per_node` -- the template's check before anything starts: one GPU per rank.
 * :func:`serve_node` -- one node's checkpoint daemon under the template (``srun --ntasks-per-node=1``): the
   daemon command (:func:`~accelpact_slurm.launch.ranks.daemon_command`), then the staging a killed daemon left.
 * :func:`rank_label` / :class:`LabelledWriter` -- the ``R: `` prefix (``srun --label``'s form) every path puts
@@ -408,6 +409,62 @@ def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain
         print(f"accelpact-ckptd: staging on {node}: {why}", file=sys.stderr if what == FAILED else sys.stdout,
               flush=True)
     return rc if rc >= 0 else 128 - rc
+
+
+def gpus_per_node(environ: Mapping[str, str]) -> int:
+    """The allocation's GPUs per node (0: a CPU job), checked against its tasks per node: one GPU per rank (pure).
+
+    This node's GPUs (``SLURM_GPUS_ON_NODE``), else the request (``--gpus-per-node``: ``[type:]count`` per GPU
+    type), else the job's GPU ids on this node (``SLURM_JOB_GPUS``: ``0,1,2,3`` or ``0-3``); the tasks per node
+    from ``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE`` (``4(x2)``, or ``4,3,...``: equal on every node).
+
+    Raises:
+        ValueError: A count it cannot read, or GPUs and tasks per node that differ; one line with the fix.
+    """
+    import re
+
+    var = value = ""
+    for var in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS"):
+        value = environ.get(var, "")
+        if value:
+            break
+    if not value:
+        return 0
+    count = 0
+    for part in value.split(","):
+        span = re.fullmatch(r"([0-9]+)-([0-9]+)", part)
+        if var == "SLURM_JOB_GPUS" and span:
+            count += int(span[2]) - int(span[1]) + 1
+        elif var == "SLURM_JOB_GPUS" and re.fullmatch(r"[0-9]+", part):
+            count += 1
+        elif var != "SLURM_JOB_GPUS" and re.fullmatch(r"[0-9]+", part.rsplit(":", 1)[-1]):
+            count += int(part.rsplit(":", 1)[-1])
+        else:
+            raise ValueError(f"{var}={value}: cannot tell the GPUs per node from it; submit with "
+                             f"--gpus-per-node=N --ntasks-per-node=N")
+    if count <= 0:
+        return 0
+    tasks, tasks_from = "", ""
+    if environ.get("SLURM_NTASKS_PER_NODE"):
+        tasks = environ["SLURM_NTASKS_PER_NODE"]
+        tasks_from = f"SLURM_NTASKS_PER_NODE={tasks}"
+    elif environ.get("SLURM_TASKS_PER_NODE"):
+        tasks_from = f"SLURM_TASKS_PER_NODE={environ['SLURM_TASKS_PER_NODE']}"
+        for part in environ["SLURM_TASKS_PER_NODE"].split(","):
+            part = part.split("(", 1)[0]
+            if tasks and part != tasks:
+                raise ValueError(f"{tasks_from}: a GPU job needs the same number of tasks on every node; submit with "
+                                 f"--ntasks-per-node={count} --gpus-per-node={count}")
+            tasks = part
+    if not re.fullmatch(r"[0-9]+", tasks):
+        raise ValueError(f"{tasks_from or 'no SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE'}: cannot tell the tasks "
+                         f"per node; submit with --ntasks-per-node={count} --gpus-per-node={count}")
+    t = int(tasks)
+    if t != count:
+        raise ValueError(f"{count} GPUs per node ({var}={value}) but {t} tasks per node ({tasks_from}): each rank "
+                         f"drives one GPU, so the two must be equal; submit with --ntasks-per-node={count} "
+                         f"--gpus-per-node={count}, or --ntasks-per-node={t} --gpus-per-node={t}")
+    return count
 
 
 # --------------------------------------------------------------------------- rank-labelled output

@@ -53,12 +53,11 @@ def test_template_passes_shellcheck():
 
 
 def _check_gpus(env: dict[str, str]) -> subprocess.CompletedProcess:
-    """The template's check_gpus, alone, under ``env``; prints GPUS_PER_NODE when it passes."""
-    match = re.search(r"^check_gpus\(\) \{\n.*?^\}\n", TEMPLATE.read_text(), flags=re.M | re.S)
-    assert match, "no check_gpus() in the template"
-    script = f'set -euo pipefail\n{match.group(0)}check_gpus\necho "GPUS_PER_NODE=$GPUS_PER_NODE"\n'
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
-                          env={**BASE_ENV, **env})
+    """The template's GPU check (``python -m accelpact_slurm.cli.node gpus``), alone, under ``env``; prints the GPUs
+    per node when it passes."""
+    assert "GPUS_PER_NODE=$(\"$PY\" -m accelpact_slurm.cli.node gpus) || exit 2" in TEMPLATE.read_text()
+    return subprocess.run([sys.executable, "-m", "accelpact_slurm.cli.node", "gpus"], capture_output=True,
+                          text=True, timeout=60, env={**BASE_ENV, "PYTHONPATH": str(REPO), **env})
 
 
 @pytest.mark.parametrize("env, gpus", [
@@ -75,7 +74,7 @@ def _check_gpus(env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_gpu_check_accepts_one_gpu_per_task(env, gpus):
     proc = _check_gpus(env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"GPUS_PER_NODE={gpus}" and proc.stderr == ""
+    assert proc.stdout.strip() == str(gpus) and proc.stderr == ""
 
 
 @pytest.mark.parametrize("env, words", [
@@ -171,16 +170,16 @@ def test_template_spells_no_protocol():
     """What a start's exit means, the daemon's command, the ready markers and the requeue are the launch core's
     (accelpact_slurm/launch/core.py): the template only starts the steps and passes the step's status on.
     Negative control: the template of before (270 lines, a case on 0|2|75|76, scontrol requeue, the daemon's
-    command line and the ready-marker count in shell) fails every line of this test."""
+    command line, the ready-marker count and the GPU arithmetic in shell) fails every line of this test."""
     text = TEMPLATE.read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert len(text.splitlines()) <= 220 and len(code.splitlines()) <= 130, len(code.splitlines())
-    for spelled in ("75", "76", "case ", "scontrol", "events.jsonl", "accelpact_slurm.cli.ckptd", "--drop-staging",
+    assert len(text.splitlines()) <= 160 and len(code.splitlines()) <= 80, len(code.splitlines())
+    for spelled in ("75", "76", "$((", "BASH_REMATCH", "case ", "scontrol", "events.jsonl", "accelpact_slurm.cli.ckptd", "--drop-staging",
                     "--keep-serving-on-sigterm", ".ready", ".stop-requested", "accelpact_slurm.slurm.requeue",
                     "printf '{"):
         assert spelled not in code, f"the template spells {spelled!r} itself"
     # every decision goes through the core's hooks; every rank's line is labelled
-    for hook in ("accelpact_slurm.cli.node serve", "accelpact_slurm.cli.node usr2", "accelpact_slurm.cli.node settle"):
+    for hook in ("accelpact_slurm.cli.node gpus", "accelpact_slurm.cli.node serve", "accelpact_slurm.cli.node usr2", "accelpact_slurm.cli.node settle"):
         assert hook in code
     assert "STEP_OPTS=(--label" in code
 
