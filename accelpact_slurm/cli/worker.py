@@ -1,4 +1,4 @@
-"""``python -m accelpact_slurm.cli.worker CONFIG --run-dir DIR``: one rank of a job, as one (real or emulated) Slurm task.
+"""``python -m accelpact_slurm.cli.worker CONFIG --run-dir DIR``: one rank of a job, as one Slurm task (or emulated).
 
 Not a user command: the launchers start it -- the sbatch template (``srun --label``, one task per rank) and the
 embedded default (``accelpact-run``, one process per rank with an emulated Slurm environment).  It takes the

@@ -7,10 +7,11 @@ them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on
 their own, then SIGTERM, then SIGKILL.  Each rank runs the worker entry
 (``python -m accelpact_slurm.cli.worker``, as under the sbatch template).  Rank 0's output goes to the
 terminal, every line labelled ``0: `` as ``srun --label`` writes it; every rank's output is also kept
-under ``RUN_DIR/logs/``.  What a start's exit means (relaunch in place what Slurm would requeue, or stop)
-is :func:`accelpact_slurm.launch.core.exit_verdict` and :func:`~accelpact_slurm.launch.core.relaunch_in_place`.  Once a start's ranks and
-daemons are gone, however they ended (``kill -9`` included), the shared-memory
-staging a daemon could not drop itself is removed.
+under ``RUN_DIR/logs/``.  What a start's exit means (relaunch in place what Slurm would requeue, or
+stop) is :func:`accelpact_slurm.launch.core.exit_verdict` and
+:func:`~accelpact_slurm.launch.core.relaunch_in_place`.  Once a start's ranks and daemons are gone,
+however they ended (``kill -9`` included), the shared-memory staging a daemon could not drop itself is
+removed.
 """
 
 from __future__ import annotations
@@ -241,10 +242,10 @@ def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, ran
         cause = "launcher"
         reason = f"every rank ended without a decision (exit codes {list(rank_codes)}): killed, or crashed"
     events = EventLog(path, job_id=job_id, restart=restart, rank=None, node=None)
+    again = exit_verdict(code, ending=cause == "signal", slurm=False).action == RELAUNCH
     try:
         events.emit("fail_stop", reason=reason, exit_code=code, cause=cause, phase=None, frontier=None,
-                    decision_s=None, decision="restart" if exit_verdict(code, ending=cause == "signal", slurm=False).action == RELAUNCH
-                    else "stop", key=None, by="launcher")
+                    decision_s=None, decision="restart" if again else "stop", key=None, by="launcher")
     finally:
         events.close()
 

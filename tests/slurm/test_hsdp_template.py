@@ -174,13 +174,13 @@ def test_template_spells_no_protocol():
     text = TEMPLATE.read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     assert len(text.splitlines()) <= 160 and len(code.splitlines()) <= 80, len(code.splitlines())
-    for spelled in ("75", "76", "$((", "BASH_REMATCH", "case ", "scontrol", "events.jsonl", "accelpact_slurm.cli.ckptd", "--drop-staging",
-                    "--keep-serving-on-sigterm", ".ready", ".stop-requested", "accelpact_slurm.slurm.requeue",
-                    "printf '{"):
+    for spelled in ("75", "76", "$((", "BASH_REMATCH", "case ", "scontrol", "events.jsonl", "accelpact_slurm.cli.ckptd",
+                    "--drop-staging", "--keep-serving-on-sigterm", ".ready", ".stop-requested",
+                    "accelpact_slurm.slurm.requeue", "printf '{"):
         assert spelled not in code, f"the template spells {spelled!r} itself"
     # every decision goes through the core's hooks; every rank's line is labelled
-    for hook in ("accelpact_slurm.cli.node gpus", "accelpact_slurm.cli.node serve", "accelpact_slurm.cli.node usr2", "accelpact_slurm.cli.node settle"):
-        assert hook in code
+    for hook in ("gpus", "serve", "usr2", "settle"):
+        assert f"accelpact_slurm.cli.node {hook}" in code
     assert "STEP_OPTS=(--label" in code
 
 
