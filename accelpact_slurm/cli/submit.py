@@ -1,8 +1,8 @@
 """``accelpact-submit CONFIG``: submit the job through submitit, on Slurm or on submitit's local executor.
 
 One submitit task per rank (``nodes x ranks_per_node``, defaults from the job file's topology); each task joins as
-its rank exactly as ``accelpact-run`` does inside an allocation.  Slurm is used when ``sbatch`` is on the PATH,
-else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
+its rank exactly as the sbatch template's ranks do (the launch core), with ``accelpact-run``'s job flags.  Slurm
+is used when ``sbatch`` is on the PATH, else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
 ``--gpus-per-node`` equal to the ranks per node makes it a GPU job, one GPU per rank.  With
 ``--wait`` the command waits (with a deadline) and prints the summary's ``final_state_digest``.  The mapping of
 submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.launch.submission`.
