@@ -204,3 +204,19 @@ def test_rank_label_is_srun_labels_form():
     w.write("a\nb")
     w.write("c\n\nd\n")
     assert buf.getvalue() == "2: a\n2: bc\n2: \n2: d\n"
+
+
+def test_accelpact_run_is_a_launcher_only(tmp_path):
+    """Inside a Slurm task accelpact-run does not turn into a rank: it refuses with the fix (the ranks run the
+    worker entry).  Negative control: before, the same command joined the job as SLURM_PROCID's rank."""
+    from tests.conftest import run_cli
+
+    with open(os.path.join(REPO, "tests", "data", "slurm_env", "srun_2x2.json")) as fh:
+        task = json.load(fh)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **task}
+    job = tmp_path / "job.yaml"
+    job.write_text(decoder_text())
+    proc = run_cli(["accelpact_slurm.cli.run", str(job), "--run-dir", str(tmp_path / "run")], env=env, timeout=120)
+    assert proc.returncode == EXIT_USAGE, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "is not a task of one" in proc.stderr and "accelpact_slurm.cli.worker" in proc.stderr
+    assert not (tmp_path / "run").exists()
