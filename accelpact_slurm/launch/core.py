@@ -157,12 +157,12 @@ class RankStart:
 
 
 def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_config_change: bool = False,
-               default_run_dir: str | None = None) -> RankStart:
+               runs_root: str | None = None) -> RankStart:
     """One rank's start-up inside a (real or emulated) Slurm task, the same on every path.
 
     The caller has installed the signal handlers first thing (:func:`install_signals`).  Then: the step's
-    sizes win over the job file's topology; the run directory (``run_dir``, else ``default_run_dir``, else
-    ``RUNS_ROOT/<job id>``); one job per run directory (global rank 0 holds the lock, the others check it);
+    sizes win over the job file's topology; the run directory (``run_dir``, else ``<runs_root>/<job id>``,
+    ``runs_root`` defaulting to ``$ACCELPACT_RUNS_ROOT`` or ``./runs``); one job per run directory (global rank 0 holds the lock, the others check it);
     :func:`check_same_training`; ``check_run_dir`` (an unsafe run dir is exit 2); and last
     :func:`~accelpact_slurm.slurm.signals.mark_ready` (the batch script may forward USR2 from now on).
 
@@ -177,7 +177,7 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
 
     ctx = SlurmContext.from_environ(environ)
     cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
-    run_dir = run_dir or default_run_dir or os.path.join(settings.runs_root(), ctx.job_id)
+    run_dir = run_dir or os.path.join(runs_root or settings.runs_root(), ctx.job_id)
     os.makedirs(run_dir, exist_ok=True)
     lock = claim(run_dir, ctx.job_id, hold=ctx.rank == 0)
     check_same_training(cfg, run_dir, allow_config_change)
@@ -196,7 +196,7 @@ def install_signals(emulated: bool) -> None:
 
 def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, str], *,
              allow_config_change: bool = False, node_daemon: Any = None,
-             default_run_dir: str | None = None, drain_s: float = 120.0) -> tuple[int, RankStart]:
+             runs_root: str | None = None, drain_s: float = 120.0) -> tuple[int, RankStart]:
     """A whole rank: :func:`start_rank`, the node's daemon where the rank starts it (``node_daemon(start)``
     returns a daemon for :func:`~accelpact_slurm.launch.daemons.stop_daemons`, or None), then training.
 
@@ -204,8 +204,7 @@ def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, s
     """
     from accelpact_slurm.runtime.job import run_rank
 
-    start = start_rank(cfg, run_dir, environ, allow_config_change=allow_config_change,
-                       default_run_dir=default_run_dir)
+    start = start_rank(cfg, run_dir, environ, allow_config_change=allow_config_change, runs_root=runs_root)
     daemon = node_daemon(start) if node_daemon is not None else None
     try:
         code = run_rank(start.cfg, start.ctx, start.run_dir, job_file=config_path)

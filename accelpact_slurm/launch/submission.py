@@ -205,7 +205,7 @@ class RankTask(submitit.helpers.Checkpointable):
         # mark_ready); local rank 0 of each node then starts that node's daemon as its child.
         code, start = core.run_task(
             cfg, spec.config_path, spec.run_dir, os.environ, allow_config_change=args.allow_config_change,
-            default_run_dir=None if spec.run_dir else os.path.join(spec.runs_root, os.environ["SLURM_JOB_ID"]),
+            runs_root=spec.runs_root,
             node_daemon=lambda st: start_node_daemon(spec, st.cfg, st.run_dir, st.ctx) if st.ctx.local_rank == 0
             else None, drain_s=spec.drain_s)
         ctx = start.ctx
