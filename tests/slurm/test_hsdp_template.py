@@ -29,7 +29,10 @@ case " $* " in
   *) step=training ;;
 esac
 printf '%s\\n' "$@" >"$SRUN_LOG/$step"
-if [[ $step == training ]]; then exit "${FAKE_STEP_STATUS:-0}"; fi
+if [[ $step == training ]]; then
+  if [[ -n ${FAKE_TERM_BATCH:-} ]]; then kill -TERM "$PPID"; fi  # Slurm ending the job: SIGTERM to the batch shell
+  exit "${FAKE_STEP_STATUS:-0}"
+fi
 """
 # Records its arguments in $SRUN_LOG/scontrol and succeeds.
 FAKE_SCONTROL = """#!/bin/bash
@@ -218,3 +221,12 @@ def test_a_stop_the_ranks_decided_is_not_a_crash(tmp_path):
     proc, log = _run_template(tmp_path, {"FAKE_STEP_STATUS": "143"})
     assert proc.returncode == 76, proc.stdout + proc.stderr
     assert not (log / "scontrol").exists()
+
+
+def test_a_crash_while_slurm_ends_the_job_is_not_requeued(tmp_path):
+    """The batch shell's own SIGTERM (scancel, the time limit, a requeue by someone) and then a killed step: the
+    core is told (--ending) and requeues nothing (a requeue now would bring a cancelled job back)."""
+    proc, log = _run_template(tmp_path, {"FAKE_STEP_STATUS": "143", "FAKE_TERM_BATCH": "1"})
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "Slurm is ending this job" in proc.stderr and "not requeued here" in proc.stderr
+    assert not (log / "scontrol").exists() and _events(tmp_path / "runs" / "42") == []
