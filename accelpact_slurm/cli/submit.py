@@ -1,8 +1,8 @@
 """``accelpact-submit CONFIG``: submit the job through submitit, on Slurm or on submitit's local executor.
 
 One submitit task per rank (``nodes x ranks_per_node``, defaults from the job file's topology); each task joins as
-its rank exactly as ``accelpact-run`` does inside an allocation.  Slurm is used when ``sbatch`` is on the PATH,
-else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
+its rank exactly as the sbatch template's ranks do (the launch core), with ``accelpact-run``'s job flags.  Slurm
+is used when ``sbatch`` is on the PATH, else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
 ``--gpus-per-node`` equal to the ranks per node makes it a GPU job, one GPU per rank.  With
 ``--wait`` the command waits (with a deadline) and prints the summary's ``final_state_digest``.  The mapping of
 submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.launch.submission`.
@@ -20,7 +20,8 @@ import sys
 from typing import Callable, Sequence
 
 from accelpact_slurm.core import settings
-from accelpact_slurm.core.config import JobConfig, load_config, with_overrides
+from accelpact_slurm.core.config import JobConfig, with_overrides
+from accelpact_slurm.launch.core import add_job_flags, check_same_training, job_config, worker_args
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
 
 log = logging.getLogger("accelpact_slurm.cli.submit")
@@ -40,10 +41,7 @@ class SubmitUsageError(AccelpactError, ValueError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()),
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", metavar="CONFIG", help="YAML job file (see examples/decoder/job.yaml)")
-    p.add_argument("--run-dir", metavar="DIR",
-                   help=f"the run directory shared by every node (default: ${settings.RUNS_ROOT} or ./runs, "
-                        "then the job id)")
+    add_job_flags(p)  # the same job-level flags as accelpact-run
     p.add_argument("--nodes", type=_positive, metavar="N", help="nodes (default: the file's topology.nodes)")
     p.add_argument("--ranks-per-node", type=_positive, metavar="R",
                    help="ranks (tasks) per node (default: the file's topology.ranks_per_node)")
@@ -127,7 +125,7 @@ def detect_backend(forced: str | None, which: Callable[[str], str | None] = shut
 
 
 def effective_config(args: argparse.Namespace) -> JobConfig:
-    cfg = load_config(args.config)
+    cfg = job_config(args)
     overrides = {}
     if args.nodes is not None:
         overrides["topology.nodes"] = args.nodes
@@ -151,15 +149,14 @@ def make_executor(backend: str, folder: str, cfg: JobConfig, args: argparse.Name
         # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): the step asks for it again.  Every
         # rank sees all of its node's GPUs (no per-task binding, whatever the site's default) and takes
         # cuda:LOCAL_RANK: NCCL keeps its direct GPU-to-GPU path between the ranks of a node.
-        srun_args = []
+        srun_args = ["--label"]  # every line of rank R starts "R: ", as under the sbatch template
         if args.cpus_per_task:
             params["cpus_per_task"] = args.cpus_per_task
             srun_args += [f"--cpus-per-task={args.cpus_per_task}", "--cpu-bind=cores"]
         if args.gpus_per_node:
             params["gpus_per_node"] = args.gpus_per_node
             srun_args.append("--gpu-bind=none")
-        if srun_args:
-            params["slurm_srun_args"] = srun_args
+        params["slurm_srun_args"] = srun_args
     else:  # submitit's local executor knows one node: every emulated node's ranks run here
         params.update(nodes=1, tasks_per_node=nodes * rpn)
         # CUDA_VISIBLE_DEVICES lists nodes x G GPUs (none when G is 0); the emulated rank r takes cuda:r.
@@ -195,10 +192,12 @@ def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, wh
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else None
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
+        check_same_training(cfg, run_dir, args.allow_config_change)  # refused before submitting, as by accelpact-run
     folder = os.path.abspath(args.folder) if args.folder else (
         os.path.join(run_dir, "submitit") if run_dir else os.path.join(runs_root, "submitit", "%j"))
     spec = TaskSpec(backend=backend, config_path=os.path.abspath(args.config), runs_root=runs_root,
-                    run_dir=run_dir, nodes=cfg.topology.nodes, ranks_per_node=cfg.topology.ranks_per_node)
+                    run_dir=run_dir, nodes=cfg.topology.nodes, ranks_per_node=cfg.topology.ranks_per_node,
+                    worker_args=tuple(worker_args(args)))
     executor = make_executor(backend, folder, cfg, args)
     deadline_s = args.wait_timeout or args.time_min * 60 + 600
     outcome, spec, job = submit_until_settled(lambda s: _submit(executor, s), spec, backend=backend, why=why,

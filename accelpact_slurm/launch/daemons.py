@@ -1,7 +1,7 @@
 """Starting and stopping the per-node checkpoint daemons of the embedded default and submitit's local backend.
 
 Who calls: :mod:`accelpact_slurm.launch.local` (one daemon per emulated node, before the ranks) and
-:mod:`accelpact_slurm.launch.submission`; on Slurm the sbatch template starts ``accelpact-ckptd`` itself.
+:mod:`accelpact_slurm.launch.submission`; the sbatch template's node task runs :func:`.core.serve_node`.
 """
 
 from __future__ import annotations

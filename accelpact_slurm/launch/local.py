@@ -4,10 +4,14 @@ Outside Slurm, ``accelpact-run`` calls :func:`launch_local`, which starts one
 process per rank (``nodes x ranks_per_node`` of the job file), each seeing the
 variables ``srun --nodes=N --ntasks-per-node=R`` would give it, and supervises
 them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on
-their own, then SIGTERM, then SIGKILL.  Rank 0's output goes to the terminal;
-every rank's output is also kept under ``RUN_DIR/logs/``.  Once a start's ranks and
-daemons are gone, however they ended (``kill -9`` included), the shared-memory
-staging a daemon could not drop itself is removed.
+their own, then SIGTERM, then SIGKILL.  Each rank runs the worker entry
+(``python -m accelpact_slurm.cli.worker``, as under the sbatch template).  Rank 0's output goes to the
+terminal, every line labelled ``0: `` as ``srun --label`` writes it; every rank's output is also kept
+under ``RUN_DIR/logs/``.  What a start's exit means (relaunch in place what Slurm would requeue, or
+stop) is :func:`accelpact_slurm.launch.core.exit_verdict` and
+:func:`~accelpact_slurm.launch.core.relaunch_in_place`.  Once a start's ranks and daemons are gone,
+however they ended (``kill -9`` included), the shared-memory staging a daemon could not drop itself is
+removed.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TextIO
 
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, LaunchError
+from accelpact_slurm.core.errors import LaunchError
 from accelpact_slurm.core import settings
-from accelpact_slurm.launch.ranks import rank_environ
+from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: also this module's API
+    DONE, RELAUNCH, STOP, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
+from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +64,12 @@ class RankProcess:
     done: threading.Event | None = None  # tells a log follower (rank 0's echo) that the rank has ended
 
 
-def _follow(path: str, echo: TextIO, done: threading.Event) -> None:
-    """Echo what a rank appends to its log file until it has ended (a forked rank writes its log itself)."""
+def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "") -> None:
+    """Echo what a rank appends to its log file, each line after ``label``, until it has ended (a forked rank
+    writes its log itself)."""
+    from accelpact_slurm.launch.core import LabelledWriter
+
+    echo = LabelledWriter(echo, label) if label else echo
     pos = 0
     while True:
         ended = done.is_set()
@@ -78,8 +88,12 @@ def _follow(path: str, echo: TextIO, done: threading.Event) -> None:
         done.wait(POLL_S)
 
 
-def _pump(src, dst_file, echo: TextIO | None) -> None:
-    """Copy a rank's output to its log file and, for rank 0, to the terminal."""
+def _pump(src, dst_file, echo: TextIO | None, label: str = "") -> None:
+    """Copy a rank's output to its log file and, for rank 0, to the terminal (each line after ``label``)."""
+    from accelpact_slurm.launch.core import LabelledWriter
+
+    if echo is not None and label:
+        echo = LabelledWriter(echo, label)
     with open(dst_file, "ab") as fh:
         for line in iter(src.readline, b""):
             fh.write(line)
@@ -87,22 +101,6 @@ def _pump(src, dst_file, echo: TextIO | None) -> None:
             if echo is not None:
                 echo.write(line.decode(errors="replace"))
                 echo.flush()
-
-
-def combine_exit_codes(codes: Sequence[int | None]) -> int:
-    """The job's exit code from its ranks' codes (pure).
-
-    0 when every rank finished; otherwise "do not requeue" wins over "requeue me",
-    which wins over any other failure (reported as "requeue me": a crash is a fail-stop).
-    """
-    failed = [c for c in codes if c not in (0, None)]
-    if not failed:
-        return EXIT_OK
-    if EXIT_NO_REQUEUE in failed:
-        return EXIT_NO_REQUEUE
-    if 2 in failed:
-        return 2
-    return EXIT_REQUEUE
 
 
 def job_id_for(environ: Mapping[str, str]) -> str:
@@ -146,12 +144,14 @@ def _relaunch(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
               out: TextIO, job_id: str, zygote: Any) -> int:
     restart = 0
     while True:
-        code = launch_local(config_path, cfg, run_dir, worker_args, environ, out, job_id, restart, zygote=zygote)
-        if code != EXIT_REQUEUE:
-            return code
-        if restart >= cfg.recovery.max_restarts:
-            print(f"[accelpact] requeue requested but recovery.max_restarts ({cfg.recovery.max_restarts}) "
-                  f"relaunches are spent", file=out, flush=True)
+        stopped: list[bool] = []
+        code = launch_local(config_path, cfg, run_dir, worker_args, environ, out, job_id, restart, zygote=zygote,
+                            stopped=stopped)
+        verdict = exit_verdict(code, ending=bool(stopped), slurm=False)
+        again, reason = relaunch_in_place(verdict, restart, cfg.recovery.max_restarts)
+        if not again:
+            if verdict.action not in (STOP, DONE):
+                print(f"[accelpact] {reason}", file=out, flush=True)
             return code
         restart += 1
         print(f"[accelpact] fail-stop: relaunching the job (restart {restart}); it reloads the newest verified "
@@ -168,10 +168,13 @@ def launch_local(
     job_id: str | None = None,
     restart_count: int = 0,
     zygote: Any = None,
+    stopped: list[bool] | None = None,
 ) -> int:
     """Start and supervise ``cfg.world_size`` local ranks; return the job's exit code.
 
     ``zygote`` (:class:`~accelpact_slurm.launch.zygote.Zygote`): fork the ranks from it; else plain subprocesses.
+    ``stopped``: gets True appended when the user stopped the job (SIGINT/SIGTERM to the launcher).
+    Rank 0's lines echoed to ``out`` carry its rank label (``0: ``), as ``srun --label`` writes them.
     """
     environ = dict(os.environ if environ is None else environ)
     out = out or sys.stdout
@@ -185,7 +188,8 @@ def launch_local(
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
     ranks: list[RankProcess] = []
     args = [config_path, "--run-dir", run_dir, *worker_args]
-    cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", *args]
+    cmd = [sys.executable, "-m", WORKER_MODULE, *args]
+    label = rank_label(0, nodes * rpn)
     try:
         for rank in range(nodes * rpn):
             env = rank_environ(environ, job_id, rank, nodes, rpn, restart=restart_count, data_port=data_port,
@@ -195,14 +199,15 @@ def launch_local(
                 rp = RankProcess(rank, zygote.spawn(args, env, log_path), log_path)
                 if rank == 0:
                     rp.done = threading.Event()
-                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done), name="echo-rank-0",
+                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done, label),
+                                               name="echo-rank-0",
                                                daemon=True)
                     rp.pump.start()
             else:
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
                 rp = RankProcess(rank, proc, log_path)
-                rp.pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, out if rank == 0 else None),
+                rp.pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, out if rank == 0 else None, label),
                                            name=f"pump-rank-{rank}", daemon=True)
                 rp.pump.start()
             ranks.append(rp)
@@ -212,7 +217,7 @@ def launch_local(
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
-        code = _supervise(ranks, cfg.timeouts.shutdown_s, out)
+        code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped)
         record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks])
         return code
     finally:
@@ -237,14 +242,15 @@ def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, ran
         cause = "launcher"
         reason = f"every rank ended without a decision (exit codes {list(rank_codes)}): killed, or crashed"
     events = EventLog(path, job_id=job_id, restart=restart, rank=None, node=None)
+    again = exit_verdict(code, ending=cause == "signal", slurm=False).action == RELAUNCH
     try:
         events.emit("fail_stop", reason=reason, exit_code=code, cause=cause, phase=None, frontier=None,
-                    decision_s=None, decision="restart" if code == EXIT_REQUEUE else "stop", key=None, by="launcher")
+                    decision_s=None, decision="restart" if again else "stop", key=None, by="launcher")
     finally:
         events.close()
 
 
-def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
+def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None) -> int:
     stop = {"signal": None}
 
     def on_signal(signum, _frame):  # handlers only set a flag
@@ -290,6 +296,8 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO) -> int:
         if rp.pump is not None:
             rp.pump.join(timeout=5)
     if stop["signal"] is not None:  # the user stopped the job: stop it, do not relaunch it
+        if stopped is not None:
+            stopped.append(True)
         print(f"[accelpact] stopped by {signal.Signals(stop['signal']).name}: every rank and daemon stopped; "
               f"exit {128 + stop['signal']}", file=out, flush=True)
         return 128 + stop["signal"]

@@ -12,6 +12,9 @@ from typing import Mapping
 from accelpact_slurm.core import settings
 from accelpact_slurm.slurm.env import emulated_environ
 
+#: The worker entry every rank runs (``python -m``): the embedded default's ranks and the sbatch template's.
+WORKER_MODULE = "accelpact_slurm.cli.worker"
+
 
 def rank_environ(base: Mapping[str, str], job_id: str, rank: int, nodes: int, ranks_per_node: int, *,
                  restart: int, data_port: int, control_port: int) -> dict[str, str]:
@@ -35,7 +38,8 @@ def rank_environ(base: Mapping[str, str], job_id: str, rank: int, nodes: int, ra
 def daemon_command(config_path: str, run_dir: str, node: str, node_index: int, job_id: str, *, restart: int,
                    drain_s: float, num_nodes: int | None = None, every_steps: int | None = None,
                    keep_serving_on_sigterm: bool = False) -> list[str]:
-    """The command line of one node's ``accelpact-ckptd`` (the sbatch template spells the same one in shell).
+    """The command line of one node's ``accelpact-ckptd``, on every path (the template's through
+    :func:`.core.serve_node`).
 
     ``num_nodes`` and ``every_steps`` (with ``node_index``) decide which node uploads which snapshot to the
     shared tier; left out, the daemon takes them from Slurm's environment and the job file.

@@ -6,9 +6,11 @@ Who calls what, in which order:
   ``submitit.AutoExecutor`` with ``nodes x ranks_per_node`` tasks, then (``--wait``) calls :func:`wait_for_job`
   and, on submitit's local executor, :func:`relaunch_decision` after a run that ended in a fail-stop;
 * submitit starts one process per task (``python -u -m submitit.core._submit FOLDER``, with the submitting
-  interpreter), unpickles ``RankTask`` and calls it: the task joins as its rank exactly as ``accelpact-run`` does
-  inside an allocation (``signals.install()``, ``SlurmContext.from_environ``, topology from the step,
-  ``job.run_rank``).  Local rank 0 of each node first starts that node's checkpoint daemon as its child.
+  interpreter), unpickles ``RankTask`` and calls it: the task joins as its rank exactly as the sbatch template's
+  ranks do (:mod:`.core`: ``install_signals``, then ``run_task``: ``start_rank`` -- the run directory's lock,
+  ``check_same_training``, ``check_run_dir``, ``signals.mark_ready`` -- and ``job.run_rank``), with the same
+  job-level flags (:attr:`TaskSpec.worker_args`).  Local rank 0 of each node starts that node's checkpoint daemon
+  as its child after the start-up checks.
 
 On submitit's local executor there is no ``SLURM_*`` environment: :func:`task_environ` builds the one ``srun``
 would give (:func:`~accelpact_slurm.slurm.env.emulated_environ`) from ``submitit.JobEnvironment()``'s global rank,
@@ -44,8 +46,12 @@ How submitit's Checkpointable mechanism maps onto our snapshot-then-requeue path
 * Fail-stops (exit 75) are requeued on Slurm by our rank 0 (``scontrol requeue``; the job is submitted with
   ``--requeue``).  On the local executor nothing requeues an exit 75 (submitit's local controller reruns tasks only
   on its own code 144): ``accelpact-submit --wait`` relaunches the job with the next restart count, up to
-  ``recovery.max_restarts`` (see :func:`relaunch_decision`); without ``--wait``, use ``accelpact-run`` to get
-  relaunches locally.
+  ``recovery.max_restarts`` (see :func:`relaunch_decision`, which asks the launch core what the exit means, as the
+  embedded default does: a fail-stop or a crash is relaunched in place, a bug never); without ``--wait``, use
+  ``accelpact-run`` to get relaunches locally.
+
+Output: on Slurm every task's srun has ``--label`` (each line of rank R starts ``R: ``, as under the sbatch
+template); on the local executor the task puts the same prefix on what it writes (:func:`.core.label_output`).
 
 A preemption's SIGTERM (Slurm sends it to every task of a preempted job, then SIGKILL after the grace time)
 takes the USR2 path too on Slurm (:func:`~accelpact_slurm.slurm.signals.stop_signals`), in place of submitit's
@@ -59,6 +65,7 @@ snapshot the signal asks for.  It gets SIGINT when its parent dies (``os._exit``
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import fcntl
 import logging
@@ -72,7 +79,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import submitit
 
-from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, SlurmEnvError
+from accelpact_slurm.core.errors import EXIT_OK, SlurmEnvError
 from accelpact_slurm.core import settings
 
 log = logging.getLogger(__name__)
@@ -106,6 +113,8 @@ class TaskSpec:
         master_port: Local executor only: data-plane store port picked by the submitting process.
         control_port: Local executor only: control-plane store port.
         drain_s: How long a node daemon may finish queued snapshots when stopped.
+        worker_args: The job-level flags after CONFIG and ``--run-dir`` (``--steps``, ``--seed``, ``--entry``,
+            ``--inject-fault``, ``--allow-config-change``), as :func:`.core.add_job_flags` parses them.
     """
 
     backend: str
@@ -119,6 +128,7 @@ class TaskSpec:
     master_port: int | None = None
     control_port: int | None = None
     drain_s: float = 120.0
+    worker_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -168,13 +178,12 @@ class RankTask(submitit.helpers.Checkpointable):
         self.spec = spec
 
     def __call__(self) -> dict[str, Any]:
-        from accelpact_slurm.slurm import signals
+        from accelpact_slurm.launch import core
 
         # First thing: replaces submitit's USR2 handler, which would requeue mid-update (and, on Slurm, SIGTERM's
         # default action: a preemption's SIGTERM asks for the same snapshot-then-requeue).
-        signals.install(signals.stop_signals(emulated=self.spec.backend == "local"))
-        from accelpact_slurm.core.config import load_config, with_overrides
-        from accelpact_slurm.slurm.env import SlurmContext, in_slurm
+        core.install_signals(emulated=self.spec.backend == "local")
+        from accelpact_slurm.slurm.env import in_slurm
 
         spec = self.spec
         if spec.backend == "local":
@@ -182,32 +191,26 @@ class RankTask(submitit.helpers.Checkpointable):
             env = task_environ(spec, os.environ, job_env.job_id, job_env.global_rank, job_env.num_tasks)
             os.environ.clear()  # this process is the task: later readers of os.environ must see the emulation
             os.environ.update(env)
+            # submitit's local executor keeps one log per task and no srun labels them: the same "R: " prefix
+            core.label_output(job_env.global_rank, spec.world_size)
         else:
             os.environ.pop(settings.EMULATED, None)  # a real allocation: rank 0 must run scontrol requeue
             if not in_slurm(os.environ):
                 raise SlurmEnvError("a Slurm task has no SLURM_PROCID/SLURM_STEP_ID: submitit must start the "
                                     "tasks with srun (use_srun=True)")
-        ctx = SlurmContext.from_environ(os.environ)
-        cfg = with_overrides(load_config(spec.config_path),
-                             {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
-        run_dir = run_dir_for(spec, ctx.job_id)
-        os.makedirs(run_dir, exist_ok=True)
-        from accelpact_slurm.launch.run_lock import claim
-
-        # one job per run directory, before this node's daemon starts: global rank 0 holds it, the others check
-        lock = claim(run_dir, ctx.job_id, hold=ctx.rank == 0)  # noqa: F841 - held until this task ends
-        from accelpact_slurm.runtime.job import run_rank
-
-        daemon = start_node_daemon(spec, cfg, run_dir, ctx) if ctx.local_rank == 0 else None
-        try:
-            code = run_rank(cfg, ctx, run_dir, job_file=spec.config_path)  # a fail-stop never returns: it exits 75/76 via os._exit
-        finally:
-            if daemon is not None:
-                from accelpact_slurm.launch.daemons import stop_daemons
-
-                stop_daemons([daemon], drain_s=spec.drain_s)
+        args = core.add_job_flags(argparse.ArgumentParser(prog="RankTask")).parse_args(
+            [spec.config_path, *spec.worker_args])
+        cfg = core.job_config(args)
+        # The same start-up as the template's ranks (core.start_rank: lock, check_same_training, check_run_dir,
+        # mark_ready); local rank 0 of each node then starts that node's daemon as its child.
+        code, start = core.run_task(
+            cfg, spec.config_path, spec.run_dir, os.environ, allow_config_change=args.allow_config_change,
+            runs_root=spec.runs_root,
+            node_daemon=lambda st: start_node_daemon(spec, st.cfg, st.run_dir, st.ctx) if st.ctx.local_rank == 0
+            else None, drain_s=spec.drain_s)
+        ctx = start.ctx
         return {"rank": ctx.rank, "exit_code": code, "job_id": ctx.job_id, "restart": ctx.restart_count,
-                "run_dir": run_dir}
+                "run_dir": start.run_dir}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Called by submitit's USR2 handler (rank 0): only ask for our snapshot-then-requeue, never snapshot here.
@@ -291,17 +294,15 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
 def relaunch_decision(events: Iterable[dict], restart: int, max_restarts: int) -> tuple[bool, str]:
     """Whether the local executor's job, which ended without results at ``restart``, is relaunched (pure).
 
-    Plays Slurm's part for exit 75: relaunch when some rank fail-stopped with "requeue me" at this restart
-    and none with "do not requeue", while fewer than ``max_restarts`` relaunches are spent.
+    What the ranks decided (:func:`.core.decided_code`), else a crash, through :func:`.core.exit_verdict` and
+    :func:`.core.relaunch_in_place`, as on the embedded default: a fail-stop or a crash is relaunched in place
+    (Slurm would requeue it), a bug (76) never.
     """
-    codes = {e.get("exit_code") for e in events if e.get("event") == "fail_stop" and e.get("restart") == restart}
-    if EXIT_NO_REQUEUE in codes:
-        return False, f"a rank fail-stopped with {EXIT_NO_REQUEUE} (do not requeue)"
-    if EXIT_REQUEUE not in codes:
-        return False, "the ranks ended without a fail-stop (crash or kill): not a requeue request"
-    if restart >= max_restarts:
-        return False, f"requeue requested but recovery.max_restarts ({max_restarts}) relaunches are spent"
-    return True, f"fail-stop {EXIT_REQUEUE} (requeue me) at restart {restart}"
+    from accelpact_slurm.launch.core import decided_code, exit_verdict, relaunch_in_place
+
+    decided = decided_code(events, restart)
+    verdict = exit_verdict(decided if decided is not None else -1, slurm=False)
+    return relaunch_in_place(verdict, restart, max_restarts)
 
 
 @dataclass(frozen=True)

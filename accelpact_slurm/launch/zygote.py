@@ -4,8 +4,8 @@ A rank spends most of its start importing torch and the runtime (about 1.8 CPU-s
 default starts ``nodes x ranks_per_node`` of them at once on the same cores, and again at every restart.  The
 zygote is one child of the launcher that imports them once (:data:`PRELOAD`), then forks a rank for each request:
 the child takes its environment and arguments from the request, appends its output to its log file (the
-launcher echoes rank 0's from there), and runs ``accelpact-run``'s ``main`` as if it had been started as ``python -m
-accelpact_slurm.cli.run``.  Nothing of torch runs in the zygote before a fork (no tensor, no thread pool, no
+launcher echoes rank 0's from there), and runs the worker entry's ``main`` as if it had been started as ``python -m
+accelpact_slurm.cli.worker``.  Nothing of torch runs in the zygote before a fork (no tensor, no thread pool, no
 CUDA): what a fork copies is imported modules.
 
 Protocol (JSON lines): the launcher writes ``{"argv", "env", "log", "cwd"}`` to the zygote's stdin; the zygote
@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 from typing import Any, Mapping, Sequence
+
+from accelpact_slurm.launch.ranks import WORKER_MODULE
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,9 @@ def _child(req: dict[str, Any], control: Sequence[int]) -> None:
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
         import runpy
 
-        # Exactly ``python -m accelpact_slurm.cli.run ARGS`` (its ``__main__`` guard exits with the rank's code).
-        sys.argv = ["accelpact_slurm.cli.run", *req["argv"]]
-        runpy.run_module("accelpact_slurm.cli.run", run_name="__main__", alter_sys=True)
+        # Exactly ``python -m accelpact_slurm.cli.worker ARGS`` (its ``__main__`` guard exits with the rank's code).
+        sys.argv = [WORKER_MODULE, *req["argv"]]
+        runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

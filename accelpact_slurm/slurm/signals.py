@@ -16,7 +16,7 @@ that Slurm is already ending (``scancel``, ``scontrol requeue``, the time limit,
 the grace time's end, which requeues a preempted job by itself) is not requeued by
 us (:func:`accelpact_slurm.slurm.requeue.requeue_after_sigterm`).
 
-Who calls: ``accelpact-run`` inside a task and submitit's ``RankTask`` install the
+Who calls: the launch core's rank start (the worker entry and submitit's ``RankTask``) installs the
 handlers first thing (:func:`install` with :func:`stop_signals`); the guard reads
 :func:`requested` into every vote; the requeue stop gathers :func:`received`.
 """

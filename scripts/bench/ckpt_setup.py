@@ -149,7 +149,7 @@ class MachineWatch:
 
 
 RSS_KINDS = ("ranks", "daemons", "dcp_children")
-RANK_MARK = "accelpact_slurm.cli.run"  # the rank command of launch_local
+RANK_MARK = "accelpact_slurm.cli.worker"  # the rank command of launch_local (plain processes)
 DAEMON_MARK = "accelpact_slurm.cli.ckptd"
 
 

@@ -31,6 +31,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -363,8 +364,12 @@ def bench_environ(extra: Mapping[str, str] | None = None, scrub: Iterable[str] =
     return env
 
 
+_RANK_LABEL = re.compile(r"^ *\d+: ")
+
+
 class LineFilter:
-    """A text stream for rank 0's echo that passes only the lines starting with one of ``prefixes``."""
+    """A text stream for rank 0's echo that passes only the lines starting with one of ``prefixes`` (after the
+    rank label the launcher puts before each, ``0: ``)."""
 
     def __init__(self, prefixes: Sequence[str], stream: TextIO | None = None) -> None:
         self.prefixes, self.stream, self.buf = tuple(prefixes), stream or sys.stdout, ""
@@ -373,6 +378,7 @@ class LineFilter:
         self.buf += text
         *lines, self.buf = self.buf.split("\n")
         for line in lines:
+            line = _RANK_LABEL.sub("", line, count=1)
             if line.startswith(self.prefixes):
                 self.stream.write(line + "\n")
         return len(text)
@@ -388,7 +394,7 @@ def launch_job(config: str | os.PathLike[str], run_dir: str | os.PathLike[str],
 
     ``accelpact_slurm.launch.local.launch_local`` (emulated Slurm environment per rank, free rendezvous
     ports, the per-node checkpoint daemons when the job file snapshots, supervision, logs under
-    ``RUN_DIR/logs/``); each rank runs ``accelpact_slurm.cli.run``, which calls the job file's ``entry``
+    ``RUN_DIR/logs/``); each rank runs ``accelpact_slurm.cli.worker``, which calls the job file's ``entry``
     (a part's entry point reads its plan from ``job.params["bench"]``).  Returns the job's exit code
     (``combine_exit_codes``).
     """

@@ -384,7 +384,7 @@ def test_cadence_skips_a_huge_elapsed_and_an_infinite_ts_as_bad_lines(tmp_path, 
     assert "3 bad line(s) skipped" in capsys.readouterr().out
 
 
-# --------------------------------------------------------------------------- accelpact-run on a node without the train extra
+# --------------------------------------------------------------------------- a rank on a node without the train extra
 
 
 _BLOCK_AND_RUN = textwrap.dedent("""
@@ -401,7 +401,7 @@ _BLOCK_AND_RUN = textwrap.dedent("""
         check_dependencies()
         print("ok")
     else:
-        from accelpact_slurm.cli.run import main
+        from accelpact_slurm.cli.worker import main
         sys.exit(main(sys.argv[1:]))
 """)
 
@@ -425,7 +425,7 @@ def test_run_without_a_runtime_dependency_exits_2_before_joining(tmp_path, block
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("accelpact-run: error: dependencies:")
+    assert lines[0].startswith("accelpact_slurm.cli.worker: error: dependencies:")
     assert repr(blocked) in lines[0] and "pip install 'accelpact-slurm[train]'" in lines[0]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from tests.slurm_cluster import (  # noqa: F401,F811  (slurm_cluster is a fixture)
     HSDP_TEMPLATE,
     POLL_S,
@@ -32,7 +33,7 @@ JOB_DEADLINE_S = 60.0
 SIZES = ["--nodes=2", "--ntasks-per-node=2"]
 STANDIN_MODULE = "accelpact_standin_run"
 
-# Stands in for accelpact_slurm.cli.run: same command line, writes rank-<SLURM_PROCID>.json into the run dir.
+# Stands in for accelpact_slurm.cli.worker (the ranks): same command line, writes rank-<SLURM_PROCID>.json into the run dir.
 # With STANDIN_WAIT_USR2=SECONDS it first writes its ready marker (as accelpact_slurm.slurm.signals.mark_ready does)
 # and waits (bounded) for SIGUSR2; STANDIN_LATE_S=SECONDS delays installing its handler (a slow import).
 STANDIN_SOURCE = '''\
@@ -80,7 +81,8 @@ def standin_env(slurm_cluster: Cluster, tmp_path: Path) -> dict[str, str]:
     (mods / f"{STANDIN_MODULE}.py").write_text(STANDIN_SOURCE)
     return {
         **slurm_cluster.env,
-        "PYTHONPATH": str(mods),
+        # the stand-in first; then this tree, for the template's own hooks (python -m accelpact_slurm.cli.node)
+        "PYTHONPATH": os.pathsep.join([str(mods), REPO]),
         "ACCELPACT_RUN_MODULE": STANDIN_MODULE,
         "ACCELPACT_PYTHON": sys.executable,
     }

@@ -9,6 +9,7 @@ pre-timeout USR2), and so are the restarts (``SLURM_RESTART_COUNT``).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -292,6 +293,10 @@ def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(slurm_cluster
     assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3] and all(e["cause"] == "training-code" for e in stops)
     output = (tmp_path / f"accelpact-hsdp-{job_id}.out").read_text(errors="replace")
     assert "Traceback (most recent call last)" in output and "ValueError" in output and "buggy_train.py" in output
+    # Every line a rank writes carries its rank (srun --label): the traceback is rank 1's.  Negative control:
+    # before, the ranks' lines interleaved unlabelled.
+    assert re.search(r"^1: Traceback \(most recent call last\)", output, re.M), output[-3000:]
+    assert all(re.match(r"^ ?\d+: ", line) for line in output.splitlines() if "Traceback" in line)
 
 
 def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm_cluster: Cluster, tmp_path: Path):

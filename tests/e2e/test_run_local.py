@@ -56,6 +56,11 @@ def test_summary_and_progress(runs):
     assert "step     5/8" in proc.stdout and "ms/update" in proc.stdout
     assert "final_state_digest" in proc.stdout
     assert s["losses"][-1] < s["losses"][0]  # it learns
+    # Rank 0's lines carry its rank label, as srun --label writes them under the template; the launcher's own
+    # lines ([accelpact] ...) do not.  Negative control: before, rank 0's lines were echoed unlabelled.
+    ranks = [line for line in proc.stdout.splitlines() if line and not line.startswith("[accelpact]")]
+    assert ranks and all(line.startswith("0: ") for line in ranks), ranks[:5]
+    assert any(line.startswith("0: ") and "step     5/8" in line for line in ranks)
 
 
 def test_event_log(runs):

@@ -63,3 +63,5 @@ def test_example_through_the_template_repairs_a_fault_and_matches_the_embedded_d
     reference = json.loads((tmp_path / "local" / "summary.json").read_text())
     assert summary["final_state_digest"] == reference["final_state_digest"]
     assert "final_state_digest" in out
+    # rank 0's lines carry its label (srun --label), as the embedded default's and submitit's do
+    assert f"0: [accelpact] final_state_digest {summary['final_state_digest']}" in out.splitlines()

@@ -134,6 +134,9 @@ def test_local_task_environment_emulates_srun():
 
 
 def test_relaunch_decision():
+    """Through the launch core's exit verdict, as on the embedded default: a fail-stop or a crash is relaunched in
+    place (Slurm would requeue it), a bug never.  Negative control: before, a crash (no fail-stop) was not
+    relaunched here, though the embedded default relaunched it and the template requeued it."""
     from accelpact_slurm.launch.submission import relaunch_decision
 
     def stop(code, restart=0):
@@ -141,8 +144,9 @@ def test_relaunch_decision():
 
     assert relaunch_decision([stop(EXIT_REQUEUE)], 0, 20)[0]
     assert not relaunch_decision([stop(EXIT_REQUEUE), stop(EXIT_NO_REQUEUE)], 0, 20)[0]
-    assert not relaunch_decision([stop(EXIT_REQUEUE, restart=0)], 1, 20)[0]  # an earlier attempt's fail-stop
-    assert not relaunch_decision([{"event": "step", "restart": 0}], 0, 20)[0]  # crash: no fail-stop
+    assert relaunch_decision([stop(EXIT_REQUEUE, restart=0)], 1, 20)[0]  # an earlier attempt's: this one crashed
+    assert relaunch_decision([{"event": "step", "restart": 0}], 0, 20)[0]  # crash: no fail-stop, relaunched
+    assert not relaunch_decision([stop(EXIT_NO_REQUEUE)], 0, 20)[0]  # a bug: never
     ok, why = relaunch_decision([stop(EXIT_REQUEUE, restart=3)], 3, 3)
     assert not ok and "max_restarts (3)" in why
 
@@ -214,6 +218,10 @@ def test_slurm_sbatch_script_asks_for_requeue_and_usr2(tmp_path):
                  "#SBATCH --partition=debug", "#SBATCH --signal=USR2@90"):
         assert line in text.splitlines(), text
     assert "--gpu-bind" not in text and "cpus-per-task" not in text  # a CPU job, as before
+    # every line of rank R starts "R: ", as under the sbatch template (srun --label).  Negative control: before,
+    # submitit's srun had no --label.
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert "--label" in srun.split(), srun
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -245,7 +253,7 @@ def test_slurm_gpu_job_reaches_the_executor(tmp_path):
     params = ex._executor.parameters
     assert (params["nodes"], params["ntasks_per_node"]) == (2, 4)
     assert (params["gpus_per_node"], params["cpus_per_task"]) == (4, 8)
-    assert params["srun_args"] == ["--cpus-per-task=8", "--cpu-bind=cores", "--gpu-bind=none"]
+    assert params["srun_args"] == ["--label", "--cpus-per-task=8", "--cpu-bind=cores", "--gpu-bind=none"]
     lines = ex._executor._make_submission_file_text("CMD", "uid").splitlines()
     for line in ("#SBATCH --gpus-per-node=4", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=8",
                  "#SBATCH --requeue"):
@@ -333,6 +341,15 @@ def test_local_executor_runs_the_job_to_the_reference_digest(reference, tmp_path
     assert members == [(0, "node1"), (1, "node1"), (2, "node2"), (3, "node2")]
     assert {e["job_id"] for e in events if e.get("rank") is not None} == {events[0]["job_id"]}
     assert events[0]["job_id"].startswith("local-")
+    # The same start-up as every other path (core.start_rank): each task marked itself ready and the run directory
+    # recorded its training; each task's log is labelled with its rank.  Negative control: before, the submitit
+    # path skipped check_same_training and signals.mark_ready (no job-training.json, no .ready markers).
+    assert sorted(p.name for p in (run_dir / signals.READY_DIR).iterdir()) == ["0-0", "0-1", "0-2", "0-3"]
+    assert (run_dir / "job-training.json").exists()
+    lines = [ln for p in sorted((run_dir / "submitit").rglob("*_0_log.*"))
+             for ln in p.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith("submitit ")]
+    assert lines and all(ln.startswith("0: ") for ln in lines), lines[:5]
+    assert any("final_state_digest" in ln for ln in lines), lines[-5:]
 
 
 @pytest.mark.multiproc

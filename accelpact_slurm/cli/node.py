@@ -1,0 +1,78 @@
+"""``python -m accelpact_slurm.cli.node {gpus,serve,usr2,settle}``: the sbatch template's hooks into the launch core.
+
+Not a user command: ``sbatch_templates/hsdp.sbatch`` spells no protocol itself and calls these instead.
+
+* ``gpus``: print the allocation's GPUs per node (0: a CPU job); exit 2 with a one-line error when they differ from
+  the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`).
+* ``serve CONFIG --run-dir DIR``: this node's checkpoint daemon (one task per node), then the shared-memory
+  staging a killed daemon left (:func:`accelpact_slurm.launch.core.serve_node`).
+* ``usr2 RUN_DIR [--step-pid PID]``: the pre-timeout USR2 reached the batch shell: record it, and forward it to the
+  training step once every task is ready (:func:`accelpact_slurm.launch.core.forward_usr2`).
+* ``settle RUN_DIR --status RC [--ending]``: the training step ended with RC: exit with the job's exit code, after
+  asking Slurm for the requeue of a crash nobody decided on (:func:`accelpact_slurm.launch.core.settle_step`).
+
+Slurm's variables (``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``SLURM_NTASKS``, ``SLURM_NODEID``, ...) give the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from accelpact_slurm.core.errors import EXIT_USAGE
+
+PROG = "accelpact_slurm.cli.node"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    sub = p.add_subparsers(dest="what", required=True)
+    sub.add_parser("gpus", help="the allocation's GPUs per node, checked against its tasks per node")
+    serve = sub.add_parser("serve", help="this node's checkpoint daemon, then its leftover staging")
+    serve.add_argument("config", metavar="CONFIG")
+    serve.add_argument("--run-dir", required=True, metavar="DIR")
+    usr2 = sub.add_parser("usr2", help="record the pre-timeout USR2 and forward it once every task is ready")
+    usr2.add_argument("run_dir", metavar="RUN_DIR")
+    usr2.add_argument("--step-pid", type=int, metavar="PID", help="the training step's srun (none yet: record only)")
+    settle = sub.add_parser("settle", help="the job's exit code after the training step ended")
+    settle.add_argument("run_dir", metavar="RUN_DIR")
+    settle.add_argument("--status", type=int, required=True, metavar="RC", help="the training step's exit status")
+    settle.add_argument("--ending", action="store_true", help="Slurm is ending the job (the batch shell's SIGTERM)")
+    return p
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from accelpact_slurm.launch import core
+
+    restart = _int_env("SLURM_RESTART_COUNT", 0)
+    if args.what == "gpus":
+        try:
+            print(core.gpus_per_node(os.environ))
+        except ValueError as exc:
+            print(f"hsdp.sbatch: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE  # a requeue would not help
+        return 0
+    if args.what == "serve":
+        return core.serve_node(os.path.abspath(args.config), os.path.abspath(args.run_dir), os.environ)
+    if args.what == "usr2":
+        core.forward_usr2(args.run_dir, restart, _int_env("SLURM_NTASKS", 1), args.step_pid)
+        return 0
+    if args.what == "settle":
+        print(f"hsdp.sbatch: training step exited with status {args.status}", flush=True)
+        return core.settle_step(args.run_dir, restart, args.status, ending=args.ending,
+                                job_id=os.environ.get("SLURM_JOB_ID", ""), environ=os.environ)
+    return EXIT_USAGE  # pragma: no cover - argparse refuses other words
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
