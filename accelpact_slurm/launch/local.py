@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TextIO
 
-from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.config import JobConfig, relaunch_resumes
 from accelpact_slurm.core.errors import LaunchError
 from accelpact_slurm.core import settings
 from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: also this module's API
@@ -154,8 +154,8 @@ def _relaunch(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
                 print(f"[accelpact] {reason}", file=out, flush=True)
             return code
         restart += 1
-        print(f"[accelpact] fail-stop: relaunching the job (restart {restart}); it reloads the newest verified "
-              f"snapshot", file=out, flush=True)
+        print(f"[accelpact] fail-stop: relaunching the job (restart {restart}); "
+              f"{relaunch_resumes(cfg.checkpoint.every_steps)}", file=out, flush=True)
 
 
 def launch_local(

@@ -79,6 +79,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import submitit
 
+from accelpact_slurm.core.config import load_config, relaunch_resumes
 from accelpact_slurm.core.errors import EXIT_OK, SlurmEnvError
 from accelpact_slurm.core import settings
 
@@ -198,6 +199,7 @@ class RankTask(submitit.helpers.Checkpointable):
             if not in_slurm(os.environ):
                 raise SlurmEnvError("a Slurm task has no SLURM_PROCID/SLURM_STEP_ID: submitit must start the "
                                     "tasks with srun (use_srun=True)")
+        os.environ[settings.OUTPUT_LABELLED] = "1"  # "R: " on every line already: log records add no "[rank R]"
         args = core.add_job_flags(argparse.ArgumentParser(prog="RankTask")).parse_args(
             [spec.config_path, *spec.worker_args])
         cfg = core.job_config(args)
@@ -427,8 +429,9 @@ def submit_until_settled(submit: Any, spec: TaskSpec, *, backend: str, why: str,
                                               max_restarts)
             if again:
                 restart += 1
-                print(f"[accelpact] {reason}: relaunching (restart {restart}); the ranks reload the newest "
-                      f"verified snapshot", file=out, flush=True)
+                every = load_config(spec.config_path).checkpoint.every_steps
+                print(f"[accelpact] {reason}: relaunching (restart {restart}); {relaunch_resumes(every)}", file=out,
+                      flush=True)
                 spec = dataclasses.replace(spec, restart_count=restart)
                 continue
             outcome = dataclasses.replace(outcome, detail=f"{outcome.detail}; not relaunched: {reason}")
