@@ -111,20 +111,42 @@ class GroupDetector(Protocol):
 
 
 @runtime_checkable
-class RankContext(Protocol):
-    """Who this rank is in the job, and the control plane's rounds: the checkpoint client's and the reload's view."""
+class RankPlace(Protocol):
+    """Where a rank sits: its number and the job's layout (a base of the views below)."""
 
     @property
     def rank(self) -> int: ...
+
+    @property
+    def layout(self) -> RankLayout: ...
+
+
+@runtime_checkable
+class ReplicaLink(Protocol):
+    """A rank's replication group and what watches it (a base of the guard's and the engine's views)."""
+
+    @property
+    def replicate_group(self) -> Any: ...
+
+    @property
+    def collective_timeout_s(self) -> float: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def detector(self) -> GroupDetector | None: ...
+
+
+@runtime_checkable
+class RankContext(RankPlace, Protocol):
+    """Who this rank is in the job, and the control plane's rounds: the checkpoint client's and the reload's view."""
 
     @property
     def local_rank(self) -> int: ...
 
     @property
     def node(self) -> int: ...
-
-    @property
-    def layout(self) -> RankLayout: ...
 
     @property
     def ctx(self) -> JobIdentity: ...
@@ -134,61 +156,25 @@ class RankContext(Protocol):
 
 
 @runtime_checkable
-class RepairRank(Protocol):
+class RepairRank(RankPlace, ReplicaLink, Protocol):
     """The repair engine's view of a rank (its phase tests give it a small stand-in with these members)."""
-
-    @property
-    def rank(self) -> int: ...
 
     @property
     def local_rank(self) -> int: ...
 
     @property
-    def layout(self) -> RankLayout: ...
-
-    @property
     def control(self) -> RepairControl: ...
-
-    @property
-    def replicate_group(self) -> Any: ...
 
     @property
     def mesh(self) -> Any: ...
 
-    @property
-    def collective_timeout_s(self) -> float: ...
-
-    @property
-    def device(self) -> Any: ...
-
-    @property
-    def detector(self) -> GroupDetector | None: ...
-
 
 @runtime_checkable
-class GuardRank(Protocol):
+class GuardRank(RankPlace, ReplicaLink, Protocol):
     """The boundary guard's view of a rank: its collective on the replication group and the vote."""
 
     @property
-    def rank(self) -> int: ...
-
-    @property
-    def layout(self) -> RankLayout: ...
-
-    @property
     def control(self) -> ControlRounds: ...
-
-    @property
-    def replicate_group(self) -> Any: ...
-
-    @property
-    def collective_timeout_s(self) -> float: ...
-
-    @property
-    def device(self) -> Any: ...
-
-    @property
-    def detector(self) -> GroupDetector | None: ...
 
 
 @runtime_checkable
