@@ -32,3 +32,31 @@ def test_job_groups_are_the_live_groups_after_a_repair_replaced_them():
     assert job.groups == ("shard-0", "replicate-0")
     rt.replicate_group, rt.shard_group = "replicate-1", "shard-1"  # what Runtime.adopt does after an L1 repair
     assert job.groups == ("shard-1", "replicate-1")
+
+
+def _run_at_the_end_of_an_update(decided):
+    """A Run and an Update as they stand when the update's block ends (only what _finish reads before it
+    decides what the end means)."""
+    from accelpact_slurm.runtime.api import Run, Update
+
+    run = Run.__new__(Run)
+    run.job = SimpleNamespace(_rt=None)
+    ended = []
+    run._tracker = SimpleNamespace(phase="backward", end=lambda: ended.append(True))
+    run._current = None
+    update = Update.__new__(Update)
+    update.step, update._decided = 5, decided
+    return run, update, ended
+
+
+def test_a_redo_signal_the_script_caught_is_named_not_committed():
+    """The vote discarded update 5 and optimizer.step() raised Redo, but the script caught it (``except
+    BaseException``) and its block ended normally: the update must not commit; the error says what to change."""
+    from accelpact_slurm.core.errors import UsageError
+
+    run, update, ended = _run_at_the_end_of_an_update("redo")
+    with pytest.raises(UsageError, match=r"optimizer.step\(\).*Redo caught by the script in update 5.*catch Exception"):
+        run._finish(update, None)
+    assert ended == [True]
+    run, update, _ = _run_at_the_end_of_an_update("redo")
+    assert run._finish(update, Redo()) is True  # the signal let through: the batch runs again
