@@ -11,6 +11,7 @@ deletes anything (:func:`read_indexes`: the newest step verified on every node i
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import stat
@@ -289,8 +290,6 @@ class _index_lock:
         self.fd: int | None = None
 
     def __enter__(self) -> "_index_lock":
-        import fcntl
-
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:

@@ -27,9 +27,11 @@ Any ``OSError`` (a full disk) removes the temporary directory and raises
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import math
+import mmap
 import os
 import shutil
 import threading
@@ -194,8 +196,6 @@ def sha256_file(path: str, bufsize: int = 4 << 20, drop: bool = False) -> str:
 def _sha256_direct(path: str, bufsize: int) -> str | None:
     """SHA-256 of a file read with ``O_DIRECT`` (the disk's bytes, no copy through the page cache); None where
     the file system refuses direct I/O (tmpfs, some network file systems): the caller reads it buffered."""
-    import mmap
-
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
@@ -292,8 +292,6 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     global _sync_file_range
     if _sync_file_range is None:
         try:
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             fn = libc.sync_file_range
             fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)

@@ -393,3 +393,24 @@ def test_negative_control_a_planted_fault_branch_is_found(tmp_path):
                        "            pass\n    def __init__(self, job):\n"
                        "        self.f = 1 if job._faults.skip_discard else 2\n")
     assert _fault_branches(planted) == ["step:3"]
+
+
+def test_the_standard_library_is_imported_at_the_top_of_a_module():
+    """A module's stdlib imports are at its top, where its readers see what it depends on; what stays inside a
+    function is the project's own modules (an import cycle, or a login-node path kept free of torch) and heavy
+    optional packages (torch, submitit, matplotlib)."""
+    import ast
+    from pathlib import Path
+
+    stdlib = set(sys.stdlib_module_names)
+    inside = []
+    for root in ("accelpact_slurm", "ckpt_service"):
+        for p in sorted((Path(REPO) / root).rglob("*.py")):
+            for f in ast.walk(ast.parse(p.read_text())):
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for n in ast.walk(f):
+                        if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0):
+                            mod = n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
+                            if (mod or "").split(".")[0] in stdlib:
+                                inside.append(f"{p.relative_to(REPO)}:{n.lineno} {ast.unparse(n)}")
+    assert inside == [], inside

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from typing import Callable, Sequence
 
@@ -228,8 +229,6 @@ def gpu_notes(gpus_per_node: int, cfg: JobConfig, backend: str) -> list[str]:
 
 def _submit(executor, spec):
     """``executor.submit`` with submitit's and sbatch's failures as one-line errors."""
-    import subprocess
-
     from submitit.core.utils import FailedSubmissionError
 
     try:

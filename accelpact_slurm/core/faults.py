@@ -47,11 +47,15 @@ Switches (all off by default):
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Mapping
 
 from accelpact_slurm.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 FRONTIER_SKEW = "ACCELPACT_TEST_FRONTIER_SKEW"
 SKIP_RELOAD_CHECK = "ACCELPACT_TEST_SKIP_RELOAD_CHECK"
@@ -150,13 +154,11 @@ class TestFaults:
     def at_update_start(self, step: int, rank: int) -> None:
         """As update ``step`` begins on ``rank``: a crash (SIGKILL, as the OOM killer's) or a hang (SIGSTOP: alive,
         silent) when the test asked for one there; nothing otherwise."""
-        import signal
-
         if self.crash_at == (step, rank):
-            _log().warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", rank, step)
+            log.warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
         if self.hang_at == (step, rank):
-            _log().warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", rank, step)
+            log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def reported_frontier(self, rank: int, step: int, frontier: int) -> int:
@@ -168,12 +170,6 @@ class TestFaults:
         if self.slow_at and self.slow_at[1] == rank:
             return self.slow_at[0], self.slow_at[2]
         return None
-
-
-def _log():  # noqa: ANN202 - one logger, made when a fault fires
-    import logging
-
-    return logging.getLogger(__name__)
 
 
 NO_FAULTS = TestFaults()

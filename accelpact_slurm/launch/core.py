@@ -41,6 +41,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -420,8 +421,6 @@ def gpus_per_node(environ: Mapping[str, str]) -> int:
     Raises:
         ValueError: A count it cannot read, or GPUs and tasks per node that differ; one line with the fix.
     """
-    import re
-
     var = value = ""
     for var in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS"):
         value = environ.get(var, "")

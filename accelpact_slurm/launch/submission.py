@@ -66,6 +66,7 @@ snapshot the signal asks for.  It gets SIGINT when its parent dies (``os._exit``
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import fcntl
 import logging
@@ -233,8 +234,6 @@ def _child_setup(parent_pid: int):
     """preexec_fn of the daemon: ignore USR2 (inherited across exec) and stop with the parent (Linux)."""
     prctl = None
     try:
-        import ctypes
-
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: nothing to load in the child
     except (OSError, AttributeError):  # not Linux: the daemon is stopped by run's end or by Slurm
         pass

@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import runpy
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.launch.ranks import WORKER_MODULE
@@ -61,8 +64,6 @@ def _child(req: dict[str, Any], control: Sequence[int]) -> None:
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
-        import runpy
-
         # Exactly ``python -m accelpact_slurm.cli.worker ARGS`` (its ``__main__`` guard exits with the rank's code).
         sys.argv = [WORKER_MODULE, *req["argv"]]
         runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
@@ -70,8 +71,6 @@ def _child(req: dict[str, Any], control: Sequence[int]) -> None:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit 1
-        import traceback
-
         traceback.print_exc()
         code = 1
     finally:
@@ -241,13 +240,9 @@ class Forked:
                 pass
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
 

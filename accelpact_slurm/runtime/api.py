@@ -28,6 +28,7 @@ update, :meth:`Run.update`.  When the entry point returns, the runtime writes th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Iterable, Iterator, Mapping, TextIO
 
@@ -518,8 +519,6 @@ class Run:
         wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
         copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
         the shared tier's."""
-        import os
-
         from ckpt_service.index import read_record
         from ckpt_service.layout import node_dir, shared_dir, step_dirname
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import random
 from typing import Any
 
 import torch
@@ -76,8 +77,6 @@ def decode(value: Any) -> Any:
 
 def seed_all(seed: int) -> None:
     """Seed every generator a training step may draw from: torch (CPU and CUDA), Python's, NumPy's."""
-    import random
-
     torch.manual_seed(seed)
     random.seed(seed)
     np = _numpy()
@@ -87,8 +86,6 @@ def seed_all(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This rank's RNG states (torch CPU and CUDA, Python's ``random``, NumPy's global), JSON-able."""
-    import random
-
     out = {"cpu": encode(torch.get_rng_state(), "rng.cpu"), "python": encode(random.getstate(), "rng.python")}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - GPU only
         out["cuda"] = [encode(torch.cuda.get_rng_state(), "rng.cuda")]  # this rank's GPU only
@@ -100,8 +97,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
     torch.set_rng_state(decode(state["cpu"]))
     if "python" in state:
         random.setstate(decode(state["python"]))
@@ -116,8 +111,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def rng_snapshot() -> tuple[Any, ...]:
     """This rank's RNG states as live objects (cheap; no encoding): taken as every update begins, so that an
     update discarded by an L1 repair runs again with the random numbers it first drew (dropout masks)."""
-    import random
-
     np = _numpy()
     # The rank's own GPU only: the *_all variants would create a context on every GPU the rank can see.
     cuda = (torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -127,8 +120,6 @@ def rng_snapshot() -> tuple[Any, ...]:
 
 def rng_restore(snap: tuple[Any, ...]) -> None:
     """Inverse of :func:`rng_snapshot`."""
-    import random
-
     cpu, py, npy, cuda = snap
     torch.set_rng_state(cpu)
     random.setstate(py)

@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from typing import Any, Callable, Mapping, TextIO
 
 from accelpact_slurm.core import settings
@@ -148,8 +149,6 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     from accelpact_slurm.runtime.api import Job
     from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
     from accelpact_slurm.runtime.topology import init_runtime
-
-    import warnings
 
     out = out or sys.stdout
     environ = os.environ if environ is None else environ

@@ -33,11 +33,13 @@ on its own node, dumps its stacks and kills it (:func:`dump_and_kill`).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -384,8 +386,6 @@ def _state(pid: int) -> str | None:
 
 def install_dump_handler() -> None:
     """Make this process dump its Python stacks (every thread) to stderr, its log, on :data:`DUMP_SIGNAL`."""
-    import faulthandler
-    import sys
 
     try:
         faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)

@@ -23,8 +23,10 @@ never arrives (a stalled link: every member waits in it, :meth:`~accelpact_slurm
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
 import traceback
 from typing import Any, Iterable
 
@@ -186,9 +188,6 @@ class PhaseTracker:
         self._show(FORWARD)
         self.forwards += 1
         if self._slow is not None and self._slow[0] == self.step:
-            import logging
-            import threading
-
             step, text = self._slow
             self._slow = None
             if text.endswith("x") and self.detector is not None:  # a multiple of the bound learned so far

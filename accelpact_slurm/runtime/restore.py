@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -457,8 +458,6 @@ class StateIO:
         verified snapshot replaces it, as a new snapshot of the same step does in a node directory).
         The copy is re-read against the signed manifest by the check round that follows.
         """
-        import shutil
-
         from ckpt_service.index import dir_size
         from ckpt_service.layout import DEL_PREFIX
         from ckpt_service.tiers import copy_to_shared

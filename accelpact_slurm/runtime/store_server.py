@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import errno
 import heapq
+import ipaddress
 import itertools
 import logging
 import os
+import pwd
 import secrets
 import selectors
 import socket
@@ -479,8 +481,6 @@ def listen(host: str, candidates: Iterable[int], *, reached_from_other_hosts: bo
 
 
 def _loopback(ip: str) -> bool:
-    import ipaddress
-
     try:
         return ipaddress.ip_address(ip.split("%")[0]).is_loopback
     except ValueError:
@@ -494,8 +494,6 @@ def describe_peer(peer: tuple) -> str:
     if uid is None:
         return text
     try:
-        import pwd
-
         return f"{text} (uid {uid}, {pwd.getpwuid(uid).pw_name})"
     except (KeyError, ImportError):
         return f"{text} (uid {uid})"

@@ -11,7 +11,9 @@ rank 0 only); the local launcher plays Slurm's part on the embedded default.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -153,8 +155,6 @@ def step_outcome(events: Iterable[dict], restart: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART``: print 75, 76 or ``none``."""
-    import os
-    import sys
 
     from accelpact_slurm.core.events import EVENTS_FILE, read_events
 
