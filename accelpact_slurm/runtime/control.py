@@ -97,7 +97,10 @@ class ControlPlane:
 
     def set_generation(self, generation: int) -> None:
         """Move to a fresh key space; every rank must do this at the same agreed point."""
+        if getattr(self, "_stale", None):  # the last generation's leftovers, under its prefix
+            self._clean()
         self._generation = generation
+        self._stale: list[str] = []
         self._store = dist.PrefixStore(f"cp/g{generation}", self._base)
         self._seq.clear()
 
@@ -157,15 +160,29 @@ class ControlPlane:
         else:
             values = self._gather_member(key, name, ranks, lead, timeout, n, combine)
         if n >= 2:  # every member has finished round n-2 once round n-1 is complete
-            stale = [f"{name}#{n - 2}/{self.rank}"]
+            self._stale.append(f"{name}#{n - 2}/{self.rank}")
             if self.rank == lead and through_lead:
-                stale.append(f"{name}#{n - 2}/{RESULT}")
-            for k in stale:
-                try:
-                    self._store.delete_key(k)
-                except Exception:  # pragma: no cover - cleanup is best effort
-                    log.debug("could not delete control key %s", k)
+                self._stale.append(f"{name}#{n - 2}/{RESULT}")
+            if len(self._stale) >= self.CLEANUP_BATCH:
+                self._clean()
         return values
+
+    #: Stale keys a member deletes in one request (the job's store takes several keys in one delete): a round
+    #: costs no request of its own for the cleanup, and the store keeps a bounded number of rounds' keys.
+    CLEANUP_BATCH = 16
+
+    def _clean(self) -> None:
+        """Delete this member's stale keys of the current generation (best effort)."""
+        stale, self._stale = self._stale, []
+        prefix = f"cp/g{self._generation}/"
+        try:
+            if hasattr(self._base, "delete_keys"):  # the job's store: one request
+                self._base.delete_keys([prefix + k for k in stale])
+            else:  # any other dist.Store: one request a key
+                for k in stale:
+                    self._store.delete_key(k)
+        except Exception:  # noqa: BLE001 - cleanup is best effort
+            log.debug("could not delete %d control keys", len(stale))
 
     #: Every member reading every member's value at any size (O(N^2) a round): for comparisons only.
     all_read_all = False

@@ -217,6 +217,12 @@ class JobStore(dist.Store):
     def delete_key(self, key: str) -> bool:
         return self._call(w.DELETE, [_b(key)])[0] == b"1"
 
+    def delete_keys(self, keys: list[str]) -> int:
+        """Delete several keys in one request (full keys: no ``PrefixStore`` passes this through); how many were there."""
+        if not keys:
+            return 0
+        return sum(r == b"1" for r in self._call(w.DELETE, [_b(k) for k in keys]))
+
     def num_keys(self) -> int:
         return int(self._call(w.NUM_KEYS, [])[0])
 

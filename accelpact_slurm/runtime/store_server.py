@@ -323,7 +323,7 @@ class StoreServer:
         elif op == w.CHECK:
             self._reply(conn, w.OK, [b"1" if all(k in d for k in items) else b"0"])
         elif op == w.DELETE:
-            self._reply(conn, w.OK, [b"1" if d.pop(items[0], None) is not None else b"0"])
+            self._reply(conn, w.OK, [b"1" if d.pop(k, None) is not None else b"0" for k in items])  # one or more keys
         elif op == w.NUM_KEYS:
             self._reply(conn, w.OK, [str(len(d)).encode()])
 

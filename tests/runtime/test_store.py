@@ -84,6 +84,10 @@ def test_the_store_does_what_the_ranks_ask_through_a_prefix(job):
     p.multi_set(["m1", "m2"], ["1", "2"])
     assert p.get("m2") == b"2" and p.num_keys() >= 5
     p.wait(["m1"], timedelta(seconds=1))
+    # Several keys in one delete (the control plane's cleanup), named in full: the prefix is the caller's.
+    base = client()
+    assert base.delete_keys(["cp/g0/m1", "cp/g0/m2", "cp/g0/never"]) == 2 and not p.check(["m1"])
+    assert base.delete_keys([]) == 0
 
 
 def test_a_wait_ends_when_another_client_sets_the_key_and_runs_out_with_a_store_error(job):
