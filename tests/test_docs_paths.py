@@ -53,3 +53,26 @@ def test_every_emitted_event_kind_is_in_event_kinds():
             emitted.setdefault(kind, os.path.relpath(path, REPO))
     assert {"step", "repair", "checkpoint_copy", "repair_rank"} <= set(emitted)  # the scan finds them
     assert {k: p for k, p in emitted.items() if k not in EVENT_KINDS} == {}
+
+
+def test_the_readmes_layout_names_modules_that_exist():
+    """The README's layout block: every package it lists exists, and every module it names in parentheses
+    (``(buffers)``, ``(qualify)``) is a module of the package on that line's entry."""
+    import re
+
+    from pathlib import Path
+
+    root = Path(REPO)
+    block = (root / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    pkg, seen = None, 0
+    for line in block.splitlines():
+        head = re.match(r"^  (\w+)/\s", line) or re.match(r"^(\w+)/\s", line)
+        if head:
+            pkg = (root / "accelpact_slurm" / head.group(1)) if line.startswith("  ") else root / head.group(1)
+            assert pkg.is_dir(), f"README layout lists {pkg.relative_to(root)}, which is not in the tree"
+        for name in re.findall(r"\((\w+)(?::[^)]*)?\)", line):
+            if pkg is not None and pkg.name != "data" and not name.isupper():
+                assert (pkg / f"{name}.py").exists() or (pkg / name).is_dir(), \
+                    f"README layout names {name} under {pkg.relative_to(root)}, which has no such module"
+                seen += 1
+    assert seen >= 8  # the check ran over the block
