@@ -166,6 +166,7 @@ def test_mixed_precision_restart_ends_in_the_uninterrupted_state(tmp_path, fsdp)
     whose backward lost its replication group ends in the uninterrupted state."""
     config = _job(tmp_path, "vision")
     text = Path(config).read_text().replace("precision: fp32 ", "precision: bf16 ").replace("fsdp: fsdp2 ", f"fsdp: {fsdp} ")
+    text = text.replace("norm: batch", "norm: group")  # bf16 with GroupNorm: batch-norm in bf16 is not this test's
     Path(config).write_text(text)
     base = _run(tmp_path, config, "base")
     l2 = _run(tmp_path, config, "l2", "forward:10:3")
