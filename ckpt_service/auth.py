@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from accelpact_slurm.core.errors import CheckpointError
+from ckpt_service.layout import step_of
 
 KEY_FILE = ".accelpact-key"
 FIELD = "hmac"
@@ -89,7 +90,6 @@ def load_key(run_dir: str) -> bytes:
 def _snapshot_names(run_dir: str) -> str | None:
     """The first folder of the run directory's default layout that holds a snapshot (``step-N`` with a
     ``manifest.json``), if any."""
-    from ckpt_service.layout import step_of
 
     candidates = [os.path.join(run_dir, "shared-ckpt")]
     try:

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
+from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 ALIGN = 64  # byte alignment of every box in a slot
 
@@ -180,7 +183,6 @@ _FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.We
 
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
-    from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
 
     flats = fsdp1_flat_params(model)
     if not flats or any(getattr(fp, "_params", None) is None for fp in flats):
@@ -239,9 +241,7 @@ _SKIP = object()  # a sharded value moved into the entries
 
 def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
     """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)

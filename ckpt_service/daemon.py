@@ -43,6 +43,9 @@ from ckpt_service.layout import DEL_PREFIX, LOCK, MAX_STEP, daemon_failed_marker
 from ckpt_service.protocol import peer_allowed, peer_uid, recv_line, send_line
 from ckpt_service.retention import Snap, newest_common, plan_retention
 from ckpt_service.tiers import copy_to_shared, prune_shared, should_upload
+from ckpt_service.auth import load_or_create_key
+from ckpt_service.verify import verify_snapshot
+from ckpt_service.writer import recover_node_dir, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +179,7 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        from ckpt_service.writer import recover_node_dir
 
-        from ckpt_service.auth import load_or_create_key
 
         self.key = load_or_create_key(self.o.run_dir)  # signs every manifest; a bad key file stops the start
         self._lock_fd = acquire_lock(self.ndir)
@@ -369,7 +370,6 @@ class Daemon:
             log.warning("could not publish the checkpoint index", exc_info=True)
 
     def _write_loop(self, item: tuple[int, dict[int, str]]) -> None:
-        from ckpt_service.writer import write_snapshot
 
         step, paths = item
         try:
@@ -417,7 +417,6 @@ class Daemon:
             self._changed.notify_all()
 
     def _verify_loop(self, step: int) -> None:
-        from ckpt_service.verify import verify_snapshot
 
         rec = read_record(os.path.join(self.ndir, f"step-{step:010d}"), self.o.milestone_every)
         if rec is None or not os.path.isdir(rec.path):

@@ -15,6 +15,7 @@ import errno
 import os
 import stat
 from typing import Any
+from accelpact_slurm.core.events import TooDeep, parse_json
 
 #: The bound of a JSON record of ours (a manifest lists a few hundred files; a state record its history).
 JSON_LIMIT = 16 << 20
@@ -84,7 +85,6 @@ def read_regular(path: str, limit: int) -> bytes:
 
 def read_json_why(path: str, limit: int = JSON_LIMIT) -> tuple[Any, str | None]:
     """``(document, None)``, or ``(None, why it cannot be read)``: missing, not a regular file, too large, not JSON."""
-    from accelpact_slurm.core.events import TooDeep, parse_json
 
     try:
         data = read_regular(path, limit)

@@ -414,3 +414,150 @@ def test_the_standard_library_is_imported_at_the_top_of_a_module():
                             if (mod or "").split(".")[0] in stdlib:
                                 inside.append(f"{p.relative_to(REPO)}:{n.lineno} {ast.unparse(n)}")
     assert inside == [], inside
+
+
+# --------------------------------------------------------------------------- imports inside functions
+
+HEAVY = ("torch", "submitit", "matplotlib", "numpy")
+
+
+class ImportGraph:
+    """The modules of the two packages under ``root`` and what each imports at its top (not under
+    ``TYPE_CHECKING``, not inside a function): enough to tell why an import was left inside a function."""
+
+    def __init__(self, root: str) -> None:
+        import ast
+        from pathlib import Path
+
+        self.ast = ast
+        self.files: dict[str, Path] = {}
+        for pkg in PACKAGES:
+            for p in sorted((Path(root) / pkg).rglob("*.py")):
+                parts = list(p.relative_to(root).with_suffix("").parts)
+                self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+        self.trees = {m: ast.parse(p.read_text(), str(p)) for m, p in self.files.items()}
+        self.top = {m: self._top(m) for m in self.files}
+
+    def targets(self, mod: str, node) -> list[str]:
+        """The modules an import statement loads: ``from a.b import c`` -> ``a.b`` and ``a.b.c`` if a module."""
+        if isinstance(node, self.ast.Import):
+            return [a.name for a in node.names]
+        base = node.module or ""
+        if node.level:
+            pkg = mod.split(".") if self.files[mod].name == "__init__.py" else mod.split(".")[:-1]
+            pkg = pkg[:len(pkg) - node.level + 1]
+            base = ".".join(pkg + ([node.module] if node.module else []))
+        return [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in self.files]
+
+    def _top(self, mod: str) -> set[str]:
+        ast, out = self.ast, set()
+
+        def visit(body):
+            for n in body:
+                if isinstance(n, (ast.Import, ast.ImportFrom)):
+                    for t in self.targets(mod, n):
+                        parts = t.split(".")
+                        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                elif isinstance(n, ast.If) and "TYPE_CHECKING" not in ast.unparse(n.test):
+                    visit(n.body)
+                    visit(n.orelse)
+                elif isinstance(n, ast.Try):
+                    for b in (n.body, *[h.body for h in n.handlers], n.orelse, n.finalbody):
+                        visit(b)
+
+        visit(self.trees[mod].body)
+        return out
+
+    def closure(self, mod: str) -> set[str]:
+        """Every module importing ``mod`` loads (its parent packages' included)."""
+        parts = mod.split(".")
+        seen: set[str] = set()
+        stack = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        while stack:
+            m = stack.pop()
+            if m not in seen:
+                seen.add(m)
+                stack.extend(self.top.get(m, ()))
+        return seen
+
+    def heavy(self, mod: str) -> set[str]:
+        return {m.split(".")[0] for m in self.closure(mod)} & set(HEAVY)
+
+    def inside_functions(self):
+        """``(module, line, statement, reason or None)`` for every import inside a function."""
+        ast = self.ast
+        for mod, tree in self.trees.items():
+            in_try = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for n in ast.walk(t)}
+            seen = set()
+            for f in ast.walk(tree):
+                if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for n in ast.walk(f):
+                    if not isinstance(n, (ast.Import, ast.ImportFrom)) or id(n) in seen:
+                        continue
+                    seen.add(id(n))
+                    yield mod, n.lineno, ast.unparse(n), self.reason(mod, n, id(n) in in_try)
+
+    def reason(self, mod: str, node, in_try: bool) -> str | None:
+        """Why this import is inside a function, or None when it could be at the module's top."""
+        if in_try:
+            return "a fallback: the name moved between releases"
+        target = self.targets(mod, node)[-1]
+        top = target.split(".")[0]
+        added = (({top} if top in HEAVY else self.heavy(target)) - self.heavy(mod))
+        if added:
+            return f"keeps {', '.join(sorted(added))} out of importing {mod}"
+        if top == "torch" and any(p.startswith("_") for p in target.split(".")):
+            return "a private torch module: a release that moved it fails this path only"
+        if top in PACKAGES and mod in self.closure(target):
+            return f"an import cycle: {target} imports {mod}"
+        return None
+
+
+def test_every_import_inside_a_function_has_a_reason():
+    """An import sits at the module's top, where its readers see what the module depends on, unless the scan
+    finds why it cannot: it keeps a heavy package (torch, submitit, matplotlib, numpy) out of a module that does
+    not load it (the login-node tools), it is a private torch module, a fallback, or it closes an import cycle."""
+    unexplained = [f"{m}:{line} {s}" for m, line, s, why in ImportGraph(REPO).inside_functions() if why is None]
+    assert unexplained == [], "move these to the module's top:\n" + "\n".join(unexplained)
+
+
+def test_negative_control_a_needless_import_inside_a_function_is_found(tmp_path):
+    for pkg in PACKAGES:
+        shutil.copytree(os.path.join(REPO, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / "accelpact_slurm" / "ops" / "status.py"
+    planted.write_text(planted.read_text() + "\n\ndef _planted():\n    from accelpact_slurm.core import errors\n"
+                       "    import torch\n    return errors, torch\n")
+    graph = ImportGraph(str(tmp_path))
+    found = {(m, s): why for m, _, s, why in graph.inside_functions() if m == "accelpact_slurm.ops.status"}
+    assert found[("accelpact_slurm.ops.status", "from accelpact_slurm.core import errors")] is None
+    assert found[("accelpact_slurm.ops.status", "import torch")] == "keeps torch out of importing accelpact_slurm.ops.status"
+
+
+def untyped_ranks(root: str) -> list[str]:
+    """Every parameter named ``rt`` (the rank's runtime) annotated ``Any`` or not at all."""
+    import ast
+    from pathlib import Path
+
+    bad = []
+    for pkg in PACKAGES:
+        for p in sorted((Path(root) / pkg).rglob("*.py")):
+            for f in ast.walk(ast.parse(p.read_text())):
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for a in f.args.args + f.args.kwonlyargs:
+                        if a.arg == "rt" and (a.annotation is None or ast.unparse(a.annotation) in ("Any", "'Any'")):
+                            bad.append(f"{p.relative_to(root)}:{f.lineno} {f.name}")
+    return bad
+
+
+def test_the_rank_is_typed_wherever_it_is_passed():
+    """A function taking the rank names what it is: a protocol of ``core.rank`` or the runtime class."""
+    assert untyped_ranks(REPO) == []
+
+
+def test_negative_control_an_untyped_rank_is_found(tmp_path):
+    for pkg in PACKAGES:
+        shutil.copytree(os.path.join(REPO, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / "ckpt_service" / "layout.py"
+    planted.write_text(planted.read_text() + "\n\ndef _planted(rt: Any) -> None:\n    pass\n")
+    assert untyped_ranks(str(tmp_path)) == [f"ckpt_service/layout.py:{len(planted.read_text().splitlines()) - 1} _planted"]

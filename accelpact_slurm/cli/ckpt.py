@@ -19,6 +19,9 @@ from typing import Sequence
 
 from ckpt_service.index import newest_verified, read_record, record_state, scan
 from ckpt_service.layout import step_of
+from accelpact_slurm.core.errors import CheckpointError
+from ckpt_service.auth import find_run_dir, load_key
+from ckpt_service.verify import check_checksums, verify_snapshot
 
 
 def _node_dirs(path: str) -> list[str]:
@@ -50,9 +53,7 @@ def cmd_list(args) -> int:
 
 def _key(args, path: str) -> bytes | None:
     """The run's key (from --run-dir, else the nearest run directory above ``path``); None with a message."""
-    from ckpt_service.auth import find_run_dir, load_key
 
-    from accelpact_slurm.core.errors import CheckpointError
 
     run_dir = args.run_dir or find_run_dir(path)
     if run_dir is None:
@@ -67,7 +68,6 @@ def _key(args, path: str) -> bytes | None:
 
 
 def cmd_verify(args) -> int:
-    from ckpt_service.verify import verify_snapshot
 
     key = _key(args, args.path)
     if key is None:
@@ -98,7 +98,6 @@ def cmd_export(args) -> int:
     if read_record(args.snapshot) is None:
         print(f"accelpact-ckpt: {args.snapshot} is not a step-NNNNNNNNNN snapshot", file=sys.stderr)
         return 2
-    from ckpt_service.verify import check_checksums
 
     key = _key(args, args.snapshot)
     if key is None:

@@ -31,6 +31,13 @@ import threading
 from typing import Mapping, Sequence
 
 from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, AccelpactError
+from accelpact_slurm.core import settings
+from accelpact_slurm.core.atomic import write_json_atomic
+from accelpact_slurm.core.config import load_config
+from accelpact_slurm.core.faults import TestFaults
+from ckpt_service.daemon import AlreadyRunning, Daemon, DaemonOptions
+from ckpt_service.layout import daemon_failed_marker, node_dir
+from ckpt_service.staging import FAILED, NOTHING, drop_unserved
 
 log = logging.getLogger("accelpact_slurm.cli.ckptd")
 
@@ -73,15 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # --signal=USR2 without B: reaches every task; it is the ranks'
-    from accelpact_slurm.core import settings
 
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s ckptd %(threadName)s %(name)s: %(message)s")
-    from ckpt_service.daemon import AlreadyRunning, Daemon, DaemonOptions
-    from ckpt_service.layout import node_dir
 
-    from accelpact_slurm.core.config import load_config
-    from accelpact_slurm.core.faults import TestFaults
 
     if args.drop_staging:
         return _drop_staging(args)
@@ -151,10 +153,7 @@ def placement(node_index: int | None, num_nodes: int | None, file_nodes: int,
 
 def _drop_staging(args: argparse.Namespace) -> int:
     """``--drop-staging``: this node's leftovers of a killed daemon, found as the daemon finds its node directory."""
-    from ckpt_service.layout import node_dir
-    from ckpt_service.staging import FAILED, NOTHING, drop_unserved
 
-    from accelpact_slurm.core.config import load_config
 
     try:
         local_dir = load_config(args.config).checkpoint.local_dir
@@ -170,9 +169,7 @@ def _drop_staging(args: argparse.Namespace) -> int:
 
 
 def _mark_failed(run_dir: str, node: str, restart: int, why: str) -> None:
-    from ckpt_service.layout import daemon_failed_marker
 
-    from accelpact_slurm.core.atomic import write_json_atomic
 
     try:
         os.makedirs(os.path.dirname(daemon_failed_marker(run_dir, node)), exist_ok=True)

@@ -22,6 +22,7 @@ import sys
 from typing import Sequence
 
 from accelpact_slurm.core.errors import EXIT_USAGE
+from accelpact_slurm.launch import core
 
 PROG = "accelpact_slurm.cli.node"
 
@@ -52,7 +53,6 @@ def _int_env(name: str, default: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from accelpact_slurm.launch import core
 
     restart = _int_env("SLURM_RESTART_COUNT", 0)
     if args.what == "gpus":

@@ -25,6 +25,7 @@ from accelpact_slurm.launch.core import (  # noqa: F401 - TRAINING_FILE, check_s
     TRAINING_FILE, add_job_flags, check_same_training, job_config, worker_args)
 from accelpact_slurm.launch.run_lock import claim
 from accelpact_slurm.runtime.rundir import check_run_dir
+from accelpact_slurm.slurm.env import in_slurm
 
 log = logging.getLogger("accelpact_slurm.cli.run")
 
@@ -54,7 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from accelpact_slurm.slurm.env import in_slurm
 
     env = os.environ
     try:

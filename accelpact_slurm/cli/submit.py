@@ -24,6 +24,8 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig, with_overrides
 from accelpact_slurm.launch.core import add_job_flags, check_same_training, job_config, worker_args
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
+from accelpact_slurm.core.events import SUMMARY_FILE
+from accelpact_slurm.launch.local import free_port_pair
 
 log = logging.getLogger("accelpact_slurm.cli.submit")
 
@@ -244,7 +246,6 @@ def _submit(executor, spec):
 
 def _task(spec):
     """The task for one launch; fresh rendezvous ports on the local executor (the last ones may linger)."""
-    from accelpact_slurm.launch.local import free_port_pair
     from accelpact_slurm.launch.submission import RankTask
 
     if spec.backend == "local":
@@ -254,7 +255,6 @@ def _task(spec):
 
 
 def report_completed(run_dir: str, job_id: str) -> int:
-    from accelpact_slurm.core.events import SUMMARY_FILE
 
     path = os.path.join(run_dir, SUMMARY_FILE)
     try:

@@ -19,6 +19,7 @@ from typing import Sequence
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, ConfigError
 from accelpact_slurm.launch import core
+from accelpact_slurm.slurm.env import in_slurm
 
 PROG = "accelpact_slurm.cli.worker"
 
@@ -32,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from accelpact_slurm.slurm.env import in_slurm
 
     env = os.environ
     # First thing (before the slow imports): an unhandled USR2 would kill the task.

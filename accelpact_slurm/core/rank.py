@@ -81,6 +81,8 @@ class ControlRounds(Protocol):
 
     def barrier(self, name: str, ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> None: ...
 
+    def broadcast(self, name: str, value: Any = None, src: int = 0, timeout_s: float | None = None) -> Any: ...
+
 
 @runtime_checkable
 class RepairControl(ControlRounds, Protocol):

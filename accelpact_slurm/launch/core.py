@@ -50,6 +50,18 @@ from typing import Any, Iterable, Mapping, Sequence, TextIO
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_USAGE, ConfigError
+from accelpact_slurm.core.atomic import write_json_atomic
+from accelpact_slurm.core.config import load_config, training_diff, training_part, with_overrides
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.launch.ranks import daemon_command
+from accelpact_slurm.launch.run_lock import claim
+from accelpact_slurm.runtime.job import run_rank
+from accelpact_slurm.runtime.rundir import check_run_dir
+from accelpact_slurm.slurm import signals
+from accelpact_slurm.slurm.env import SlurmContext
+from accelpact_slurm.slurm.requeue import request_requeue, step_outcome
+from ckpt_service.layout import node_dir
+from ckpt_service.staging import FAILED, NOTHING, drop_unserved
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +99,6 @@ def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def job_config(args: argparse.Namespace):
     """The job file with the job-level flags applied (:func:`add_job_flags`)."""
-    from accelpact_slurm.core.config import load_config, with_overrides
 
     cfg = load_config(args.config)
     overrides: dict[str, Any] = {}
@@ -125,8 +136,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 def check_same_training(cfg, run_dir: str, allow: bool) -> None:
     """Refuse a run directory whose first start trained something else (its snapshots would all fail the
     replay check); record the training part at the first start.  ``allow``: a deliberate change."""
-    from accelpact_slurm.core.atomic import write_json_atomic
-    from accelpact_slurm.core.config import training_diff, training_part
 
     path = os.path.join(run_dir, TRAINING_FILE)
     mine = training_part(cfg)
@@ -170,11 +179,6 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
     Raises:
         ConfigError: A changed training or an unsafe run directory (exit 2: a requeue would not help).
     """
-    from accelpact_slurm.core.config import with_overrides
-    from accelpact_slurm.launch.run_lock import claim
-    from accelpact_slurm.runtime.rundir import check_run_dir
-    from accelpact_slurm.slurm import signals
-    from accelpact_slurm.slurm.env import SlurmContext
 
     ctx = SlurmContext.from_environ(environ)
     cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
@@ -190,7 +194,6 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
 def install_signals(emulated: bool) -> None:
     """First thing in a rank: an unhandled USR2 would kill the task.  In a real Slurm task SIGTERM (a preemption's
     notice) asks for the same snapshot-then-requeue; emulated, it still stops the rank."""
-    from accelpact_slurm.slurm import signals
 
     signals.install(signals.stop_signals(emulated))
 
@@ -203,7 +206,6 @@ def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, s
 
     Returns the rank's exit code (a fail-stop never returns: it exits 75/76 via ``os._exit``).
     """
-    from accelpact_slurm.runtime.job import run_rank
 
     start = start_rank(cfg, run_dir, environ, allow_config_change=allow_config_change, runs_root=runs_root)
     daemon = node_daemon(start) if node_daemon is not None else None
@@ -286,7 +288,6 @@ def combine_exit_codes(codes: Sequence[int | None]) -> int:
 
 def decided_code(events: Iterable[dict], restart: int) -> int | None:
     """What the ranks of start ``restart`` decided in the event log: 76 wins over 75; None when none did (pure)."""
-    from accelpact_slurm.slurm.requeue import step_outcome
 
     return step_outcome(events, restart)
 
@@ -316,8 +317,6 @@ def settle_step(run_dir: str, restart: int, status: int, *, ending: bool, job_id
     exit 75 when Slurm took it.  After the batch shell's own SIGTERM (``ending``) nothing undecided is requeued:
     Slurm is ending the job, and a requeue now would bring a cancelled job back or requeue one twice.
     """
-    from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
-    from accelpact_slurm.slurm.requeue import request_requeue
 
     out = out or sys.stderr
     path = os.path.join(run_dir, EVENTS_FILE)
@@ -350,7 +349,6 @@ def forward_usr2(run_dir: str, restart: int, ntasks: int, step_pid: int | None, 
     that becomes ready later reads the request file after writing its marker
     (:func:`~accelpact_slurm.slurm.signals.mark_ready`): the request reaches the start either way.
     """
-    from accelpact_slurm.slurm import signals
 
     out = out or sys.stderr
     os.makedirs(run_dir, exist_ok=True)
@@ -378,11 +376,7 @@ def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain
     leave this one waiting; once the daemon has exited, however (``kill -9``, the OOM killer), the shared-memory
     staging it could not drop is removed -- a live daemon's never (it holds the node directory's lock).
     """
-    from ckpt_service.layout import node_dir
-    from ckpt_service.staging import FAILED, NOTHING, drop_unserved
 
-    from accelpact_slurm.core.config import load_config
-    from accelpact_slurm.launch.ranks import daemon_command
 
     def env_int(name: str) -> int | None:
         try:

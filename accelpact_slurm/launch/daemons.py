@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from accelpact_slurm.launch.ranks import daemon_command
+from ckpt_service.layout import node_dir
+from ckpt_service.staging import FAILED, REMOVED, drop_unserved
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,6 @@ def drop_leftover_staging(daemons: Sequence[LocalDaemon], run_dir: str, local_di
     killed by ``kill -9`` leaves its staging slots in ``/dev/shm`` (RAM); a node directory whose daemon
     still runs is left alone (:func:`ckpt_service.staging.drop_unserved` takes its lock first).
     """
-    from ckpt_service.layout import node_dir
-    from ckpt_service.staging import FAILED, REMOVED, drop_unserved
 
     for d in daemons:
         what, why = drop_unserved(node_dir(run_dir, d.node, local_dir))

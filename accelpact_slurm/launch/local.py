@@ -33,6 +33,11 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: also this module's API
     DONE, RELAUNCH, STOP, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
 from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.launch.core import LabelledWriter
+from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
+from accelpact_slurm.launch.zygote import Zygote
+from accelpact_slurm.runtime.liveness import dump_stacks
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,6 @@ class RankProcess:
 def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "") -> None:
     """Echo what a rank appends to its log file, each line after ``label``, until it has ended (a forked rank
     writes its log itself)."""
-    from accelpact_slurm.launch.core import LabelledWriter
 
     echo = LabelledWriter(echo, label) if label else echo
     pos = 0
@@ -90,7 +94,6 @@ def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "") -> 
 
 def _pump(src, dst_file, echo: TextIO | None, label: str = "") -> None:
     """Copy a rank's output to its log file and, for rank 0, to the terminal (each line after ``label``)."""
-    from accelpact_slurm.launch.core import LabelledWriter
 
     if echo is not None and label:
         echo = LabelledWriter(echo, label)
@@ -131,7 +134,6 @@ def start_zygote(environ: Mapping[str, str]) -> Any:
     """The job's rank zygote (:mod:`.zygote`), or None where it cannot start (ranks are then plain subprocesses)."""
     if not settings.zygote(environ):
         return None
-    from accelpact_slurm.launch.zygote import Zygote
 
     try:
         return Zygote(environ)
@@ -183,7 +185,6 @@ def launch_local(
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     data_port, control_port = free_port_pair()
-    from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
     ranks: list[RankProcess] = []
@@ -228,7 +229,6 @@ def launch_local(
 
 def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, rank_codes: Sequence[int | None]) -> None:
     """Every start ends with a ``fail_stop`` or ``job_end`` event: write one when no rank could (they all died)."""
-    from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 
     path = os.path.join(run_dir, EVENTS_FILE)
     decided = any(e.get("event") in ("fail_stop", "job_end") and e.get("restart") == restart
@@ -307,7 +307,6 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
 def _terminate(ranks: list[RankProcess], grace_s: float) -> None:
     """Stop the ranks still running: their stacks into their logs first (a rank left over is usually stuck; a
     stopped one is woken for it), then SIGTERM, then SIGKILL after ``grace_s``."""
-    from accelpact_slurm.runtime.liveness import dump_stacks
 
     dump_stacks([rp.proc.pid for rp in ranks if rp.proc.poll() is None])
     for rp in ranks:

@@ -83,6 +83,15 @@ import submitit
 from accelpact_slurm.core.config import load_config, relaunch_resumes
 from accelpact_slurm.core.errors import EXIT_OK, SlurmEnvError
 from accelpact_slurm.core import settings
+from accelpact_slurm.core.events import EVENTS_FILE, read_events
+from accelpact_slurm.launch import core
+from accelpact_slurm.launch.core import decided_code, exit_verdict, relaunch_in_place
+from accelpact_slurm.launch.daemons import spawn_daemon
+from accelpact_slurm.launch.ranks import rank_environ
+from accelpact_slurm.slurm import signals
+from accelpact_slurm.slurm.env import in_slurm
+from ckpt_service.layout import LOCK, node_dir
+from submitit.core.utils import pickle_load
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +175,6 @@ def task_environ(spec: TaskSpec, base: Mapping[str, str], submitit_job_id: str, 
     if spec.master_port is None or spec.control_port is None:
         raise SlurmEnvError("a local-executor task needs master_port and control_port in its spec: "
                             "submit through accelpact-submit, which picks them")
-    from accelpact_slurm.launch.ranks import rank_environ
 
     return rank_environ(base, spec.job_id or local_job_id(submitit_job_id), global_rank, spec.nodes,
                         spec.ranks_per_node, restart=spec.restart_count, data_port=spec.master_port,
@@ -180,12 +188,10 @@ class RankTask(submitit.helpers.Checkpointable):
         self.spec = spec
 
     def __call__(self) -> dict[str, Any]:
-        from accelpact_slurm.launch import core
 
         # First thing: replaces submitit's USR2 handler, which would requeue mid-update (and, on Slurm, SIGTERM's
         # default action: a preemption's SIGTERM asks for the same snapshot-then-requeue).
         core.install_signals(emulated=self.spec.backend == "local")
-        from accelpact_slurm.slurm.env import in_slurm
 
         spec = self.spec
         if spec.backend == "local":
@@ -221,7 +227,6 @@ class RankTask(submitit.helpers.Checkpointable):
         Returns the same task with the same arguments: the state to resume from lives in the run directory's
         snapshots, not in the pickle.
         """
-        from accelpact_slurm.slurm import signals
 
         signals.request()
         return super().checkpoint(*args, **kwargs)
@@ -275,9 +280,7 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
     """Start this node's ``accelpact-ckptd`` as a child of local rank 0 (None when snapshots are off)."""
     if cfg.checkpoint.every_steps <= 0:
         return None
-    from ckpt_service.layout import LOCK, node_dir
 
-    from accelpact_slurm.launch.daemons import spawn_daemon
 
     node = ctx.hostname
     ndir = node_dir(run_dir, node, cfg.checkpoint.local_dir)
@@ -299,7 +302,6 @@ def relaunch_decision(events: Iterable[dict], restart: int, max_restarts: int) -
     :func:`.core.relaunch_in_place`, as on the embedded default: a fail-stop or a crash is relaunched in place
     (Slurm would requeue it), a bug (76) never.
     """
-    from accelpact_slurm.launch.core import decided_code, exit_verdict, relaunch_in_place
 
     decided = decided_code(events, restart)
     verdict = exit_verdict(decided if decided is not None else -1, slurm=False)
@@ -338,7 +340,6 @@ def slurm_state(job_id: str, environ: Mapping[str, str] | None = None) -> str | 
 
 
 def _read_results(job) -> list[tuple[str, Any] | None]:
-    from submitit.core.utils import pickle_load
 
     out: list[tuple[str, Any] | None] = []
     for k in range(job.num_tasks):
@@ -422,7 +423,6 @@ def submit_until_settled(submit: Any, spec: TaskSpec, *, backend: str, why: str,
             return None, spec, job
         outcome = wait_for_job(job, backend, deadline_s)
         if outcome.state != "completed" and backend == "local" and outcome.state == "ended":
-            from accelpact_slurm.core.events import EVENTS_FILE, read_events
 
             again, reason = relaunch_decision(read_events(os.path.join(spec.run_dir, EVENTS_FILE)), restart,
                                               max_restarts)

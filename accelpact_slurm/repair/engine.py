@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, RepairError
 from accelpact_slurm.core.rank import RepairRank
-from accelpact_slurm.repair import rebind as rb
-from accelpact_slurm.repair import torch_compat as tc
+from accelpact_slurm.repair import rebind as rb, torch_compat as tc
+from accelpact_slurm.repair.discard import discard_update, replace_broken_groups
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,6 @@ class RepairEngine:
 
     def discard(self, ctx: RepairContext) -> None:
         """Every rank drops the update: FSDP back to idle and resharded, every gradient gone."""
-        from accelpact_slurm.repair.discard import discard_update
 
         if self.skip_discard:
             log.warning("discarding the update skipped (test-only fault injection)")
@@ -396,7 +395,6 @@ class RepairEngine:
 
     def replace_all(self, ctx: RepairContext) -> None:
         """Both HSDP groups of this rank replaced (identical membership, fresh prefix) and rebound."""
-        from accelpact_slurm.repair.discard import replace_broken_groups
 
         rt = self.rt
 

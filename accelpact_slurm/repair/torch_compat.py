@@ -40,6 +40,8 @@ from accelpact_slurm.repair.collective_tap import (  # noqa: F401 - re-exported:
     TAPPED_METHODS, install_collective_tap, remove_collective_tap)
 from accelpact_slurm.repair.group_reconfigure import (  # noqa: F401 - re-exported: the one shim
     can_reconfigure, reconfigure_group, reconfigured_uuid)
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, _runtime_utils
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,6 @@ def build_group(members: list[int], store: dist.Store, name: str, timeout_s: flo
     ``device``'s, the NCCL communicator created eagerly here, bound to ``device`` (the job's world group
     is never bound to a device, so this is a members-only build, not a split of the world).
     """
-    from torch.distributed import distributed_c10d as c10d
 
     me = dist.get_rank()
     cuda = device is not None and device.type == "cuda"
@@ -95,7 +96,6 @@ def nccl_backend(pg: dist.ProcessGroup) -> object | None:
 
 def _unregister(pg: dist.ProcessGroup) -> None:
     """Remove ``pg`` from every registry of c10d without touching its backends (what an abort leaves to do)."""
-    from torch.distributed import distributed_c10d as c10d
 
     w = c10d._world
     tables = [w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_coalesce_state]
@@ -121,7 +121,6 @@ def retire_group(pg: dist.ProcessGroup) -> threading.Thread | None:
     abort takes about a second and must not hold up training, and ``destroy_process_group`` would wait
     for the failed communicator's kernels, which may never end.
     """
-    from torch.distributed import distributed_c10d as c10d
 
     if pg not in c10d._world.pg_map:
         return None
@@ -151,7 +150,6 @@ def retire_group(pg: dist.ProcessGroup) -> threading.Thread | None:
 
 
 def registered_groups() -> int:
-    from torch.distributed import distributed_c10d as c10d
 
     return len(c10d._world.pg_map)
 
@@ -166,7 +164,6 @@ def fsdp1_units(model: nn.Module) -> list[nn.Module]:
     that one resolves each module's state through the composable API's registry, about five times slower,
     and the repair reads the units several times.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return [m for m in model.modules() if isinstance(m, FSDP)]
 
@@ -282,7 +279,6 @@ def fsdp_idle(model: nn.Module, fsdp: str) -> tuple[bool, str]:
 
 def set_group_timeout(pg: dist.ProcessGroup, timeout_s: float) -> None:
     """Give a group created by DeviceMesh (default 30 min on Gloo) the job's collective timeout."""
-    from torch.distributed import distributed_c10d as c10d
 
     # torch 2.14.1 added the public set_timeout; its _set_pg_timeout forwards there with a FutureWarning.
     setter = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout
@@ -295,7 +291,6 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
     Raises ``ValueError`` naming the fix when it is not wrapped for HSDP (no FSDP at all, FSDP1 with
     another sharding strategy, FSDP2 on a 1-D mesh).
     """
-    from torch.distributed.fsdp import ShardingStrategy
 
     units = fsdp1_units(model)
     if units:
@@ -379,7 +374,6 @@ def replication_all_reduce_sites() -> list[tuple[object, str]]:
     ``dist.all_reduce(reduce_output, group=all_reduce_group, ...)``.  Both look ``dist`` up in their own
     module's globals at call time, so replacing that one global intercepts exactly these calls.
     """
-    from torch.distributed.fsdp import _runtime_utils
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     sites = []

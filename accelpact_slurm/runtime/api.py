@@ -30,22 +30,32 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, TextIO
 
 import torch
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, UsageError
-from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
-from accelpact_slurm.runtime import appstate, replay
+from accelpact_slurm.runtime import appstate, envelope as env_mod, replay
 from accelpact_slurm.runtime.buffers import forward_state
-from accelpact_slurm.runtime import envelope as env_mod
 from accelpact_slurm.runtime.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
                                             log_exception)
 from accelpact_slurm.runtime.sampler import ShardedSampler
 from accelpact_slurm.runtime.stopping import as_fail_stop, fail_stop, stop_for_requeue
+from accelpact_slurm.repair import torch_compat as tc
+from accelpact_slurm.runtime.recovery import build_guard
+from accelpact_slurm.runtime.restore import reject_copy, restore
+from accelpact_slurm.runtime.state import state_digests
+from ckpt_service.auth import load_key, load_or_create_key
+from ckpt_service.client import SnapshotClient
+from ckpt_service.index import read_record
+from ckpt_service.layout import node_dir, shared_dir, step_dirname
+
+if TYPE_CHECKING:
+    from accelpact_slurm.runtime.topology import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +82,7 @@ class Job:
         config: the project's effective configuration (read-only).
     """
 
-    def __init__(self, cfg: JobConfig, rt: Any, run_dir: str, events: EventLog, *, out: TextIO,
+    def __init__(self, cfg: JobConfig, rt: Runtime, run_dir: str, events: EventLog, *, out: TextIO,
                  faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None) -> None:
         self.config = cfg
         self._rt = rt
@@ -185,10 +195,6 @@ class Run:
 
     def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  state: dict[str, Any], *, exact: bool = True) -> None:
-        from accelpact_slurm.repair import torch_compat as tc
-        from accelpact_slurm.runtime.recovery import build_guard
-        from accelpact_slurm.runtime.restore import restore
-        from ckpt_service.client import SnapshotClient
 
         self.job = job
         self._model, self._optimizer = model, optimizer
@@ -247,9 +253,7 @@ class Run:
         if out.step is not None and self._checked:
             ref = None
             if job.is_lead:
-                from accelpact_slurm.core.events import EVENTS_FILE, read_events
 
-                from ckpt_service.auth import load_key
 
                 ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step,
                                             load_key(job.run_dir))
@@ -327,7 +331,6 @@ class Run:
 
     def _digests(self) -> tuple[str | None, str | None]:
         """Collective: ``(final_state_digest, final_model_digest)`` (:mod:`.state`)."""
-        from accelpact_slurm.runtime.state import state_digests
 
         return state_digests(self.job._rt, self._model, self._optimizer, self._statefuls, self._forward,
                              self.step, self.epoch)
@@ -350,7 +353,6 @@ class Run:
 
     def _load(self, path: str) -> None:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
-        from ckpt_service.auth import load_key
 
         verified = self._checked
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
@@ -508,7 +510,6 @@ class Run:
                                    frontier=snap, decided_at=time.monotonic()), job.events, job._out, job.is_lead,
                           rt.control, rt.ctx, job._environ)
         if record and job.is_lead:
-            from ckpt_service.auth import load_or_create_key
 
             ref = {"snapshot": prev, "step": step, "loss": mean, "fingerprints": fps, "layout": layout}
             # MAC'd under the run's key: a line another user appends to the log cannot reject the snapshot
@@ -519,10 +520,7 @@ class Run:
         wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
         copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
         the shared tier's."""
-        from ckpt_service.index import read_record
-        from ckpt_service.layout import node_dir, shared_dir, step_dirname
 
-        from accelpact_slurm.runtime.restore import reject_copy
 
         rt, cfg = self.job._rt, self.job.config
         ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)

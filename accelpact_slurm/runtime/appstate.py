@@ -25,6 +25,9 @@ import torch
 
 from accelpact_slurm.core.errors import CheckpointError, UsageError
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
+from ckpt_service.verified import VerifiedReader, verified_metadata_bytes
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch.distributed.checkpoint as dcp
 
 EXTRA = "extra"
 _TENSOR = "__tensor__"
@@ -176,10 +179,7 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
         CheckpointError: the snapshot does not pass on the handles it was read from (e.g. replaced after the
             re-check): the start ends and the next one re-checks it.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ckpt_service.verified import VerifiedReader, verified_metadata_bytes
 
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
 

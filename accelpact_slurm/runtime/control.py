@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, ControlPlaneTimeout, FailStop
+from accelpact_slurm.runtime.collectives import stop_from_round
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,6 @@ class ControlPlane:
     def _raise_stop(raw: bytes, name: str) -> None:
         stop = poisoned(raw)
         if stop is not None:
-            from accelpact_slurm.runtime.collectives import stop_from_round
 
             raise stop_from_round(stop, name)
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from accelpact_slurm.runtime import liveness as lv
 from accelpact_slurm.runtime.collectives import Detector
 
+if TYPE_CHECKING:
+    from accelpact_slurm.runtime.topology import Runtime
+
 log = logging.getLogger(__name__)
 
 
-def start_detector(rt: Any, timeouts: Any, *, detect: bool = True) -> Detector:
+def start_detector(rt: Runtime, timeouts: Any, *, detect: bool = True) -> Detector:
     """Start this rank's heartbeat (its own connection to the control plane's store), watch its node peers'
     processes, install the collective tap, and give the control plane its eyes (``detect=False``: the
     heartbeat runs, but every wait stays blind, as before the detector)."""

@@ -42,6 +42,7 @@ from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.core.rank import GuardRank
 from accelpact_slurm.runtime import envelope as env_mod
 from accelpact_slurm.runtime.phases import BACKWARD, COMMITTED, TRAINING_CODE, Withheld
+from accelpact_slurm.slurm import signals
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,6 @@ class BoundaryGuard:
         if fault:
             log.warning("rank %d saw a fault in %s at update %d: %s", rt.rank, fault, step, error)
             self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
-        from accelpact_slurm.slurm import signals
 
         mine = {"F": reported, "g": self.engine.generation, "fault": fault, "error": error, "loss": loss,
                 "stop": signals.requested(), "redo": redoable, **(extra or {})}

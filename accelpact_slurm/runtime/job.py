@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TextIO
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.atomic import write_json_atomic
@@ -26,6 +26,12 @@ from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
 from accelpact_slurm.runtime.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
+from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
+from ckpt_service.auth import load_or_create_key
+
+if TYPE_CHECKING:
+    from accelpact_slurm.runtime.api import Run
+    from accelpact_slurm.runtime.topology import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +153,6 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     import torch
 
     from accelpact_slurm.runtime.api import Job
-    from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
     from accelpact_slurm.runtime.topology import init_runtime
 
     out = out or sys.stdout
@@ -169,7 +174,6 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     except ConfigError as exc:
         fail_stop(FailStop(str(exc), EXIT_USAGE, cause="config", phase="import", frontier=None,
                            decided_at=time.monotonic()), events, out, ctx.rank == 0, None, ctx, environ)
-    from ckpt_service.auth import load_or_create_key
 
     try:  # the store admits only holders of the run's key (created by the first rank or daemon of the run)
         key = load_or_create_key(run_dir)
@@ -216,7 +220,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         raise AssertionError("unreachable: fail_stop exits") from exc  # pragma: no cover
 
 
-def _end(cfg: JobConfig, ctx: SlurmContext, rt: Any, run: Any, run_dir: str, events: EventLog, out: TextIO,
+def _end(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run: Run, run_dir: str, events: EventLog, out: TextIO,
          lead: bool, wall0: float, train_s: float) -> int:
     """After the entry returned on every rank: the digests, the summary, the job's last rounds (collective)."""
     if rt.detector is not None:  # before the digests' collective: every rank's lands before rank 0's job_end

@@ -29,6 +29,7 @@ import sys
 import threading
 import traceback
 from typing import Any, Iterable
+from accelpact_slurm.core.errors import CollectiveAbandoned
 
 FORWARD, BACKWARD, OPTIMIZER, COMMITTED = "forward", "backward", "optimizer", "committed"
 
@@ -53,7 +54,6 @@ def communication_fault(exc: BaseException) -> bool:
     """
     import torch.distributed as dist
 
-    from accelpact_slurm.core.errors import CollectiveAbandoned
 
     if isinstance(exc, (Withheld, CollectiveAbandoned)) or type(exc).__name__ == "ReplicationWithheld":
         return True

@@ -67,8 +67,13 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.rank import RankContext
-from ckpt_service.index import common_step, newest_verified, publish_index, record_state, scan
-from ckpt_service.layout import node_dir, shared_dir
+from ckpt_service.index import common_step, dir_size, newest_verified, publish_index, record_state, scan
+from ckpt_service.layout import DEL_PREFIX, MAX_STEP, node_dir, shared_dir, step_dirname
+from ckpt_service import committed
+from ckpt_service.auth import load_key, load_or_create_key
+from ckpt_service.safeio import is_plain_dir
+from ckpt_service.tiers import copy_to_shared
+from ckpt_service.verify import check_checksums
 
 
 log = logging.getLogger(__name__)
@@ -147,7 +152,6 @@ def offered(offer: Mapping[str, Any]) -> tuple[dict[int, str], list[str]]:
     An offer arrives through the control plane: an entry that is not a step (an integer from 0 to
     :data:`~ckpt_service.layout.MAX_STEP`) with a place in :data:`WHERE` (a path, say) is dropped.
     """
-    from ckpt_service.layout import MAX_STEP
 
     out: dict[int, str] = {}
     dropped: list[str] = []
@@ -422,8 +426,6 @@ class StateIO:
 
         The step directory must be a real directory right inside that base: not a link, and resolving
         (``realpath``) to the same place, so nothing outside the run's snapshot directories is opened."""
-        from ckpt_service.layout import step_dirname
-        from ckpt_service.safeio import is_plain_dir
 
         base = {"node": self.ndir, "shared": self.sdir}.get(where)
         if base is None:
@@ -435,8 +437,6 @@ class StateIO:
         return path, "inside the run's snapshot directories"
 
     def check(self, path: str) -> tuple[bool, str]:
-        from ckpt_service.auth import load_or_create_key
-        from ckpt_service.verify import check_checksums
 
         try:
             return check_checksums(path, load_or_create_key(self.run_dir))
@@ -458,9 +458,6 @@ class StateIO:
         verified snapshot replaces it, as a new snapshot of the same step does in a node directory).
         The copy is re-read against the signed manifest by the check round that follows.
         """
-        from ckpt_service.index import dir_size
-        from ckpt_service.layout import DEL_PREFIX
-        from ckpt_service.tiers import copy_to_shared
 
         t0 = time.monotonic()
         final = os.path.join(self.sdir, os.path.basename(path.rstrip("/")))
@@ -526,8 +523,6 @@ def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int
 def _against_committed(run_dir: str, out: ReloadOutcome, events: Any) -> int | None:
     """Rank 0: the newest step the job committed (signed, :mod:`ckpt_service.committed`); one ``warning`` when this
     start loads an older one."""
-    from ckpt_service import committed
-    from ckpt_service.auth import load_key
 
     try:
         key = load_key(run_dir)

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime import appstate
+from ckpt_service.capture import _local_chunks
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from accelpact_slurm.runtime.topology import Runtime
 
 
 def _update_tensor(h: "hashlib._Hash", name: str, value: Any) -> None:
@@ -53,7 +58,7 @@ def rank_fingerprint(statefuls: dict[str, Any], forward: Any) -> dict[str, str]:
 
 
 @quiet_state_dict_calls()  # torch's deprecation noise on a group pair's ShardedTensors (shape, dtype), every rank
-def state_digests(rt: Any, model: Any, optimizer: Any, statefuls: dict[str, Any], forward: Any, step: int,
+def state_digests(rt: Runtime, model: Any, optimizer: Any, statefuls: dict[str, Any], forward: Any, step: int,
                   epoch: int) -> tuple[str | None, str | None]:
     """Collective: ``(final_state_digest, final_model_digest)`` on rank 0, ``(None, None)`` elsewhere.
 
@@ -61,9 +66,7 @@ def state_digests(rt: Any, model: Any, optimizer: Any, statefuls: dict[str, Any]
     nothing per rank: it names the same training state on any allocation (the number of nodes and of
     ranks per node changes the per-rank RNG and data loader states, not the model).
     """
-    import torch.distributed as dist
 
-    from ckpt_service.capture import _local_chunks
 
     msd, osd = get_state_dict(model, optimizer)  # sharded: DTensor / ShardedTensor, nothing gathered
     ranks = rt.control.all_gather("digest-rank", rank_fingerprint(statefuls, forward))

@@ -14,11 +14,15 @@ import time
 from typing import Any, Mapping, TextIO
 
 from accelpact_slurm.core import settings
+from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USAGE, CheckpointError, ConfigError,
                                          ControlPlaneError, FailStop)
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.core.rank import RankContext
+from accelpact_slurm.slurm import signals
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
+from ckpt_service.client import join_handovers
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,6 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     if detector is not None:
         detector.publish_stop({"cause": stop.cause, "reason": stop.reason, "exit_code": stop.exit_code,
                                "rank": culprit})
-    from ckpt_service.client import join_handovers
 
     if join_handovers(HANDOVER_JOIN_S):  # the last snapshot's hand-over to the daemon, cut short by os._exit else
         log.warning("a snapshot's hand-over to the checkpoint daemon did not finish within %g s", HANDOVER_JOIN_S)
@@ -111,7 +114,7 @@ def as_fail_stop(exc: BaseException, phase: str | None = None, frontier: int | N
                     decided_at=time.monotonic())
 
 
-def check_progress(cfg: Any, ctx: SlurmContext, rt: Any, run_dir: str, events: EventLog, out: TextIO) -> None:
+def check_progress(cfg: JobConfig, ctx: SlurmContext, rt: RankContext, run_dir: str, events: EventLog, out: TextIO) -> None:
     """On a restart, stop for good when the last restarts did not advance the committed frontier."""
     if ctx.restart_count == 0:
         return
@@ -129,7 +132,7 @@ def check_progress(cfg: Any, ctx: SlurmContext, rt: Any, run_dir: str, events: E
                            decided_at=time.monotonic()), events, out, rt.rank == 0, rt.control)
 
 
-def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots: Any, events: EventLog,
+def stop_for_requeue(step: int, cfg: JobConfig, ctx: SlurmContext, rt: RankContext, snapshots: Any, events: EventLog,
                      out: TextIO) -> None:
     """Pre-timeout (USR2) or preemption (USR2 or SIGTERM): snapshot this committed boundary, wait until it is
     settled, requeue.
@@ -137,8 +140,6 @@ def stop_for_requeue(step: int, cfg: Any, ctx: SlurmContext, rt: Any, snapshots:
     After a SIGTERM on any rank, rank 0 asks for the requeue only while the job still runs (a preemption's
     notice); a job Slurm is already ending (scancel, a requeue, the time limit) is not requeued by us.
     """
-    from accelpact_slurm.slurm import signals
-
     lead = rt.rank == 0
     state = snapshots.snapshot_and_wait(step, cfg.timeouts.startup_s)
     # Nodes settle at different times. Once one rank exits 75, srun --kill-on-bad-exit TERMs the others: a rank

@@ -29,6 +29,8 @@ from accelpact_slurm.runtime.store import JobStore, binding as store_binding, ho
 from accelpact_slurm.runtime.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.slurm.env import SlurmContext
+from accelpact_slurm.repair.torch_compat import set_group_timeout
+from accelpact_slurm.runtime.detection import start_detector
 
 if TYPE_CHECKING:
     from accelpact_slurm.repair.engine import Replaced
@@ -188,7 +190,6 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     # One 2-D mesh; its groups are also the explicit (shard, replicate) pair the job hands out.
     mesh = init_device_mesh("cuda" if hw.is_cuda else "cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
     shard_pg, rep_pg = mesh.get_group("shard"), mesh.get_group("replicate")
-    from accelpact_slurm.repair.torch_compat import set_group_timeout
 
     for g in (dist.group.WORLD, shard_pg, rep_pg):  # DeviceMesh creates its groups with the default timeout
         set_group_timeout(g, cfg.timeouts.collective_s)
@@ -199,7 +200,6 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
         collective_timeout_s=cfg.timeouts.collective_s, hardware=hw, store_server=server,
         store_client=lambda timeout: JobStore(host, [data_store.port], key, bind_to, ctx.rank, timeout),
     )
-    from accelpact_slurm.runtime.detection import start_detector
 
     rt.detector = start_detector(rt, cfg.timeouts, detect=detect)
     return rt

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,6 @@ def step_outcome(events: Iterable[dict], restart: int) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART``: print 75, 76 or ``none``."""
 
-    from accelpact_slurm.core.events import EVENTS_FILE, read_events
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "outcome":
