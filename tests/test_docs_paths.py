@@ -76,3 +76,19 @@ def test_the_readmes_layout_names_modules_that_exist():
                     f"README layout names {name} under {pkg.relative_to(root)}, which has no such module"
                 seen += 1
     assert seen >= 8  # the check ran over the block
+
+
+_TEST_ID = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+
+
+def test_every_test_the_launch_matrix_names_exists():
+    """``docs/launch.md``'s table of each way a job ends on each launcher names real tests."""
+    text = open(os.path.join(REPO, "docs", "launch.md"), encoding="utf-8").read()
+    named = _TEST_ID.findall(text)
+    assert len(named) >= 20, named
+    missing = []
+    for path, name in named:
+        full = os.path.join(REPO, path)
+        if not os.path.exists(full) or not re.search(rf"^def {name}\(", open(full, encoding="utf-8").read(), re.M):
+            missing.append(f"{path}::{name}")
+    assert missing == [], missing

@@ -471,11 +471,16 @@ def rank_label(rank: int, world_size: int) -> str:
 
 
 class LabelledWriter:
-    """A text stream that puts :func:`rank_label`'s prefix at the start of every line written through it."""
+    """A text stream that puts :func:`rank_label`'s prefix at the start of every line written through it.
 
-    def __init__(self, stream: TextIO, label: str) -> None:
+    ``drop``: a prefix a line already carries that says the same (a log record's ``[rank R] `` in a rank's own
+    log file, echoed to the terminal), left out so that a line reads ``0: ...``, not ``0: [rank 0] ...``.
+    """
+
+    def __init__(self, stream: TextIO, label: str, drop: str = "") -> None:
         self._stream = stream
         self._label = label
+        self._drop = drop
         self._at_start = True
 
     def write(self, text: str) -> int:
@@ -487,6 +492,8 @@ class LabelledWriter:
             last = i == len(parts) - 1
             if self._at_start and (part or not last):  # an empty line is labelled too, as srun does
                 pieces.append(self._label)
+                if self._drop and part.startswith(self._drop):
+                    part = part[len(self._drop):]
             pieces.append(part)
             if not last:
                 pieces.append("\n")

@@ -31,10 +31,10 @@ from accelpact_slurm.core.config import JobConfig, relaunch_resumes
 from accelpact_slurm.core.errors import LaunchError
 from accelpact_slurm.core import settings
 from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: also this module's API
-    DONE, RELAUNCH, STOP, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
+    DONE, RELAUNCH, STOP, LabelledWriter, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
 from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
-from accelpact_slurm.launch.core import LabelledWriter
+from accelpact_slurm.runtime.job import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.runtime.liveness import dump_stacks
@@ -69,11 +69,10 @@ class RankProcess:
     done: threading.Event | None = None  # tells a log follower (rank 0's echo) that the rank has ended
 
 
-def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "") -> None:
-    """Echo what a rank appends to its log file, each line after ``label``, until it has ended (a forked rank
-    writes its log itself)."""
-
-    echo = LabelledWriter(echo, label) if label else echo
+def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "", drop: str = "") -> None:
+    """Echo what a rank appends to its log file, each line after ``label`` (``drop`` left out), until it has
+    ended (a forked rank writes its log itself)."""
+    echo = LabelledWriter(echo, label, drop) if label else echo
     pos = 0
     while True:
         ended = done.is_set()
@@ -92,11 +91,11 @@ def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "") -> 
         done.wait(POLL_S)
 
 
-def _pump(src, dst_file, echo: TextIO | None, label: str = "") -> None:
-    """Copy a rank's output to its log file and, for rank 0, to the terminal (each line after ``label``)."""
-
+def _pump(src, dst_file, echo: TextIO | None, label: str = "", drop: str = "") -> None:
+    """Copy a rank's output to its log file and, for rank 0, to the terminal (each line after ``label``,
+    ``drop`` left out)."""
     if echo is not None and label:
-        echo = LabelledWriter(echo, label)
+        echo = LabelledWriter(echo, label, drop)
     with open(dst_file, "ab") as fh:
         for line in iter(src.readline, b""):
             fh.write(line)
@@ -191,6 +190,7 @@ def launch_local(
     args = [config_path, "--run-dir", run_dir, *worker_args]
     cmd = [sys.executable, "-m", WORKER_MODULE, *args]
     label = rank_label(0, nodes * rpn)
+    drop = record_label(0)  # rank 0's records carry "[rank 0] " in its log file; its echo says "0: " once
     try:
         for rank in range(nodes * rpn):
             env = rank_environ(environ, job_id, rank, nodes, rpn, restart=restart_count, data_port=data_port,
@@ -200,7 +200,7 @@ def launch_local(
                 rp = RankProcess(rank, zygote.spawn(args, env, log_path), log_path)
                 if rank == 0:
                     rp.done = threading.Event()
-                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done, label),
+                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done, label, drop),
                                                name="echo-rank-0",
                                                daemon=True)
                     rp.pump.start()
@@ -208,8 +208,8 @@ def launch_local(
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
                 rp = RankProcess(rank, proc, log_path)
-                rp.pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, out if rank == 0 else None, label),
-                                           name=f"pump-rank-{rank}", daemon=True)
+                rp.pump = threading.Thread(target=_pump, name=f"pump-rank-{rank}", daemon=True,
+                                           args=(proc.stdout, log_path, out if rank == 0 else None, label, drop))
                 rp.pump.start()
             ranks.append(rp)
     except OSError as exc:

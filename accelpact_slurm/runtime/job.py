@@ -114,12 +114,17 @@ def resolve_entry(entry: str, job_file: str | None) -> Callable[[Any], Any]:
     return fn
 
 
+def record_label(rank: int) -> str:
+    """The prefix of every line of a log record a rank prints where nothing labels its output."""
+    return f"[rank {rank}] "
+
+
 class RankFormatter(logging.Formatter):
     """Another formatter's text with every line (a traceback's too) prefixed ``[rank R] ``."""
 
     def __init__(self, rank: int, inner: logging.Formatter | None) -> None:
         super().__init__()
-        self.label = f"[rank {rank}] "
+        self.label = record_label(rank)
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:

@@ -299,6 +299,20 @@ def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(slurm_cluster
     assert all(re.match(r"^ ?\d+: ", line) for line in output.splitlines() if "Traceback" in line)
 
 
+def test_a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued(slurm_cluster: Cluster, tmp_path: Path):
+    """A job file the workers refuse (``steps: -1``): every task exits 2 before training, naming the field, the
+    value and the fix; the batch script passes 2 on and Slurm does not requeue.  Negative control: a 2 read as
+    a crash would be requeued by the template (``core.exit_verdict``, held by ``tests/launch/test_core.py``)."""
+    config = job_file(tmp_path, "bad", steps=-1, every=0)
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "FAILED" and summary is None, info
+    assert info.get("ExitCode", "").startswith("2:") and info.get("Restarts") == "0", info
+    assert not [e for e in events if e["event"] in ("requeue", "step")]
+    output = (tmp_path / f"accelpact-hsdp-{job_id}.out").read_text(errors="replace")
+    assert "steps" in output and "-1" in output and "must be >= 0" in output, output[-3000:]
+
+
 def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm_cluster: Cluster, tmp_path: Path):
     """Rank 2 stops (SIGSTOP) as update 6 begins: after heartbeat_s without a heartbeat every other rank fail-stops
     naming it, its node peer dumps its stacks into the job's output and kills it, rank 0 requeues; the next

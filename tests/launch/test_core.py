@@ -206,6 +206,20 @@ def test_rank_label_is_srun_labels_form():
     assert buf.getvalue() == "2: a\n2: bc\n2: \n2: d\n"
 
 
+def test_the_terminal_echo_of_rank_0_says_its_rank_once():
+    """A log record in rank 0's own file reads ``[rank 0] ...``; echoed to the terminal it reads ``0: ...``.
+    Negative control: without ``drop`` the echo read ``0: [rank 0] ...``."""
+    from accelpact_slurm.runtime.job import record_label
+
+    buf = io.StringIO()
+    w = core.LabelledWriter(buf, "0: ", record_label(0))
+    w.write("[rank 0] WARNING x\n[rank 0] Traceback\nplain [rank 0] kept\n")
+    assert buf.getvalue() == "0: WARNING x\n0: Traceback\n0: plain [rank 0] kept\n"
+    buf = io.StringIO()
+    core.LabelledWriter(buf, "0: ").write("[rank 0] WARNING x\n")
+    assert buf.getvalue() == "0: [rank 0] WARNING x\n"
+
+
 def test_accelpact_run_is_a_launcher_only(tmp_path):
     """Inside a Slurm task accelpact-run does not turn into a rank: it refuses with the fix (the ranks run the
     worker entry).  Negative control: before, the same command joined the job as SLURM_PROCID's rank."""

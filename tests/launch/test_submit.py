@@ -32,14 +32,14 @@ EVERY_STEPS = 100
 POLL_S = 0.1
 
 
-def _job_file(path: Path) -> Path:
+def _job_file(path: Path, every_steps: int = EVERY_STEPS) -> Path:
     text = decoder_text()
     lines = []
     for line in text.splitlines():
         if line.startswith("steps:"):
             line = f"steps: {STEPS}"
         elif line.strip().startswith("every_steps:"):
-            line = f"  every_steps: {EVERY_STEPS}"
+            line = f"  every_steps: {every_steps}"
         lines.append(line)
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -384,6 +384,28 @@ def test_local_executor_stops_a_bug_once_and_does_not_relaunch_it(tmp_path):
     assert "relaunching" in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
 
 
+@pytest.mark.multiproc
+def test_local_executor_relaunches_a_crashed_rank_from_its_snapshot_and_completes(reference, tmp_path):
+    """Rank 2 is killed (SIGKILL) as update 10 begins, on the first start only: the survivors name it and stop
+    with 75, ``--wait`` relaunches the tasks in place (no Slurm to requeue them), the next start reloads snapshot 8
+    and the job ends with the reference digest.  Negative control: a crash left to the launcher (nobody decided
+    on 75) is not relaunched (``tests/launch/test_core.py``, the verdict table)."""
+    _, digest = reference
+    job = _job_file(tmp_path / "job.yaml", every_steps=4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update({"PYTHONPATH": REPO, "ACCELPACT_TEST_CRASH_AT": "10:2"})
+    run_dir = tmp_path / "run"
+    proc = _submit([str(job), "--local", "--run-dir", str(run_dir), "--wait", "--wait-timeout", "280"], env, 320)
+    _check_completed(proc, run_dir, digest)
+    assert "relaunching" in proc.stdout + proc.stderr
+    events = list(read_events(run_dir / "events.jsonl"))
+    stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0]
+    assert stops and all(e["cause"] == "dead-rank" and e["culprit"] == 2 for e in stops), stops
+    assert {e["exit_code"] for e in stops} == {EXIT_REQUEUE}
+    loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    assert loads and loads[0]["step"] == 8
+
+
 def _slurm_env(cluster) -> dict:
     env = dict(cluster.env)
     env["PYTHONPATH"] = REPO  # submitit starts the tasks with this interpreter (sys.executable): the venv's
@@ -403,6 +425,32 @@ def test_slurm_runs_the_job_to_the_reference_digest(slurm_cluster, reference, tm
         (0, "node1"), (1, "node1"), (2, "node2"), (3, "node2")]
     script = next((run_dir / "submitit").glob("*_submission.sh")).read_text()
     assert "#SBATCH --requeue" in script.splitlines()
+
+
+@pytest.mark.slurm
+def test_slurm_stops_a_bug_once_and_slurm_does_not_requeue_it(slurm_cluster, tmp_path):
+    """The training code raises on rank 1 in update 2: through submitit on Slurm every task stops with 76 on
+    the first start, nobody asks for a requeue, and the job is not started again.  Its negative control (a bug
+    restarted like a fault, ``ACCELPACT_TEST_BUG_RESTARTS=1``, is started again) runs on the local executor
+    above: the tasks and the verdict (``core.exit_verdict``) are the same on both backends."""
+    job = _job_file(tmp_path / "job.yaml")
+    job.write_text("\n".join(f"entry: {REPO}/tests/data/buggy_train.py:main" if line.startswith("entry:") else line
+                             for line in job.read_text().splitlines()) + "\n")
+    env = _slurm_env(slurm_cluster)
+    env["BUGGY_AT"] = "2:1"
+    run_dir = tmp_path / "run"
+    proc = _submit([str(job), "--slurm", "--time-min", "10", "--run-dir", str(run_dir), "--wait",
+                    "--wait-timeout", "240"], env, 300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    events = list(read_events(run_dir / "events.jsonl"))
+    assert {e["restart"] for e in events if e["event"] == "job_start"} == {0}
+    stops = [e for e in events if e["event"] == "fail_stop"]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3] and all(e["cause"] == "training-code" for e in stops)
+    assert {e["exit_code"] for e in stops} == {EXIT_NO_REQUEUE}
+    assert not [e for e in events if e["event"] == "requeue"], out[-3000:]
+    logs = " ".join(p.read_text(errors="replace") for p in (run_dir / "submitit").rglob("*_log.*"))
+    assert "Traceback (most recent call last)" in logs and "buggy_train.py" in logs
 
 
 def _wait_for_step(events_path: Path, step: int, deadline_s: float, proc) -> str:
