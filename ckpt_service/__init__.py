@@ -12,6 +12,8 @@ Modules, one concern each:
 - :mod:`.tiers`      which snapshots go to the shared tier (once per job), the atomic copy, the tier's retention
 - :mod:`.daemon`     ``accelpact-ckptd``
 - :mod:`.client`     the rank side: stage, hand over, restore
+- :mod:`.export`     ``accelpact-ckpt export``: a verified snapshot as one torch.save or safetensors file
+- :mod:`.safetensors_file` the safetensors format, written without the safetensors package
 - :mod:`.faults`     fault-injection points for the kill -9 tests
 
 The login-node modules (layout, protocol, retention, index) never import torch.

@@ -7,7 +7,9 @@ Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.api.Run`
 2. ``after_commit(step)`` right after an update committed (collective on snapshot steps: the
    extra-state exchange goes over the control plane; on the first snapshot of a start also the
    capture proof, whose ``get_state_dict`` is an FSDP collective);
-3. ``close()`` at the end.
+3. ``settle(step, timeout_s)`` where the script (``run.save()``) or the job's end asks for a snapshot of a
+   committed step and its verification (collective, like ``after_commit`` on a snapshot step);
+4. ``close()`` at the end.
 
 A snapshot (:meth:`SnapshotClient.snapshot`) plans which boxes of which tensors this rank holds
 (:mod:`.capture`: FSDP1's flat-parameter shards directly, no ``get_state_dict``), copies them into
@@ -50,7 +52,7 @@ from ckpt_service import faults as faults_mod
 from ckpt_service import proof_cache, staging
 from ckpt_service.index import read_json
 from ckpt_service.layout import daemon_failed_marker, node_dir, socket_path, staging_root
-from ckpt_service.protocol import DaemonSilent, DaemonUnavailable, request
+from ckpt_service.protocol import FINAL, DaemonSilent, DaemonUnavailable, request
 
 log = logging.getLogger(__name__)
 
@@ -442,6 +444,28 @@ class SnapshotClient:
             log.warning("cannot wait for snapshot %d: %s", step, exc)
             return None
         return reply.get("state")
+
+    def settle(self, step: int, timeout_s: float) -> tuple[str | None, str]:
+        """Collective: make sure this start has a snapshot of committed step ``step`` (staged now unless one was
+        taken), then wait up to ``timeout_s`` until this node's daemon settles it.
+
+        Returns ``(state, why)``: the daemon's final state (``verified``, ``rejected``, ``failed``) and its reason,
+        or ``None`` and why there is none (the snapshot skipped, not handed over, no daemon, not settled in time).
+        Every rank takes part in the snapshot's exchange even when its own node cannot take it.
+        """
+        if step not in self.taken and not self.snapshot(step):
+            return None, f"snapshot {step} skipped (no free staging slot: the warning event says why)"
+        self.join_handover()
+        if self.last_error and self.last_error.startswith(f"snapshot {step}:"):
+            return None, f"not handed to the checkpoint daemon ({self.last_error})"
+        try:
+            reply = self._request({"op": "wait", "step": step, "timeout": timeout_s}, timeout_s + 10)
+        except DaemonUnavailable as exc:
+            return None, f"no answer from the checkpoint daemon on {self.rt.ctx.hostname}: {exc}"
+        state = reply.get("state")
+        if state not in FINAL:
+            return None, f"not settled within {timeout_s:g} s (the daemon has it {state or 'not at all'})"
+        return state, str(reply.get("reason") or f"the daemon {state} it")
 
     def snapshot_and_wait(self, step: int, timeout_s: float) -> str | None:
         """Collective: make sure a snapshot of the current step exists and wait until the daemon settles it.

@@ -40,7 +40,7 @@ from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from ckpt_service import committed, faults, staging
 from ckpt_service.index import dir_size, publish_index, read_indexes, read_record, record_state, scan
 from ckpt_service.layout import DEL_PREFIX, LOCK, MAX_STEP, daemon_failed_marker, private_dir, shared_dir as default_shared, socket_path, staging_root
-from ckpt_service.protocol import peer_allowed, peer_uid, recv_line, send_line
+from ckpt_service.protocol import FINAL, peer_allowed, peer_uid, recv_line, send_line
 from ckpt_service.retention import Snap, newest_common, plan_retention
 from ckpt_service.tiers import copy_to_shared, prune_shared, should_upload
 from ckpt_service.auth import load_or_create_key
@@ -50,7 +50,6 @@ from ckpt_service.writer import recover_node_dir, write_snapshot
 log = logging.getLogger(__name__)
 
 _SENTINEL = object()
-FINAL = ("verified", "rejected", "failed")
 #: How long a state record that hit a full disk waits for the writes in flight before its one retry.
 RECORD_RETRY_S = 60.0
 #: How long a starting daemon retries its node directory's lock before it says another daemon holds it.

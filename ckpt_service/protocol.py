@@ -19,6 +19,8 @@ from typing import Any
 from accelpact_slurm.core.errors import CheckpointError
 
 MAX_LINE = 1 << 20
+#: The states a ``wait`` ends on: a step the daemon settled.
+FINAL = ("verified", "rejected", "failed")
 
 
 class DaemonUnavailable(CheckpointError, ConnectionError):

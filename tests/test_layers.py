@@ -154,6 +154,7 @@ def test_negative_control_an_added_example_import_is_found(tmp_path):
 RANK_READERS = [
     ("ckpt_service/client.py", "RankContext"),
     ("accelpact_slurm/runtime/restore.py", "RankContext"),
+    ("accelpact_slurm/runtime/saving.py", "RankContext"),
     ("accelpact_slurm/runtime/guard.py", "GuardRank"),
     ("accelpact_slurm/runtime/recovery.py", "RecoveryRank"),
     ("accelpact_slurm/repair/engine.py", "RepairRank"),

@@ -3,9 +3,12 @@
 - ``list DIR``: the snapshots of a node directory (or a run directory: every node), state, size, age;
 - ``verify PATH``: checksums and coverage of one snapshot, or of every snapshot of a node
   directory; records verified/rejected and prints the newest verified;
-- ``export SNAPSHOT OUT.pt``: stock ``dcp_to_torch_save`` into one ``torch.save`` file.
+- ``export SNAPSHOT OUT [--format torch|safetensors]``: one verified snapshot as one file: the whole snapshot
+  for ``torch.load`` (stock ``dcp_to_torch_save``), or the model's weights for ``safetensors``
+  (:mod:`ckpt_service.export`).
 
-Exit 0 when every verified snapshot passed, 1 when one was rejected, 2 on usage errors.
+Exit 0 when every verified snapshot passed (or the export was written), 1 when one was rejected (or the
+export refused), 2 on usage errors.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from typing import Sequence
 
+from ckpt_service.export import FORMATS, export_snapshot
 from ckpt_service.index import newest_verified, read_record, record_state, scan
 from ckpt_service.layout import step_of
 from accelpact_slurm.core.errors import CheckpointError
@@ -93,22 +98,35 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     if read_record(args.snapshot) is None:
         print(f"accelpact-ckpt: {args.snapshot} is not a step-NNNNNNNNNN snapshot", file=sys.stderr)
         return 2
-
     key = _key(args, args.snapshot)
     if key is None:
         return 2
-    ok, why = check_checksums(args.snapshot, key)  # export unpickles .metadata: authenticate first
-    if not ok:
-        print(f"accelpact-ckpt: refusing to export {args.snapshot}: {why}", file=sys.stderr)
+    try:  # the manifest is authenticated before anything of the snapshot is unpickled
+        line = export_snapshot(args.snapshot, args.out, args.format, key)
+    except CheckpointError as exc:
+        print(f"accelpact-ckpt: refusing to export {args.snapshot}: {exc}", file=sys.stderr)
         return 1
-    dcp_to_torch_save(args.snapshot, args.out)
-    print(f"exported {args.snapshot} -> {args.out} ({os.path.getsize(args.out)} bytes)")
+    except OSError as exc:
+        print(f"accelpact-ckpt: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(line)
     return 0
+
+
+EXPORT_HELP = """Export one verified snapshot (a step-NNNNNNNNNN directory, in a node directory or the shared
+tier) as one file. Only a snapshot recorded verified is exported, and only after its manifest is
+authenticated under the run's key, every file matches its checksum and every tensor is covered:
+committed, rejected or foreign snapshots are refused.
+
+formats:
+""" + "\n".join(textwrap.fill(what, 100, initial_indent=f"  {name:<13}", subsequent_indent=" " * 15)
+               for name, what in FORMATS.items()) + """
+
+The format defaults to safetensors when OUT ends in .safetensors, else torch."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,9 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--run-dir", metavar="DIR", help="the run directory whose key authenticates the manifests "
                                                     "(default: the nearest one above PATH)")
     v.set_defaults(fn=cmd_verify)
-    e = sub.add_parser("export", help="convert a snapshot to one torch.save file")
-    e.add_argument("snapshot", metavar="SNAPSHOT")
-    e.add_argument("out", metavar="OUT.pt")
+    e = sub.add_parser("export", help="one verified snapshot as one torch.save or safetensors file",
+                       description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("snapshot", metavar="SNAPSHOT", help="a step-NNNNNNNNNN directory")
+    e.add_argument("out", metavar="OUT", help="the file to write (e.g. model.safetensors, snapshot.pt)")
+    e.add_argument("--format", choices=sorted(FORMATS), default=None,
+                   help="torch: the whole snapshot for torch.load; safetensors: the model's weights only "
+                        "(default: from OUT's suffix)")
     e.add_argument("--run-dir", metavar="DIR", help="the run directory whose key authenticates the manifest "
                                                     "(default: the nearest one above SNAPSHOT)")
     e.set_defaults(fn=cmd_export)

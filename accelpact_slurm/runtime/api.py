@@ -20,8 +20,9 @@ optimizer, scheduler and data loader, and hands them to :meth:`Job.protect`, whi
 Who calls what, in which order (every rank, the same calls in the same order): the runtime builds
 the :class:`Job` and calls the entry point; the entry point calls :meth:`Job.protect` once (a
 collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and, for every
-update, :meth:`Run.update`.  When the entry point returns, the runtime writes the summary and calls
-:meth:`Run.close`.
+update, :meth:`Run.update`; between two updates it may call :meth:`Run.save` (collective).  When the
+entry point returns, the runtime snapshots the last update and waits until it is verified, writes the
+summary and calls :meth:`Run.close`.
 ``docs/api.md`` documents every public name.
 """
 
@@ -53,6 +54,7 @@ from ckpt_service.auth import load_key, load_or_create_key
 from ckpt_service.client import SnapshotClient
 from ckpt_service.index import read_record
 from ckpt_service.layout import node_dir, shared_dir, step_dirname
+from accelpact_slurm.runtime.saving import refusal, settle
 
 if TYPE_CHECKING:
     from accelpact_slurm.runtime.topology import Runtime
@@ -209,7 +211,7 @@ class Run:
                 tc.set_group_timeout(pg, rt.collective_timeout_s)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError("optimizer", type(optimizer).__name__, "pass a torch.optim.Optimizer over model.parameters()")
-        self._statefuls = _statefuls(scheduler, state)
+        self._statefuls = appstate.statefuls(scheduler, state)
         self._forward = forward_state(model, job._faults)
         #: What a test's negative controls turn off, picked here, not branched on where it runs.
         self._checked = not job._faults.skip_reload_check  # restore re-checks checksums; the replay check runs
@@ -235,6 +237,7 @@ class Run:
         self._redo = False  # the last update was discarded: run.batches yields its batch again
         self._current: Update | None = None
         self._loaded: str | None = None
+        self._loaded_step: int | None = None  # the step this start reloaded (verified by the reload's rule)
         self._closed = False
         key = self._guard.key_for("committed")
         if job.is_lead:
@@ -250,6 +253,7 @@ class Run:
                           copy=not job._faults.no_restore_copy)
         except FailStop as stop:  # a snapshot this job cannot load: the documented "requeue me" path
             fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+        self._loaded_step = out.step
         if out.step is not None and self._checked:
             ref = None
             if job.is_lead:
@@ -315,6 +319,39 @@ class Run:
         if self._closed:
             raise UsageError("run.update", "called after run.close()", "close the run after its last update")
         return Update(self)
+
+    def save(self) -> bool:
+        """Collective, between updates: snapshot the committed update ``run.step`` now and wait until every node's
+        checkpoint daemon has verified it; True when it is verified on every node.
+
+        Every rank calls it at the same boundary.  Nothing is taken again when this start already has a snapshot
+        of ``run.step`` (the cadence's, an earlier call) or loaded it.  A snapshot that is not verified on every
+        node is not an error: False, with one line and a ``saved`` event saying why.
+
+        Raises:
+            UsageError: ``run.save()`` called inside an update (its ``with run.update()`` block open), after
+                :meth:`close`, before the first update, or on a job without snapshots
+                (``checkpoint.every_steps`` 0).
+        """
+
+        inside = self._current.step if self._current is not None else None
+        refused = refusal(closed=self._closed, inside=inside, every_steps=self.job.config.checkpoint.every_steps,
+                          step=self.step)
+        if refused is not None:
+            raise UsageError("run.save()", *refused)
+        job = self.job
+        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "run.save",
+                      loaded=self.step == self._loaded_step)["verified"]
+
+    def _final(self) -> dict[str, Any] | None:
+        """Collective, at the job's end (before the digests and ``job_end``): the snapshot of the last committed
+        update, verified (:mod:`.saving`); None when the job takes no snapshots or committed no update."""
+
+        job = self.job
+        if job.config.checkpoint.every_steps <= 0 or self.step <= 0:
+            return None
+        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "final",
+                      loaded=self.step == self._loaded_step)
 
     def close(self) -> None:
         """Release what the run holds: the snapshot client (its staging slots), the phase hooks and the repair
@@ -546,32 +583,6 @@ def _keep_rng(snap: Any) -> None:
 def _skip_extra(path: str, mine: Any, rng: Any) -> None:
     """Test-only (``ACCELPACT_TEST_SKIP_EXTRA_RESTORE``): the extra state of a snapshot is not restored."""
     log.warning("extra state not restored (test-only fault injection)")
-
-
-def _statefuls(scheduler: Any, state: Mapping[str, Any]) -> dict[str, Any]:
-    """Every object to save beside the tensors, checked now so that a bad one fails at start, not at a snapshot."""
-    out: dict[str, Any] = {}
-    if scheduler is not None:
-        if "scheduler" in state:
-            raise UsageError("state['scheduler']", "given twice", "pass the scheduler once: scheduler= or in state")
-        out["scheduler"] = scheduler
-    for name, obj in state.items():
-        if not isinstance(name, str):
-            raise UsageError("state", repr(name), "name every Stateful with a string key")
-        out[name] = obj
-    for name, obj in out.items():
-        what = "scheduler" if name == "scheduler" and obj is scheduler else f"state[{name!r}]"
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise UsageError(what, type(obj).__name__,
-                             "pass an object with state_dict() and load_state_dict() (DCP's Stateful protocol), "
-                             "e.g. torchdata's StatefulDataLoader")
-        try:
-            appstate.encode(obj.state_dict(), what)
-        except UsageError:
-            raise
-        except Exception as exc:
-            raise UsageError(what, type(obj).__name__, f"its state_dict() cannot be saved: {exc}") from exc
-    return out
 
 
 def _as_float(loss: Any) -> float | None:

@@ -19,7 +19,7 @@ import base64
 import json
 import math
 import random
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -76,6 +76,37 @@ def decode(value: Any) -> Any:
             items = [decode(v) for v in value["__list__"]]
             return tuple(items) if value.get("tuple") else items
     return value
+
+
+def statefuls(scheduler: Any, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every object ``job.protect`` was given to save beside the tensors (``scheduler=`` and ``state=``) by name,
+    checked now so that a bad one fails at start, not at a snapshot.
+
+    Raises:
+        UsageError: naming the object (``scheduler``, ``state['NAME']``) and the fix.
+    """
+    out: dict[str, Any] = {}
+    if scheduler is not None:
+        if "scheduler" in state:
+            raise UsageError("state['scheduler']", "given twice", "pass the scheduler once: scheduler= or in state")
+        out["scheduler"] = scheduler
+    for name, obj in state.items():
+        if not isinstance(name, str):
+            raise UsageError("state", repr(name), "name every Stateful with a string key")
+        out[name] = obj
+    for name, obj in out.items():
+        what = "scheduler" if name == "scheduler" and obj is scheduler else f"state[{name!r}]"
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UsageError(what, type(obj).__name__,
+                             "pass an object with state_dict() and load_state_dict() (DCP's Stateful protocol), "
+                             "e.g. torchdata's StatefulDataLoader")
+        try:
+            encode(obj.state_dict(), what)
+        except UsageError:
+            raise
+        except Exception as exc:
+            raise UsageError(what, type(obj).__name__, f"its state_dict() cannot be saved: {exc}") from exc
+    return out
 
 
 def seed_all(seed: int) -> None:

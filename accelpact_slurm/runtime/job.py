@@ -227,7 +227,9 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
 
 def _end(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run: Run, run_dir: str, events: EventLog, out: TextIO,
          lead: bool, wall0: float, train_s: float) -> int:
-    """After the entry returned on every rank: the digests, the summary, the job's last rounds (collective)."""
+    """After the entry returned on every rank: the final snapshot, verified, then the digests, the summary, the
+    job's last rounds (collective).  Nothing says the job completed before its last update is on disk."""
+    final = run._final()  # None: the job takes no snapshots
     if rt.detector is not None:  # before the digests' collective: every rank's lands before rank 0's job_end
         events.emit("detector", **rt.detector.summary())
     digest, model_digest = run._digests()
@@ -239,10 +241,12 @@ def _end(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run: Run, run_dir: str,
             "final_model_digest": model_digest, "exit_code": EXIT_OK, "world_size": rt.layout.world_size,
             "nodes": rt.layout.num_nodes,
             "ranks_per_node": rt.layout.ranks_per_node, "restart_count": ctx.restart_count, "losses": run.losses,
+            "final_snapshot": final,
         }
         write_json_atomic(os.path.join(run_dir, SUMMARY_FILE), summary)
         events.emit("job_end", final_step=run.step, final_loss=summary["final_loss"], wall_s=wall_s,
-                    final_state_digest=digest, exit_code=EXIT_OK)
+                    final_state_digest=digest, exit_code=EXIT_OK,
+                    final_snapshot=None if final is None else {k: final[k] for k in ("step", "verified")})
         final = f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "-"
         print(f"[accelpact] done: {run.step} updates in {wall_s:.1f} s, final loss {final}\n"
               f"[accelpact] final_state_digest {digest}\n"

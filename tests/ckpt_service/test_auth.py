@@ -102,3 +102,23 @@ def test_accelpact_ckpt_verify_and_export_refuse_it(tmp_path):
     proc = run_cli(["accelpact_slurm.cli.ckpt", "export", str(snap), str(tmp_path / "out.pt")], timeout=120)
     assert proc.returncode == 1 and "refusing to export" in proc.stderr, proc.stdout + proc.stderr
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    out = tmp_path / "model.safetensors"
+    proc = run_cli(["accelpact_slurm.cli.ckpt", "export", str(snap), str(out), "--format", "safetensors"], timeout=120)
+    assert proc.returncode == 1 and "refusing to export" in proc.stderr and "not written by this run" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert not marker.exists() and not out.exists()
+
+
+def test_negative_control_an_export_without_authentication_runs_the_planted_pickle(tmp_path):
+    """What the export's authentication prevents: the planted snapshot is recorded ``verified`` and its manifest
+    matches its files, so only the run's key tells it apart."""
+    from ckpt_service.export import export_snapshot
+
+    marker = tmp_path / "pickle-ran"
+    snap = tmp_path / "run" / "shared-ckpt" / "step-0000000009"
+    _plant(snap, marker)
+    try:
+        export_snapshot(str(snap), str(tmp_path / "model.safetensors"), "safetensors", None)
+    except Exception:  # what the unpickled object does next does not matter: it already ran
+        pass
+    assert marker.exists()

@@ -3,7 +3,10 @@
 For each example: an uninterrupted run; an L1 boundary fault repaired in process; an L1 backward fault
 (the update discarded, the groups replaced, the update run again) in process; an L2 restart (a fault in
 compute: fail-stop, relaunch, reload of the newest verified snapshot, replay check of the first update).  Both end with the uninterrupted run's ``final_state_digest``, which covers the
-weights, the optimizer state, every rank's RNG, the scheduler and the data loader's position.
+weights, the optimizer state, every rank's RNG, the scheduler and the data loader's position.  Every run ends with
+a verified snapshot of its last update on every node, verified before the job said it completed, and that
+snapshot's safetensors export loads with stock ``safetensors`` into the example's own (unwrapped) model, bit for
+bit the weights of the snapshot.
 Negative control: the same restart with the extra state's restore broken (and the replay check,
 which would catch it, switched off) ends elsewhere.
 
@@ -16,11 +19,14 @@ that check off ends elsewhere (the digest covers every rank's buffers).
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from accelpact_slurm.core.config import load_config
 from accelpact_slurm.core.events import read_events
 from tests.conftest import DECODER_JOB, VISION_JOB, job_text, run_cli
 
@@ -28,9 +34,10 @@ pytestmark = pytest.mark.multiproc
 #: torch 2.14.1+ can give a failed Gloo group a new transport in place (repair/group_reconfigure.py).
 HAS_RECONFIGURE = hasattr(dist, "_reconfigure")
 
-# (job file, steps, checkpoint cadence, L1 fault, L2 fault, L1 backward fault)
+# (job file, steps, checkpoint cadence, L1 fault, L2 fault, L1 backward fault).  The decoder's last update is not on
+# its cadence (the job's end snapshots it), the vision example's is (the end waits for the cadence's snapshot).
 EXAMPLES = {
-    "decoder": (DECODER_JOB, 12, 4, "boundary:7:1", "forward:10:2", "backward:5:3"),
+    "decoder": (DECODER_JOB, 13, 4, "boundary:7:1", "forward:10:2", "backward:5:3"),
     "vision": (VISION_JOB, 12, 4, "boundary:6:2", "forward:11:1", "backward:9:1"),
 }
 
@@ -59,7 +66,7 @@ def _run(tmp: Path, config: str, name: str, *faults: str, env=None) -> dict:
         args += ["--inject-fault", f]
     proc = run_cli(args, env=env)
     summary = run_dir / "summary.json"
-    return {"proc": proc, "events": list(read_events(run_dir / "events.jsonl")),
+    return {"proc": proc, "run_dir": run_dir, "events": list(read_events(run_dir / "events.jsonl")),
             "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
 
@@ -197,3 +204,80 @@ def test_mixed_precision_restart_ends_in_the_uninterrupted_state(tmp_path, fsdp)
     assert repair["scope"] == "update" and repair["discarded_update"] == 7
     assert not _kinds(l1["events"], "fail_stop")
     assert l1["summary"]["final_state_digest"] == base["summary"]["final_state_digest"]
+
+
+# --------------------------------------------------------------------------- every job ends on disk
+
+
+@pytest.mark.parametrize("name", ["base", "l1", "l1b", "l2"])
+def test_the_job_ends_with_a_verified_snapshot_of_its_last_update_before_it_says_it_completed(runs, name):
+    from ckpt_service.index import read_record
+
+    r = runs[name]
+    steps, every = EXAMPLES[runs["example"]][1:3]
+    final = r["summary"]["final_step"]
+    assert final == steps
+    (end,) = _kinds(r["events"], "job_end")
+    (saved,) = [e for e in _kinds(r["events"], "saved") if e["trigger"] == "final"]
+    assert saved["step"] == final and saved["verified"] is True, saved
+    assert saved["states"] == {"node1": "verified", "node2": "verified"}, saved
+    assert r["events"].index(saved) < r["events"].index(end) and saved["restart"] == end["restart"]
+    assert end["final_snapshot"] == {"step": final, "verified": True}
+    assert r["summary"]["final_snapshot"]["verified"] is True
+    for node in ("node1", "node2"):
+        rec = json.loads((r["run_dir"] / "node-local" / node / f"step-{final:010d}" / "state.json").read_text())
+        verified_at = [h["ts"] for h in rec["history"] if h["state"] == "verified"]
+        assert rec["state"] == "verified" and verified_at and verified_at[0] < end["ts"], rec  # on disk first
+        assert read_record(str(r["run_dir"] / "node-local" / node / f"step-{final:010d}")).state == "verified"
+    # the decoder's last update is off its cadence: only the job's end took that snapshot
+    taken = [e["step"] for e in _kinds(r["events"], "snapshot") if not e.get("skipped")]
+    assert taken[-1] == final and (final % every != 0) == (runs["example"] == "decoder"), taken
+
+
+def _fresh_model(example: str, config: str):
+    """The example's model as its script builds it before wrapping (the names a user's code loads into)."""
+    p = load_config(config).params
+    here = os.path.dirname(DECODER_JOB if example == "decoder" else VISION_JOB)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    if example == "decoder":
+        from decoder_model import build_model
+        from train_decoder import SHAPE
+
+        return build_model(0, **{k: p[k] for k in SHAPE})
+    from vision_model import VisionNet
+
+    return VisionNet(classes=p["classes"], channels=p["channels"], dropout=p.get("dropout", 0.1), seed=0,
+                     norm=p.get("norm", "group"))
+
+
+def test_a_safetensors_export_loads_with_stock_safetensors_bit_for_bit_the_snapshots_weights(runs, tmp_path):
+    """The final snapshot of the uninterrupted run, exported by ``accelpact-ckpt export --format safetensors``:
+    stock ``safetensors`` reads it, the example's unwrapped model takes it with ``strict=True`` (its own names, no
+    FSDP prefix), and every tensor equals bitwise the snapshot's unsharded weights as stock
+    ``dcp_to_torch_save`` converts them (the torch export)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    base = runs["base"]
+    final = base["summary"]["final_step"]
+    snap = base["run_dir"] / "node-local" / "node2" / f"step-{final:010d}"
+    out = tmp_path / "model.safetensors"
+    proc = run_cli(["accelpact_slurm.cli.ckpt", "export", str(snap), str(out), "--format", "safetensors"], timeout=120)
+    assert proc.returncode == 0 and "safetensors" in proc.stdout, proc.stdout + proc.stderr
+    got = load_file(str(out))
+    with safe_open(str(out), framework="pt") as fh:
+        assert fh.metadata()["step"] == str(final) and sorted(fh.keys()) == sorted(got)
+    dcp_to_torch_save(str(snap), str(tmp_path / "snapshot.pt"))
+    want = torch.load(str(tmp_path / "snapshot.pt"))["model"]
+    assert sorted(got) == sorted(want)
+
+    def bits(t):
+        return t.contiguous().reshape(-1).view(torch.uint8)
+    assert [k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+            or not torch.equal(bits(got[k]), bits(want[k]))] == []
+    model = _fresh_model(runs["example"], runs["config"])
+    model.load_state_dict(got, strict=True)  # every name and shape the script's own model has, and no other
+    assert all(torch.equal(bits(v), bits(got[k])) for k, v in model.state_dict().items())

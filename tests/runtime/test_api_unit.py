@@ -60,3 +60,47 @@ def test_a_redo_signal_the_script_caught_is_named_not_committed():
     assert ended == [True]
     run, update, _ = _run_at_the_end_of_an_update("redo")
     assert run._finish(update, Redo()) is True  # the signal let through: the batch runs again
+
+
+def _run_between_updates(job_file: str, *, step: int = 3, inside: int | None = None, closed: bool = False):
+    """A Run as ``run.save()`` sees it before it takes anything: its job's configuration, its frontier, the
+    update whose block is open (None between updates), whether it was closed."""
+    from accelpact_slurm.runtime.api import Run, Update
+
+    run = Run.__new__(Run)
+    run.job = SimpleNamespace(config=parse_config(job_file))
+    run.step, run._closed, run._current = step, closed, None
+    if inside is not None:
+        run._current = Update.__new__(Update)
+        run._current.step = inside
+    return run
+
+
+SNAPSHOTS_ON = "name: t\nentry: m:f\ncheckpoint: {every_steps: 10}\n"
+
+
+@pytest.mark.parametrize("job_file, kw, value, fix", [
+    (SNAPSHOTS_ON, {"inside": 4}, "called inside update 4 (its with run.update() block is still open)",
+     "call run.save() between updates, after the with block has closed"),
+    ("name: t\nentry: m:f\n", {}, "a job without snapshots (checkpoint.every_steps is 0)",
+     "set checkpoint.every_steps: N in the job file's checkpoint section"),
+    (SNAPSHOTS_ON, {"closed": True}, "called after run.close()", "before the run is closed"),
+    (SNAPSHOTS_ON, {"step": 0}, "called before the first update", "after an update has committed"),
+])
+def test_run_save_refuses_in_one_line_naming_the_call_what_was_wrong_and_the_fix(job_file, kw, value, fix):
+    """Refused before anything is taken or any rank waits: no collective starts (every rank refuses alike)."""
+    from accelpact_slurm.core.errors import UsageError
+
+    run = _run_between_updates(job_file, **kw)
+    with pytest.raises(UsageError) as got:
+        run.save()
+    msg = str(got.value)
+    assert msg.startswith(f"run.save(): invalid value {value!r}: ") and fix in msg and "\n" not in msg, msg
+
+
+def test_inside_an_update_is_named_before_a_job_without_snapshots():
+    """The call's place is the script's first mistake to fix, whatever the job file says."""
+    from accelpact_slurm.core.errors import UsageError
+
+    with pytest.raises(UsageError, match="called inside update 2"):
+        _run_between_updates("name: t\nentry: m:f\n", inside=2).save()
