@@ -10,11 +10,16 @@ results are merged into ``benchmarks/results/<date>.json``::
     {"date", "started", "machine", "total_wall_s", "parts": {part: result | {"error", "tail", ...}},
      "runs": {part: {"status", "wall_s", "rc", "json"}}, "warnings"}
 
-and ``docs/benchmarks.md`` is written from that file alone: a header with the machine, an overview table of
-every part's summary ``rows`` (what / baseline / ratio / spread / n / note), then each part's own block
+and ``docs/benchmarks.md`` is written from the stored results alone (``bench.figures.stored_results``: each
+part's newest result under ``benchmarks/results/``, its own ``<date>/<part>.json`` before the merged copy): a
+header with the machine, an overview table of every part's summary ``rows`` (what / baseline / ratio / spread / n /
+note; ``summary_rows(res)`` of the part's script when it exports one, so rows are computed again from the stored
+measurements), a table of every goal met or not (``bench.figures.goal_lines``), then each part's own block
 (``markdown(res)`` of its script) in a fixed order: repair, guard, l1backward, peers, ckpt, paper, status, shared,
-restore, recovery, store, control, and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part without a result in this run keeps
-the block it has in the current ``docs/benchmarks.md``, and the overview says from which earlier run it is.
+restore, recovery, store, control, and the GPU check when ``benchmarks/results/gpu-check.json`` exists.  A part
+with no stored result keeps the block it has in the current ``docs/benchmarks.md``.  The README's benchmark
+figures, between two ``<!-- bench-figures -->`` lines, are written from the same results
+(``bench.figures.readme_lines``); ``tests/test_bench_figures.py`` checks both files against the committed results.
 
 Parts that are not selected with ``--parts`` are carried over from an earlier merged file of the same date
 when there is one.  The part contract is stated in ``scripts/bench/harness.py`` (the harness every part
@@ -25,7 +30,7 @@ Usage::
 
     make bench                                            # every part, about 23 minutes here
     make bench BENCH_ARGS="--parts paper,status"          # some parts only
-    .venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json   # only rewrite the docs
+    .venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json   # only rewrite the docs + README
 
 Exit status: 0 when every part that ran succeeded, 1 otherwise (the docs are regenerated in both cases).
 """
@@ -50,10 +55,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
+from bench import figures  # noqa: E402  (which result is each part's; the README's figures; the goals)
+from bench.docs_tables import blocks_in, generic_block, gpu_block, machine_desc, rows_table  # noqa: E402
+from bench.docs_tables import cell as _cell  # noqa: E402
 from bench import harness as bl  # noqa: E402  (the benchmarks' shared harness)
 
 RESULTS = bl.RESULTS
 DOCS = bl.DOCS
+README = REPO / "README.md"
 
 
 class Part:
@@ -298,89 +307,61 @@ def _load_module(name: str, script: str) -> Any:
 _modules: dict[str, Any] = {}
 
 
-def part_markdown(part: Part, res: dict[str, Any]) -> str:
-    """The part's own block (``markdown(res)`` of its script); a generic one when that is missing or fails."""
+#: Parts whose block also shows another part's result (``markdown(res, related={name: result})``): the peers'
+#: table of every system on every fault class takes the recovery part's trials too.
+RELATED = {"peers": ("recovery",)}
+
+
+def _module(part: Part) -> Any:
+    if part.name not in _modules:
+        _modules[part.name] = _load_module(part.name, part.script)
+    return _modules[part.name]
+
+
+def related(name: str, stored: dict[str, tuple[dict[str, Any], str]]) -> dict[str, Any] | None:
+    """The results ``RELATED`` names for part ``name`` (None when it names none)."""
+    names = RELATED.get(name)
+    return None if not names else {n: stored[n][0] for n in names if n in stored}
+
+
+def part_rows(part: Part, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The part's overview rows: its script's ``summary_rows(res)`` when it exports one (computed again from
+    the stored measurements, so a result stored before a row changed shows it as the script reads it now),
+    else the rows stored in the result."""
     try:
-        if part.name not in _modules:
-            _modules[part.name] = _load_module(part.name, part.script)
-        block = _modules[part.name].markdown(res).strip()
+        fn = getattr(_module(part), "summary_rows", None)
+        if callable(fn) and "summary_rows" in getattr(_module(part), "__all__", ()):
+            return fn(res)
+    except Exception:  # noqa: BLE001 - a part that cannot recompute its rows keeps the stored ones
+        pass
+    return res.get("rows") if isinstance(res.get("rows"), list) else []
+
+
+def companion_blocks(res: dict[str, Any], results: Path) -> list[str]:
+    """The control part's per-update result at 4 ranks (``<date>/control-update.json``), when stored."""
+    upd = figures.companion(results, res, "control-update")
+    path = results / str(res.get("date")) / "control-update.json"
+    try:
+        return [] if upd is None else [figures.control_update_block(
+            upd, str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path))]
+    except KeyError:
+        return []
+
+
+def part_markdown(part: Part, res: dict[str, Any], rel: dict[str, Any] | None = None) -> str:
+    """The part's own block (``markdown(res)`` of its script, with ``related=`` the results ``RELATED`` names);
+    a generic one when that is missing or fails."""
+    try:
+        mod = _module(part)
+        block = (mod.markdown(res) if rel is None else mod.markdown(res, related=rel)).strip()
         if block.count(part.mark) < 2:
             block = f"{part.mark}\n{block}\n{part.mark}"
+        if not re.search(r"^## ", block, re.MULTILINE):  # a part whose block leaves its heading to the docs
+            block = block.replace(part.mark, f"{part.mark}\n## {part.title}", 1)
         return block
     except Exception as exc:  # noqa: BLE001 - any renderer failure falls back to the rows
         why = f"`scripts/{part.script}` could not render its block ({type(exc).__name__}: {exc})"
         return generic_block(part.mark, f"{part.title} ({part.name})", res, why)
-
-
-def machine_desc(m: dict[str, Any] | None) -> str:
-    if not m:
-        return "machine not recorded"
-    if "cpu_model" in m:
-        return bl.machine_line(m)
-    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in m.items() if v is not None and k != "loadavg_end")
-
-
-def _cell(x: Any) -> str:
-    return "" if x is None else str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def _ratio(r: dict[str, Any]) -> str:
-    if r.get("ratio") is None:
-        return "n/a"
-    unit = r.get("unit")
-    val = bl.fmt(r["ratio"])
-    return val + ("x" if unit in (None, "", "x") else f" {unit}")
-
-
-def rows_table(rows: list[dict[str, Any]], part_col: str | None = None) -> list[str]:
-    head = "| what | baseline | ratio | spread (min–max) | n | note |"
-    sep = "|---|---|---:|---:|---:|---|"
-    if part_col is not None:
-        head, sep = "| part " + head, "|---" + sep
-    out = [head, sep]
-    for r in rows:
-        cells = [_cell(r.get("what")), _cell(r.get("baseline")), _ratio(r), _cell(r.get("spread") or "n/a"),
-                 _cell(r.get("n")), _cell(r.get("note"))]
-        out.append("| " + " | ".join(([part_col] if part_col is not None else []) + cells) + " |")
-    return out
-
-
-def generic_block(mark: str, title: str, res: dict[str, Any], why: str = "") -> str:
-    lines = [mark, f"## {title}", ""]
-    src = f" (raw data: `{res['json']}`)" if res.get("json") else ""
-    lines.append(f"Run on {res.get('date', 'an unknown date')}{src}; machine: {machine_desc(res.get('machine'))}.")
-    if why:
-        lines += ["", why + "; its summary rows:"]
-    lines.append("")
-    rows = res.get("rows") or []
-    lines += rows_table(rows) if rows else ["No summary rows in the result."]
-    lines += ["", mark]
-    return "\n".join(lines)
-
-
-def gpu_block(res: dict[str, Any]) -> str:
-    intro = (f"Written by `scripts/gpu_check.py` (through `scripts/gpu-check.sh`) on {res.get('date', '?')} on a "
-             f"separate machine with a GPU, not by `make bench` (raw data: `{GPU_JSON.relative_to(REPO)}`). "
-             f"Machine: {machine_desc(res.get('machine'))}. Ratios against a baseline measured in the same run, "
-             "medians with min–max.")
-    lines = [GPU_MARK, "## GPU check", "", intro, ""]
-    rows = res.get("rows") or []
-    lines += rows_table(rows) if rows else ["No summary rows in the result."]
-    if res.get("reading"):
-        lines += ["", "**Reading.**", "", *[f"- {x}" for x in res["reading"]]]
-    lines += ["", GPU_MARK]
-    return "\n".join(lines)
-
-
-def blocks_in(text: str, marks: list[str]) -> dict[str, str]:
-    """Each mark's block (both mark lines included) in ``text``."""
-    out = {}
-    for mark in marks:
-        if text.count(mark) >= 2:
-            a = text.index(mark)
-            b = text.index(mark, a + len(mark)) + len(mark)
-            out[mark] = text[a:b].strip()
-    return out
 
 
 def earlier_result(part: Part, block: str, results: Path) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -421,14 +402,23 @@ def render(merged: dict[str, Any], current: str, results: Path) -> str:
     earlier = blocks_in(current, [p.mark for p in known] + [GPU_MARK])
     overview: list[str] = []
     sections: list[str] = []
+    stored = figures.stored_results(results)
     for part in known:
         res = parts.get(part.name)
         run = runs.get(part.name) or {}
+        when = ""
+        if part.name in stored:  # the part's newest stored result: its own file wins over the merged copy
+            res, rel = stored[part.name]
+            if res.get("date") != merged.get("date") or run.get("status") not in ("ok", "carried"):
+                when = f"from an earlier run ({res.get('date', 'date unknown')}, `{rel}`)"
         ok = isinstance(res, dict) and "error" not in res
         if ok:
-            when = "" if run.get("status") != "carried" else f"earlier run the same day ({run.get('carried_from')})"
-            sections.append(part_markdown(part, res))
-            rows = res.get("rows") if isinstance(res.get("rows"), list) else []
+            if not when and run.get("status") == "carried":
+                when = f"earlier run the same day ({run.get('carried_from')})"
+            sections.append(part_markdown(part, res, related(part.name, stored)))
+            if part.name == "control":
+                sections += companion_blocks(res, results)
+            rows = part_rows(part, res)
             if rows:
                 for r in rows:
                     r = dict(r)
@@ -467,7 +457,7 @@ def render(merged: dict[str, Any], current: str, results: Path) -> str:
         except (OSError, ValueError):
             gpu = None
     if isinstance(gpu, dict):
-        sections.append(gpu_block(gpu))
+        sections.append(gpu_block(gpu, GPU_MARK, str(GPU_JSON.relative_to(REPO))))
         for r in gpu.get("rows") or []:
             r = dict(r, note=f"GPU machine, {gpu.get('date', '?')}; {r.get('note') or ''}".rstrip("; "))
             overview.append(rows_table([r], part_col="`gpu-check`")[-1])
@@ -518,17 +508,41 @@ def render(merged: dict[str, Any], current: str, results: Path) -> str:
         "",
         *rows_table([], part_col="")[:2],
         *overview,
+        "",
+        figures.goals_block(stored, results),
     ]
     return "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"
 
 
-def write_docs(merged: dict[str, Any], docs: Path, results: Path) -> None:
-    current = docs.read_text() if docs.exists() else ""
-    text = render(merged, current, results)
-    docs.parent.mkdir(parents=True, exist_ok=True)
-    tmp = docs.with_name(docs.name + ".tmp.new")
+def readme_block(results: Path) -> str:
+    """The README's benchmark figures, between ``figures.README_MARK`` lines, from the stored results alone."""
+    stored = figures.stored_results(results)
+    peer_rows = part_rows(part_of("peers"), stored["peers"][0]) if "peers" in stored else None
+    gpu = None
+    if GPU_JSON.exists():
+        try:
+            gpu = json.loads(GPU_JSON.read_text())
+        except (OSError, ValueError):
+            gpu = None
+    lines = figures.readme_lines(stored, gpu if isinstance(gpu, dict) else None, peer_rows)
+    return "\n".join([figures.README_MARK,
+                      "<!-- Generated by scripts/bench_all.py from benchmarks/results/: edit the scripts, not "
+                      "this block. -->", "", *lines, "", figures.README_MARK])
+
+
+def _replace_file(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.new")
     tmp.write_text(text)
-    tmp.replace(docs)
+    tmp.replace(path)
+
+
+def write_docs(merged: dict[str, Any], docs: Path, results: Path, readme: Path | None = README) -> None:
+    """Regenerate ``docs`` and, when it has the marked block, ``readme``'s benchmark figures."""
+    current = docs.read_text() if docs.exists() else ""
+    _replace_file(docs, render(merged, current, results))
+    if readme is not None and readme.exists() and readme.read_text().count(figures.README_MARK) >= 2:
+        _replace_file(readme, figures.replace_block(readme.read_text(), figures.README_MARK, readme_block(results)))
 
 
 # ====================================================================== main
@@ -539,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", help=f"comma-separated parts to run, in this order (default: {','.join(RUN_ORDER)})")
     ap.add_argument("--render", metavar="JSON", help="only regenerate the docs from a merged result file")
     ap.add_argument("--docs", default=str(DOCS), help="the markdown file to regenerate (default docs/benchmarks.md)")
+    ap.add_argument("--readme", default=str(README),
+                    help="the README whose marked benchmark figures to regenerate (default README.md; '' = none)")
     ap.add_argument("--results", default=str(RESULTS), help="results directory (default benchmarks/results)")
     ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S,
                     help=f"no part starts or runs past this many seconds from the start (default {TOTAL_BUDGET_S})")
@@ -546,10 +562,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="override one part's deadline in seconds (repeatable)")
     args = ap.parse_args(argv)
     results, docs = Path(args.results).resolve(), Path(args.docs)
+    readme = Path(args.readme) if args.readme else None
     if args.render:
         merged = json.loads(Path(args.render).read_text())
-        write_docs(merged, docs, results)
-        log(f"regenerated {docs} from {args.render}")
+        write_docs(merged, docs, results, readme)
+        log(f"regenerated {docs}" + (f" and {readme}'s figures" if readme else "") + f" from {args.render}")
         return 0
     names = [n.strip() for n in (args.parts or ",".join(RUN_ORDER)).split(",") if n.strip()]
     deadlines = {}
@@ -564,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     size = out.stat().st_size
     if size > BIG_JSON:
         log(f"warning: {out} is {size / 2**20:.1f} MiB (over 1 MiB)")
-    write_docs(merged, docs, results)
+    write_docs(merged, docs, results, readme)
     log(f"wrote {out} and regenerated {docs} in {_mmss(merged['total_wall_s'])}")
     bad = {n: r for n, r in merged["runs"].items() if r.get("status") not in ("ok", "carried")}
     for name, run in merged["runs"].items():

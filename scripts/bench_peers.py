@@ -86,8 +86,9 @@ from bench import harness  # noqa: E402
 harness.add_paths()
 
 from bench.peers_main import main, markdown  # noqa: E402
+from bench.peers_report import summary_rows  # noqa: E402
 
-__all__ = ["main", "markdown"]  # bench_all.py renders with markdown
+__all__ = ["main", "markdown", "summary_rows"]  # bench_all.py renders with markdown and summary_rows
 
 if __name__ == "__main__":
     sys.exit(main(doc=__doc__))

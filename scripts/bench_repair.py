@@ -11,12 +11,17 @@ it builds the decoder example's model, AdamW, schedule and data (``examples/deco
 1. *Repair vs floor.*  Warm-up updates, then N real faults injected exactly as the job file's
    ``faults: [boundary:STEP:RANK]`` does (the rank withholds its part of the boundary all-reduce on its
    replication group; the peer hits Gloo's timeout; the vote decides Preserve; the engine repairs).
-   The faulting rank rotates, so both replication groups are repaired.  Each repair is paired with a
-   *floor* measured next to it (before or after, alternately) by the same members: one new Gloo group
-   with the same membership under a fresh store prefix (as the engine builds its replacement) plus one
-   all-reduce of the boundary all-reduce's size (one int64).  Per-phase timings and the total are the
-   engine's own (its ``repair`` event, emitted by the lowest affected rank); the floor is timed on that
-   same rank.  One clean update follows each repair (the new group carries training on).
+   The faulting rank rotates, so both replication groups are repaired.  Each repair is paired with
+   ``--floor-samples`` *floor* samples taken by the same members right before or right after it, in ABBA
+   order within each replication group (``repair_setup.floor_positions``: the position is tied neither to
+   the group nor to the faulting rank): one new Gloo group with the same membership under a fresh store
+   prefix (as the engine builds its replacement) plus one all-reduce of the boundary all-reduce's size (one
+   int64), each sample behind a world barrier and timed on every member.  A repair is done when its slowest
+   affected rank is: the figure is the max over those ranks of each rank's own total (``repair_rank``),
+   against the floor's median over samples of the slowest member's time; a repair below its floor is
+   flagged (``below_floor``) and left out of the ratio.  Per-phase timings are the engine's own (its
+   ``repair`` event, emitted by the lowest affected rank).  One clean update follows each repair (the new
+   group carries training on).
 2. *Guard overhead.*  On the same model and process groups: blocks of K updates inside
    ``with run.update()`` (forward, backward, optimizer step, then the boundary all-reduce on the
    replication group and the world's vote over the control plane) against blocks of the same update
@@ -36,7 +41,7 @@ absolute times are printed beside them for reference only (this machine is share
 Output: ``benchmarks/results/<date>-repair.json`` and the block between ``<!-- repair-bench -->``
 markers in ``docs/benchmarks.md`` (other blocks are kept).
 
-Usage: .venv/bin/python scripts/bench_repair.py [--repairs 8] [--guard-pairs 16] [--rebind-reps 4] ...
+Usage: .venv/bin/python scripts/bench_repair.py [--repairs 8] [--floor-samples 5] [--guard-pairs 16] [--rebind-reps 4] ...
        .venv/bin/python scripts/bench_repair.py --render benchmarks/results/<date>-repair.json
 
 About 1.5-3 minutes here with the defaults (28 injected faults, each waiting the 2 s detection timeout);
@@ -59,9 +64,10 @@ from bench import harness  # noqa: E402
 
 harness.add_paths()
 
+from bench.repair_analysis import summary_rows  # noqa: E402
 from bench.repair_main import main, markdown  # noqa: E402
 
-__all__ = ["main", "markdown"]  # bench_all.py renders with markdown
+__all__ = ["main", "markdown", "summary_rows"]  # bench_all.py renders with markdown and summary_rows
 
 if __name__ == "__main__":
     sys.exit(main(doc=__doc__))

@@ -4,9 +4,11 @@ reading, from the result JSON alone (``scripts/bench_peers.py``).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from bench import harness as h
+from bench.peers_classes import section as fault_class_section
 from bench.peers_runs import FAULT, FAULT_STEP, PEERS, STEPS
 
 PART = "peers"
@@ -57,11 +59,15 @@ def analyse(res: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = []
     F = h.fmt
 
-    def add(key: str, what: str, baseline: str, st: dict[str, Any], abs_text: str, note: str = "") -> None:
+    def add(key: str, what: str, baseline: str, st: dict[str, Any], abs_text: str, note: str = "",
+            added: dict[str, Any] | None = None, added_unit: str = "") -> None:
         sm[key] = st
         row = h.row(what, baseline, st, note=note)
         row["abs"] = abs_text
         row["key"] = key
+        if added is not None:  # a fixed cost divided by different update lengths: the ratio alone misleads
+            sm[f"{key}_added"] = added
+            row["added"], row["added_unit"] = added, added_unit
         rows.append(row)
 
     for run in ("ours_T", "ours_S", "torchft_T", "torchft_S", "nvrx", "nvrx_injob"):
@@ -122,14 +128,17 @@ def analyse(res: dict[str, Any]) -> None:
             "both start new worker processes (imports, rank monitors, Gloo); the cold start also starts the "
             "launcher")
 
-    # Per-update overhead: each system against itself without its fault-tolerance layer.
+    # Per-update overhead: each system against itself without its fault-tolerance layer, as a ratio and as the
+    # milliseconds it adds to an update (paired segment by segment): the layers add a roughly fixed cost, and
+    # the updates they are divided by differ several-fold between the systems.
     ov = [r for rep in runs for r in [rep.get("ours_overhead")] if r and r.get("ok")]
     st = h.spread([x for r in ov for x in r["ratios"]])
     st["abs_test"] = h.med([x for r in ov for x in r["test_step_s"]])
     st["abs_base"] = h.med([x for r in ov for x in r["base_step_s"]])
     add("ovh_ours", f"ours: guarded update (boundary all-reduce + vote), 4 ranks HSDP, collective_s {T:g} s",
         "the same update without the guard, interleaved segments, same processes", st,
-        f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s")
+        f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s",
+        added=_added_ms(ov), added_unit="ms per update")
     if ft_ok:
         ov = [rep["torchft_T"]["overhead"] for rep in runs
               if rep.get("torchft_T", {}).get("ok") and rep["torchft_T"].get("overhead", {}).get("ok")]
@@ -139,13 +148,16 @@ def analyse(res: dict[str, Any]) -> None:
         add("ovh_torchft", f"{ft}: managed update (quorum + allreduce + should_commit), 2 replica groups, "
             f"heartbeat timeout {T:g} s",
             "plain Gloo all-reduce update, interleaved segments, same processes", st,
-            f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s")
+            f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s",
+            added=_added_ms(ov), added_unit="ms per update")
     if nv_ok:
-        st = h.ratio_stats(_pairs(runs, "nvrx", "nvrx_plain", "window_step_s"))
+        pairs = _pairs(runs, "nvrx", "nvrx_plain", "window_step_s")
+        st = h.ratio_stats(pairs)
         add("ovh_nvrx", f"{nv}: update inside the in-process Wrapper, 2 ranks",
             f"the same loop without the Wrapper (separate launch, same repeat); {p.get('window_steps')} updates "
             "between two barriers each", st,
-            f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s")
+            f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s",
+            added=h.spread([(a - b) * 1e3 for a, b in pairs]), added_unit="ms per update")
     if ft_ok:
         pairs = _pairs(runs, "torchft_T", "torchft_T", "rejoin_s", "initial_start_s")
         st = h.ratio_stats(pairs)
@@ -164,10 +176,33 @@ def analyse(res: dict[str, Any]) -> None:
         st = h.spread(v)
         st["abs_test"] = h.med(_vals(runs, run, "run_25_s"))
         st["abs_base"] = h.med([STEPS * x for x in _vals(runs, run, "step_s")])
+        lost = h.spread(rep[run]["run_25_s"] - STEPS * rep[run]["step_s"] for rep in runs
+                        if rep.get(run, {}).get("ok") and rep[run].get("run_25_s") is not None
+                        and rep[run].get("step_s") is not None)
         add(key, f"goodput, {label}: 25 updates with the fault after 15 (timeout {T:g} s)",
             "25 x the run's own median uninterrupted update", st,
-            f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s")
+            f"{F(st['abs_test'])} s vs {F(st['abs_base'])} s", added=lost, added_unit="s lost per run")
     res["summary"], res["rows"] = sm, rows
+
+
+def _added_ms(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """Milliseconds the layer adds to an update: test minus base, segment pair by segment pair."""
+    return h.spread((a - b) * 1e3 for r in segments for a, b in zip(r["test_step_s"], r["base_step_s"]))
+
+
+def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The overview rows, computed again from the stored runs (a copy: ``res`` is left as it is), so a result
+    stored before a row gained a column shows it too."""
+    again = copy.deepcopy(res)
+    analyse(again)
+    return again["rows"]
+
+
+def _added(r: dict[str, Any]) -> str:
+    a = r.get("added")
+    if not a or a.get("median") is None:
+        return "—"
+    return f"{h.fmt_spread(a, '{:+.2f}')} {r.get('added_unit', '')}".strip()
 
 
 # ====================================================================== markdown
@@ -208,7 +243,11 @@ def _commit_line(res: dict[str, Any]) -> str:
     return f"Measured at commit `{c['short']}`{more}."
 
 
-def markdown(res: dict[str, Any]) -> str:
+def markdown(res: dict[str, Any], related: dict[str, Any] | None = None) -> str:
+    """The part's block from its result alone; ``related`` may hold the recovery part's result
+    (``{"recovery": res}``, as ``scripts/bench_all.py`` passes it) for the fault-class table."""
+    res = copy.deepcopy(res)
+    analyse(res)  # the rows and the added costs, from the stored runs
     p, sm = res["params"], res.get("summary", {})
     T, S = p["main_timeout_s"], p["short_timeout_s"]
     peers = res["peers"]
@@ -277,18 +316,24 @@ def markdown(res: dict[str, Any]) -> str:
         "",
     ]
     lines += [
-        "| what | baseline | ratio (median) | spread (min–max) | n | absolute, s (reference: what vs baseline) |",
-        "|---|---|---|---|---|---|",
+        *fault_class_section(res, (related or {}).get("recovery")),
+        "| what | baseline | ratio (median) | spread (min–max) | added, median (min–max) | n "
+        "| absolute, s (reference: what vs baseline) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in res.get("rows", []):
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}"
         note = f" — *{r['note']}*" if r.get("note") else ""
-        lines.append(f"| {r['what']}{note} | {r['baseline']} | {ratio} | {r['spread'] or 'n/a'} | {r['n']} | "
-                     f"{r.get('abs', '')} |")
+        lines.append(f"| {r['what']}{note} | {r['baseline']} | {ratio} | {r['spread'] or 'n/a'} | {_added(r)} "
+                     f"| {r['n']} | {r.get('abs', '')} |")
     lines += [
         "",
         ("Goodput = (25 x the run's median uninterrupted update) / (wall time from the start of update 1 to the "
-         "commit of update 25); each system against its own update time, so they are not the same work. "
+         "commit of update 25); each system against its own update time, so they are not the same work; *added* "
+         "beside it is the run's wall time minus those 25 updates, the seconds the fault cost the run. The "
+         "per-update costs' *added* is the guarded (managed, wrapped) update minus the plain one, paired segment "
+         "by segment, in milliseconds: the layers add a roughly fixed cost, so the ratio also depends on how long "
+         "the system's own update is. "
          "torchft's lighthouse counts its timeout from the dead group's last heartbeat (every 100 ms), so its "
          "\"− timeout\" figures below can be slightly negative."),
         "",
@@ -388,14 +433,18 @@ def reading(res: dict[str, Any]) -> list[str]:
     parts, unresolved = [], []
     for key, label in (("ovh_ours", "ours"), ("ovh_torchft", "torchft"), ("ovh_nvrx", "nvidia-resiliency-ext")):
         st = res.get("summary", {}).get(key) or {}
+        ad = res.get("summary", {}).get(f"{key}_added") or {}
         if st.get("median") is not None:
-            parts.append(f"{label} {st['median']:.2f}x ({st['min']:.2f}–{st['max']:.2f})")
+            parts.append(f"{label} {st['median']:.2f}x ({st['min']:.2f}–{st['max']:.2f})"
+                         + (f", {h.fmt_spread(ad, '{:+.2f}')} ms per update" if ad.get("median") is not None
+                            else ""))
             if st["min"] <= 1:  # a layer cannot make updates faster: a ratio at or below 1 is noise
                 unresolved.append(label)
     if parts:
         out.append("- Per-update cost of the fault-tolerance layer, each against itself without it: "
                    + ", ".join(parts) + ". The topologies differ (ours 4 processes with FSDP on 2 cores, the peers "
-                   "2), so the ratios, not the update times, are comparable."
+                   "2) and so do the updates (ours several times the peers'): the added milliseconds, not the "
+                   "ratios, compare the layers' own cost."
                    + (f" For {', '.join(unresolved)} some paired ratios are at or below 1: the cost is below what "
                       "this machine's noise lets one resolve in this run." if unresolved else "")
                    + (" nvidia-resiliency-ext's figure compares two launches (the Wrapper cannot be switched off "

@@ -6,8 +6,9 @@ the decoder example's model, AdamW, schedule and data (``bench.workload.decoder_
 ``job.protect`` (the real guard, envelope and repair engine) and runs, in one go:
 
 1. repairs against the floor: warm-up updates, then the job file's injected boundary faults, each paired
-   with a floor (a new Gloo group with the same members + one all-reduce) measured right before or right
-   after it; every update is a public ``with run.update()``;
+   with ``floor_samples`` floor samples (a new Gloo group with the same members + one all-reduce, each
+   timed by every member) taken right before or right after it, in ABBA order per replication group
+   (``repair_setup.floor_positions``); every update is a public ``with run.update()``;
 2. guard overhead: ABBA pairs of K-update blocks, ``with run.update()`` against the same update body
    without it (``bench.workload.update``); the guard's boundary all-reduce and vote are also timed
    directly (thin wrappers on ``job.run._guard`` and the control plane, removed afterwards);
@@ -34,7 +35,7 @@ from typing import Any
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[1]),) if p not in sys.path]
 
 from bench import harness as h  # noqa: E402
-from bench.repair_setup import RPN, fault_spec, main_faults, plan_faults  # noqa: E402
+from bench.repair_setup import RPN, fault_spec, floor_positions, main_faults, plan_faults  # noqa: E402
 
 
 def main(job: Any) -> None:
@@ -187,7 +188,12 @@ class RepairRank:
                 "scan_truncated": probes.truncated - mark_t, "fault": faults[0] if faults else None}
 
     def floor(self, members: list[int], tag: str) -> float | None:
-        """New Gloo group with ``members`` under a fresh prefix (as the engine builds it) + one int64 all-reduce."""
+        """One floor sample: a new Gloo group with ``members`` under a fresh prefix (as the engine builds it)
+        + one int64 all-reduce, timed on this rank (None on a rank outside ``members``).
+
+        Every rank of the world enters the control-plane barrier first (the world is where the repair's
+        vote comes from); each member times its own build and all-reduce, so the analysis can take the
+        slowest member, as a repair is done only when its slowest rank is."""
         import torch
         import torch.distributed as dist
 
@@ -206,6 +212,10 @@ class RepairRank:
             raise RuntimeError(f"floor all-reduce gave {int(t)}")
         getattr(tc.retire_group, "__wrapped__", tc.retire_group)(pg)  # not counted in the engine's probes
         return dt
+
+    def floor_samples(self, members: list[int], tag: str) -> list[float | None]:
+        """``plan["floor_samples"]`` floor samples in a row (each behind its own world barrier)."""
+        return [self.floor(members, f"{tag}s{i}") for i in range(self.plan.get("floor_samples", 1))]
 
     def members_of(self, frank: int) -> list[int]:
         return self.rt.layout.replicate_ranks(self.rt.layout.local_of(frank))
@@ -233,19 +243,20 @@ class RepairRank:
                    f"updates, then {n} injected repairs")
         for _ in range(warm):
             guarded()
+        # ABBA per replication group: the floor's position is not tied to the group or the faulting rank.
+        positions = floor_positions(faults, lambda r: tuple(self.members_of(r)))
         pairs = []
-        for k, (s, frank) in enumerate(faults):
+        for k, ((s, frank), position) in enumerate(zip(faults, positions)):
             assert run.step == s - 1, (run.step, s)
             members = self.members_of(frank)
-            floor_first = k % 2 == 0
-            fl = self.floor(members, f"main{k}") if floor_first else None
+            fl = self.floor_samples(members, f"main{k}") if position == "before" else None
             rec = self.faulted_update(guarded, members)
-            if not floor_first:
-                fl = self.floor(members, f"main{k}")
+            if position == "after":
+                fl = self.floor_samples(members, f"main{k}")
             guarded()  # the next update runs on the replacement group
-            pairs.append({"k": k, "step": s, "fault_rank": frank, "ranks": members, "floor_first": floor_first,
-                          "floor_s": fl, **rec})
-            _say(rank, f"repair {k + 1}/{n} (rank {frank} withheld at update {s}) done")
+            pairs.append({"k": k, "step": s, "fault_rank": frank, "ranks": members, "position": position,
+                          "floor_first": position == "before", "floor_samples_s": fl, **rec})
+            _say(rank, f"repair {k + 1}/{n} (rank {frank} withheld at update {s}; floor {position}) done")
         self.res["main"] = pairs
 
     # ------------------------------------------------------------------ 2: guard overhead

@@ -28,6 +28,8 @@ def build_parser(doc: str = "") -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     h.output_args(p, f"benchmarks/results/{h.today()}-repair.json")
     p.add_argument("--repairs", type=int, default=8, help="injected repairs paired with a floor (default: %(default)s)")
+    p.add_argument("--floor-samples", type=int, default=5,
+                   help="floor samples beside each repair, each timed on every member (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up updates before the first repair (default: %(default)s)")
     p.add_argument("--guard-pairs", type=int, default=16, help="guarded/unguarded block pairs (default: %(default)s)")
     p.add_argument("--guard-block", type=int, default=6, help="updates per block (default: %(default)s)")
@@ -62,11 +64,13 @@ def main(argv: list[str] | None = None, doc: str = "") -> int:
             print(markdown(res))
         return 0
     layers = [int(x) for x in args.layers.split(",") if x.strip()]
-    if args.repairs < 1 or args.guard_pairs < 1 or args.guard_block < 1 or args.rebind_reps < 1 or not layers:
-        raise SystemExit("--repairs, --guard-pairs, --guard-block, --rebind-reps and --layers must be >= 1")
+    if min(args.repairs, args.floor_samples, args.guard_pairs, args.guard_block, args.rebind_reps) < 1 or not layers:
+        raise SystemExit("--repairs, --floor-samples, --guard-pairs, --guard-block, --rebind-reps and --layers "
+                         "must be >= 1")
     if args.collective_timeout >= args.control_timeout:
         raise SystemExit("--collective-timeout must be shorter than --control-timeout")
-    plan = {"nodes": NODES, "ranks_per_node": RPN, "repairs": args.repairs, "warmup": args.warmup,
+    plan = {"nodes": NODES, "ranks_per_node": RPN, "repairs": args.repairs,
+            "floor_samples": args.floor_samples, "warmup": args.warmup,
             "guard_pairs": args.guard_pairs, "guard_block": args.guard_block, "layers": layers,
             "rebind_reps": args.rebind_reps, "sweep_width": args.sweep_width, "sweep_warmup": args.sweep_warmup,
             "collective_s": args.collective_timeout, "control_s": args.control_timeout,

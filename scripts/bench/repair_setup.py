@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ PHASES = ("observe", "control_barrier", "guard_sync", "replace", "rebind", "vali
 NODES, RPN = 2, 2
 #: Order of the faulting rank: both replication groups ({0, 2} and {1, 3}) get repaired, each rank withholds.
 FAULT_RANKS = (1, 2, 3, 0)
+#: A group's floor samples run before its repair in these of its repairs (mod 4) and after it in the others:
+#: ABBA within each group, so the position is not tied to the group (``floor_positions``).
+FLOOR_FIRST = (0, 3)
 PROBES = ("rebind_all", "framework_roots", "find_references", "retire_group")
 #: Variables a caller's shell might carry that would change what the engine does.
 SCRUB_ENV = ("ACCELPACT_TEST_SKIP_REBIND", "ACCELPACT_TEST_FRONTIER_SKEW", "ACCELPACT_ENVELOPE",
@@ -31,6 +35,23 @@ SCRUB_ENV = ("ACCELPACT_TEST_SKIP_REBIND", "ACCELPACT_TEST_FRONTIER_SKEW", "ACCE
 def plan_faults(start: int, n: int, stride: int, offset: int = 0) -> list[tuple[int, int]]:
     """(update, faulting rank) for ``n`` faults from update ``start``, one every ``stride`` updates (pure)."""
     return [(start + stride * k, FAULT_RANKS[(k + offset) % len(FAULT_RANKS)]) for k in range(n)]
+
+
+def floor_positions(faults: list[tuple[int, int]], group_of: Callable[[int], Any]) -> list[str]:
+    """Where each repair's floor samples run, ``"before"`` or ``"after"`` the faulted update (pure).
+
+    The order is ABBA per replication group (``group_of(faulting rank)``): a group's repairs 0 and 3 (mod 4)
+    have their floor before, 1 and 2 after.  With ``FAULT_RANKS`` rotating over both groups, each group and
+    each faulting rank gets both positions equally often over every 8 repairs: a floor taken always before
+    one group's repairs and always after the other's would carry the groups' difference into the ratio."""
+    seen: dict[Any, int] = {}
+    out = []
+    for _step, rank in faults:
+        g = group_of(rank)
+        j = seen.get(g, 0)
+        seen[g] = j + 1
+        out.append("before" if j % 4 in FLOOR_FIRST else "after")
+    return out
 
 
 def fault_spec(update: int, rank: int) -> str:
