@@ -35,6 +35,7 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.core.atomic import write_json_atomic
 from accelpact_slurm.core.config import load_config
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.core.torch_warnings import quiet_daemon_writes
 from ckpt_service.daemon import AlreadyRunning, Daemon, DaemonOptions
 from ckpt_service.layout import daemon_failed_marker, node_dir
 from ckpt_service.staging import FAILED, NOTHING, drop_unserved
@@ -83,8 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s ckptd %(threadName)s %(name)s: %(message)s")
-
-
+    quiet_daemon_writes()
     if args.drop_staging:
         return _drop_staging(args)
     try:

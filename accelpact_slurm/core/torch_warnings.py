@@ -37,3 +37,17 @@ def quiet_state_dict_calls() -> Iterator[None]:
         for message, category in TORCH_STATE_DICT_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)
         yield
+
+
+#: What DCP says, once per snapshot, when it saves with no process group: the daemon's every write.
+DAEMON_WRITE_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single "
+     r"process", UserWarning),
+)
+
+
+def quiet_daemon_writes() -> None:
+    """In the checkpoint daemon's process (no user code runs there), ignore :data:`DAEMON_WRITE_WARNINGS` for
+    good: it writes every snapshot as one process, by design, and the job's output is no place for that line."""
+    for message, category in DAEMON_WRITE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

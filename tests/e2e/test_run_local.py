@@ -63,6 +63,15 @@ def test_summary_and_progress(runs):
     assert any(line.startswith("0: ") and "step     5/8" in line for line in ranks)
 
 
+def test_the_daemons_logs_hold_no_torch_noise(runs):
+    """Each daemon writes every snapshot as one process, by design; DCP's "assuming the intent is to save in a
+    single process" warning is not printed for each.  Negative control: before, each daemon's log had it once
+    per snapshot (and under the template, the job's output)."""
+    logs = sorted((runs["dir"] / "a" / "logs").glob("ckptd-*.log"))
+    assert len(logs) == 2 and all(p.read_text().strip() for p in logs), logs
+    assert [p.name for p in logs if "assuming the intent" in p.read_text()] == []
+
+
 def test_event_log(runs):
     events = list(read_events(runs["dir"] / "a" / "events.jsonl"))
     kinds = [e["event"] for e in events]
