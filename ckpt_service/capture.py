@@ -242,7 +242,6 @@ _SKIP = object()  # a sharded value moved into the entries
 def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
     """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
 
-
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
         entries: list[Entry] = []

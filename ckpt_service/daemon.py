@@ -179,7 +179,6 @@ class Daemon:
 
     def start(self) -> None:
 
-
         self.key = load_or_create_key(self.o.run_dir)  # signs every manifest; a bad key file stops the start
         self._lock_fd = acquire_lock(self.ndir)
         try:  # a daemon of an earlier start that could not start left word for the ranks: it is stale now

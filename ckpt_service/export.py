@@ -154,7 +154,6 @@ def model_state_dict(path: str, key: bytes | None) -> tuple[dict[str, Any], list
     import torch
     import torch.distributed.checkpoint as dcp
 
-
     checked = verified_metadata_bytes(path, key)
     metadata = unpickle_metadata(checked[1])
     names, skipped = model_names(metadata)

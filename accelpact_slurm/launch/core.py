@@ -377,7 +377,6 @@ def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain
     staging it could not drop is removed -- a live daemon's never (it holds the node directory's lock).
     """
 
-
     def env_int(name: str) -> int | None:
         try:
             return int(environ[name])

@@ -281,7 +281,6 @@ def start_node_daemon(spec: TaskSpec, cfg, run_dir: str, ctx):
     if cfg.checkpoint.every_steps <= 0:
         return None
 
-
     node = ctx.hostname
     ndir = node_dir(run_dir, node, cfg.checkpoint.local_dir)
     if not wait_lock_free(os.path.join(ndir, LOCK), cfg.timeouts.startup_s):

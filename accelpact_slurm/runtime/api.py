@@ -258,7 +258,6 @@ class Run:
             ref = None
             if job.is_lead:
 
-
                 ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step,
                                             load_key(job.run_dir))
             self._replay = (out.step, rt.control.broadcast("replay-ref", ref))
@@ -557,7 +556,6 @@ class Run:
         wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
         copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
         the shared tier's."""
-
 
         rt, cfg = self.job._rt, self.job.config
         ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)

@@ -211,7 +211,6 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
             re-check): the start ends and the next one re-checks it.
     """
 
-
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
 
     def reader() -> Any:

@@ -54,7 +54,6 @@ def communication_fault(exc: BaseException) -> bool:
     """
     import torch.distributed as dist
 
-
     if isinstance(exc, (Withheld, CollectiveAbandoned)) or type(exc).__name__ == "ReplicationWithheld":
         return True
     if isinstance(exc, getattr(dist, "DistError", ())):

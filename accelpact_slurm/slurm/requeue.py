@@ -156,7 +156,6 @@ def step_outcome(events: Iterable[dict], restart: int) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART``: print 75, 76 or ``none``."""
 
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "outcome":
         print("usage: python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART", file=sys.stderr)
