@@ -23,7 +23,7 @@ import struct
 import sys
 from typing import Any, Mapping
 
-from accelpact_slurm.core.atomic import fsync_dir
+from accelpact_slurm.core.atomic import write_atomic
 from accelpact_slurm.core.errors import CheckpointError
 
 #: The header is padded to a multiple of this (the data buffer then starts aligned for every dtype).
@@ -104,20 +104,11 @@ def write(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str] | N
         OSError: the file could not be written (the temporary file is removed).
     """
     head, names = header(tensors, metadata)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            for name in names:
-                fh.write(_bytes_of(tensors[name]))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:  # a full disk must not keep the half-written file's blocks too
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def body(fh) -> None:
+        fh.write(head)
+        for name in names:
+            fh.write(_bytes_of(tensors[name]))
+
+    write_atomic(path, body)
     return os.path.getsize(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import IO, Any, Callable
 
 
 def fsync_dir(path: str) -> None:
@@ -16,13 +16,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, data: Any, indent: int = 1) -> None:
-    """Temporary name, fsync, rename, fsync the directory."""
+def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """``write`` the file's bytes under a temporary name, fsync, rename over ``path``, fsync the directory; a
+    failure (a full disk) removes the temporary file and raises."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=indent, sort_keys=True)
-            fh.write("\n")
+        with open(tmp, "wb") as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -32,4 +32,10 @@ def write_json_atomic(path: str, data: Any, indent: int = 1) -> None:
         except OSError:
             pass
         raise
-    fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_atomic(path: str, data: Any, indent: int = 1) -> None:
+    """Temporary name, fsync, rename, fsync the directory."""
+    text = json.dumps(data, indent=indent, sort_keys=True) + "\n"
+    write_atomic(path, lambda fh: fh.write(text.encode("utf-8")))
