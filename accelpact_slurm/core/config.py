@@ -50,6 +50,7 @@ class CheckpointConfig:
     keep_last: int = 2
     milestone_every: int = 0
     compress: bool = False
+    at_end: bool = True  # a verified snapshot of the last update before the job reports it completed
     local_dir: str | None = None
     shared_dir: str | None = None
     shared_every: int = 2  # every K-th snapshot also goes to the shared tier, once per job (0: milestones only)

@@ -344,10 +344,11 @@ class Run:
 
     def _final(self) -> dict[str, Any] | None:
         """Collective, at the job's end (before the digests and ``job_end``): the snapshot of the last committed
-        update, verified (:mod:`.saving`); None when the job takes no snapshots or committed no update."""
-
+        update, verified (:mod:`.saving`); None when the job takes no snapshots, does not want one at its end
+        (``checkpoint.at_end: false``) or committed no update."""
         job = self.job
-        if job.config.checkpoint.every_steps <= 0 or self.step <= 0:
+        c = job.config.checkpoint
+        if c.every_steps <= 0 or not c.at_end or self.step <= 0:
             return None
         return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "final",
                       loaded=self.step == self._loaded_step)
