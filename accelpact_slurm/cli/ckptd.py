@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import socket
 import sys
-import threading
 from typing import Mapping, Sequence
 
 from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, AccelpactError
@@ -69,15 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # first: whether SIGTERM stops this daemon depends on it
-    stop = threading.Event()
+    stop: list[int] = []
     terms: list[int] = []
 
-    def on_signal(signum, _frame):  # handlers only set a flag
+    def on_signal(signum, _frame):  # handlers only append to a list: no lock (see _wait_for_stop), no I/O
         if signum == signal.SIGTERM and args.keep_serving_on_sigterm:
             terms.append(signum)
         else:
-            stop.set()
+            stop.append(signum)
 
+    wake = _wakeup_pipe()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # --signal=USR2 without B: reaches every task; it is the ranks'
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     print(f"accelpact-ckptd: serving {opts.node_dir} for node {node} (pid {os.getpid()})", flush=True)
     told = False
-    while not stop.wait(1.0):
+    while not _wait_for_stop(stop, wake, 1.0):
         if terms and not told:  # logged here, not in the handler
             told = True
             print("accelpact-ckptd: SIGTERM (a preemption notice, or the job's end): serving on for the ranks' "
@@ -128,6 +129,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     finished = d.drain_and_close()
     print(f"accelpact-ckptd: stopped ({'drained' if finished else 'drain deadline passed'})", flush=True)
     return EXIT_OK
+
+
+def _wakeup_pipe() -> int:
+    """The read end of a pipe the interpreter writes a byte to whenever a signal arrives (``set_wakeup_fd``)."""
+    r, w = os.pipe()
+    for fd in (r, w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(w)
+    return r
+
+
+def _wait_for_stop(stop: list[int], wake: int, timeout_s: float) -> bool:
+    """Whether a stop signal came, waiting up to ``timeout_s`` for one.
+
+    Not a ``threading.Event`` set by the handler: the handler runs in this (the main) thread, between two
+    bytecodes, and ``Event.set`` takes the lock that ``Event.wait`` holds around its checks: a signal arriving
+    there (a parent's death, SIGINT at the job's end) blocked the daemon forever and left it serving with nobody
+    to serve.  The wake-up pipe wakes the wait at once; the handler only appends to a list.
+    """
+    if not stop:
+        select.select([wake], [], [], timeout_s)
+        try:
+            while os.read(wake, 512):
+                pass
+        except BlockingIOError:
+            pass
+    return bool(stop)
 
 
 def placement(node_index: int | None, num_nodes: int | None, file_nodes: int,

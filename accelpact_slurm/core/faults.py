@@ -39,6 +39,9 @@ Switches (all off by default):
 - ``ACCELPACT_TEST_SLOW_AT=STEP:RANK:SECONDS``: RANK computes SECONDS longer in the forward of update STEP (a
   straggler, alive and busy), on the first start only; ``SECONDS`` written ``3x`` is three times the bound the
   rank's detector has learned by then.
+- ``ACCELPACT_TEST_PACE=SECONDS``: every rank waits SECONDS as each update begins, on the first start only (a
+  slower model: the first start lasts until a scheduler's signal comes, the restart runs at full speed; the
+  updates' results do not change).
 - ``ACCELPACT_TEST_NO_DETECTOR=1``: every wait blind, as before the fault detector (its negative control; the
   heartbeats still run).
 - ``ACCELPACT_TEST_BUG_RESTARTS=1``: an error of the training code restarts the job as a fault would (the
@@ -50,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -74,6 +78,7 @@ SLOW_VERIFY = "ACCELPACT_CKPTD_SLOW_VERIFY"
 CRASH_AT = "ACCELPACT_TEST_CRASH_AT"
 HANG_AT = "ACCELPACT_TEST_HANG_AT"
 SLOW_AT = "ACCELPACT_TEST_SLOW_AT"
+PACE = "ACCELPACT_TEST_PACE"
 NO_DETECTOR = "ACCELPACT_TEST_NO_DETECTOR"
 BUG_RESTARTS = "ACCELPACT_TEST_BUG_RESTARTS"
 
@@ -101,6 +106,7 @@ class TestFaults:
     crash_at: tuple[int, int] | None = None
     hang_at: tuple[int, int] | None = None
     slow_at: tuple[int, int, str] | None = None
+    pace_s: float = 0.0
     no_detector: bool = False
     bug_restarts: bool = False
 
@@ -126,7 +132,11 @@ class TestFaults:
         if env.get(SLOW_AT) and first_start:
             step, rank, secs = env[SLOW_AT].split(":")
             slow_at = (_int(SLOW_AT, step), _int(SLOW_AT, rank), secs)
+        pace = 0.0
+        if env.get(PACE) and first_start:
+            pace = _float(PACE, env[PACE])
         return cls(
+            pace_s=pace,
             hang_at=_pair(env, HANG_AT) if first_start else None,
             slow_at=slow_at,
             no_detector=env.get(NO_DETECTOR) == "1",
@@ -157,6 +167,8 @@ class TestFaults:
         if self.crash_at == (step, rank):
             log.warning("fault injection: rank %d crashes (SIGKILL) as update %d begins", rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.pace_s:
+            time.sleep(self.pace_s)  # a slower model, not a synchronisation: the update's work is unchanged
         if self.hang_at == (step, rank):
             log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -180,6 +192,16 @@ def _int(name: str, text: str) -> int:
         return int(text)
     except ValueError:
         raise ConfigError(name, text, "must be an integer") from None
+
+
+def _float(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise ConfigError(name, text, "must be a number of seconds, 0 or more")
+    return value
 
 
 def _pair(env: Mapping[str, str], name: str) -> tuple[int, int] | None:

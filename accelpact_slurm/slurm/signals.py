@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
-_requested = threading.Event()
+#: Every signal (or request) that asked for the stop, in order; non-empty means requested.  A plain list, not a
+#: ``threading.Event``: a handler runs in the main thread between two bytecodes, and ``Event.set`` takes a lock the
+#: main thread may be holding at that moment (in ``clear``, or in a wait on the same event): it would wait forever.
 _signum: list[int] = []
 
 
 def _handler(signum, _frame) -> None:  # only sets a flag: no I/O, no locks
-    _signum.append(signum)
-    _requested.set()
+    _signum.append(signum)  # list.append: atomic, takes no lock
 
 
 def stop_signals(emulated: bool) -> tuple[int, ...]:
@@ -56,11 +56,10 @@ def install(signals: tuple[int, ...] = (signal.SIGUSR2,)) -> None:
 def request(reason_signum: int = signal.SIGUSR2) -> None:
     """Ask for a snapshot-then-requeue from code (submitit's checkpoint hook, tests)."""
     _signum.append(reason_signum)
-    _requested.set()
 
 
 def requested() -> bool:
-    return _requested.is_set()
+    return bool(_signum)
 
 
 def reason() -> str:
@@ -108,5 +107,4 @@ def mark_ready(run_dir: str, restart: int, rank: int) -> None:
 
 
 def clear() -> None:
-    _requested.clear()
     _signum.clear()

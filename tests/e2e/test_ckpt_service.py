@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -310,6 +309,37 @@ def test_second_daemon_refuses_and_other_users_cannot_talk(tmp_path):
         os.chmod(os.path.dirname(socket_path(ndir)), 0o700)
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=60)
+
+
+def test_a_storm_of_stop_signals_stops_the_daemon(tmp_path):
+    """Stop signals arriving while the daemon waits (srun's SIGINTs at a job's end) stop it every time.
+
+    A handler runs in the main thread between two bytecodes; one that took a lock the main thread's wait held
+    (``threading.Event.set`` inside ``Event.wait``) blocked the daemon forever, serving with nobody to serve.
+    """
+    cfg = write_config(tmp_path / "k.yaml", nodes=1)
+    rd = tmp_path / "run"
+    daemons = [_start_daemon(cfg, rd / str(i)) for i in range(4)]
+    try:
+        for i, d in enumerate(daemons):
+            wait_for(lambda: os.path.exists(socket_path(str(rd / str(i) / "node-local" / "node1")))
+                     or d.poll() is not None, 60, "the daemon's socket")
+        for _ in range(300):
+            for d in daemons:
+                if d.poll() is None:
+                    d.send_signal(signal.SIGINT)
+        codes = []
+        for d in daemons:
+            try:
+                codes.append(d.wait(timeout=30))
+            except subprocess.TimeoutExpired:
+                codes.append("still serving")
+    finally:
+        for d in daemons:
+            if d.poll() is None:
+                d.kill()
+                d.wait(timeout=30)
+    assert codes == [0] * len(daemons), codes
 
 
 def test_full_disk_training_goes_on(tmp_path):
