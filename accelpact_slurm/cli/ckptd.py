@@ -22,6 +22,7 @@ file's ``checkpoint.every_steps``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import select
@@ -102,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_last=c.keep_last, milestone_every=c.milestone_every, shared_every=c.shared_every,
             shared_keep=c.shared_keep, compress=c.compress, drain_s=args.drain_s, faults=TestFaults.from_environ(),
         )
+        imported = preload()  # at the ranks' priority: an idle writer would import torch only once ranks wait
         if c.daemon_nice:  # background writes and verification yield the CPU to training ranks
             os.nice(c.daemon_nice)
         d = Daemon(opts)
@@ -119,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "opts" in locals():  # the node's ranks stop waiting for a daemon that will never answer
             _mark_failed(opts.run_dir, opts.node, opts.restart, why)
         return EXIT_USAGE
-    print(f"accelpact-ckptd: serving {opts.node_dir} for node {node} (pid {os.getpid()})", flush=True)
+    print(f"accelpact-ckptd: serving {opts.node_dir} for node {node} (pid {os.getpid()}; "
+          f"{'imported torch and DCP at start' if imported else 'torch and DCP were imported already'})", flush=True)
     told = False
     while not _wait_for_stop(stop, wake, 1.0):
         if terms and not told:  # logged here, not in the handler
@@ -204,6 +207,23 @@ def _mark_failed(run_dir: str, node: str, restart: int, why: str) -> None:
                                                                "pid": os.getpid()})
     except OSError:  # the run directory itself is unwritable: the ranks wait out startup_s once instead
         pass
+
+
+#: What a snapshot's write and verification import on first use (torch, DCP's planner, reader and writer).
+WRITE_MODULES = ("torch", "torch.distributed.checkpoint", "ckpt_service.writer", "ckpt_service.verify")
+
+
+def preload() -> list[str]:
+    """Import what the first snapshot needs now, before the daemon lowers its priority; returns the modules that
+    were not imported yet (none in a daemon forked from the embedded default's zygote).
+
+    The writer threads run at ``SCHED_IDLE`` (or niced): importing torch there takes seconds of CPU that a busy
+    node gives them only once its ranks wait -- for the job's final snapshot, the last thing a job waits for.
+    """
+    missing = [name for name in WRITE_MODULES if name not in sys.modules]
+    for name in missing:
+        importlib.import_module(name)
+    return missing
 
 
 if __name__ == "__main__":  # pragma: no cover

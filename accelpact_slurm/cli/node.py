@@ -2,8 +2,11 @@
 
 Not a user command: ``sbatch_templates/hsdp.sbatch`` spells no protocol itself and calls these instead.
 
-* ``gpus``: print the allocation's GPUs per node (0: a CPU job); exit 2 with a one-line error when they differ from
-  the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`).
+* ``gpus [--job-file CONFIG]``: print the allocation's GPUs per node (0: a CPU job); exit 2 with a one-line error
+  when they differ from the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`), or when the job
+  file is one the workers would refuse (naming the field, the value and the fix).  Checked in the batch shell,
+  before any step: every task would refuse it alike, and ``srun --kill-on-bad-exit`` would end the slower ones
+  (status 143, read as a crash) before they could say so with 2.
 * ``serve CONFIG --run-dir DIR``: this node's checkpoint daemon (one task per node), then the shared-memory
   staging a killed daemon left (:func:`accelpact_slurm.launch.core.serve_node`).
 * ``usr2 RUN_DIR [--step-pid PID]``: the pre-timeout USR2 reached the batch shell: record it, and forward it to the
@@ -21,7 +24,8 @@ import os
 import sys
 from typing import Sequence
 
-from accelpact_slurm.core.errors import EXIT_USAGE
+from accelpact_slurm.core.config import load_config
+from accelpact_slurm.core.errors import EXIT_USAGE, AccelpactError
 from accelpact_slurm.launch import core
 
 PROG = "accelpact_slurm.cli.node"
@@ -30,7 +34,8 @@ PROG = "accelpact_slurm.cli.node"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     sub = p.add_subparsers(dest="what", required=True)
-    sub.add_parser("gpus", help="the allocation's GPUs per node, checked against its tasks per node")
+    gpus = sub.add_parser("gpus", help="the allocation's GPUs per node, checked against its tasks per node")
+    gpus.add_argument("--job-file", metavar="CONFIG", help="also check the job file as the workers will load it")
     serve = sub.add_parser("serve", help="this node's checkpoint daemon, then its leftover staging")
     serve.add_argument("config", metavar="CONFIG")
     serve.add_argument("--run-dir", required=True, metavar="DIR")
@@ -57,8 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     restart = _int_env("SLURM_RESTART_COUNT", 0)
     if args.what == "gpus":
         try:
+            if args.job_file:
+                load_config(args.job_file)
             print(core.gpus_per_node(os.environ))
-        except ValueError as exc:
+        except (ValueError, AccelpactError) as exc:
             print(f"hsdp.sbatch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE  # a requeue would not help
         return 0

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from accelpact_slurm.launch.ranks import daemon_command
 from ckpt_service.layout import node_dir
@@ -22,35 +22,43 @@ log = logging.getLogger(__name__)
 @dataclass
 class LocalDaemon:
     node: str
-    proc: subprocess.Popen
+    proc: Any  # subprocess.Popen, or a zygote's Forked (the same interface)
     log_path: str
 
 
 def start_local_daemons(config_path: str, cfg, run_dir: str, job_id: str, environ: Mapping[str, str],
-                        drain_s: float = 120.0, restart: int = 0) -> list[LocalDaemon]:
-    """Start one daemon per emulated node (none when snapshots are off)."""
+                        drain_s: float = 120.0, restart: int = 0, zygote: Any = None) -> list[LocalDaemon]:
+    """Start one daemon per emulated node (none when snapshots are off), forked from ``zygote`` where there is one."""
     if cfg.checkpoint.every_steps <= 0:
         return []
     return [spawn_daemon(config_path, run_dir, f"node{i + 1}", i, job_id, environ, restart=restart, drain_s=drain_s,
-                         num_nodes=cfg.topology.nodes, every_steps=cfg.checkpoint.every_steps)
+                         num_nodes=cfg.topology.nodes, every_steps=cfg.checkpoint.every_steps, zygote=zygote)
             for i in range(cfg.topology.nodes)]
 
 
 def spawn_daemon(config_path: str, run_dir: str, node: str, node_index: int, job_id: str,
                  environ: Mapping[str, str], *, restart: int, drain_s: float,
                  preexec_fn: Callable[[], None] | None = None, num_nodes: int | None = None,
-                 every_steps: int | None = None, keep_serving_on_sigterm: bool = False) -> LocalDaemon:
+                 every_steps: int | None = None, keep_serving_on_sigterm: bool = False,
+                 zygote: Any = None) -> LocalDaemon:
     """Start one node's ``accelpact-ckptd``, its output appended to ``RUN_DIR/logs/ckptd-<node>.log``.
 
     ``num_nodes`` and ``every_steps``: the job's, for the shared-tier rotation (:func:`.ranks.daemon_command`).
     ``keep_serving_on_sigterm``: in a real Slurm task, where a preemption's SIGTERM reaches the daemon too
-    (:func:`stop_daemons` stops it with SIGINT either way).
+    (:func:`stop_daemons` stops it with SIGINT either way).  ``zygote`` (:class:`.zygote.Zygote`, the embedded
+    default's): fork the daemon from it, torch and DCP already imported (its first snapshot, the job's final
+    one included, would otherwise wait for those imports); a plain process where it cannot.
     """
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     log_path = os.path.join(logs, f"ckptd-{node}.log")
     cmd = daemon_command(config_path, run_dir, node, node_index, job_id, restart=restart, drain_s=drain_s,
                          num_nodes=num_nodes, every_steps=every_steps, keep_serving_on_sigterm=keep_serving_on_sigterm)
+    if zygote is not None and zygote.alive and preexec_fn is None and cmd[1] == "-m":
+        try:
+            return LocalDaemon(node, zygote.spawn(cmd[3:], environ, log_path, module=cmd[2]), log_path)
+        except OSError as exc:
+            log.warning("the daemon of %s starts as a plain process: %s", node, exc)
     with open(log_path, "ab") as fh:
         proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)

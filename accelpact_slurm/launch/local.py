@@ -185,7 +185,8 @@ def launch_local(
     os.makedirs(logs, exist_ok=True)
     data_port, control_port = free_port_pair()
 
-    daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count)  # one per emulated node
+    daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count,
+                                  zygote=zygote)  # one per emulated node, forked where the ranks are
     ranks: list[RankProcess] = []
     args = [config_path, "--run-dir", run_dir, *worker_args]
     cmd = [sys.executable, "-m", WORKER_MODULE, *args]

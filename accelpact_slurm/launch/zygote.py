@@ -8,7 +8,8 @@ launcher echoes rank 0's from there), and runs the worker entry's ``main`` as if
 accelpact_slurm.cli.worker``.  Nothing of torch runs in the zygote before a fork (no tensor, no thread pool, no
 CUDA): what a fork copies is imported modules.
 
-Protocol (JSON lines): the launcher writes ``{"argv", "env", "log", "cwd"}`` to the zygote's stdin; the zygote
+Protocol (JSON lines): the launcher writes ``{"argv", "env", "log", "cwd", "module"}`` to the zygote's stdin
+(``module``: what the child runs as ``python -m``, the worker entry unless it names the node daemon's); the zygote
 answers ``{"pid": P}`` (or ``{"error": ...}``), and ``{"exit": P, "code": C}`` when a child ends (``C`` negative:
 killed by signal ``-C``, as ``Popen.returncode``).  EOF on its stdin ends the zygote (its children are the
 launcher's business).
@@ -38,9 +39,13 @@ from accelpact_slurm.launch.ranks import WORKER_MODULE
 log = logging.getLogger(__name__)
 
 #: What the zygote imports before its first fork (every rank imports these anyway).
+#: The node daemons are forked from it too (:func:`accelpact_slurm.launch.daemons.spawn_daemon`): a daemon started
+#: as a process of its own imports torch and DCP on its first snapshot, at its lowered priority, and the job's
+#: final snapshot waited seconds for those imports.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torchdata.stateful_dataloader", "accelpact_slurm.runtime.job",
-           "accelpact_slurm.runtime.api", "accelpact_slurm.runtime.topology", "ckpt_service.client")
+           "accelpact_slurm.runtime.api", "accelpact_slurm.runtime.topology", "ckpt_service.client",
+           "accelpact_slurm.cli.ckptd", "ckpt_service.writer", "ckpt_service.verify")
 READY_TIMEOUT_S = 120.0
 
 
@@ -64,9 +69,10 @@ def _child(req: dict[str, Any], control: Sequence[int]) -> None:
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
-        # Exactly ``python -m accelpact_slurm.cli.worker ARGS`` (its ``__main__`` guard exits with the rank's code).
-        sys.argv = [WORKER_MODULE, *req["argv"]]
-        runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+        # Exactly ``python -m MODULE ARGS`` (its ``__main__`` guard exits with the process's code).
+        module = req.get("module") or WORKER_MODULE
+        sys.argv = [module, *req["argv"]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -173,9 +179,12 @@ class Zygote:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: str, cwd: str | None = None) -> "Forked":
-        """Fork one rank whose output goes to ``log``; returns its handle (a ``Popen``-like object)."""
-        req = json.dumps({"argv": list(argv), "env": dict(env), "log": log, "cwd": cwd or os.getcwd()})
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: str, cwd: str | None = None,
+              module: str = WORKER_MODULE) -> "Forked":
+        """Fork one process running ``python -m module argv`` (a rank by default), its output appended to ``log``;
+        returns its handle (a ``Popen``-like object)."""
+        req = json.dumps({"argv": list(argv), "env": dict(env), "log": log, "cwd": cwd or os.getcwd(),
+                          "module": module})
         with self._cond:
             n = len(self._pids)
             self._proc.stdin.write(req.encode() + b"\n")

@@ -164,7 +164,7 @@ def _kill_daemon_after(run_dir: Path, step: int, node: str, deadline: float) -> 
     log = run_dir / "logs" / f"ckptd-{node}.log"
     while time.monotonic() < deadline:
         if any(e.get("event") == "step" and e.get("step", 0) >= step for e in _events(run_dir)):
-            m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)\)", log.read_text()) if log.exists() else None
+            m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)[;)]", log.read_text()) if log.exists() else None
             if m:
                 t = time.time()
                 try:

@@ -72,6 +72,16 @@ def test_the_daemons_logs_hold_no_torch_noise(runs):
     assert [p.name for p in logs if "assuming the intent" in p.read_text()] == []
 
 
+def test_the_daemons_are_forked_with_torch_imported(runs):
+    """The embedded default forks its node daemons from the ranks' zygote, torch and DCP imported: their first
+    snapshot (the job's final one, when nothing else) does not wait for those imports at the daemon's idle
+    priority.  Negative control: run b (``ACCELPACT_ZYGOTE=0``) starts them as plain processes, which import
+    them at start, before lowering their priority."""
+    for run, said in (("a", "torch and DCP were imported already"), ("b", "imported torch and DCP at start")):
+        logs = sorted((runs["dir"] / run / "logs").glob("ckptd-*.log"))
+        assert len(logs) == 2 and all(said in p.read_text() for p in logs), [p.read_text()[-500:] for p in logs]
+
+
 def test_event_log(runs):
     events = list(read_events(runs["dir"] / "a" / "events.jsonl"))
     kinds = [e["event"] for e in events]
@@ -187,5 +197,5 @@ def test_kill_9_of_every_rank_and_daemon_leaves_no_staging_in_shared_memory(tmp_
 def _daemon_pid(log_path) -> int | None:
     import re
 
-    m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)\)", log_path.read_text()) if log_path.exists() else None
+    m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)[;)]", log_path.read_text()) if log_path.exists() else None
     return int(m.group(1)) if m else None

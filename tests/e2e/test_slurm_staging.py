@@ -39,7 +39,7 @@ def test_kill_9_of_ranks_and_daemons_leaves_no_staging_on_the_nodes(slurm_cluste
     while not all(os.path.isdir(r) and any(".slot-" in n for n in os.listdir(r)) for r in roots):
         assert time.monotonic() < deadline, "no rank staged a snapshot on both nodes"
         time.sleep(0.2)  # polling for the slots against a deadline, not synchronisation
-    daemons = [int(p) for p in re.findall(r"accelpact-ckptd: serving .* \(pid (\d+)\)", out.read_text())]
+    daemons = [int(p) for p in re.findall(r"accelpact-ckptd: serving .* \(pid (\d+)[;)]", out.read_text())]
     ranks = [e["pid"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "membership"]
     assert len(daemons) == 2 and len(ranks) == 4
     for pid in daemons + ranks:

@@ -50,7 +50,7 @@ def events(run_dir):
 
 def daemon_pid(run_dir, node):
     try:
-        m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)\)", (run_dir / "logs" / f"ckptd-{node}.log").read_text())
+        m = re.search(r"accelpact-ckptd: serving .* \(pid (\d+)[;)]", (run_dir / "logs" / f"ckptd-{node}.log").read_text())
     except FileNotFoundError:
         return None
     return int(m.group(1)) if m else None

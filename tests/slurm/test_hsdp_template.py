@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DECODER_JOB, job_text
+
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch_templates" / "hsdp.sbatch"
 BASE_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
 
@@ -55,11 +57,12 @@ def test_template_passes_shellcheck():
     assert proc.returncode == 0, proc.stdout
 
 
-def _check_gpus(env: dict[str, str]) -> subprocess.CompletedProcess:
-    """The template's GPU check (``python -m accelpact_slurm.cli.node gpus``), alone, under ``env``; prints the GPUs
-    per node when it passes."""
-    assert "GPUS_PER_NODE=$(\"$PY\" -m accelpact_slurm.cli.node gpus) || exit 2" in TEMPLATE.read_text()
-    return subprocess.run([sys.executable, "-m", "accelpact_slurm.cli.node", "gpus"], capture_output=True,
+def _check_gpus(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    """The template's first check (``python -m accelpact_slurm.cli.node gpus --job-file CONFIG``), alone, under
+    ``env``; prints the GPUs per node when it passes."""
+    assert ("GPUS_PER_NODE=$(\"$PY\" -m accelpact_slurm.cli.node gpus --job-file \"$CONFIG\") || exit 2"
+            in TEMPLATE.read_text())
+    return subprocess.run([sys.executable, "-m", "accelpact_slurm.cli.node", "gpus", *extra], capture_output=True,
                           text=True, timeout=60, env={**BASE_ENV, "PYTHONPATH": str(REPO), **env})
 
 
@@ -100,6 +103,23 @@ def test_gpu_check_rejects_unequal_counts_with_the_fix(env, words):
     assert err.startswith("hsdp.sbatch: error: ") and "\n" not in err
     for w in words:
         assert w in err, err
+
+
+def test_the_first_check_refuses_a_job_file_the_workers_would_refuse(tmp_path: Path):
+    """Every task would refuse it alike, and ``srun --kill-on-bad-exit`` would end the slower ones (status 143, a
+    crash to the template, requeued) before they could exit 2: the batch shell checks it first.  Negative
+    control: the same check without ``--job-file`` passes it."""
+    good = tmp_path / "good.yaml"
+    good.write_text(job_text(DECODER_JOB))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("\n".join("steps: -1" if line.startswith("steps:") else line
+                             for line in job_text(DECODER_JOB).splitlines()) + "\n")
+    assert _check_gpus({}, "--job-file", str(good)).returncode == 0
+    proc = _check_gpus({}, "--job-file", str(bad))
+    assert proc.returncode == 2 and proc.stdout == ""
+    err = proc.stderr.strip()
+    assert err.startswith("hsdp.sbatch: error: ") and "steps" in err and "-1" in err and "must be >= 0" in err, err
+    assert _check_gpus({}).returncode == 0  # the control: without the job file nothing sees it
 
 
 def _run_template(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
