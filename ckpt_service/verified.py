@@ -21,18 +21,19 @@ Who calls: the reload (:func:`accelpact_slurm.runtime.appstate.load`) and the ve
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import pickle
 from pathlib import Path
 from typing import Any, Iterator
 
 from accelpact_slurm.core.errors import CheckpointError
+from ckpt_service import digest
 from ckpt_service.auth import authenticate
 from ckpt_service.layout import MANIFEST, step_of
 from ckpt_service.safeio import JSON_LIMIT, NotRegular, open_regular, read_fd, read_json_why
 
 METADATA = ".metadata"
+NAMES = {"sha256": "SHA-256", "blake3": "BLAKE3"}
 _BUF = 4 << 20
 
 
@@ -53,20 +54,22 @@ def read_manifest(path: str, key: bytes | None) -> tuple[dict[str, Any] | None, 
     if named is not None and manifest.get("step") != named:
         return None, (f"the manifest was signed for step {manifest.get('step')!r}, the directory is named step "
                       f"{named}: an older snapshot renamed to a newer step is refused")
-    for name, want in manifest["files"].items():
-        if (not isinstance(name, str) or os.sep in name or name in ("", ".", "..") or not isinstance(want, dict)
-                or not isinstance(want.get("size"), int) or not isinstance(want.get("sha256"), str)):
-            return None, f"the manifest's entry {name!r} is not a file name with a size and a SHA-256"
+    for name in manifest["files"]:
+        if not isinstance(name, str) or os.sep in name or name in ("", ".", ".."):
+            return None, f"the manifest's entry {name!r} is not a file name"
+    why = digest.check_entries(manifest)
+    if why is not None:
+        return None, why
     return manifest, "manifest read"
 
 
-def _hash_fd(fd: int, drop: bool) -> str:
-    """SHA-256 of what ``fd`` holds from offset 0; ``drop``: the file's cached pages are dropped first, so the
+def _hash_fd(fd: int, drop: bool, algorithm: str) -> str:
+    """The digest (``algorithm``) of what ``fd`` holds from offset 0; ``drop``: the file's cached pages are dropped first, so the
     bytes come from the disk (a verification re-read), and again after (nothing else needs them)."""
     if drop and hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    h = hashlib.sha256()
+    h = digest.new(algorithm)
     offset = 0
     while True:
         b = os.pread(fd, _BUF, offset)
@@ -89,7 +92,7 @@ def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = Fal
 
     Raises:
         CheckpointError: naming the file and what is wrong with it (missing, not a regular file, not the
-            job's user's, writable by others, another size, another SHA-256).
+            job's user's, writable by others, another size, another digest).
     """
     p = os.path.join(path, name)
     try:
@@ -108,13 +111,14 @@ def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = Fal
             raise CheckpointError(f"{name} has {st.st_size} bytes, the manifest says {want['size']} "
                                   f"(truncated or grown)")
         data = None
+        algorithm, expected = digest.entry(want)
         if keep_bytes:
             data = read_fd(fd, st.st_size, p)
-            digest = hashlib.sha256(data).hexdigest()
+            got = digest.of_bytes(data, algorithm)
         else:
-            digest = _hash_fd(fd, drop)
-        if digest != want["sha256"]:
-            raise CheckpointError(f"{name} fails its SHA-256 checksum (corrupted)")
+            got = _hash_fd(fd, drop, algorithm)
+        if got != expected:
+            raise CheckpointError(f"{name} fails its {NAMES.get(algorithm, algorithm)} checksum (corrupted)")
         return fd, data
     except NotRegular as exc:
         os.close(fd)

@@ -10,8 +10,8 @@ Steps of :func:`write_snapshot` (each names the failure it prevents):
    against the live state on the first snapshot of every start) is refused;
 3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
    (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads), without
-   ``torch.save``'s per-record CRC-32 (the SHA-256 of step 4 covers every byte);
-4. every file hashed (SHA-256) as its bytes are written (:class:`_HashingFile`: no second pass over the
+   ``torch.save``'s per-record CRC-32 (the digest of step 4 covers every byte);
+4. every file hashed (BLAKE3, :mod:`.digest`) as its bytes are written (:class:`_HashingFile`: no second pass over the
    page cache), its write-back to the disk started while it is still being written, then fsynced and
    dropped from the page cache (memory nothing needs: the verifier re-reads the disk itself, with
    ``O_DIRECT`` where the file system allows it, so it checks the bytes on the disk, not a cached copy);
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import math
 import mmap
@@ -42,6 +41,7 @@ from typing import Any, Callable, Mapping, Sequence
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 
+from ckpt_service import digest
 from ckpt_service import faults as fault_points
 from ckpt_service.auth import sign
 from ckpt_service.compat import zstd_extensions
@@ -50,7 +50,7 @@ from ckpt_service.layout import DEL_PREFIX, MANIFEST, STATE, TMP_PREFIX, step_di
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the manifest names its files' digest (:mod:`.digest`); 2 and older: SHA-256
 
 
 class ChunkedTensor:
@@ -168,15 +168,15 @@ def build_state(descs: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dic
     return state, tensors
 
 
-def sha256_file(path: str, bufsize: int = 4 << 20, drop: bool = False) -> str:
-    """The file's SHA-256, read into one reused buffer; ``drop``: read it from the disk, past the page cache
+def hash_file(path: str, algorithm: str = digest.WRITE, bufsize: int = 4 << 20, drop: bool = False) -> str:
+    """The file's digest (:mod:`.digest`), read into one reused buffer; ``drop``: read it from the disk, past the page cache
     (``O_DIRECT``, where the file system allows it; else a buffered read whose pages are dropped afterwards),
     for a verification re-read that must see what the disk holds and that nothing else needs."""
     if drop:
-        digest = _sha256_direct(path, bufsize)
-        if digest is not None:
-            return digest
-    h = hashlib.sha256()
+        got = _hash_direct(path, algorithm, bufsize)
+        if got is not None:
+            return got
+    h = digest.new(algorithm)
     buf = bytearray(bufsize)
     mv = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
@@ -193,8 +193,8 @@ def sha256_file(path: str, bufsize: int = 4 << 20, drop: bool = False) -> str:
     return h.hexdigest()
 
 
-def _sha256_direct(path: str, bufsize: int) -> str | None:
-    """SHA-256 of a file read with ``O_DIRECT`` (the disk's bytes, no copy through the page cache); None where
+def _hash_direct(path: str, algorithm: str, bufsize: int) -> str | None:
+    """The digest of a file read with ``O_DIRECT`` (the disk's bytes, no copy through the page cache); None where
     the file system refuses direct I/O (tmpfs, some network file systems): the caller reads it buffered."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
@@ -206,7 +206,7 @@ def _sha256_direct(path: str, bufsize: int) -> str | None:
     try:
         buf = mmap.mmap(-1, bufsize)  # page-aligned, as O_DIRECT wants
         mv = memoryview(buf)
-        h = hashlib.sha256()
+        h = digest.new(algorithm)
         size = os.fstat(fd).st_size
         done = 0
         try:
@@ -235,7 +235,7 @@ def _fsync_file(path: str) -> None:
 
 
 def fsync_and_hash(paths: Sequence[str]) -> dict[str, str]:
-    """fsync every file on one thread while hashing them on this one; ``{path: sha256}``."""
+    """fsync every file on one thread while hashing them on this one; ``{path: digest}`` (:data:`.digest.WRITE`)."""
     errors: list[BaseException] = []
 
     def sync() -> None:
@@ -247,7 +247,7 @@ def fsync_and_hash(paths: Sequence[str]) -> dict[str, str]:
 
     t = threading.Thread(target=sync, name="ckptd-fsync", daemon=True)
     t.start()
-    sums = {p: sha256_file(p) for p in paths}
+    sums = {p: hash_file(p) for p in paths}
     t.join()
     if errors:
         raise errors[0]
@@ -257,7 +257,7 @@ def fsync_and_hash(paths: Sequence[str]) -> dict[str, str]:
 @contextlib.contextmanager
 def _no_zip_crc():
     """``torch.save`` without its per-record CRC-32 (a second pass over every byte) while DCP writes: every
-    file is covered by the manifest's SHA-256 instead, and stock ``torch.load``/``dcp.load`` read it as is."""
+    file is covered by the manifest's digest instead, and stock ``torch.load``/``dcp.load`` read it as is."""
     import torch.serialization as ser
 
     if not hasattr(ser, "set_crc32_options"):  # pragma: no cover - older torch: keep the CRC
@@ -275,8 +275,8 @@ def _no_zip_crc():
 _CRC_LOCK = threading.Lock()
 
 
-#: Files the tensors are split into, each written (and hashed) by its own thread: hashing (SHA-256, about
-#: 1-2 GB/s per core) is what bounds one thread's write, and two files keep two cores and the disk busy.
+#: Files the tensors are split into, each written (and hashed) by its own thread: serialising and hashing are
+#: what bound one thread's write, and two files keep two cores and the disk busy.
 WRITE_THREADS = max(1, min(2, os.cpu_count() or 1))
 #: Bytes after which a file's dirty pages are handed to the disk (write-back started, not waited for).
 WRITEBACK_WINDOW = 32 << 20
@@ -313,7 +313,7 @@ def drop_cached(fd: int) -> None:
 
 
 class _HashingFile:
-    """A write-only file that computes its SHA-256 from the bytes as they are written.
+    """A write-only file that computes its digest (:data:`.digest.WRITE`) from the bytes as they are written.
 
     Small writes (``torch.save``'s record headers) are gathered; large ones (a tensor's bytes, straight
     from the staging slot) go to the kernel as they are.  Every ``WRITEBACK_WINDOW`` bytes the disk is
@@ -324,7 +324,7 @@ class _HashingFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self.h = hashlib.sha256()
+        self.h = digest.new()
         self.pos = 0  # bytes handed to the kernel
         self.kicked = 0  # bytes whose write-back was started
         self.pending = bytearray()
@@ -376,7 +376,7 @@ class _HashingFile:
             self.kicked = self.pos
 
     def finish(self) -> tuple[int, str]:
-        """Flush, fsync, drop the file's pages from the page cache; ``(size, sha256)``."""
+        """Flush, fsync, drop the file's pages from the page cache; ``(size, digest)``."""
         self.flush()
         os.fsync(self.fd)
         drop_cached(self.fd)
@@ -387,7 +387,7 @@ class _HashingFile:
 
 
 def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException]):
-    """DCP's local file system whose write streams are :class:`_HashingFile`s; ``sums[name] = (size, sha256)``
+    """DCP's local file system whose write streams are :class:`_HashingFile`s; ``sums[name] = (size, digest)``
     (by file name: every file of a snapshot lies in its one directory).  A stream that failed leaves its
     exception in ``errors``: DCP's extra write threads would otherwise only print it."""
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -483,7 +483,7 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
     try:
         os.makedirs(tmp)
         t = time.monotonic()
-        written: dict[str, tuple[int, str]] = {}  # file name -> (size, sha256): hashed while written, fsynced
+        written: dict[str, tuple[int, str]] = {}  # file name -> (size, digest): hashed while written, fsynced
         with _no_zip_crc():
             dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step, faults, written), planner=_planner(),
                      no_dist=True)
@@ -497,12 +497,12 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
             size = os.path.getsize(os.path.join(tmp, n))
             if n in written and written[n][0] != size:
                 raise CheckpointError(f"{n} has {size} bytes, {written[n][0]} were written")
-            files[n] = {"size": size, "sha256": written[n][1] if n in written else sums[os.path.join(tmp, n)]}
+            files[n] = {"size": size, digest.WRITE: written[n][1] if n in written else sums[os.path.join(tmp, n)]}
         timings["fsync_hash"] = time.monotonic() - t
         if before_commit is not None:
             before_commit()
         manifest = {
-            "format": FORMAT_VERSION, "step": step, "node": node, "created": time.time(),
+            "format": FORMAT_VERSION, "digest": digest.WRITE, "step": step, "node": node, "created": time.time(),
             "job_id": meta.get("job_id"), "config_digest": meta.get("config_digest"), "config": meta.get("config"),
             "capture": meta.get("capture"), "compressed": compress, "world_size": meta.get("world_size"),
             "node_ranks": [d["rank"] for d in descs], "files": files,

@@ -6,7 +6,7 @@ as DCP chunks in ``writer.WRITE_THREADS`` files written in parallel, each hashed
 manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of the same size on the same filesystem, paired
 and interleaved (order alternated, ``harness.abba``).  After both writes of a pair the daemon's verification
 runs on the snapshot (untimed in the ratio).  The process's CPU seconds of the write and of the verification
-give the daemon's CPU per GiB by activity, beside SHA-256's own cost here.
+give the daemon's CPU per GiB by activity, beside the file digests' own cost here (BLAKE3, written; SHA-256, measured beside it).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def node_descs(model_cfg: dict[str, Any], stage_root: str, step: int, ranks: int
 
 def _write_ours(ndir: Path, step: int, paths: list[Any], parts: dict[str, float]) -> dict[str, Any]:
     """What the daemon's writer thread does with one node's descriptors; also its CPU seconds (every thread of
-    this process: serialisation, the writes into the page cache, SHA-256 while writing, fsync)."""
+    this process: serialisation, the writes into the page cache, the digest while writing, fsync)."""
     import gc
 
     from ckpt_service import staging, writer
@@ -116,14 +116,14 @@ def _write_ours(ndir: Path, step: int, paths: list[Any], parts: dict[str, float]
     del descs
     gc.collect()
     res = {"ours_s": total, "ours_bytes": size, "map_s": t_map, "cpu_write_s": cpu, **dict(parts)}
-    res["dcp_save_s"] = timings.get("dcp_save", 0.0)  # serialise + write + SHA-256 + fsync, per file in parallel
+    res["dcp_save_s"] = timings.get("dcp_save", 0.0)  # serialise + write + digest + fsync, per file in parallel
     res["manifest_commit_s"] = total - t_map - parts.get("build_state", 0) - res["dcp_save_s"]
     return res
 
 
 def _verify_ours(path: Path) -> dict[str, Any]:
     """The daemon's verification of the snapshot just written (re-read from the disk: the writer dropped its
-    pages; SHA-256 of every file; coverage), timed with its CPU seconds."""
+    pages; the digest of every file; coverage), timed with its CPU seconds."""
     from ckpt_service.verify import verify_snapshot
 
     cpu = time.process_time()
@@ -133,16 +133,21 @@ def _verify_ours(path: Path) -> dict[str, Any]:
             "verify_reason": why}
 
 
-def sha256_rate(nbytes: int = 256 << 20) -> float:
-    """CPU seconds per GiB that SHA-256 alone takes here (hashlib over an in-memory buffer)."""
-    import hashlib
+def digest_rates(nbytes: int = 256 << 20, samples: int = 5) -> dict[str, float]:
+    """CPU seconds per GiB that each file digest alone takes here (over an in-memory buffer, 4 MiB updates as the
+    writer makes them), the algorithms alternated sample by sample; medians, as ``<algorithm>_alone``."""
+    from ckpt_service import digest
 
     buf = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
-    cpu = time.process_time()
-    h = hashlib.sha256()
-    for i in range(0, len(buf), 4 << 20):
-        h.update(buf[i:i + (4 << 20)])
-    return (time.process_time() - cpu) / (len(buf) / 2**30)
+    got: dict[str, list[float]] = {alg: [] for alg in digest.ALGORITHMS}
+    for i in range(samples):
+        for alg in digest.ALGORITHMS if i % 2 == 0 else reversed(digest.ALGORITHMS):
+            cpu = time.process_time()
+            h = digest.new(alg)
+            for j in range(0, len(buf), 4 << 20):
+                h.update(buf[j:j + (4 << 20)])
+            got[alg].append((time.process_time() - cpu) / (len(buf) / 2**30))
+    return {f"{alg}_alone": sorted(v)[len(v) // 2] for alg, v in got.items()}
 
 
 def _write_dd(ndir: Path, size: int) -> dict[str, Any]:
@@ -161,7 +166,7 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
     import gc
     import warnings
 
-    from ckpt_service import writer
+    from ckpt_service import digest, writer
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -208,7 +213,8 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
     out["cpu_s_per_gib"] = {
         "write": h.med([r["cpu_write_s"] / (r["ours_bytes"] / 2**30) for r in rows]),
         "verify": h.med([r["cpu_verify_s"] / (r["ours_bytes"] / 2**30) for r in rows]),
-        "sha256_alone": sha256_rate(),
+        **digest_rates(),
     }
+    out["digest"] = digest.WRITE
     out["verified_all"] = all(r.get("verify_ok") for r in rows)
     return out

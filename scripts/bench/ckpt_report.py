@@ -118,10 +118,10 @@ def markdown(res: dict[str, Any]) -> str:
         f"**Write bandwidth** (one node's snapshot, {bw['pairs'][0]['ours_bytes'] / 2**30:.2f} "
         f"GiB; {len(bw['pairs'])} pairs, order alternated): the daemon's write path (map the two ranks' "
         "shared-memory slots, build the DCP state from their boxes, DCP save of every box as a chunk into "
-        f"{bw.get('write_threads', 1)} file(s) written in parallel, each hashed (SHA-256) as it is written, its "
+        f"{bw.get('write_threads', 1)} file(s) written in parallel, each hashed ({_digest(bw)}) as it is written, its "
         "write-back started while it is written, fsynced and dropped from the page cache; manifest, rename) vs "
         "`dd if=/dev/zero bs=4M conv=fsync` of the same size on the same filesystem. The verification (re-read "
-        "from the disk, SHA-256, coverage) runs after both writes of a pair, untimed in the ratio.",
+        f"from the disk, {_digest(bw)}, coverage) runs after both writes of a pair, untimed in the ratio.",
         "",
         "| | median (min–max) |",
         "|---|---|",
@@ -180,10 +180,19 @@ def cpu_lines(bw: dict[str, Any]) -> list[str]:
     c = bw.get("cpu_s_per_gib")
     if not c:
         return []
+    alg = _digest(bw)
+    alone = f"{alg} alone costs {_f(c.get(alg.lower().replace('-', '') + '_alone'))} s per GiB here"
+    if alg != "SHA-256" and c.get("sha256_alone") is not None:
+        alone += f" (SHA-256 {_f(c['sha256_alone'])} s, measured beside it)"
     return ["", f"The daemon's CPU per GiB written (process CPU time, all threads, medians): write path "
-                f"{_f(c.get('write'))} s (serialisation, writes into the page cache, SHA-256 while writing, fsync), "
-                f"verification {_f(c.get('verify'))} s (re-read from the disk, SHA-256, coverage); SHA-256 alone "
-                f"costs {_f(c.get('sha256_alone'))} s per GiB here, once in each."]
+                f"{_f(c.get('write'))} s (serialisation, writes into the page cache, {alg} while writing, fsync), "
+                f"verification {_f(c.get('verify'))} s (re-read from the disk, {alg}, coverage); {alone}, once in "
+                f"each."]
+
+
+def _digest(bw: dict[str, Any]) -> str:
+    """The file digest the measured write path used (results before it was recorded: SHA-256)."""
+    return {"blake3": "BLAKE3", "sha256": "SHA-256"}.get(bw.get("digest", "sha256"), str(bw.get("digest")))
 
 
 def analysis_lines(res: dict[str, Any]) -> list[str]:
@@ -233,7 +242,7 @@ def analysis_lines(res: dict[str, Any]) -> list[str]:
     out.append(
         f"Write path {'meets' if g['write_bandwidth']['pass'] else 'misses'} goal 2: per write, mapping the slots "
         f"takes {pm.get('map_s') or 0:.2f} s, building the state from the boxes {pm.get('build_state') or 0:.2f} s "
-        f"(no copy), DCP's save (serialisation, writes, SHA-256 while writing, fsync) {pm.get('dcp_save_s') or 0:.2f} s, "
+        f"(no copy), DCP's save (serialisation, writes, {_digest(bw)} while writing, fsync) {pm.get('dcp_save_s') or 0:.2f} s, "
         f"manifest and commit {pm.get('manifest_commit_s') or 0:.2f} s; dd took {pm.get('dd_s') or 0:.2f} s "
         f"(a noisy disk: dd ran at {_f(bw['dd_GBps']['min'])}–{_f(bw['dd_GBps']['max'])} GB/s).")
     return out

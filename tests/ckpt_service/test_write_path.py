@@ -4,13 +4,13 @@ page cache, background threads at the lowest priority."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import threading
 
 import math
 
+import blake3
 import pytest
 
 
@@ -60,8 +60,8 @@ def test_checksums_taken_while_writing_match_the_disk_and_stock_dcp_loads_it(tmp
     assert len(data) == writer.WRITE_THREADS  # the tensors went to one file per write thread
     for name, want in manifest["files"].items():
         raw = (tmp_path / "node" / "step-0000000007" / name).read_bytes()
-        assert want["size"] == len(raw) and want["sha256"] == hashlib.sha256(raw).hexdigest()
-        assert writer.sha256_file(os.path.join(path, name), drop=True) == want["sha256"]
+        assert want["size"] == len(raw) and want["blake3"] == blake3.blake3(raw).hexdigest()
+        assert writer.hash_file(os.path.join(path, name), drop=True) == want["blake3"]
     assert verify_snapshot(path, b"k" * 32)[0]
     back = {"model": {"w": torch.zeros_like(t)}, "lr": 0, "extra": {"json": ""}}
     dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)  # stock load
@@ -74,7 +74,7 @@ def test_checksums_taken_while_writing_match_the_disk_and_stock_dcp_loads_it(tmp
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([b[0] ^ 1]))
     ok, why = verify_snapshot(path, b"k" * 32)
-    assert not ok and "SHA-256" in why
+    assert not ok and "fails its BLAKE3 checksum" in why
 
 
 def test_a_failed_write_thread_fails_the_snapshot(tmp_path, monkeypatch):

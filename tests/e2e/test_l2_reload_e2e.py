@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +88,7 @@ def _forge_a_consistent_corruption(step_dir):
     (a consistent wrong snapshot, as a capture bug would write it): only the replay can tell."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from ckpt_service import digest
     from ckpt_service.auth import load_key, sign
 
     md = FileSystemReader(str(step_dir)).read_metadata()
@@ -100,7 +100,8 @@ def _forge_a_consistent_corruption(step_dir):
         data[mid + j] ^= 0x40
     shard.write_bytes(bytes(data))
     manifest = json.loads((step_dir / "manifest.json").read_text())
-    manifest["files"][info.relative_path]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    alg = digest.manifest_algorithm(manifest)
+    manifest["files"][info.relative_path][alg] = digest.of_bytes(bytes(data), alg)
     (step_dir / "manifest.json").write_text(json.dumps(sign(manifest, load_key(str(step_dir.parents[2])))))
 
 
