@@ -256,23 +256,22 @@ def fsync_and_hash(paths: Sequence[str]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _no_zip_crc():
-    """``torch.save`` without its per-record CRC-32 (a second pass over every byte) while DCP writes: every
-    file is covered by the manifest's digest instead, and stock ``torch.load``/``dcp.load`` read it as is."""
+    """``torch.save`` without its per-record CRC-32 (a second pass over every byte) in this thread: every file
+    is covered by the manifest's digest instead, and stock ``torch.load``/``dcp.load`` read it as is.
+
+    torch keeps the option per thread: DCP's extra write threads start with the CRC on, so every write stream
+    turns it off in the thread that writes it (:func:`_hashing_fs`), as :func:`write_snapshot` does in its own."""
     import torch.serialization as ser
 
     if not hasattr(ser, "set_crc32_options"):  # pragma: no cover - older torch: keep the CRC
         yield
         return
-    with _CRC_LOCK:
-        before = ser.get_crc32_options()
-        ser.set_crc32_options(False)
-        try:
-            yield
-        finally:
-            ser.set_crc32_options(before)
-
-
-_CRC_LOCK = threading.Lock()
+    before = ser.get_crc32_options()
+    ser.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        ser.set_crc32_options(before)
 
 
 #: Files the tensors are split into, each written (and hashed) by its own thread: serialising and hashing are
@@ -405,7 +404,8 @@ def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException]):
                 errors.append(exc)
                 raise
             try:
-                yield fh
+                with _no_zip_crc():  # this stream's thread may be one of DCP's, whose CRC option is its own
+                    yield fh
                 sums[os.path.basename(os.fspath(path))] = fh.finish()
             except BaseException as exc:
                 errors.append(exc)

@@ -116,3 +116,30 @@ def test_background_threads_lower_only_their_own_priority():
     after = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else 0)
     assert after == before  # the calling thread (the daemon's accept thread, say) keeps its priority
     assert set(BACKGROUND) == {"ckptd-writer", "ckptd-verifier", "ckptd-tier", "ckptd-deleter"}
+
+
+def test_no_write_thread_computes_torch_saves_crc(tmp_path, monkeypatch):
+    """torch keeps its CRC-32 option per thread: DCP's second write thread had it on (about 0.7 CPU-s per GiB for
+    a check the manifest's digest makes anyway).  Every write is made with it off, on every thread.  Negative
+    control: with the option turned off in the calling thread only (the stream's own ``_no_zip_crc`` removed),
+    the second thread's writes see it on."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.serialization import config
+
+    from ckpt_service import writer
+
+    if writer.WRITE_THREADS < 2:
+        pytest.skip("one write thread on this machine")
+    seen: dict[str, set[bool]] = {}
+    real = writer._HashingFile.write
+
+    def spy(self, b):
+        seen.setdefault(threading.current_thread().name, set()).add(config.save.compute_crc32)
+        return real(self, b)
+
+    monkeypatch.setattr(writer._HashingFile, "write", spy)
+    _t, descs = _descs(tmp_path, torch)
+    writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n")
+    assert len(seen) >= 2, seen  # DCP's own thread wrote too
+    assert all(v == {False} for v in seen.values()), seen
+    assert config.save.compute_crc32 is True  # and it is back on here afterwards
