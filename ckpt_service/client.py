@@ -19,11 +19,8 @@ update: the next snapshot, every wait for the daemon, ``close()``, a fail-stop a
 join it, so the daemon sees a rank's snapshots in order and none taken is left unannounced.  The daemon
 writes the boxes as DCP chunks from the slot.
 Two slots alternate: a slot is reused only after the daemon said it has finished writing the snapshot
-that used it.  Skip, never queue: a snapshot that falls due while both slots are still the daemon's (one being
-written, the next one waiting for it) is skipped at once, in one ``snapshot`` event (``skipped``, ``behind``), and
-training goes on without waiting for the daemon; the snapshots the script or the launcher asks for
-(``run.save()``, the job's final snapshot, the one before a requeue) wait for a slot instead, bounded by
-``timeouts.control_s``.  Silence is not release: a daemon that does not answer (stopped, stuck) may
+that used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
+event and training goes on).  Silence is not release: a daemon that does not answer (stopped, stuck) may
 still read the slot later, so its slots stay its own and the node's snapshots are skipped until it answers
 again, with one ``warning`` event per episode; only a daemon that is gone for sure (its node directory's
 lock is free: the process has ended) frees them.  A missing or dead daemon costs a warning, never the run.
@@ -60,8 +57,6 @@ from ckpt_service.protocol import FINAL, DaemonSilent, DaemonUnavailable, reques
 log = logging.getLogger(__name__)
 
 SLOTS = 2
-#: Said in a skipped snapshot's reason when the daemon answered but holds both slots.
-BEHIND = "behind"
 #: The longest a rank waits for the daemon to answer a request it answers at once (at most a quarter of
 #: ``timeouts.control_s``); past it the daemon counts as silent.  Once silent, each later snapshot asks again
 #: for at most :data:`PROBE_S`.
@@ -132,15 +127,11 @@ class SnapshotClient:
             if self.every > 0 and self._prefault is None:
                 self._prepare_slots()
             return
-        self.snapshot(step, wait_s=0.0)  # on the cadence: skipped at once when the daemon is behind
+        self.snapshot(step)
         faults_mod.exit_after_verified(self, step, self.faults)
 
-    def snapshot(self, step: int, wait_s: float | None = None) -> bool:
-        """Collective: stage this rank's state at committed step ``step``; False when it was skipped.
-
-        ``wait_s``: how long to wait for a staging slot the daemon still holds (default ``timeouts.control_s``,
-        for a snapshot someone asked for); 0 for the cadence's, which are skipped at once instead (skip, never
-        queue: training does not wait for a daemon that is behind)."""
+    def snapshot(self, step: int) -> bool:
+        """Collective: stage this rank's state at committed step ``step``; False when it was skipped."""
         from ckpt_service.capture import plan_for, state_dict_plan
         from ckpt_service.proof import compare, plan_fingerprints
 
@@ -150,7 +141,7 @@ class SnapshotClient:
         self.join_handover()
         if self._prefault is not None:
             self._prefault.join()  # the slots it makes ready are this snapshot's
-        slot, busy_why = self._free_slot(cfg.timeouts.control_s if wait_s is None else wait_s)
+        slot, busy_why = self._free_slot(cfg.timeouts.control_s)
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
         t = time.monotonic()
@@ -175,9 +166,7 @@ class SnapshotClient:
             why = "; ".join(f"rank {i}: {extras[i].get('slot_why')}" for i in busy)
             log.warning("snapshot %d skipped: no free staging slot on rank(s) %s (%s)", step, busy, why)
             if rt.rank == 0 and self.events is not None:
-                behind = all(BEHIND in (extras[i].get("slot_why") or "") for i in busy)
-                self.events.emit("snapshot", step=step, skipped=True, behind=behind,
-                                 blocking_s=time.monotonic() - t0,
+                self.events.emit("snapshot", step=step, skipped=True, blocking_s=time.monotonic() - t0,
                                  reason=f"no free staging slot on rank(s) {busy}: {why}")
             return False
         t = time.monotonic()
@@ -322,9 +311,8 @@ class SnapshotClient:
 
         Prefers reusing a released slot (its pages are already touched) over creating the second one,
         so a daemon that keeps up costs one slot; waits (bounded by ``timeout_s``) only when both are busy
-        and the daemon answers (``timeout_s`` 0: not at all).  A slot is free only when the daemon said so (or is
-        gone for sure): a daemon that does not answer may still read it (one stopped with SIGSTOP resumes where it
-        was).
+        and the daemon answers.  A slot is free only when the daemon said so (or is gone for sure): a
+        daemon that does not answer may still read it (one stopped with SIGSTOP resumes where it was).
         """
         used = sorted((s for s in range(SLOTS) if self._slot_step[s] is not None), key=lambda s: self._slot_step[s])
         unused = [s for s in range(SLOTS) if self._slot_step[s] is None]
@@ -337,17 +325,15 @@ class SnapshotClient:
                 break
         if unused:
             return unused[0], None
-        if silent is None and timeout_s > 0:
+        if silent is None:
             released, silent = self._released(used[0], timeout_s)
             if released:
                 return used[0], None
         s = used[0]
         if silent is not None:
             return None, f"the checkpoint daemon has not released slot {s} (snapshot {self._slot_step[s]}): {silent}"
-        waiting = [self._slot_step[o] for o in used if o != s]
-        return None, (f"the checkpoint daemon is {BEHIND}: still writing snapshot {self._slot_step[s]} from slot {s}"
-                      f"{f', snapshot {waiting[0]} waiting for it' if waiting else ''}"
-                      f"{f' (waited {timeout_s:g} s)' if timeout_s > 0 else ''}")
+        return None, (f"the checkpoint daemon is still writing snapshot {self._slot_step[s]} from slot {s} "
+                      f"(waited {timeout_s:g} s)")
 
     def _released(self, slot: int, wait_s: float) -> tuple[bool, str | None]:
         """``(released, silent)``: whether the daemon is done with ``slot``'s snapshot; ``silent`` says why there is
