@@ -234,7 +234,7 @@ def test_a_corrupted_copy_is_rejected_and_the_other_nodes_copy_of_that_step_repr
     assert load["step"] == 10 and load["path"] == shared and load["checked"] is True and load["skipped"] == []
     assert (load["copied"]["from"], load["copied"]["to"], load["copied"]["hosts"]) == ("node2", shared, ["node1"])
     assert load["copied"]["after"].startswith("re-check at restart failed: node1: ")
-    assert "fails its SHA-256 checksum" in load["copied"]["after"]
+    assert "fails its BLAKE3 checksum" in load["copied"]["after"]
     (chk,) = _events(b, "replay_check")
     assert (chk["snapshot"], chk["step"], chk["verdict"]) == (10, 11, "match")
     assert "parameters of all 4 ranks" in chk["reason"]
@@ -243,7 +243,7 @@ def test_a_corrupted_copy_is_rejected_and_the_other_nodes_copy_of_that_step_repr
     # node1's snapshot 10: rejected at restart (beside the data, by the restorer); it stays rejected.
     ten = [(e["state"], e.get("source"), e.get("reason")) for e in _events(b, "checkpoint", step=10, hostname="node1")]
     assert [s for s, _src, _why in ten] == ["rejected"]
-    assert ten[0][1] == "restore" and "fails its SHA-256 checksum" in ten[0][2]
+    assert ten[0][1] == "restore" and "fails its BLAKE3 checksum" in ten[0][2]
     assert _index(b, "node1") == [(5, "verified"), (10, "rejected")]
     assert _index(b, "node2") == [(5, "verified"), (10, "verified")]
     assert not _events(b, "fail_stop")

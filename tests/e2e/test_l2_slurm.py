@@ -235,7 +235,7 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
     assert loads and loads[0]["step"] == 20 and loads[0]["skipped"] == []
     assert loads[0]["copied"]["from"] == "node2" and loads[0]["copied"]["hosts"] == ["node1"]
-    assert "fails its SHA-256 checksum" in loads[0]["copied"]["after"]
+    assert "fails its BLAKE3 checksum" in loads[0]["copied"]["after"]
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
 
