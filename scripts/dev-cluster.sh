@@ -199,8 +199,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may start again only after cred_expire (default 120 s): keep tests fast.
-AuthInfo=cred_expire=10
+# A requeued job may start again only after cred_expire (default 120 s; 5 is Slurm's least): keep tests fast.
+AuthInfo=cred_expire=5
 StateSaveLocation=$CTLD_STATE
 SlurmdSpoolDir=$SPOOL/%n
 SlurmctldPidFile=$CTLD_PIDFILE

@@ -18,6 +18,7 @@ that check off ends elsewhere (the digest covers every rank's buffers).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -70,14 +71,24 @@ def _run(tmp: Path, config: str, name: str, *faults: str, env=None) -> dict:
             "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
 
+def _run_side_by_side(tmp: Path, config: str, specs: dict) -> dict:
+    """Each named run of ``specs`` (name -> (faults, env)), two at a time: each run is 4 ranks and 2 daemons, and
+    much of a run waits (start-up, the fault's timeout, the verification at its end)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = {name: pool.submit(_run, tmp, config, name, *faults, env=env)
+                for name, (faults, env) in specs.items()}
+        return {name: f.result(timeout=600) for name, f in done.items()}
+
+
 @pytest.fixture(scope="module", params=sorted(EXAMPLES))
 def runs(request, tmp_path_factory):
     example = request.param
     tmp = tmp_path_factory.mktemp(example)
     config = _job(tmp, example)
     l1, l2, l1b = EXAMPLES[example][3:]
-    out = {"example": example, "tmp": tmp, "config": config, "base": _run(tmp, config, "base"),
-           "l1": _run(tmp, config, "l1", l1), "l1b": _run(tmp, config, "l1b", l1b), "l2": _run(tmp, config, "l2", l2)}
+    out = {"example": example, "tmp": tmp, "config": config,
+           **_run_side_by_side(tmp, config, {"base": ((), None), "l1": ((l1,), None), "l1b": ((l1b,), None),
+                                             "l2": ((l2,), None)})}
     _check_ran(out, ["base", "l1", "l1b", "l2"])
     return out
 
@@ -89,13 +100,14 @@ def controls(runs):
     code, not torch's, so the other releases' stage leaves them out (the Makefile's ``RELEASE_SKIP``)."""
     tmp, config, example = runs["tmp"], runs["config"], runs["example"]
     l2, l1b = EXAMPLES[example][4], EXAMPLES[example][5]
-    out = {"broken": _run(tmp, config, "broken", l2, env={"ACCELPACT_TEST_SKIP_EXTRA_RESTORE": "1",
-                                                           "ACCELPACT_TEST_SKIP_RELOAD_CHECK": "1"})}
+    specs = {"broken": ((l2,), {"ACCELPACT_TEST_SKIP_EXTRA_RESTORE": "1", "ACCELPACT_TEST_SKIP_RELOAD_CHECK": "1"})}
     if example == "vision":  # the negative controls of the buffer guarantees (batch-norm statistics)
-        out["stale_buffers"] = _run(tmp, config, "stale_buffers", l1b, env={"ACCELPACT_TEST_SKIP_BUFFER_RESTORE": "1"})
-        out["shared_buffers"] = _run(tmp, config, "shared_buffers", l2, env={"ACCELPACT_TEST_SKIP_RANK_BUFFERS": "1"})
-        out["shared_unchecked"] = _run(tmp, config, "shared_unchecked", l2, env={
-            "ACCELPACT_TEST_SKIP_RANK_BUFFERS": "1", "ACCELPACT_TEST_SKIP_RELOAD_CHECK": "1"})
+        specs.update({
+            "stale_buffers": ((l1b,), {"ACCELPACT_TEST_SKIP_BUFFER_RESTORE": "1"}),
+            "shared_buffers": ((l2,), {"ACCELPACT_TEST_SKIP_RANK_BUFFERS": "1"}),
+            "shared_unchecked": ((l2,), {"ACCELPACT_TEST_SKIP_RANK_BUFFERS": "1",
+                                         "ACCELPACT_TEST_SKIP_RELOAD_CHECK": "1"})})
+    out = _run_side_by_side(tmp, config, specs)
     _check_ran(out, sorted(out), example)
     return out
 

@@ -135,8 +135,8 @@ def test_forward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: C
 
 
 def test_requeue_from_outside_at_an_arbitrary_moment(slurm_cluster: Cluster, tmp_path: Path):
-    config = job_file(tmp_path, "job", steps=120, every=30)
-    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=120, every=0))
+    config = job_file(tmp_path, "job", steps=60, every=15)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=60, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
     deadline = time.monotonic() + JOB_DEADLINE_S
     while True:  # once a snapshot is verified on both nodes, requeue from outside, wherever the run is
@@ -152,7 +152,7 @@ def test_requeue_from_outside_at_an_arbitrary_moment(slurm_cluster: Cluster, tmp
     assert state == "COMPLETED"
     assert restarts_seen(events) >= {0, 1}
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
-    assert loads and loads[0]["step"] is not None and loads[0]["step"] >= 30
+    assert loads and loads[0]["step"] is not None and loads[0]["step"] >= 15
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
 
@@ -211,16 +211,16 @@ def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster
 
 
 def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: Cluster, tmp_path: Path):
-    config = job_file(tmp_path, "job", steps=30, every=10)
-    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=30, every=0))
-    # The first start stops (exit 75, no requeue) once snapshot 20 is verified, so 10 and 20 both exist.
+    config = job_file(tmp_path, "job", steps=12, every=4)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
+    # The first start stops (exit 75, no requeue) once snapshot 8 is verified, so 4 and 8 both exist.
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
-                                  extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "20"})
+                                  extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "8"})
     # Requeue and hold in one step; damage the newest snapshot of node1 while the job waits; then release it.
     hold_after_first_start(job_id, env)
     node1 = run_dir / "node-local" / "node1"
     newest = max(node1.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    assert newest.name.endswith("20")
+    assert int(newest.name.split("-")[1]) == 8, newest
     shard = next(newest.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40  # one bit flipped in the middle of the shard
@@ -228,12 +228,12 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     subprocess.run(["scontrol", "release", job_id], env=env, check=True, timeout=30)
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
     assert state == "COMPLETED"
-    rejected = [e for e in events if e["event"] == "checkpoint" and e.get("step") == 20
+    rejected = [e for e in events if e["event"] == "checkpoint" and e.get("step") == 8
                 and e.get("state") == "rejected"]
-    assert rejected, "step 20 was not rejected"
-    # node2's copy of 20 is sound: it is copied to the shared tier for node1 (checked on arrival) and loaded.
+    assert rejected, "step 8 was not rejected"
+    # node2's copy of 8 is sound: it is copied to the shared tier for node1 (checked on arrival) and loaded.
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
-    assert loads and loads[0]["step"] == 20 and loads[0]["skipped"] == []
+    assert loads and loads[0]["step"] == 8 and loads[0]["skipped"] == []
     assert loads[0]["copied"]["from"] == "node2" and loads[0]["copied"]["hosts"] == ["node1"]
     assert "fails its BLAKE3 checksum" in loads[0]["copied"]["after"]
     assert summary["final_state_digest"] == ref["final_state_digest"]
@@ -242,24 +242,24 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
 
 def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor(slurm_cluster: Cluster,
                                                                                       tmp_path: Path):
-    """The first start stops once snapshot 12 is verified (snapshots 4, 8, 12; the shared tier has every 2nd,
-    8); while the requeued job is held, node2's snapshot directory is removed, as when the job lands on a
-    fresh node.  The restart copies node1's 12 to the shared tier, checks it on arrival, and node2's ranks
+    """The first start stops once snapshot 9 is verified (snapshots 3, 6, 9; the shared tier has every 2nd,
+    6); while the requeued job is held, node2's snapshot directory is removed, as when the job lands on a
+    fresh node.  The restart copies node1's 9 to the shared tier, checks it on arrival, and node2's ranks
     load it: the job completes in the uninterrupted run's state.  (Negative control: the embedded default's
     twin, tests/e2e/test_l2_reload_e2e.py, without the copy starts from scratch.)"""
-    config = job_file(tmp_path, "job", steps=16, every=4)
-    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=16, every=0))
+    config = job_file(tmp_path, "job", steps=12, every=3)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config,
-                                  extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "12"})
+                                  extra_env={"ACCELPACT_CKPT_EXIT_AFTER_VERIFIED": "9"})
     hold_after_first_start(job_id, env)
     node2 = run_dir / "node-local" / "node2"
-    assert sorted(p.name for p in node2.glob("step-*"))[-1].endswith("12")
+    assert max(int(p.name.split("-")[1]) for p in node2.glob("step-*")) == 9
     shutil.rmtree(node2)
     subprocess.run(["scontrol", "release", job_id], env=env, check=True, timeout=30)
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
     assert state == "COMPLETED", info
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] >= 1]
-    assert loads and loads[0]["step"] == 12, loads
+    assert loads and loads[0]["step"] == 9, loads
     assert loads[0]["copied"]["from"] == "node1" and loads[0]["copied"]["hosts"] == ["node2"]
     assert summary["final_state_digest"] == ref["final_state_digest"]
     assert summary["losses"] == ref["losses"]
@@ -333,8 +333,8 @@ def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm
     start completes in the uninterrupted state.  Negative control (tests/e2e/test_detection.py): blind, nobody
     names it, and the start ends only by the timers."""
     hb = {"shutdown_s: 10": "shutdown_s: 10\n  heartbeat_s: 3\n  heartbeat_interval_s: 0.25"}
-    config = job_file(tmp_path, "job", steps=10, every=4, **hb)
-    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=10, every=0))
+    config = job_file(tmp_path, "job", steps=12, every=4, **hb)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, extra_env={"ACCELPACT_TEST_HANG_AT": "6:2"})
     state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
     assert state == "COMPLETED", info

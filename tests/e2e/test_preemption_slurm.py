@@ -29,7 +29,7 @@ from tests.slurm_cluster import Cluster, job_info, wait_job
 pytestmark = pytest.mark.slurm
 
 SMALL = {"layers: 4": "layers: 1", "width: 64": "width: 32", "log_every: 50": "log_every: 500"}
-STEPS = 200
+STEPS = 100
 
 
 def _train_until(job_id: str, run_dir: Path, env: dict, tmp_path: Path, step: int) -> int:
