@@ -51,7 +51,7 @@ The code is in ``scripts/bench/``: ``ckpt_setup`` (modes, schedule, job file, la
 ``ckpt_entry`` (the job's entry point: our snapshot path and the schedule, rank side), ``ckpt_dcp`` (the DCP baselines),
 ``ckpt_bandwidth`` (the dd pair), ``ckpt_analysis`` and ``ckpt_report`` (result and markdown), ``ckpt_main``.
 
-Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 8]
+Usage: .venv/bin/python scripts/bench_ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 6]
        .venv/bin/python scripts/bench_ckpt.py --render benchmarks/results/<date>-ckpt.json   (markdown only)
 
 About 7 minutes here (110M parameters, 3 rounds, every mode but dcp_stager_shm; longer when the machine

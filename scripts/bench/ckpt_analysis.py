@@ -13,7 +13,8 @@ from bench import harness as h
 from bench.ckpt_setup import ASYNC_DCP, MODES, is_snapshot
 
 SPREAD_KEYS = ("ratio", "others_ratio", "drain_s", "added_per_snapshot_s", "blocking_s", "snapshot_step_s",
-               "baseline_step_s", "mean_step_s", "memcpy_floor_s", "blocking_over_floor")
+               "baseline_step_s", "baseline_at_snapshot_places_s", "mean_step_s", "memcpy_floor_s",
+               "memcpy_floor_before_s", "memcpy_floor_after_s", "blocking_over_floor")
 
 
 def summarize_steps(records: list[dict[str, Any]], segments: list[dict[str, Any]],
@@ -36,6 +37,9 @@ def summarize_steps(records: list[dict[str, Any]], segments: list[dict[str, Any]
                 continue
             base_all = mean([r["step_s"] for r in base])  # both none segments of the round
             snaps = [r for r in seg if r["snap"]]
+            # the baseline of a snapshot's update: the no-snapshot updates at the same places in their segments
+            # (a segment's first update is slower anyway: it follows the drain and the barriers)
+            base_at = mean([r["step_s"] for r in base if r["pos"] in {s["pos"] for s in snaps}]) if snaps else None
             # a DefaultStager snapshot also costs the wait it causes before the next optimizer step
             nxt = {r["step"]: r for r in seg}
             waits = [nxt[r["step"] + 1]["staging_wait_s"] if r["step"] + 1 in nxt else 0.0 for r in snaps]
@@ -49,7 +53,9 @@ def summarize_steps(records: list[dict[str, Any]], segments: list[dict[str, Any]
                                  if m != "none" else 1.0),
                 "drain_s": drains.get((rnd, m)),
                 "snapshot_step_s": mean([r["step_s"] for r in snaps]),
-                "added_per_snapshot_s": (mean([r["step_s"] + w for r, w in zip(snaps, waits)]) - base_all)
+                "baseline_at_snapshot_places_s": base_at,
+                "snapshot_places": sorted({r["pos"] for r in snaps}),
+                "added_per_snapshot_s": (mean([r["step_s"] + w for r, w in zip(snaps, waits)]) - base_at)
                 if snaps else None,
                 "blocking_s": mean([r["block_s"] + w for r, w in zip(snaps, waits)]) if snaps else None,
                 "parts": mean_parts([r["parts"] for r in snaps]),
@@ -63,15 +69,33 @@ def summarize_steps(records: list[dict[str, Any]], segments: list[dict[str, Any]
                 if mine and theirs and m != "none":
                     row_pos[str(pos)] = mean(mine) / mean(theirs)
             per_round[-1]["others_by_pos"] = row_pos
-            floors = [r["memcpy_floor_s"] for r in snaps if r.get("memcpy_floor_s")]
             row = per_round[-1]
-            row["memcpy_floor_s"] = mean(floors) if floors else None
-            row["blocking_over_floor"] = (row["blocking_s"] / row["memcpy_floor_s"]
-                                          if floors and row["blocking_s"] is not None else None)
+            row.update(floor_figures(snaps))
         out[m] = {"rounds": per_round, **{k: h.spread([p.get(k) for p in per_round]) for k in SPREAD_KEYS}}
         positions = sorted({k for p in per_round for k in (p.get("others_by_pos") or {})}, key=int)
         out[m]["others_by_pos"] = {k: h.spread([(p.get("others_by_pos") or {}).get(k) for p in per_round])
                                    for k in positions}
+    return out
+
+
+def floor_figures(snaps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The memcpy floor of one round's snapshots: copied right before and right after each snapshot (both
+    orders apart), the floor of a snapshot the mean of its two; blocking over floor per snapshot, a snapshot
+    that blocked less than its floor flagged (and counted), not averaged away (pure)."""
+    mean = h.mean
+    out: dict[str, Any] = {}
+    for when in ("before", "after"):
+        vals = [r[f"memcpy_floor_{when}_s"] for r in snaps if r.get(f"memcpy_floor_{when}_s")]
+        out[f"memcpy_floor_{when}_s"] = mean(vals) if vals else None
+    per = []
+    for r in snaps:
+        pair = [r.get(f"memcpy_floor_{w}_s") for w in ("before", "after")]
+        pair = [v for v in pair if v] or ([r["memcpy_floor_s"]] if r.get("memcpy_floor_s") else [])
+        if pair:
+            per.append((r["step"], r["block_s"], mean(pair)))
+    out["memcpy_floor_s"] = mean([f for _s, _b, f in per]) if per else None
+    out["blocking_over_floor"] = mean([b / f for _s, b, f in per]) if per else None
+    out["below_floor"] = [{"step": s, "blocking_s": b, "floor_s": f} for s, b, f in per if b < f]
     return out
 
 
@@ -129,17 +153,25 @@ def goals(steps: dict[str, Any], bw: dict[str, Any]) -> dict[str, Any]:
         g1 = ours_added <= 0.5 * best
     best_blk_mode, best_blk = _best(steps, "blocking_s")
     ours_blk = ours.get("blocking_s", {}).get("median")
-    ratio = bw.get("ratio_full", {}).get("median")
+    ratio = bw.get("ratio_ceiling", {}).get("median")
     by_order = order_ratios(bw)
     over_floor = ours.get("blocking_over_floor", {}).get("median")
     others = ours.get("others_ratio", {}).get("median")
+    cpu = bw.get("cpu_s_per_gib") or {}
+    daemon_cpu = (cpu["write"] + cpu["verify"]) if cpu.get("write") is not None and cpu.get("verify") is not None \
+        else None
     return {
+        "daemon_cpu": {"goal": "daemon CPU <= 0.7 s per GiB written and verified", "cpu_s_per_gib": daemon_cpu,
+                       "write": cpu.get("write"), "verify": cpu.get("verify"),
+                       "ceiling_write": cpu.get("ceiling_write"),
+                       "digest_alone": cpu.get(f"{bw.get('digest', 'sha256')}_alone"),
+                       "pass": None if daemon_cpu is None else daemon_cpu <= 0.7},
         "blocking_vs_floor": {"goal": "training blocked per snapshot <= 1.5 x the memcpy floor of the rank's bytes",
                               "median_ratio": over_floor, "pass": None if over_floor is None else over_floor <= 1.5},
         "background": {"goal": "updates between snapshots <= 1.1 x the no-snapshot update", "median_ratio": others,
                        "pass": None if others is None else others <= 1.1},
         "write_bandwidth_both_orders": {
-            "goal": "daemon write bandwidth >= 0.9 x dd conv=fsync with dd run first and with dd run second",
+            "goal": "daemon write bandwidth >= 0.9 x the ceiling of its shape, with the ceiling run first and second",
             **by_order, "pass": None if None in by_order.values() else min(by_order.values()) >= 0.9},
         "snapshot_cost": {
             "goal": "added time per snapshot <= 0.5 x DCP's best async mode",
@@ -149,16 +181,18 @@ def goals(steps: dict[str, Any], bw: dict[str, Any]) -> dict[str, Any]:
                                "best_async_blocking_s": best_blk,
                                "pass": None if ours_blk is None or best_blk is None else ours_blk <= 0.5 * best_blk},
         },
-        "write_bandwidth": {"goal": "daemon write bandwidth >= 0.9 x dd conv=fsync", "median_ratio": ratio,
+        "write_bandwidth": {"goal": "daemon write bandwidth >= 0.9 x the ceiling of its shape (as many files and "
+                                    "threads, the same write-back and fsync pattern, no serialisation or digest)",
+                            "median_ratio": ratio, "dd_median_ratio": bw.get("ratio_full", {}).get("median"),
                             "pass": None if ratio is None else ratio >= 0.9},
     }
 
 
 def order_ratios(bw: dict[str, Any]) -> dict[str, float | None]:
-    """Median ours/dd ratio by the pair's order (``harness.abba``: even pairs write ours first)."""
-    pairs = bw.get("pairs", [])
-    return {"dd_second": h.med([p["ratio_full"] for p in pairs if p["pair"] % 2 == 0]),
-            "dd_first": h.med([p["ratio_full"] for p in pairs if p["pair"] % 2 == 1])}
+    """Median ours/ceiling ratio by which of the two wrote first in its round."""
+    pairs = [p for p in bw.get("pairs", []) if p.get("ratio_ceiling") is not None]
+    return {"ceiling_second": h.med([p["ratio_ceiling"] for p in pairs if p["ours_before_ceiling"]]),
+            "ceiling_first": h.med([p["ratio_ceiling"] for p in pairs if not p["ours_before_ceiling"]])}
 
 
 def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -193,11 +227,16 @@ def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     if over:
         gf = g.get("blocking_vs_floor") or {}
         out.append(h.row("checkpoint: training blocked per snapshot against the memcpy floor, ours",
-                         "memcpy floor: a plain copy of the rank's same bytes into preallocated memory, same ranks, "
-                         "right after the snapshot", h.spread(over),
+                         "memcpy floor: a plain copy of the rank's same bytes into a touched buffer of their size, "
+                         "same ranks, right before and right after each snapshot (their mean)", h.spread(over),
                          note="goal <= 1.5: " + ("PASS" if gf.get("pass") else "FAIL")))
-    if bw.get("ratio_full"):
+    if bw.get("ratio_ceiling"):
         out.append(h.row("checkpoint: daemon write bandwidth (whole write path)",
-                         "`dd conv=fsync` of the same size, same filesystem, paired", bw["ratio_full"],
-                         note="goal >= 0.9: " + ("PASS" if g["write_bandwidth"]["pass"] else "FAIL")))
+                         "the ceiling of its shape: as many files written in parallel, the same write-back and fsync "
+                         "pattern, the same bytes, no serialisation or digest; same round, order rotated",
+                         bw["ratio_ceiling"], note="goal >= 0.9: " + ("PASS" if g["write_bandwidth"]["pass"] else "FAIL")))
+    if bw.get("ratio_full"):
+        out.append(h.row("checkpoint: daemon write bandwidth (whole write path), for reference",
+                         "`dd conv=fsync` of the same size (one stream, one fsync), same filesystem, same round",
+                         bw["ratio_full"]))
     return out

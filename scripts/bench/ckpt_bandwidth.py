@@ -1,16 +1,18 @@
 """Checkpoint benchmark, part 2: the daemon's write bandwidth against ``dd conv=fsync`` (``scripts/bench_ckpt.py``).
 
 One node's snapshot (the same model + AdamW, two ranks' shards) staged once as the client stages it, then, per
-pair, the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 + ``writer.write_snapshot``: boxes
+round, three writes in the six orders in turn: the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 + ``writer.write_snapshot``: boxes
 as DCP chunks in ``writer.WRITE_THREADS`` files written in parallel, each hashed while written and fsynced,
-manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of the same size on the same filesystem, paired
-and interleaved (order alternated, ``harness.abba``).  After both writes of a pair the daemon's verification
+manifest, rename); the ceiling of the same shape (:func:`_write_ceiling`: as many files, threads, write-back
+windows and fsyncs, the slots' own bytes, nothing else); and ``dd if=/dev/zero bs=4M conv=fsync`` of the same
+size on the same filesystem (one stream, for reference).  After both writes of a pair the daemon's verification
 runs on the snapshot (untimed in the ratio).  The process's CPU seconds of the write and of the verification
 give the daemon's CPU per GiB by activity, beside the file digests' own cost here (BLAKE3, written; SHA-256, measured beside it).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -22,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as h
+
+#: The orders of a round's three writes, in turn (6 rounds: each write first, second and third twice, and before
+#: and after each other one three times).
+ORDERS = tuple(itertools.permutations(("ours", "ceiling", "dd")))
 
 
 def _timed(fn, sink: dict[str, float], key: str):
@@ -161,12 +167,74 @@ def _write_dd(ndir: Path, size: int) -> dict[str, Any]:
     return res
 
 
+def _write_ceiling(ndir: Path, slots: list[Any], sizes: list[int]) -> dict[str, Any]:
+    """The ceiling of the same shape as the daemon's write: ``writer.WRITE_THREADS`` files written in parallel,
+    one thread each, the staged slots' own bytes in 4 MiB writes, the write-back started every
+    ``writer.WRITEBACK_WINDOW`` bytes, then fsync and the pages dropped -- the writer's pattern, without the
+    serialisation, the digest, the manifest and the rename."""
+    from ckpt_service import writer
+
+    bufs = [memoryview(s.buf[:n].numpy()).cast("B") for s, n in zip(slots, sizes)]
+    total = sum(len(b) for b in bufs)
+    threads = writer.WRITE_THREADS
+    # the bytes of every slot, cut into `threads` runs of about the same length (as the writer spreads its boxes)
+    runs: list[list[memoryview]] = [[] for _ in range(threads)]
+    per, at, k = -(-total // threads), 0, 0
+    for b in bufs:
+        off = 0
+        while off < len(b):
+            n = min(len(b) - off, per * (k + 1) - at)
+            runs[k].append(b[off:off + n])
+            off += n
+            at += n
+            if at >= per * (k + 1):
+                k = min(k + 1, threads - 1)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        path = ndir / f"ceiling-{i}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pos = kicked = 0
+            for run in runs[i]:
+                for j in range(0, len(run), 4 << 20):
+                    chunk = run[j:j + (4 << 20)]
+                    done = 0
+                    while done < len(chunk):
+                        done += os.write(fd, chunk[done:])
+                    pos += done
+                    if pos - kicked >= writer.WRITEBACK_WINDOW:
+                        writer._start_writeback(fd, kicked, pos - kicked)
+                        kicked = pos
+            os.fsync(fd)
+            writer.drop_cached(fd)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+        finally:
+            os.close(fd)
+
+    cpu = time.process_time()
+    t = time.monotonic()
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    res = {"ceiling_s": time.monotonic() - t, "ceiling_bytes": total, "ceiling_files": threads,
+           "cpu_ceiling_s": time.process_time() - cpu}
+    for i in range(threads):
+        (ndir / f"ceiling-{i}.bin").unlink(missing_ok=True)
+    if errors:
+        raise errors[0]
+    return res
+
+
 def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[str, Any]:
     """Paired, interleaved: the daemon's write of one node's snapshot vs dd conv=fsync of the same size."""
     import gc
     import warnings
 
-    from ckpt_service import digest, writer
+    from ckpt_service import digest, staging, writer
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -180,14 +248,20 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
     try:
         # staged once (as a rank stages it: the slots and descriptors stay valid), written once per pair
         paths, slots, staged = node_descs(model_cfg, stage_root, 0)
+        sizes = [staging.read_descriptor(p)["nbytes"] for p in paths]
         for i in range(pairs):
             step = i + 1
             os.sync()
             res: dict[str, Any] = {"pair": i}
-            for which in h.abba(i, "ours", "dd"):
-                os.sync()  # both writes start with no dirty pages of the other
+            # the three writes in the six orders in turn: every write before and after every other equally often
+            order = list(ORDERS[i % len(ORDERS)])
+            res["order"] = order
+            for which in order:
+                os.sync()  # every write starts with no dirty pages of another
                 if which == "ours":
                     res.update(_write_ours(ndir, step, paths, parts))
+                elif which == "ceiling":
+                    res.update(_write_ceiling(ndir, slots, sizes))
                 else:
                     res.update(_write_dd(ndir, res.get("ours_bytes") or staged))
             res.update(_verify_ours(ndir / f"step-{step:010d}"))  # after both: it reads while nothing writes
@@ -196,23 +270,35 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
             os.sync()
             res["ours_GBps"] = res["ours_bytes"] / res["ours_s"] / 1e9
             res["dd_GBps"] = res["dd_bytes"] / res["dd_s"] / 1e9
+            res["ceiling_GBps"] = res["ceiling_bytes"] / res["ceiling_s"] / 1e9
             res["ratio_full"] = res["ours_GBps"] / res["dd_GBps"]
+            res["ratio_ceiling"] = res["ours_GBps"] / res["ceiling_GBps"]
+            res["ours_before_ceiling"] = order.index("ours") < order.index("ceiling")
             rows.append(res)
-            print(f"[bench] bandwidth pair {i + 1}/{pairs}: ours {res['ours_GBps']:.2f} GB/s, dd {res['dd_GBps']:.2f} "
-                  f"GB/s, ratio {res['ratio_full']:.2f}", flush=True)
+            print(f"[bench] bandwidth pair {i + 1}/{pairs} ({' > '.join(order)}): ours {res['ours_GBps']:.2f} GB/s, "
+                  f"ceiling {res['ceiling_GBps']:.2f} GB/s, dd {res['dd_GBps']:.2f} GB/s", flush=True)
     finally:
         writer.build_state = orig
         shutil.rmtree(stage_root, ignore_errors=True)
         shutil.rmtree(ndir, ignore_errors=True)
     out: dict[str, Any] = {"pairs": rows, "filesystem": h.fs_type(str(work)), "write_threads": writer.WRITE_THREADS}
-    for key in ("ratio_full", "ours_GBps", "dd_GBps"):
+    for key in ("ratio_full", "ratio_ceiling", "ours_GBps", "ceiling_GBps", "dd_GBps"):
         out[key] = h.spread([r[key] for r in rows])
-    for key in ("map_s", "build_state", "dcp_save_s", "manifest_commit_s", "ours_s", "dd_s", "verify_s"):
+    # ours against the ceiling of its shape, apart by which of the two ran first
+    out["ratio_ceiling_by_order"] = {
+        "ours_first": h.spread([r["ratio_ceiling"] for r in rows if r["ours_before_ceiling"]]),
+        "ceiling_first": h.spread([r["ratio_ceiling"] for r in rows if not r["ours_before_ceiling"]])}
+    for key in ("map_s", "build_state", "dcp_save_s", "manifest_commit_s", "ours_s", "ceiling_s", "dd_s",
+                "verify_s"):
         out.setdefault("parts_median_s", {})[key] = h.med([r.get(key, 0.0) for r in rows])
     # the daemon's CPU per GiB written, by activity (process CPU time, every thread)
     out["cpu_s_per_gib"] = {
         "write": h.med([r["cpu_write_s"] / (r["ours_bytes"] / 2**30) for r in rows]),
         "verify": h.med([r["cpu_verify_s"] / (r["ours_bytes"] / 2**30) for r in rows]),
+        # the kernel's own cost of getting the bytes to the disk this way (copies into the page cache, write-back,
+        # fsync): what any write path of this shape spends, with no serialisation and no digest
+        "ceiling_write": h.med([r["cpu_ceiling_s"] / (r["ceiling_bytes"] / 2**30) for r in rows
+                                if r.get("cpu_ceiling_s") is not None]),
         **digest_rates(),
     }
     out["digest"] = digest.WRITE

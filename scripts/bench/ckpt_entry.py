@@ -11,7 +11,8 @@ every timed update belongs to one segment of one mode; the first update of each 
 snapshot right after the update (``ours``: the run's client, ``job.run._snapshots.snapshot(step)``, which
 times its own pieces in ``last_parts``; the DCP modes: ``ckpt_dcp.DcpModes``), and after its last update the
 segment is drained outside the timed updates (async futures, our daemons' write + verification,
-``malloc_trim``).  Step time = time between the ends of two consecutive updates (each followed by its
+``malloc_trim``).  Each ``ours`` snapshot is bracketed by the memcpy floor (the rank's same bytes into a
+touched buffer of their size), right before it (left out of the update's time) and right after it.  Step time = time between the ends of two consecutive updates (each followed by its
 snapshot, if any) on rank 0 (the ranks are in lock step), so it includes the blocking part.  Each rank dumps
 its records to ``plan["out"]/rank-<rank>.json`` after every segment.
 """
@@ -64,6 +65,7 @@ class CkptBench(DcpModes):
         self.t_prev: float | None = None
         self.parts: dict[str, float] = {}
         self.ours_steps: list[int] = []
+        self._floor_buf: Any = None  # the memcpy floor's target, during the ours segments (_prepare_next)
         self._init_dcp()
         self.out = os.path.join(self.plan["out"], f"rank-{job.rank}.json")
 
@@ -93,6 +95,11 @@ class CkptBench(DcpModes):
         self.parts.clear()
         info: dict[str, Any] = {}
         block = 0.0
+        untimed = 0.0
+        if snap and mode == "ours":  # the floor right before the snapshot (its time left out of the update's)
+            t = time.monotonic()
+            info["memcpy_floor_before_s"] = self._memcpy_floor()
+            untimed = time.monotonic() - t
         wall = time.time()
         if snap:
             t = time.monotonic()
@@ -104,12 +111,12 @@ class CkptBench(DcpModes):
         end = time.monotonic()
         self.records.append({
             "step": step, "round": rnd, "mode": mode, "pos": pos, "snap": snap, "wall": wall,
-            "step_s": end - self.t_prev, "block_s": block, "staging_wait_s": self.staging_wait,
+            "step_s": end - self.t_prev - untimed, "block_s": block, "staging_wait_s": self.staging_wait,
             "parts": dict(self.parts), **info,
         })
         self.staging_wait = 0.0
-        if snap and mode == "ours":  # outside the timed update: the floor the copy is judged against
-            self.records[-1]["memcpy_floor_s"] = self._memcpy_floor()
+        if snap and mode == "ours":  # outside the timed update: the floor again, right after the snapshot
+            self.records[-1]["memcpy_floor_after_s"] = self._memcpy_floor()
         if pos == self.length:
             self._drain(rnd, mode, step)
         self.t_prev = time.monotonic()
@@ -124,11 +131,9 @@ class CkptBench(DcpModes):
         info["ours_source"] = client.last_parts.get("source")
         self.ours_steps.append(step)
 
-    def _memcpy_floor(self) -> float | None:
-        """Seconds of a plain copy of this rank's own snapshot bytes (the same tensors the snapshot copied)
-        into preallocated, already touched memory: the floor of the blocking time.  The buffer is smaller
-        than the rank's bytes (memory is short with 4 ranks + 2 daemons here), so the copies wrap around in
-        it; each is far larger than the caches either way.  FSDP1 only (its plan needs no collective)."""
+    def _floor_sources(self) -> list[Any] | None:
+        """This rank's snapshot bytes as the snapshot copies them (FSDP1's plan: no collective), one uint8
+        view per box; None where the plan does not apply."""
         import torch
 
         from ckpt_service.capture import fsdp1_plan
@@ -136,23 +141,40 @@ class CkptBench(DcpModes):
         plan = fsdp1_plan(self.model, self.optimizer)
         if plan is None:
             return None
-        srcs = [b.src.reshape(-1).view(torch.uint8) for e in plan.entries for b in e.boxes
+        return [b.src.reshape(-1).view(torch.uint8) for e in plan.entries for b in e.boxes
                 if b.src is not None and b.src.numel()]
-        if getattr(self, "_floor_buf", None) is None:
-            self._floor_buf = torch.empty(min(128 << 20, max(s.numel() for s in srcs)), dtype=torch.uint8)
-            self._floor_buf.fill_(0)  # touch every page once
-        buf = self._floor_buf
+
+    def _prepare_next(self, step: int) -> None:
+        """Untimed, between segments: DCP's (``DcpModes``), then the floor's buffer: one of the rank's bytes'
+        size, touched, for the ``ours`` segments only (4 ranks + 2 daemons leave no room for it beside DCP's
+        staging copies), freed before the next segment of another mode."""
+        super()._prepare_next(step)
+        nxt = self.sched.get(step + 1)
+        if nxt is not None and nxt[1] == "ours":
+            if getattr(self, "_floor_buf", None) is None:
+                import torch
+
+                srcs = self._floor_sources()
+                if srcs:
+                    self._floor_buf = torch.empty(sum(s.numel() for s in srcs), dtype=torch.uint8)
+                    self._floor_buf.fill_(0)  # touch every page once
+        else:
+            self._floor_buf = None
+
+    def _memcpy_floor(self) -> float | None:
+        """Seconds of a plain copy of this rank's own snapshot bytes (the same tensors the snapshot copies) into
+        a preallocated, already touched buffer of their size, as the snapshot copies them into its slot: the
+        floor of the blocking time.  FSDP1 only (its plan needs no collective)."""
+        buf = getattr(self, "_floor_buf", None)
+        srcs = self._floor_sources() if buf is not None else None
+        if not srcs:
+            return None
         t = time.monotonic()
         at = 0
         for src in srcs:
-            done = 0
-            while done < src.numel():
-                if at == buf.numel():
-                    at = 0
-                n = min(src.numel() - done, buf.numel() - at)
-                buf[at:at + n].copy_(src[done:done + n])
-                at += n
-                done += n
+            n = src.numel()
+            buf[at:at + n].copy_(src)
+            at += n
         return time.monotonic() - t
 
     # -------------------------------------------------------------- between segments (untimed)

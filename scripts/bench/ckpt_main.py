@@ -20,6 +20,7 @@ from bench import harness as h
 from bench.ckpt_analysis import daemon_latencies, goals, rows, summarize_steps
 from bench.ckpt_report import analysis_lines, markdown
 from bench.ckpt_setup import MARK, MODEL, MODES, MachineWatch, launch, rotated_orders, write_config
+from bench.ckpt_soak import memory_goal
 
 DESCRIPTION = ("Checkpoint-service acceptance benchmark: our snapshot path against stock DCP, side by side in "
                "one job.")
@@ -42,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=MODEL["heads"])
     ap.add_argument("--vocab", type=int, default=MODEL["vocab"])
     ap.add_argument("--seq-len", type=int, default=MODEL["seq_len"])
-    ap.add_argument("--bw-pairs", type=int, default=8)
+    ap.add_argument("--bw-pairs", type=int, default=6)
     ap.add_argument("--skip-steps", action="store_true", help="only the bandwidth part")
+    ap.add_argument("--soak", type=int, default=200, metavar="N",
+                    help="snapshots of the memory soak (ckpt_soak.py; 0: skip it)")
+    ap.add_argument("--soak-every", type=int, default=2, metavar="K", help="updates between the soak's snapshots")
     ap.add_argument("--work", help="work directory (default: a new one under /tmp, removed afterwards)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     h.output_args(ap, None, "output JSON (default benchmarks/results/<date>-ckpt.json)")
@@ -53,6 +57,34 @@ def build_parser() -> argparse.ArgumentParser:
 def complete(res: dict[str, Any]) -> dict[str, Any]:
     """Goals, reading and overview rows, from the measurements alone."""
     res["goals"] = goals(res["steps"], res["bandwidth"])
+    memory = memory_goal(res.get("soak"))
+    if memory:
+        res["goals"]["memory"] = memory
+    g = res["goals"]
+    cpu = g.get("daemon_cpu") or {}
+    if cpu.get("cpu_s_per_gib") is not None and cpu.get("ceiling_write") is not None:
+        rest = cpu["cpu_s_per_gib"] - cpu["ceiling_write"] - 2 * (cpu.get("digest_alone") or 0)
+        cpu["cause"] = (f"the kernel's own cost of writing the bytes this way (the ceiling's CPU) "
+                        f"{cpu['ceiling_write']:.2f} s per GiB, the digest {cpu.get('digest_alone') or 0:.2f} s per "
+                        f"GiB once on write and once on verification, the rest (DCP's serialisation, the re-read, "
+                        f"coverage) {rest:.2f} s")
+    dl = res.get("daemon_latency") or {}
+    committed = (dl.get("committed") or {}).get("median")
+    step = ((res["steps"].get("none") or {}).get("mean_step_s") or {}).get("median")
+    if committed is not None and step:
+        interval = res["plan"]["every"] * step
+        g["commit_in_interval"] = {
+            "goal": "a snapshot committed (both nodes) before the next one is due", "committed_s": committed,
+            "verified_s": (dl.get("verified") or {}).get("median"), "interval_s": interval,
+            "pass": committed < interval,
+            "cause": (f"each node's daemon writes a {(dl.get('node_snapshot_bytes') or 0) / 2**30:.2f} GiB copy on "
+                      f"the two cores the four ranks train on, at the lowest priority"
+                      if committed >= interval else None)}
+    bg = g.get("background") or {}
+    if bg.get("pass") is False and cpu.get("cpu_s_per_gib") is not None:
+        bg["cause"] = (f"the daemons' {cpu['cpu_s_per_gib']:.2f} CPU-s per GiB written and verified, "
+                       f"{(dl.get('node_snapshot_bytes') or 0) / 2**30:.2f} GiB per node per snapshot, run on the "
+                       f"same two cores as the four ranks (daemon_nice lowers their priority, not their work)")
     res["analysis"] = analysis_lines(res)
     res["rows"] = rows(res)
     return res
@@ -93,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from bench.ckpt_bandwidth import bench_bandwidth
+    from bench.ckpt_soak import soak
     from bench.workload import param_count
 
     t_start = time.monotonic()
@@ -116,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         res["bandwidth"] = bench_bandwidth(model, work, args.bw_pairs)
         res["bandwidth_wall_s"] = time.monotonic() - t
+        if args.soak > 0:
+            res["soak"] = soak(work, args.soak, args.soak_every)
         complete(res)
         res["total_wall_s"] = time.monotonic() - t_start
         h.finish(res)

@@ -98,7 +98,9 @@ def write_config(path: Path, plan: dict[str, Any], model: dict[str, Any], batch:
 def launch(config: Path, run_dir: Path) -> int:
     """The job as ``accelpact-run`` starts it (``harness.launch_job``: the library's launcher, ranks and
     per-node daemons); its entry point (``ckpt_entry``) runs the schedule."""
-    return h.launch_job(config, run_dir, extra_env={"MASTER_ADDR": "127.0.0.1"})  # read only by DCP's process executor
+    # MASTER_ADDR: read only by DCP's process executor; ACCELPACT_ZYGOTE=0: ranks and daemons as plain processes,
+    # whose command lines carry the run directory (MachineWatch finds them by it)
+    return h.launch_job(config, run_dir, extra_env={"MASTER_ADDR": "127.0.0.1", "ACCELPACT_ZYGOTE": "0"})
 
 
 # =========================================================================== the machine while it runs

@@ -1,7 +1,8 @@
 """L2 Restart end to end on the real dev cluster (2 nodes x 2 tasks, sbatch_templates/hsdp.sbatch).
 
 The oracle is an uninterrupted run of the same job file on the embedded default
-(same topology, same math): its ``final_state_digest`` and per-step losses.
+(same topology, same math): its ``final_state_digest`` and per-step losses.  Each scenario (``_<test name>``)
+runs in the module's fixture, two at a time (``outcomes``); each test reports its own scenario.
 Requeues are real (``scontrol requeue`` from rank 0, from outside, or after the
 pre-timeout USR2), and so are the restarts (``SLURM_RESTART_COUNT``).
 """
@@ -9,11 +10,13 @@ pre-timeout USR2), and so are the restarts (``SLURM_RESTART_COUNT``).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +27,8 @@ from accelpact_slurm.core.events import read_events
 from tests.conftest import DECODER_JOB, REPO, VISION_JOB, job_text, run_cli
 from tests.slurm_cluster import Cluster, job_info, submit, wait_job
 
-pytestmark = pytest.mark.slurm
+# The first test waits for every scenario (the fixture is in its setup): the lanes get a limit of their own.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
 
 TEMPLATE = Path(REPO) / "sbatch_templates" / "hsdp.sbatch"
 SIZES = ["--nodes=2", "--ntasks-per-node=2"]
@@ -52,18 +56,29 @@ def job_file(tmp_path: Path, name: str, steps: int, every: int, example: str = "
     return path
 
 
-#: The uninterrupted runs' summaries, by job file text: tests whose jobs are the same compare with one run.
-_REFERENCES: dict[str, dict] = {}
+#: The uninterrupted runs' summaries, by job file text: tests whose jobs are the same compare with one run (the
+#: first scenario to ask runs it; one asking meanwhile, in the other lane, waits for that run).
+_REFERENCES: dict[str, concurrent.futures.Future] = {}
+_REFERENCES_LOCK = threading.Lock()
 
 
 def reference(tmp_path: Path, config: Path) -> dict:
     """The summary of ``config`` run uninterrupted on the embedded default (run once per job file text)."""
     text = config.read_text()
-    if text not in _REFERENCES:
-        proc = run_cli(["accelpact_slurm.cli.run", str(config), "--run-dir", str(tmp_path / "reference")])
-        assert proc.returncode == 0, proc.stdout[-3000:]
-        _REFERENCES[text] = json.loads((tmp_path / "reference" / "summary.json").read_text())
-    return _REFERENCES[text]
+    with _REFERENCES_LOCK:
+        mine = text not in _REFERENCES
+        if mine:
+            _REFERENCES[text] = concurrent.futures.Future()
+        result = _REFERENCES[text]
+    if mine:
+        try:
+            proc = run_cli(["accelpact_slurm.cli.run", str(config), "--run-dir", str(tmp_path / "reference")])
+            assert proc.returncode == 0, proc.stdout[-3000:]
+            result.set_result(json.loads((tmp_path / "reference" / "summary.json").read_text()))
+        except BaseException as exc:
+            result.set_exception(exc)
+            raise
+    return result.result(timeout=JOB_DEADLINE_S)
 
 
 def sbatch(cluster: Cluster, tmp_path: Path, config: Path, *extra_args: str,
@@ -96,7 +111,7 @@ def restarts_seen(events: list[dict]) -> set[int]:
     return {e["restart"] for e in events if e["event"] == "job_start"}
 
 
-def test_boundary_fault_is_repaired_in_process_without_requeue(slurm_cluster: Cluster, tmp_path: Path):
+def _boundary_fault_is_repaired_in_process_without_requeue(slurm_cluster: Cluster, tmp_path: Path):
     config = job_file(tmp_path, "job", steps=12, every=4, **{"faults: []": 'faults: ["boundary:7:3"]'})
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
@@ -110,9 +125,8 @@ def test_boundary_fault_is_repaired_in_process_without_requeue(slurm_cluster: Cl
     assert summary["losses"] == ref["losses"]
 
 
-@pytest.mark.parametrize("example", ["decoder", "vision"])
-def test_forward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path,
-                                                                 example: str):
+def _forward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Cluster, tmp_path: Path,
+                                                             example: str):
     config = job_file(tmp_path, "job", steps=12, every=4, example=example,
                       **{"faults: []": 'faults: ["forward:10:2"]'})
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0, example=example))
@@ -134,7 +148,7 @@ def test_forward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: C
     assert summary["losses"] == ref["losses"]
 
 
-def test_requeue_from_outside_at_an_arbitrary_moment(slurm_cluster: Cluster, tmp_path: Path):
+def _requeue_from_outside_at_an_arbitrary_moment(slurm_cluster: Cluster, tmp_path: Path):
     config = job_file(tmp_path, "job", steps=60, every=15)
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=60, every=0))
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
@@ -157,7 +171,7 @@ def test_requeue_from_outside_at_an_arbitrary_moment(slurm_cluster: Cluster, tmp
     assert summary["losses"] == ref["losses"]
 
 
-def test_a_job_that_faults_before_every_commit_stops_requeueing(slurm_cluster: Cluster, tmp_path: Path):
+def _a_job_that_faults_before_every_commit_stops_requeueing(slurm_cluster: Cluster, tmp_path: Path):
     config = job_file(tmp_path, "job", steps=6, every=0, **{
         "faults: []": 'faults: ["forward:1:1:always"]', "max_stalled_restarts: 3": "max_stalled_restarts: 1"})
     job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config)
@@ -169,7 +183,7 @@ def test_a_job_that_faults_before_every_commit_stops_requeueing(slurm_cluster: C
     assert max(restarts_seen(events)) == 2  # the first start and a restart that did not advance, then the stop
 
 
-def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster, tmp_path: Path):
+def _time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster, tmp_path: Path):
     small = {"layers: 4": "layers: 1", "width: 64": "width: 32", "log_every: 50": "log_every: 500"}
     config = job_file(tmp_path, "job", steps=500, every=0, **small)
     # One minute, and the template's --signal=B:USR2@60: the warning comes at the controller's first check, up to
@@ -210,7 +224,7 @@ def test_time_limit_usr2_snapshots_requeues_and_completes(slurm_cluster: Cluster
     assert summary["losses"] == ref["losses"]
 
 
-def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: Cluster, tmp_path: Path):
+def _newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: Cluster, tmp_path: Path):
     config = job_file(tmp_path, "job", steps=12, every=4)
     ref = reference(tmp_path, job_file(tmp_path, "ref", steps=12, every=0))
     # The first start stops (exit 75, no requeue) once snapshot 8 is verified, so 4 and 8 both exist.
@@ -240,8 +254,8 @@ def test_newest_checkpoint_corrupted_between_requeue_and_restart(slurm_cluster: 
     assert summary["losses"] == ref["losses"]
 
 
-def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor(slurm_cluster: Cluster,
-                                                                                      tmp_path: Path):
+def _a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor(slurm_cluster: Cluster,
+                                                                                  tmp_path: Path):
     """The first start stops once snapshot 9 is verified (snapshots 3, 6, 9; the shared tier has every 2nd,
     6); while the requeued job is held, node2's snapshot directory is removed, as when the job lands on a
     fresh node.  The restart copies node1's 9 to the shared tier, checks it on arrival, and node2's ranks
@@ -265,8 +279,8 @@ def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_surv
     assert summary["losses"] == ref["losses"]
 
 
-def test_a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes(slurm_cluster: Cluster,
-                                                                                   tmp_path: Path):
+def _a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes(slurm_cluster: Cluster,
+                                                                               tmp_path: Path):
     """Rank 2 is killed (SIGKILL, as by the OOM killer) as update 10 begins, on the first start only: its node peer
     sees its process end, every survivor fail-stops naming it, rank 0 asks Slurm for the requeue; the next start
     reloads snapshot 8 and completes.  Negative control: before the detector, nobody fail-stopped and the
@@ -293,7 +307,7 @@ def buggy_job(tmp_path: Path, steps: int) -> Path:
     return path
 
 
-def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(slurm_cluster: Cluster, tmp_path: Path):
+def _a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(slurm_cluster: Cluster, tmp_path: Path):
     """The training code raises ValueError on rank 1 in update 3: every rank stops with 76 on the first start,
     the batch script passes 76 on, and Slurm does not requeue; the traceback is in the job's output.  Negative
     control: before, the job was requeued four times and ended with 76 only by the no-progress rule, its
@@ -313,7 +327,7 @@ def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(slurm_cluster
     assert all(re.match(r"^ ?\d+: ", line) for line in output.splitlines() if "Traceback" in line)
 
 
-def test_a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued(slurm_cluster: Cluster, tmp_path: Path):
+def _a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued(slurm_cluster: Cluster, tmp_path: Path):
     """A job file the workers refuse (``steps: -1``): every task exits 2 before training, naming the field, the
     value and the fix; the batch script passes 2 on and Slurm does not requeue.  Negative control: a 2 read as
     a crash would be requeued by the template (``core.exit_verdict``, held by ``tests/launch/test_core.py``)."""
@@ -327,7 +341,7 @@ def test_a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued(slurm
     assert "steps" in output and "-1" in output and "must be >= 0" in output, output[-3000:]
 
 
-def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm_cluster: Cluster, tmp_path: Path):
+def _a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm_cluster: Cluster, tmp_path: Path):
     """Rank 2 stops (SIGSTOP) as update 6 begins: after heartbeat_s without a heartbeat every other rank fail-stops
     naming it, its node peer dumps its stacks into the job's output and kills it, rank 0 requeues; the next
     start completes in the uninterrupted state.  Negative control (tests/e2e/test_detection.py): blind, nobody
@@ -347,7 +361,7 @@ def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(slurm
     assert summary["final_state_digest"] == ref["final_state_digest"]
 
 
-def test_a_crash_that_recurs_stops_with_do_not_requeue(slurm_cluster: Cluster, tmp_path: Path):
+def _a_crash_that_recurs_stops_with_do_not_requeue(slurm_cluster: Cluster, tmp_path: Path):
     """Rank 1 crashes in update 2 of every start.  Blind (the detector off), nobody decides before srun's
     --kill-on-bad-exit ends the step: the template requeues each crash, and the no-progress rule stops the job."""
     config = job_file(tmp_path, "job", steps=6, every=0, **{"max_stalled_restarts: 3": "max_stalled_restarts: 1"})
@@ -360,3 +374,103 @@ def test_a_crash_that_recurs_stops_with_do_not_requeue(slurm_cluster: Cluster, t
     assert len([e for e in events if e["event"] == "requeue" and e["by"] == "template"]) == 2
     stops = [e for e in events if e["event"] == "fail_stop" and e["exit_code"] == EXIT_NO_REQUEUE]
     assert stops and "no progress" in stops[0]["reason"]
+
+
+# --------------------------------------------------------------------------- two lanes
+#: Every scenario above, the longest first, by the test that reports it.  The dev cluster's two nodes take two
+#: such jobs at once (4 CPUs each, a job takes 2 per node), and much of a job waits (Slurm's requeue, the
+#: detector's timeouts, the paced start waiting for the time limit's warning), so they run two at a time.
+SCENARIOS = {
+    "time_limit_usr2_snapshots_requeues_and_completes": _time_limit_usr2_snapshots_requeues_and_completes,
+    "a_crash_that_recurs_stops_with_do_not_requeue": _a_crash_that_recurs_stops_with_do_not_requeue,
+    "requeue_from_outside_at_an_arbitrary_moment": _requeue_from_outside_at_an_arbitrary_moment,
+    "a_job_that_faults_before_every_commit_stops_requeueing": _a_job_that_faults_before_every_commit_stops_requeueing,
+    **{f"forward_fault_requeues_and_reloads_the_newest_verified[{example}]": functools.partial(
+        _forward_fault_requeues_and_reloads_the_newest_verified, example=example) for example in ("vision", "decoder")},
+    "a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes":
+        _a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes,
+    "newest_checkpoint_corrupted_between_requeue_and_restart": _newest_checkpoint_corrupted_between_requeue_and_restart,
+    "a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor":
+        _a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor,
+    "a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes":
+        _a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes,
+    "boundary_fault_is_repaired_in_process_without_requeue": _boundary_fault_is_repaired_in_process_without_requeue,
+    "a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it": _a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it,
+    "a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued":
+        _a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued,
+}
+LANES = 2
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, slurm_cluster: Cluster, tmp_path_factory) -> dict[str, BaseException | None]:
+    """The selected tests' scenarios, in ``LANES`` lanes: what each raised (its failed assertion, ``pytest.fail``),
+    or None."""
+    wanted = {item.originalname[len("test_"):] + (f"[{item.callspec.id}]" if hasattr(item, "callspec") else "")
+              for item in request.session.items if item.module is sys.modules[__name__]}
+    def one(name: str, body) -> BaseException | None:
+        try:
+            body(slurm_cluster, tmp_path_factory.mktemp(re.sub(r"\W+", "_", name)[:40]))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the scenario's own test
+            return exc
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(LANES) as pool:
+        running = {name: pool.submit(one, name, body) for name, body in SCENARIOS.items() if name in wanted}
+        return {name: f.result(timeout=len(SCENARIOS) * JOB_DEADLINE_S) for name, f in running.items()}
+
+
+def outcome(outcomes: dict[str, BaseException | None], name: str) -> None:
+    """The scenario's verdict, as its test's: what it raised, raised again here."""
+    exc = outcomes[name]
+    if exc is not None:
+        raise exc
+
+
+def test_boundary_fault_is_repaired_in_process_without_requeue(outcomes):
+    outcome(outcomes, "boundary_fault_is_repaired_in_process_without_requeue")
+
+
+@pytest.mark.parametrize("example", ["decoder", "vision"])
+def test_forward_fault_requeues_and_reloads_the_newest_verified(outcomes, example):
+    outcome(outcomes, f"forward_fault_requeues_and_reloads_the_newest_verified[{example}]")
+
+
+def test_requeue_from_outside_at_an_arbitrary_moment(outcomes):
+    outcome(outcomes, "requeue_from_outside_at_an_arbitrary_moment")
+
+
+def test_a_job_that_faults_before_every_commit_stops_requeueing(outcomes):
+    outcome(outcomes, "a_job_that_faults_before_every_commit_stops_requeueing")
+
+
+def test_time_limit_usr2_snapshots_requeues_and_completes(outcomes):
+    outcome(outcomes, "time_limit_usr2_snapshots_requeues_and_completes")
+
+
+def test_newest_checkpoint_corrupted_between_requeue_and_restart(outcomes):
+    outcome(outcomes, "newest_checkpoint_corrupted_between_requeue_and_restart")
+
+
+def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor(outcomes):
+    outcome(outcomes, "a_node_directory_lost_between_requeue_and_restart_resumes_from_the_survivor")
+
+
+def test_a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes(outcomes):
+    outcome(outcomes, "a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes")
+
+
+def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(outcomes):
+    outcome(outcomes, "a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it")
+
+
+def test_a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued(outcomes):
+    outcome(outcomes, "a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued")
+
+
+def test_a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes(outcomes):
+    outcome(outcomes, "a_hung_rank_is_named_dumped_killed_and_the_requeued_job_completes")
+
+
+def test_a_crash_that_recurs_stops_with_do_not_requeue(outcomes):
+    outcome(outcomes, "a_crash_that_recurs_stops_with_do_not_requeue")
