@@ -140,8 +140,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"| ours, GB/s (absolute, this run only) | {_rng(bw['ours_GBps'])} |",
         f"| dd, GB/s (absolute, this run only) | {_rng(bw['dd_GBps'])} |",
         "",
-        "Median seconds per write: " + ", ".join(f"{k} {v:.2f}" for k, v in bw["parts_median_s"].items()
-                                                 if v is not None) + ".",
+        _write_parts_line(bw),
         *order_effect_lines(bw),
     ]
     lines += [
@@ -200,6 +199,11 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _write_parts_line(bw: dict[str, Any]) -> str:
+    return "Median seconds per write: " + ", ".join(f"{k} {v:.2f}" for k, v in bw["parts_median_s"].items()
+                                                    if v is not None) + "."
+
+
 def write_path_lines(bw: dict[str, Any]) -> list[str]:
     """The write bandwidth section of a result with the ceiling of the write path's shape."""
     by = bw.get("ratio_ceiling_by_order") or {}
@@ -226,8 +230,7 @@ def write_path_lines(bw: dict[str, Any]) -> list[str]:
         f"| ceiling, GB/s (absolute, this run only) | {_rng(bw['ceiling_GBps'])} |",
         f"| dd, GB/s (absolute, this run only) | {_rng(bw['dd_GBps'])} |",
         "",
-        "Median seconds per write: " + ", ".join(f"{k} {v:.2f}" for k, v in bw["parts_median_s"].items()
-                                                 if v is not None) + ".",
+        _write_parts_line(bw),
     ]
 
 

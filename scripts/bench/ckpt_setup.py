@@ -98,9 +98,12 @@ def write_config(path: Path, plan: dict[str, Any], model: dict[str, Any], batch:
 def launch(config: Path, run_dir: Path) -> int:
     """The job as ``accelpact-run`` starts it (``harness.launch_job``: the library's launcher, ranks and
     per-node daemons); its entry point (``ckpt_entry``) runs the schedule."""
-    # MASTER_ADDR: read only by DCP's process executor; ACCELPACT_ZYGOTE=0: ranks and daemons as plain processes,
-    # whose command lines carry the run directory (MachineWatch finds them by it)
-    return h.launch_job(config, run_dir, extra_env={"MASTER_ADDR": "127.0.0.1", "ACCELPACT_ZYGOTE": "0"})
+    # MASTER_ADDR: read only by DCP's process executor.  The ranks and daemons are forked from the zygote, as
+    # accelpact-run starts them: their command lines do not carry the run directory, so MachineWatch's RSS by
+    # kind reads 0 here (ckpt_soak measures it, with plain processes).  As plain processes and as forked ones
+    # alike, this job's round 3 ``dcp_process`` segment ran out of memory on 2026-12-03 (MemAvailable 0.1-0.2 GiB,
+    # a rank OOM-killed), where the 2026-11-30 run kept 2.47 GiB free
+    return h.launch_job(config, run_dir, extra_env={"MASTER_ADDR": "127.0.0.1"})
 
 
 # =========================================================================== the machine while it runs
