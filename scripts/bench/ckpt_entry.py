@@ -12,9 +12,10 @@ snapshot right after the update (``ours``: the run's client, ``job.run._snapshot
 times its own pieces in ``last_parts``; the DCP modes: ``ckpt_dcp.DcpModes``), and after its last update the
 segment is drained outside the timed updates (async futures, our daemons' write + verification,
 ``malloc_trim``).  Each ``ours`` snapshot is bracketed by the memcpy floor (the rank's same bytes into a
-touched buffer of their size), right before it (left out of the update's time) and right after it.  Step time = time between the ends of two consecutive updates (each followed by its
-snapshot, if any) on rank 0 (the ranks are in lock step), so it includes the blocking part.  Each rank dumps
-its records to ``plan["out"]/rank-<rank>.json`` after every segment.
+touched buffer of their size), right before it (left out of the update's time) and right after it.  Step
+time = time between the ends of two consecutive updates (each followed by its snapshot, if any) on rank 0
+(the ranks are in lock step), so it includes the blocking part.  Each rank dumps its records to
+``plan["out"]/rank-<rank>.json`` after every segment.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class CkptBench(DcpModes):
         super()._prepare_next(step)
         nxt = self.sched.get(step + 1)
         if nxt is not None and nxt[1] == "ours":
-            if getattr(self, "_floor_buf", None) is None:
+            if self._floor_buf is None:
                 import torch
 
                 srcs = self._floor_sources()
@@ -165,7 +166,7 @@ class CkptBench(DcpModes):
         """Seconds of a plain copy of this rank's own snapshot bytes (the same tensors the snapshot copies) into
         a preallocated, already touched buffer of their size, as the snapshot copies them into its slot: the
         floor of the blocking time.  FSDP1 only (its plan needs no collective)."""
-        buf = getattr(self, "_floor_buf", None)
+        buf = self._floor_buf
         srcs = self._floor_sources() if buf is not None else None
         if not srcs:
             return None
