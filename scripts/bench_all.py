@@ -103,8 +103,7 @@ PART_ARGS: dict[str, list[str]] = {
     "paper": ["--repeats", "4"],
     "store": ["--pairs", "9"],
     "restore": ["--rounds", "3"],
-    # 2 rounds: on 2026-12-03 a third round's dcp_process segment ran this machine out of memory twice
-    "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6", "--rounds", "2"],
+    "ckpt": ["--modes", "none,ours,dcp_sync,dcp_process,dcp_stager", "--bw-pairs", "6"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes
     "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "1", "--first-snapshot", "0",
                  "--traffic-s", "3"],
