@@ -183,11 +183,14 @@ class SnapshotClient:
         staging.write_stamp(self.slots[slot].buf, nbytes, step, token)
         parts["copy"] = time.monotonic() - t
         other = self.slots[(slot + 1) % SLOTS]
-        if other.size < staging.slot_bytes(nbytes) and (self._prefault is None or not self._prefault.is_alive()):
+        if 0 < other.size < staging.slot_bytes(nbytes) and (self._prefault is None or not self._prefault.is_alive()):
+            # a second slot exists (the daemon was behind once) but the state outgrew it: regrown beside training
             self._prefault = threading.Thread(target=self._ready_slot, args=(other, staging.slot_bytes(nbytes)),
-                                              name="ckpt-prefault",
-                                              daemon=True)  # the next snapshot's slot, beside training
+                                              name="ckpt-prefault", daemon=True)
             self._prefault.start()
+        if created and slot == 1 and self._slot_step[0] is not None:
+            log.info("snapshot %d: the checkpoint daemon still held slot %d (snapshot %s), so a second staging slot "
+                     "was created (%d bytes in shared memory from now on)", step, 0, self._slot_step[0], self.slots[1].size)
         faults_mod.corrupt_capture(self, plan, slot, step, self.faults)
         capture = None
         if not self._proved:  # once per job and plan, the same decision on every rank
@@ -231,18 +234,21 @@ class SnapshotClient:
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
         if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
             self.events.emit("snapshot", step=step, blocking_s=blocking, parts_s={k: round(v, 6) for k, v in parts.items()},
+                             staging_bytes=[slot_.size for slot_ in self.slots],  # rank 0's slots in /dev/shm
                              **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}),
                              **({"resumed": resumed} if resumed else {}))
         faults_mod.kill_after_staged(self, step, self.faults)
         return True
 
     def _prepare_slots(self) -> None:
-        """After the start's first committed update (every tensor of the state exists by then): size both slots from
-        this rank's plan and touch their pages on a thread of their own, beside training, so that no snapshot of
-        this start (the first after a restart included) faults fresh pages in while training waits.
+        """After the start's first committed update (every tensor of the state exists by then): size the slot the
+        first snapshot takes from this rank's plan and touch its pages on a thread of its own, beside training, so that
+        the first snapshot of this start (the first after a restart included) does not fault fresh pages in while
+        training waits.  Only that one: a daemon that keeps up costs one slot of shared memory per rank; the second is
+        created by the first snapshot that finds the daemon still writing from the first (:meth:`_free_slot`).
 
-        FSDP1's plan needs no collective; any other wrapping's does (``get_state_dict``), so there only the slot the
-        first snapshot does not use is made ready, after it (:meth:`snapshot`).
+        FSDP1's plan needs no collective; any other wrapping's does (``get_state_dict``), so there the first snapshot
+        makes its slot itself.
         """
         from ckpt_service.capture import fsdp1_plan
 
@@ -253,8 +259,7 @@ class SnapshotClient:
                     return
                 nbytes = staging.slot_bytes(plan.layout())
                 plan = None  # views of the live tensors: dropped here, on this thread
-                for slot in self.slots:
-                    self._ready_slot(slot, nbytes)
+                self._ready_slot(self.slots[0], nbytes)  # the slot _free_slot gives while none is used
             except Exception as exc:  # noqa: BLE001 - the first snapshot makes its slot itself
                 log.info("staging slots not made ready ahead: %s", exc)
 

@@ -50,7 +50,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("step", "state", "size_bytes", "path", "reason"),
     "checkpoint_copy": ("step", "source", "path", "size_bytes", "copy_s", "hostname", "reason"),
     "shared_upload": ("step", "ok", "source", "path", "size_bytes", "copy_s", "reason", "pruned"),
-    "snapshot": ("step", "blocking_s", "parts_s"),
+    "snapshot": ("step", "blocking_s", "parts_s", "staging_bytes"),
     "saved": ("step", "trigger", "verified", "states", "reason", "wait_s"),
     "job_end": ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code"),
 }

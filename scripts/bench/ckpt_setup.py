@@ -98,11 +98,11 @@ def write_config(path: Path, plan: dict[str, Any], model: dict[str, Any], batch:
 def launch(config: Path, run_dir: Path) -> int:
     """The job as ``accelpact-run`` starts it (``harness.launch_job``: the library's launcher, ranks and
     per-node daemons); its entry point (``ckpt_entry``) runs the schedule."""
-    # MASTER_ADDR: read only by DCP's process executor.  The ranks and daemons are forked from the zygote, as
-    # accelpact-run starts them: their command lines do not carry the run directory, so MachineWatch's RSS by
-    # kind reads 0 here (ckpt_soak measures it, with plain processes).  As plain processes and as forked ones
-    # alike, this job's round 3 ``dcp_process`` segment ran out of memory on 2026-12-03 (MemAvailable 0.1-0.2 GiB,
-    # a rank OOM-killed), where the 2026-11-30 run kept 2.47 GiB free
+    # MASTER_ADDR: read only by DCP's process executor.  Memory: 4 ranks, 2 daemons, the ranks' staging slots and
+    # DCP's process executor's copies share 23.5 GiB here; the segments of one mode must not hold another's.  A
+    # rank that made both its staging slots ready ahead (one more 0.62 GiB slot each, kept through every
+    # segment) ran round 3's ``dcp_process`` segment out of memory on 2026-12-03 (MemAvailable 0.03-0.2 GiB, a rank
+    # OOM-killed); with one slot per rank while the daemon keeps up, MemAvailable stayed above 2 GiB
     return h.launch_job(config, run_dir, extra_env={"MASTER_ADDR": "127.0.0.1"})
 
 

@@ -75,14 +75,14 @@ def params_of(args: argparse.Namespace, budget: float) -> dict[str, Any]:
             "overhead_rounds": args.overhead_rounds, "overhead_steps": args.overhead_steps,
             "window_steps": args.window_steps,
             "topology": {"ours": f"{base.topology.nodes}x{base.topology.ranks_per_node}", "torchft": "2x1",
-                         "nvrx": "2", "nvrx_injob": "1x2"}, "budget_s": budget}
+                         "torchft_overhead": "2x2", "nvrx": "2", "nvrx_injob": "1x2"}, "budget_s": budget}
 
 
 def tasks_of(args: argparse.Namespace, res: dict[str, Any], work: Path
              ) -> list[tuple[str, Callable[[Path, int], dict[str, Any]]]]:
     """The runs of one repeat, by name (the peers that could not be installed left out)."""
     from bench.peers_runs import (run_nvrx, run_nvrx_injob, run_ours_fault, run_ours_overhead, run_torchft,
-                                  write_config)
+                                  run_torchft_hsdp_overhead, write_config)
 
     T, S = res["params"]["main_timeout_s"], res["params"]["short_timeout_s"]
     every = res["params"]["checkpoint_every"]
@@ -98,8 +98,9 @@ def tasks_of(args: argparse.Namespace, res: dict[str, Any], work: Path
         ("ours_overhead", lambda w, i: run_ours_overhead(T, w, *ovh)),
     ]
     if "manager" in feature.get("torchft", ()):
-        tasks += [("torchft_T", lambda w, i: run_torchft(py["torchft"], T, w, f"T{i}", ovh)),
-                  ("torchft_S", lambda w, i: run_torchft(py["torchft"], S, w, f"S{i}", None))]
+        tasks += [("torchft_T", lambda w, i: run_torchft(py["torchft"], T, w, f"T{i}", None)),
+                  ("torchft_S", lambda w, i: run_torchft(py["torchft"], S, w, f"S{i}", None)),
+                  ("torchft_hsdp_overhead", lambda w, i: run_torchft_hsdp_overhead(cfg_T, w / f"hsdp-{i}", ovh))]
     if "inprocess" in feature.get("nvrx", ()):
         tasks += [("nvrx", lambda w, i: run_nvrx(py["nvrx"], "wrapped", T, w, f"w{i}", args.window_steps)),
                   ("nvrx_plain", lambda w, i: run_nvrx(py["nvrx"], "plain", T, w, f"p{i}", args.window_steps))]

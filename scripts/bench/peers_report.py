@@ -140,14 +140,21 @@ def analyse(res: dict[str, Any]) -> None:
         f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s",
         added=_added_ms(ov), added_unit="ms per update")
     if ft_ok:
-        ov = [rep["torchft_T"]["overhead"] for rep in runs
-              if rep.get("torchft_T", {}).get("ok") and rep["torchft_T"].get("overhead", {}).get("ok")]
+        # like for like: torchft on the same four ranks and model (FSDP2 per replica group, its managed all-reduce
+        # across), against the same FSDP2 updates with a plain Gloo all-reduce; a stored result from before that
+        # run has the two-process form's segments instead (one process per replica group, no FSDP)
+        ov = [rep["torchft_hsdp_overhead"] for rep in runs if rep.get("torchft_hsdp_overhead", {}).get("ok")]
+        form = "4 ranks HSDP (FSDP2 per replica group of 2)"
+        base = "the same FSDP2 updates, replicate all-reduce on a plain Gloo group; ABBA segments, same processes"
+        if not ov:
+            ov = [rep["torchft_T"]["overhead"] for rep in runs
+                  if rep.get("torchft_T", {}).get("ok") and rep["torchft_T"].get("overhead", {}).get("ok")]
+            form, base = "2 replica groups", "plain Gloo all-reduce update, interleaved segments, same processes"
         st = h.spread([x for r in ov for x in r["ratios"]])
         st["abs_test"] = h.med([x for r in ov for x in r["test_step_s"]])
         st["abs_base"] = h.med([x for r in ov for x in r["base_step_s"]])
-        add("ovh_torchft", f"{ft}: managed update (quorum + allreduce + should_commit), 2 replica groups, "
-            f"heartbeat timeout {T:g} s",
-            "plain Gloo all-reduce update, interleaved segments, same processes", st,
+        add("ovh_torchft", f"{ft}: managed update (quorum + allreduce + should_commit), {form}, "
+            f"heartbeat timeout {T:g} s", base, st,
             f"{F(st['abs_test'], '{:.4f}')} s vs {F(st['abs_base'], '{:.4f}')} s",
             added=_added_ms(ov), added_unit="ms per update")
     if nv_ok:

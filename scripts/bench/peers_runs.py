@@ -337,6 +337,19 @@ def run_torchft(py: Path, hb_s: float, work: Path, tag: str, overhead: tuple[int
     return r
 
 
+def run_torchft_hsdp_overhead(cfg: Path, work: Path, overhead: tuple[int, int]) -> dict[str, Any]:
+    """torchft's per-update cost on our job's four ranks: the recovery benchmark's HSDP worker (FSDP2 in each of 2
+    replica groups of 2, torchft's managed all-reduce across them; the job file's model, optimizer and data) with
+    no fault, then ABBA segments of managed updates and of the same FSDP2 updates over a plain Gloo group
+    (``recovery_torchft.run_trial(..., overhead=...)``); every rank timed, the slowest one's segment counted."""
+    from bench.recovery_torchft import run_trial
+
+    r = run_trial("none", step=2, rank=1, workdir=work, timeout_s=RUN_DEADLINE_S, steps=3, config=str(cfg),
+                  overhead=overhead)
+    return {"system": "torchft", "form": r.get("form"), **{k: r.get(k) for k in (
+        "ok", "error", "ratios", "test_step_s", "base_step_s", "added_ms", "per_rank_seg_s", "torchft", "wall_s")}}
+
+
 def run_nvrx(py: Path, mode: str, collective_s: float, work: Path, tag: str, window: int) -> dict[str, Any]:
     """Two ranks, wrapped (with the fault) or plain (the per-update baseline)."""
     port = h.free_ports(3, consecutive=True)[0]

@@ -96,7 +96,7 @@ def _first(recs: list[dict[str, Any]], ev: str, **match: Any) -> dict[str, Any] 
 
 def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: float, steps: int | None = None,
               timeouts: dict[str, float] | None = None, max_restarts: int = 1, exit_on_error: bool = False,
-              config: str | None = None) -> dict[str, Any]:
+              config: str | None = None, overhead: tuple[int, int] | None = None) -> dict[str, Any]:
     """One trial: ``fault`` (link | kill | stop | bug) on global rank ``rank`` (= 2 * group + rank in group) at
     update ``step``; everything ends within ``timeout_s`` (plus a few seconds of teardown).
 
@@ -105,9 +105,13 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
     ``max_restarts``: restarts of each replica group the launcher allows.  ``exit_on_error``: a rank whose
     training loop raises exits at once (``os._exit``) instead of through interpreter shutdown, which waits for
     the Manager's quorum thread (up to ``quorum_timeout_s``): not what a plain script does, so off by default.
+    ``overhead``: ``(rounds, steps)`` with ``fault="none"``: the per-update cost instead, ABBA segments of managed
+    and plain updates on the four ranks after the run (:func:`overhead_of`).
     Returns a dict (see the module's doc).
     """
-    if fault not in KINDS:
+    if overhead is not None and fault != "none":
+        raise ValueError("overhead runs take fault='none'")
+    if fault not in KINDS and overhead is None:
         raise ValueError(f"fault must be one of {KINDS}, not {fault!r}")
     if not 0 <= rank < 4 or step < 2:
         raise ValueError("rank must be 0..3 and step >= 2 (update 1 is the start)")
@@ -160,6 +164,8 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
                    "--deadline-s", str(max(10.0, deadline - time.monotonic() + 5))]
             if config:
                 cmd += ["--config", config]
+            if overhead is not None:
+                cmd += ["--overhead-rounds", str(overhead[0]), "--overhead-steps", str(overhead[1])]
             if inc[g]:
                 cmd.append("--restarted")
             if exit_on_error:
@@ -214,6 +220,8 @@ def run_trial(fault: str, *, step: int, rank: int, workdir: Path, timeout_s: flo
         PROCS.kill(lh)  # it ignores SIGTERM
     res["wall_s"] = time.time() - t_begin
     res["timed_out"] = timed_out
+    if overhead is not None:
+        return {**res, **overhead_of(files, timed_out, workdir)}
     return {**res, **_analyse(fault, step, rank, files, restarts, failed_groups, timed_out, alive, stopped, tmo,
                               workdir)}
 
@@ -315,6 +323,35 @@ def _analyse(fault: str, step: int, rank: int, files: dict[tuple[int, int], Path
         out["not_handled_because"] = "; ".join(why) or f"ranks {stuck} never committed again"
         out["stuck_ranks"] = stuck
     return out
+
+
+def overhead_of(files: dict[tuple[int, int], Path], timed_out: bool, workdir: Path) -> dict[str, Any]:
+    """Per round and mode, every rank's segment time and the slowest rank's (a segment ends at a barrier of all
+    four, so they differ by the barrier's skew only); ``ratios``: managed / plain per round, slowest rank's each;
+    ``added_ms``: (managed - plain) per update, per round."""
+    segs: dict[tuple[int, str], dict[int, dict[str, Any]]] = {}
+    for (r, _inc), f in files.items():
+        for x in read_jsonl(f):
+            if x["ev"] == "segment":
+                segs.setdefault((x["round"], x["mode"]), {})[r] = x
+    rounds = sorted({rd for rd, _m in segs})
+    out: dict[str, Any] = {"per_rank_seg_s": {}, "ratios": [], "test_step_s": [], "base_step_s": [], "added_ms": []}
+    for rd in rounds:
+        m, pl = segs.get((rd, "managed"), {}), segs.get((rd, "plain"), {})
+        if len(m) != 4 or len(pl) != 4:
+            continue
+        out["per_rank_seg_s"][str(rd)] = {"managed": {str(k): v["seg_s"] for k, v in sorted(m.items())},
+                                          "plain": {str(k): v["seg_s"] for k, v in sorted(pl.items())}}
+        tm, tp = max(v["seg_s"] for v in m.values()), max(v["seg_s"] for v in pl.values())
+        n = len(next(iter(m.values()))["dts"])
+        out["ratios"].append(tm / tp)
+        out["test_step_s"].append(tm / n)
+        out["base_step_s"].append(tp / n)
+        out["added_ms"].append((tm - tp) / n * 1000)
+    ok = bool(out["ratios"])
+    return {"ok": ok, "handled": None, **out,
+            **({} if ok else {"error": f"no complete segments (timed out: {timed_out}): "
+                                       f"{tail(workdir / 'rank0-inc0.log', 4)}"})}
 
 
 def _last_error(log: Path) -> str | None:

@@ -27,8 +27,14 @@ manager, as torchft does when its all-reduce raises, and does not enter it: its 
 for the process group's timeout); ``kill`` R SIGKILLs itself as update N begins (right after committing N-1);
 ``stop`` R SIGSTOPs itself as update N begins; ``bug`` R raises ValueError in the loss of update N (uncaught).
 
+Per-update cost (``--overhead-rounds R``, no fault): after the run, both groups run R rounds of two segments of
+``--overhead-steps`` updates each, their order alternating (ABBA): ``managed`` is the loop above; ``plain`` is
+the same FSDP2 job with the replicate dimension's all-reduce on a plain Gloo group of the two ranks of the same
+group rank (torch's own, no Manager, no quorum, no commit vote): native HSDP's work on the same four ranks.  A
+segment is timed on every rank between two barriers of all four, so it ends when the slowest rank is done.
+
 Records (JSON lines in ``--out``, one ``os.write`` each): imported, ready, commit/abort per update
-(``time.time()``, ``u``, ``dt``, participants), fault, done.  Ranks stop after the same committed update: the
+(``time.time()``, ``u``, ``dt``, participants), fault, segment (mode, round, dts, seg_s), done.  Ranks stop after the same committed update: the
 first one at or past ``--steps`` that follows 3 updates all 4 ranks committed together after the fault.
 """
 
@@ -70,6 +76,9 @@ def main() -> int:
     ap.add_argument("--group-timeout-s", type=float, default=1800.0,
                     help="the replica group's own Gloo group (FSDP's reduce-scatter/all-gather; torch's default 1800)")
     ap.add_argument("--deadline-s", type=float, default=120.0, help="hard exit after this many seconds")
+    ap.add_argument("--overhead-rounds", type=int, default=0,
+                    help="after the run: ABBA rounds of a managed and a plain segment (no fault only)")
+    ap.add_argument("--overhead-steps", type=int, default=10, help="updates per overhead segment")
     ap.add_argument("--exit-on-error", action="store_true",
                     help="an uncaught error exits at once (interpreter exit would wait for the Manager's quorum "
                          "thread, up to its quorum timeout)")
@@ -178,6 +187,7 @@ def main() -> int:
     replicate = ManagedProcessGroup(manager)  # the replicate dimension: torchft's fault-tolerant group
     inject = {"link": faulty and args.fault == "link"}
     cur = {"u": 0}
+    plain: dict[str, object] = {"pg": None}  # the overhead's plain segments: a torch Gloo group across the groups
 
     def all_reduce_hook(output: torch.Tensor) -> None:
         """The replicate dimension's gradient all-reduce of one FSDP unit (after its reduce-scatter)."""
@@ -189,6 +199,10 @@ def main() -> int:
             manager.report_error(RuntimeError(f"injected: rank {rank} withheld its part of the replication "
                                               f"all-reduce of update {cur['u']}"))
             return
+        if plain["pg"] is not None:
+            plain["pg"].allreduce([output]).wait()  # Gloo has no AVG: a sum over the 2 groups, halved
+            output.div_(2)
+            return
         replicate.allreduce([output], ReduceOp.AVG).wait()  # errors are swallowed and reported to the manager
 
     for m in model.modules():
@@ -197,6 +211,7 @@ def main() -> int:
     rec.emit("ready", param_count=sum(x.numel() for x in params),
              local_numel=sum(local(x).numel() for x in params), ready_s=time.time() - T0)
 
+    start = None
     if first:  # all four ranks have a manager before the first quorum: they train together from update 1
         start = dist.TCPStore("127.0.0.1", args.start_port, 4, is_master=rank == 0, wait_for_workers=False,
                               timeout=timedelta(seconds=60))
@@ -235,8 +250,51 @@ def main() -> int:
             together += 1
         if ok and manager.current_step() >= args.steps and together >= 3:
             break
+    if args.overhead_rounds and start is not None and args.fault == "none":
+        overhead(args, rec, start, rank, g, gr, plain, manager, opt, sched, model, data, state, p, world)
     rec.emit("done", u=manager.current_step(), threads=torch.get_num_threads())
     os._exit(0)  # skip teardown: a manager whose peer is gone can block in its destructors
+
+
+def overhead(args, rec, start, rank, g, gr, plain, manager, opt, sched, model, data, state, p, world) -> None:
+    """The per-update cost: ABBA rounds of a managed and a plain segment (see the module's doc)."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.workload import lm_loss, rank_batch
+
+    tmo = timedelta(seconds=60)
+    every = dist.ProcessGroupGloo(dist.PrefixStore("overhead-world", start), rank, world, tmo)
+    across = dist.ProcessGroupGloo(dist.PrefixStore(f"overhead-replicate-{gr}", start), g, 2, tmo)
+    token = torch.zeros(1)
+
+    def barrier() -> None:
+        every.allreduce([token]).wait()
+
+    def one(mode: str) -> None:
+        if mode == "managed":
+            manager.start_quorum()
+        opt.zero_grad(set_to_none=True)
+        model.train()
+        lm_loss(model, rank_batch(data, state["cursor"], rank, world, p["batch_per_rank"])).backward()
+        if mode == "plain" or manager.should_commit():
+            opt.step()
+            sched.step()
+            state["cursor"] += 1
+
+    for r in range(args.overhead_rounds):
+        for mode in (("plain", "managed") if r % 2 == 0 else ("managed", "plain")):
+            plain["pg"] = across if mode == "plain" else None
+            barrier()
+            dts = []
+            begin = time.perf_counter()
+            for _ in range(args.overhead_steps):
+                t0 = time.perf_counter()
+                one(mode)
+                dts.append(time.perf_counter() - t0)
+            barrier()  # the segment ends when the slowest of the four ranks is done
+            rec.emit("segment", mode=mode, round=r, dts=dts, seg_s=time.perf_counter() - begin)
+    plain["pg"] = None
 
 
 if __name__ == "__main__":
