@@ -102,6 +102,7 @@ def write_job(path: Path, args: argparse.Namespace) -> Path:
         "topology.nodes": 2, "topology.ranks_per_node": 2, "topology.threads_per_rank": 1,
         "checkpoint.every_steps": args.every, "checkpoint.keep_last": 2, "checkpoint.milestone_every": 0,
         "checkpoint.shared_every": 1, "checkpoint.shared_keep": 2,
+        "checkpoint.at_end": False,  # every restart resumes from the periodic snapshot of update 2 x every
     }, entry=entry_of("restore_entry"), params={**model, "bench": {"deadline_s": RANK_DEADLINE_S}})
 
 
