@@ -77,7 +77,7 @@ PARTS = {p.name: p for p in (
     Part("l1backward", "bench_l1backward.py", "<!-- l1backward-bench -->", 300,
          "L1 backward: faults at random moments of the update"),
     Part("peers", "bench_peers.py", "<!-- peers-bench -->", 480, "Against other recovery systems"),
-    Part("ckpt", "bench_ckpt.py", "<!-- ckpt-bench -->", 1080, "Checkpoint service"),
+    Part("ckpt", "bench_ckpt.py", "<!-- ckpt-bench -->", 1200, "Checkpoint service"),
     Part("paper", "paper_experiment.py", "<!-- paper-experiment -->", 360,
          "L1 against L2: the paper's whole-run experiment"),
     Part("status", "bench_status.py", "<!-- status-bench -->", 120, "accelpact-status"),
