@@ -111,6 +111,9 @@ class RepairContext:
     replace_parts: dict[str, float] = field(default_factory=dict)  # replace_all: build, rebind, scan, retire
     in_place: list[str] = field(default_factory=list)  # the groups given a new transport in place (not rebuilt)
     replaced: Replaced | None = None  # the rank's groups after the repair (None: this rank kept its groups)
+    parts: dict[str, float] = field(default_factory=dict)  # seconds of a phase's parts: "validate.check", ...
+    marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() when the rank entered the repair, ...
+    check: list[Any] | None = None  # the validation's all-reduces, issued once the model is rebound (rebind)
 
 
 def rss_bytes() -> int:
@@ -178,6 +181,7 @@ class RepairEngine:
         failed_phase = "backward" if scope == "update" else "committed"
         phase = "observe"
         t_start = time.monotonic()
+        ctx.marks["start"] = t_start
         while phase != "done":
             t0 = time.monotonic()
             try:
@@ -196,7 +200,8 @@ class RepairEngine:
         total = time.monotonic() - t_start
         self.repairs += 1
         self.events.emit("repair_rank", generation=ctx.generation, frontier=frontier, member=ctx.member,
-                         rebound=sum(ctx.rebound.values()), total_s=total, rss_bytes=rss_bytes())
+                         rebound=sum(ctx.rebound.values()), total_s=total, rss_bytes=rss_bytes(),
+                         phases=ctx.durations, parts_s=ctx.parts or None, marks=ctx.marks)
         if self.rt.rank == min(ranks):
             self.events.emit(
                 "repair", generation=ctx.generation, frontier=frontier, ranks=ranks,
@@ -205,6 +210,7 @@ class RepairEngine:
                 reason=reason, scope=scope, discarded_update=step if scope == "update" else None,
                 replayed_updates=1 if scope == "update" else 0, discarded=ctx.discarded or None,
                 replace_parts_s=ctx.replace_parts or None, reconfigured=ctx.in_place or None,
+                parts_s=ctx.parts or None,
             )
         log.info("L1 repair generation %d at F=%d done in %.1f ms (rebound %s)", ctx.generation, frontier,
                  total * 1000, ctx.rebound)
@@ -272,7 +278,9 @@ class RepairEngine:
                     frontier=min((x["F"] for x in values if isinstance(x["F"], int)), default=ctx.frontier),
                     decided_at=time.monotonic(), key=ctx.key,
                 )
+        t0 = time.monotonic()
         control.set_generation(control.generation + 1)
+        ctx.parts["control_barrier.generation"] = time.monotonic() - t0
         ctx.advanced = True
 
     def replace(self, ctx: RepairContext) -> None:
@@ -296,7 +304,12 @@ class RepairEngine:
         ctx.new = tc.build_group(ctx.members, store, name, self.rt.collective_timeout_s, self.device)
 
     def rebind(self, ctx: RepairContext) -> None:
-        """Every cached reference to the retired group now names the new one; none remains."""
+        """Every cached reference to the retired group now names the new one; none remains.
+
+        Once the model is rebound, the validation's all-reduce on the new group is issued (it needs nothing of
+        what follows) and runs while this rank checks, by walking the framework's objects, that no reference to
+        the retired group is left; :meth:`validate` waits for it.
+        """
         if not ctx.member or ctx.in_place:  # the same object, reconfigured: every cached reference holds
             return
         old, new = ctx.old, ctx.new
@@ -304,9 +317,17 @@ class RepairEngine:
             log.warning("rebinding skipped (test-only fault injection)")
             self._replaced(ctx, Replaced(replicate_group=new))
             return
+        t0 = time.monotonic()
         ctx.rebound = rb.rebind_all(self.model, self.fsdp, self.rt.mesh, 0, old, new)
         self._replaced(ctx, Replaced(replicate_group=new))
+        # The validation's all-reduce on the new group needs nothing of the scan: it runs (the backend's own
+        # thread) while this rank walks the framework's objects; validate waits for it.
+        t1 = time.monotonic()
+        ctx.check = self._start_check(ctx.new)
+        t2 = time.monotonic()
         left = rb.find_references(tc.framework_roots(self.model, self.rt.mesh), old, self.rt.mesh)
+        ctx.parts["rebind.rebind"], ctx.parts["rebind.scan"] = t1 - t0, time.monotonic() - t2
+        ctx.parts["validate.check_start"] = t2 - t1
         if left:
             raise FailStop(f"rebinding invariant violated: {len(left)} reference(s) to the retired group remain, "
                            f"e.g. {left[:3]}", EXIT_REQUEUE, phase="committed", frontier=ctx.frontier,
@@ -316,7 +337,10 @@ class RepairEngine:
     def validate(self, ctx: RepairContext) -> None:
         """Integer all-reduce on the new group, then the world's release."""
         if ctx.member:
-            self._check_group("replication", ctx.new)
+            t0 = time.monotonic()
+            self._finish_check("replication", ctx.new, ctx.check or self._start_check(ctx.new))
+            ctx.check = None
+            ctx.parts["validate.check"] = time.monotonic() - t0
         self._release(ctx)
 
     def _release(self, ctx: RepairContext) -> None:
@@ -331,12 +355,18 @@ class RepairEngine:
         if self.rt.rank == lead:
             mine["view"] = {"phases": ctx.durations, "rebound": sum(ctx.rebound.values()), "in_place": ctx.in_place}
         ctx.released = True
+        t0 = time.monotonic()
+        ctx.marks["release_enter"] = t0
         values = self.rt.control.all_gather(RELEASE, mine)
+        t1 = time.monotonic()
+        ctx.parts["validate.release"] = t1 - t0
         failed = [(r, v.get("why", "?")) for r, v in enumerate(values) if not v.get("ok")]
         if failed:
             raise RepairError(f"the repair failed on rank(s) {[r for r, _ in failed]}: {failed[0][1]}")
         ctx.lead_view = values[lead].get("view") or {}
         self._retire(ctx)
+        ctx.parts["validate.retire"] = time.monotonic() - t1
+        ctx.marks["release_exit"] = t1
 
     def _abandon(self, ctx: RepairContext, phase: str, why: str) -> None:
         """This rank's repair failed in ``phase``: tell the others in the release, so they fail stop there at once.
@@ -355,12 +385,24 @@ class RepairEngine:
 
     def _check_group(self, name: str, pg: dist.ProcessGroup) -> None:
         """An integer all-reduce on ``pg``: on the CPU (Gloo), and on a GPU over its NCCL communicator too."""
+        self._finish_check(name, pg, self._start_check(pg))
+
+    def _start_check(self, pg: dist.ProcessGroup) -> list[tuple[Any, torch.Tensor]]:
+        """:meth:`_check_group`'s all-reduces issued (``async_op``: through the collective tap, so their waits are
+        watched by the detector like any other); :meth:`_finish_check` waits for them and checks the sums."""
         devices = [torch.device("cpu")] + ([self.device] if self.device.type == "cuda" else [])
+        out = []
         for dev in devices:
             t = torch.ones(1, dtype=torch.int64, device=dev)
-            dist.all_reduce(t, group=pg)
+            out.append((dist.all_reduce(t, group=pg, async_op=True), t))
+        return out
+
+    @staticmethod
+    def _finish_check(name: str, pg: dist.ProcessGroup, pending: list[tuple[Any, torch.Tensor]]) -> None:
+        for work, t in pending:
+            work.wait()
             if int(t) != pg.size():
-                raise RepairError(f"validation all-reduce on the new {name} group ({dev.type}) gave {int(t)}, "
+                raise RepairError(f"validation all-reduce on the new {name} group ({t.device.type}) gave {int(t)}, "
                                   f"expected {pg.size()}")
 
     def _replaced(self, ctx: RepairContext, replaced: Replaced) -> None:

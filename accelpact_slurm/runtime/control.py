@@ -84,6 +84,7 @@ class ControlPlane:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._seq: dict[str, int] = {}
+        self._stale_full: list[str] = []  # earlier generations' stale keys, deleted with the next batch
         #: The rank's fault detector (:class:`~accelpact_slurm.runtime.collectives.Detector`): None waits blind.
         self.watch: Any = None
         self.set_generation(generation)
@@ -97,9 +98,14 @@ class ControlPlane:
         return self._generation
 
     def set_generation(self, generation: int) -> None:
-        """Move to a fresh key space; every rank must do this at the same agreed point."""
-        if getattr(self, "_stale", None):  # the last generation's leftovers, under its prefix
-            self._clean()
+        """Move to a fresh key space; every rank must do this at the same agreed point.
+
+        No request of its own (it is on the repair's critical path): the last generation's leftovers, under its
+        prefix, are deleted with this member's next batch of stale keys (:meth:`_clean`).
+        """
+        old = getattr(self, "_generation", None)
+        if old is not None and old != generation:
+            self._stale_full += [f"cp/g{old}/{k}" for k in self._stale]
         self._generation = generation
         self._stale: list[str] = []
         self._store = dist.PrefixStore(f"cp/g{generation}", self._base)
@@ -145,15 +151,17 @@ class ControlPlane:
         ranks, key = self._enter(name, ranks)
         n = self._seq[name] - 1
         mine = json.dumps(value)
-        try:
-            self._store.set(f"{key}/{self.rank}", mine)
-        except Exception as exc:  # noqa: BLE001 - the store's host is gone
-            raise self._lost(name, exc) from exc
         timeout = self.timeout_s if timeout_s is None else timeout_s
         lead = min(ranks)
         through_lead = self._through_lead(ranks)
-        if not through_lead:
-            values = self._gather_every(key, name, ranks, timeout, n)
+        one_trip = not through_lead and hasattr(self._base, "set_multi_get")
+        if not one_trip:
+            try:
+                self._store.set(f"{key}/{self.rank}", mine)
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone
+                raise self._lost(name, exc) from exc
+        if not through_lead:  # with the job's store, this rank's value goes in the same request as the read
+            values = self._gather_every(key, name, ranks, timeout, n, mine if one_trip else None)
             if combine is not None:
                 values = json.loads(json.dumps(combine(values)))
         elif self.rank == lead:
@@ -164,7 +172,7 @@ class ControlPlane:
             self._stale.append(f"{name}#{n - 2}/{self.rank}")
             if self.rank == lead and through_lead:
                 self._stale.append(f"{name}#{n - 2}/{RESULT}")
-            if len(self._stale) >= self.CLEANUP_BATCH:
+            if len(self._stale) + len(self._stale_full) >= self.CLEANUP_BATCH:
                 self._clean()
         return values
 
@@ -173,15 +181,16 @@ class ControlPlane:
     CLEANUP_BATCH = 16
 
     def _clean(self) -> None:
-        """Delete this member's stale keys of the current generation (best effort)."""
-        stale, self._stale = self._stale, []
+        """Delete this member's stale keys, of the current generation and of earlier ones (best effort)."""
         prefix = f"cp/g{self._generation}/"
+        stale = self._stale_full + [prefix + k for k in self._stale]
+        self._stale, self._stale_full = [], []
         try:
             if hasattr(self._base, "delete_keys"):  # the job's store: one request
-                self._base.delete_keys([prefix + k for k in stale])
+                self._base.delete_keys(stale)
             else:  # any other dist.Store: one request a key
                 for k in stale:
-                    self._store.delete_key(k)
+                    self._base.delete_key(k)
         except Exception:  # noqa: BLE001 - cleanup is best effort
             log.debug("could not delete %d control keys", len(stale))
 
@@ -195,9 +204,10 @@ class ControlPlane:
     def _through_lead(self, ranks: Sequence[int]) -> bool:
         return not self.all_read_all and len(ranks) >= self.LEAD_FROM
 
-    def _gather_every(self, key: str, name: str, ranks: list[int], timeout: float, round_: int) -> list[Any]:
+    def _gather_every(self, key: str, name: str, ranks: list[int], timeout: float, round_: int,
+                      mine: str | None = None) -> list[Any]:
         keys = [f"{key}/{r}" for r in ranks]
-        raws = self._read(keys, name, ranks, timeout, round_)
+        raws = self._read(keys, name, ranks, timeout, round_, None if mine is None else (f"{key}/{self.rank}", mine))
         for v in raws:
             self._raise_stop(v, name)
         return [json.loads(v) for v in raws]
@@ -341,9 +351,11 @@ class ControlPlane:
         return set(left)
 
     def _read(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None,
-              round_: int = 0) -> list[bytes]:
+              round_: int = 0, mine: tuple[str, str] | None = None) -> list[bytes]:
         """The values of ``keys``, once all are set, within the deadline: one blocking read (the store waits for
         missing keys up to its timeout, set here to this call's deadline for the read and put back after).
+        ``mine``: this rank's ``(key, value)``, set by the same request before the read (the job's store's
+        ``set_multi_get``: one round trip for the whole round).
 
         With the detector, the rank's liveness thread watches the round while it lasts (past its first slice: the
         records of ``ranks`` whose ``keys`` are missing, every slice); one that will never come gets a stop in the
@@ -357,7 +369,11 @@ class ControlPlane:
         before = self._base.timeout
         self._base.set_timeout(timedelta(seconds=timeout))  # local: no round trip
         try:
-            values = self._store.multi_get(keys)
+            if mine is None:
+                values = self._store.multi_get(keys)
+            else:  # full keys: the PrefixStore does not pass this call through
+                prefix = f"cp/g{self._generation}/"
+                values = self._base.set_multi_get(prefix + mine[0], mine[1], [prefix + k for k in keys])
         except Exception as exc:  # DistStoreError on the deadline; anything else: the store (rank 0) is gone
             if isinstance(exc, dist.DistStoreError) and not isinstance(exc, dist.DistNetworkError):
                 raise self._timeout(keys, name, ranks, timeout) from exc

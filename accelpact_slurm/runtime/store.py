@@ -199,6 +199,11 @@ class JobStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call(w.MULTI_GET, [_b(k) for k in keys])
 
+    def set_multi_get(self, key: str, value: bytes | str, keys: list[str]) -> list[bytes]:
+        """``set(key, value)`` then ``multi_get(keys)`` in one request (full keys: no ``PrefixStore`` passes this
+        through): a control-plane round costs its member one round trip."""
+        return self._call(w.SET_GET, [_b(key), _b(value)] + [_b(k) for k in keys])
+
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         items: list[bytes] = []
         for k, v in zip(keys, values):

@@ -22,7 +22,6 @@ import heapq
 import ipaddress
 import itertools
 import logging
-import os
 import pwd
 import secrets
 import selectors
@@ -293,9 +292,19 @@ class StoreServer:
                 d[k] = v
             self._reply(conn, w.OK, [])
             self._wake(items[0::2])
-        elif op in (w.GET, w.MULTI_GET, w.WAIT):
+        elif op in (w.GET, w.MULTI_GET, w.WAIT, w.SET_GET):
             if op == w.GET and len(items) != 1:
                 raise ValueError("get takes one key")
+            if op == w.SET_GET:  # one key set, then the keys read as MULTI_GET does: an agreement in one request
+                if len(items) < 3:
+                    raise ValueError("set_multi_get needs a key, its value and the keys to read")
+                d[items[0]] = items[1]
+                written, items, op = items[:1], items[2:], w.MULTI_GET
+                if all(k in d for k in items):  # the round's last member: answered before the waits it ends
+                    self._reply(conn, w.OK, [d[k] for k in items])
+                    self._wake(written)
+                    return
+                self._wake(written)
             if all(k in d for k in items):
                 self._reply(conn, w.OK, [] if op == w.WAIT else [d[k] for k in items])
             else:
@@ -356,7 +365,8 @@ class StoreServer:
     def _wake(self, written: list[bytes]) -> None:
         """The waits filed under the keys just written: answered, or filed under their next missing key."""
         for k in written:
-            for wt in self._waiting_on.pop(k, ()):
+            # The latest waiter first: in a round, the members that came last are the ones the job waits for.
+            for wt in reversed(self._waiting_on.pop(k, ())):
                 if wt in self._waits:
                     self._file(wt)
 

@@ -39,9 +39,10 @@ TAG = 16
 MAX_FRAME = 1 << 30
 
 # Requests.
-SET, GET, ADD, CAS, CHECK, DELETE, MULTI_GET, MULTI_SET, WAIT, NUM_KEYS = range(1, 11)
+SET, GET, ADD, CAS, CHECK, DELETE, MULTI_GET, MULTI_SET, WAIT, NUM_KEYS, SET_GET = range(1, 12)
 OPS = {SET: "set", GET: "get", ADD: "add", CAS: "compare_set", CHECK: "check", DELETE: "delete_key",
-       MULTI_GET: "multi_get", MULTI_SET: "multi_set", WAIT: "wait", NUM_KEYS: "num_keys"}
+       MULTI_GET: "multi_get", MULTI_SET: "multi_set", WAIT: "wait", NUM_KEYS: "num_keys",
+       SET_GET: "set_multi_get"}
 # Answers.
 OK, TIMEOUT, ERROR = 0, 1, 2
 

@@ -62,6 +62,11 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
             "fault_to_resume_s": rep["fault_to_resume_s"], "generation": rep["generation"],
             "update_s": rec["update_s"], "probes_s": rec["probes"], "scan_truncated": rec["scan_truncated"],
             "rank_totals_s": [r["main"][k]["repair_rank"]["total_s"] for r in ranks],
+            # every rank's phases and their parts (older results: none)
+            "rank_phases_s": {str(r["rank"]): r["main"][k]["repair_rank"].get("phases") for r in ranks},
+            "rank_parts_s": {str(r["rank"]): r["main"][k]["repair_rank"].get("parts_s") for r in ranks},
+            # time.monotonic() (one clock for the machine's processes) of each rank's start, release and exit
+            "rank_marks": {str(r["rank"]): r["main"][k]["repair_rank"].get("marks") for r in ranks},
         })
     counted = [p for p in pairs if not p["below_floor"]]  # a repair faster than its floor is flagged, not counted
     phases: dict[str, Any] = {}

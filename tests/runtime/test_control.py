@@ -115,10 +115,11 @@ class Counting(JobStore):
         self.read_bytes = 0
 
     def _call(self, op, items, timeout_s=None):
-        keys = len(items) // 2 if op in (w.SET, w.MULTI_SET) else 1 if op == w.CAS else len(items)
+        keys = (len(items) // 2 if op in (w.SET, w.MULTI_SET) else 1 if op == w.CAS
+                else len(items) - 1 if op == w.SET_GET else len(items))  # SET_GET: its key and the keys it reads
         self.calls.append((w.OPS[op], keys))
         out = super()._call(op, items, timeout_s)
-        if w.OPS[op] in ("get", "multi_get"):
+        if w.OPS[op] in ("get", "multi_get", "set_multi_get"):
             got = out if isinstance(out, (list, tuple)) else [out]
             self.read_bytes += sum(len(x) for x in got if isinstance(x, (bytes, bytearray)))
         return out
@@ -184,8 +185,54 @@ def test_the_earlier_algorithm_reads_every_members_key_on_every_member(counted):
     for p in planes:
         p.all_read_all = True
     on_every_rank(planes, lambda p: [p.all_gather("vote", p.rank) for _ in range(3)])
-    for c in clients:
-        assert [k for op, k in c.calls if op == "multi_get"] == [4] * 3
+    for c in clients:  # one request a round: its own key set and the 4 members' read (1 + 4 keys named)
+        assert [(op, k) for op, k in c.calls if op != "delete_key"] == [("set_multi_get", 5)] * 3
+
+
+def test_a_round_below_lead_from_costs_every_member_one_request(monkeypatch):
+    """Below ``LEAD_FROM`` members every member reads every value; with the job's store it sets its own in the same
+    request (``set_multi_get``): a round costs a member one round trip, not two (control: without the call on the
+    store, a set and a read).  A repair's release and every update's vote are such rounds."""
+    key = secrets.token_bytes(32)
+    bind_to = binding("78", 0)
+    ports = port_candidates(key, "78")
+    server = host_store("127.0.0.1", ports, key, bind_to)
+    clients = [Counting("127.0.0.1", ports, key, bind_to, r, timedelta(seconds=20)) for r in range(4)]
+    try:
+        planes = [ControlPlane(c, rank=r, world_size=4, timeout_s=10) for r, c in enumerate(clients)]
+        got = on_every_rank(planes, lambda p: [p.all_gather("vote", {"r": p.rank, "n": n}) for n in range(3)])
+        assert all(g == [[{"r": r, "n": n} for r in range(4)] for n in range(3)] for g in got)
+        for c in clients:
+            assert [op for op, _k in c.calls] == ["set_multi_get"] * 3, c.calls
+        monkeypatch.delattr(JobStore, "set_multi_get")  # the control plane then takes the two requests
+        for c in clients:
+            c.calls.clear()
+        on_every_rank(planes, lambda p: p.all_gather("vote", p.rank))
+        for c in clients:
+            assert [op for op, _k in c.calls] == ["set", "multi_get"], c.calls
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_a_new_generation_costs_no_request_and_its_leftovers_go_with_the_next_batch(counted):
+    """``set_generation`` (on the repair's critical path) sends nothing; the last generation's stale keys are
+    deleted with the member's next cleanup request."""
+    make, clients = counted
+    planes = make(2)
+    for p in planes:
+        p.CLEANUP_BATCH = 2
+    on_every_rank(planes, lambda p: [p.all_gather("vote", p.rank) for _ in range(3)])  # round 0 stale on rank 1
+    stale = "cp/g0/vote#0/1"
+    assert clients[0].check([stale])
+    before = [len(c.calls) for c in clients]
+    for p in planes:
+        p.set_generation(p.generation + 1)
+    assert [len(c.calls) for c in clients] == before
+    assert clients[0].check([stale])  # still there: nothing was sent
+    on_every_rank(planes, lambda p: [p.all_gather("vote", p.rank) for _ in range(3)])
+    assert not clients[0].check([stale])  # gone with rank 1's first batch of the new generation
 
 
 def test_a_reduced_round_costs_every_member_but_the_lead_bytes_that_do_not_grow_with_the_members(counted):

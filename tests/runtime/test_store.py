@@ -113,6 +113,32 @@ def test_a_wait_ends_when_another_client_sets_the_key_and_runs_out_with_a_store_
     assert done == [True]
 
 
+def test_set_multi_get_sets_its_key_and_reads_the_round_once_every_key_is_in(job):
+    """A control-plane round in one request: each member's key is set at once (the others see it) and its read
+    waits for every member's; the last member's request is answered at once; a missing member runs out the
+    deadline with a store error, its own key set all the same."""
+    _server, client, _w, _k = job
+    a, b, c = client(0), client(1), client(2)
+    keys = ["r/0", "r/1", "r/2"]
+    got: dict[str, list[bytes]] = {}
+    threads = [threading.Thread(target=lambda n=n, s=s: got.__setitem__(n, s.set_multi_get(f"r/{n}", f"v{n}", keys)))
+               for n, s in (("0", a), ("1", b))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not c.check(["r/0", "r/1"]):  # both parked with their keys set
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert c.set_multi_get("r/2", "v2", keys) == [b"v0", b"v1", b"v2"]
+    for t in threads:
+        t.join(10)
+    assert got == {"0": [b"v0", b"v1", b"v2"], "1": [b"v0", b"v1", b"v2"]}
+    a.set_timeout(timedelta(seconds=0.2))
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        a.set_multi_get("s/0", "x", ["s/0", "s/1"])
+    assert b.get("s/0") == b"x"
+
+
 def test_gloo_groups_rendezvous_through_it(job):
     _server, client, _w, _k = job
     stores = [dist.PrefixStore("g", client(r)) for r in range(2)]
