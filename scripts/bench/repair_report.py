@@ -80,6 +80,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"| replace + rebind + validate | — | — | {F(m['data_plane_vs_floor'])} |",
         f"| floor (baseline) | {_ms(m['floor_ms'])} | — | 1 |",
         "",
+        *slowest_parts_lines(res),
         (f"For reference: fault to resume, from the moment the reporting rank saw the fault, {F(m['fault_to_resume_s'])} "
         f"s (when the reporting rank is the one that withheld, this includes its peer's {p['collective_s']:g} s "
         f"detection timeout); the whole faulted update {F(m['update_s'])} s. Each faulted update was followed by a "
@@ -181,6 +182,38 @@ def floor_text(res: dict[str, Any]) -> str:
             "is its slowest affected rank's own total. A repair faster than its floor is flagged below and left "
             "out of the ratio (a floor it beats does not bound it). Ratios are medians of the per-repair ratios "
             "(min–max).")
+
+
+#: The parts of the phases each rank records (``repair_rank.parts_s``), in the order they happen.
+PARTS = (("control_barrier.generation", "control barrier: the move to the next generation"),
+         ("rebind.rebind", "rebinding"), ("validate.check_start", "the validation all-reduce issued"),
+         ("rebind.scan", "invariant scan (the all-reduce running)"), ("validate.check", "the all-reduce awaited"),
+         ("validate.release", "the world's release"), ("validate.retire", "retiring the old group"))
+
+
+def slowest_parts_lines(res: dict[str, Any]) -> list[str]:
+    """The slowest affected rank's phase parts (median over the repairs) and the repair of every rank, affected or
+    not, against the same floor: from each rank's own record (results that carry ``rank_parts_s``)."""
+    pairs = [p for p in res["main"]["pairs"] if p.get("rank_parts_s")]
+    if not pairs:
+        return []
+    per_part: dict[str, list[float]] = {k: [] for k, _ in PARTS}
+    world = []
+    for p in pairs:
+        slow = max(p["ranks"], key=lambda r: p["repair_per_rank_s"][str(r)])
+        parts = p["rank_parts_s"].get(str(slow)) or {}
+        for k, _ in PARTS:
+            if k in parts:
+                per_part[k].append(parts[k] * 1e3)
+        world.append(h.ratio(max(p["repair_per_rank_s"].values()), p["floor_s"]))
+    cells = "; ".join(f"{label} {h.fmt_spread(h.spread(per_part[k]), '{:.2f}')}" for k, label in PARTS
+                      if per_part[k])
+    return [(f"Where the slowest affected rank's time goes (its own record, ms, median (min–max) over "
+             f"{len(pairs)} repairs): {cells}. The validation all-reduce is issued once the model is rebound and "
+             "runs while the invariant scan walks; the release is one request per rank (its value set and the "
+             "round read together), the round's last member answered first. Every rank of the world, affected or "
+             f"not (each from its own start to its release), against the same floor: {h.fmt_spread(h.spread(world))}."),
+            ""]
 
 
 def goal_lines(res: dict[str, Any]) -> list[str]:
