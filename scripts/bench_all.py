@@ -28,7 +28,7 @@ it (SIGKILL 45 s later).
 
 Usage::
 
-    make bench                                            # every part, about 23 minutes here (40 on a slow day)
+    make bench                                            # every part, about 26 minutes here
     make bench BENCH_ARGS="--parts paper,status"          # some parts only
     .venv/bin/python scripts/bench_all.py --render benchmarks/results/<date>.json   # only rewrite the docs + README
 
@@ -102,15 +102,16 @@ GPU_JSON = RESULTS / "gpu-check.json"
 # sum fits the budget (a part run alone keeps its defaults).  Estimated seconds per part, from the stored results'
 # segment times at the rates of 2026-11-30..12-02 / at 2026-12-03's (a day on which the same code, the earlier
 # commits' own jobs included, ran every update about 2x slower):
-#   status 7/17, repair 72/70, guard 52/85, store 73/124, control 70/198, paper 110/150, peers 161/235,
-#   l1backward 90/94, ckpt 245/519, recovery 387/618, shared 53/116, restore 63/153: about 1,380 s in all
-#   (2,380 s on a day like 2026-12-03, past TOTAL_BUDGET_S: the last parts would then be cut).
+#   status 7/17, repair 95/95, guard 52/85, store 73/124, control 70/198, paper 110/150, peers 161/235,
+#   l1backward 90/94, ckpt 315/590, recovery 387/618, shared 53/116, restore 63/153: about 1,450 s in all
+#   (2,450 s on a day like 2026-12-03, past TOTAL_BUDGET_S: the last parts would then be cut).
 # Every goal stays decidable (the ckpt part keeps none, ours and DCP's best asynchronous mode, dcp_stager in every
 # stored run; recovery's first-snapshot goal needs a run alone: --first-snapshot 1 is a 110M job of ~170 s);
 # every median keeps >= 2 samples.
 PART_ARGS: dict[str, list[str]] = {
-    # 8 repairs (its goal) kept; the rebinding sweep 4 -> 2 rounds (10 fewer 2 s timeouts), guard 16 -> 8 pairs
-    "repair": ["--rebind-reps", "2", "--guard-pairs", "8"],
+    # 16 repairs for its goal (two balanced cycles of 8: every group and faulting rank with its floor before and
+    # after equally often; 45 s with 8 on 2026-12-04); the rebinding sweep 4 -> 2 rounds, guard 16 -> 8 pairs
+    "repair": ["--repairs", "16", "--rebind-reps", "2", "--guard-pairs", "8"],
     # 2 pairs (the budget stopped at 2 on 2026-12-03 anyway), 4 rounds of 6 updates per segment
     "guard": ["--pairs", "2", "--rounds", "4", "--steps", "6"],
     # 5 ABBA pairs of shorter jobs (42 timed updates each instead of 64)
@@ -121,8 +122,9 @@ PART_ARGS: dict[str, list[str]] = {
     "peers": ["--repeats", "2", "--overhead-rounds", "2", "--overhead-steps", "8"],
     "l1backward": ["--repeats", "2"],
     # dcp_sync (no goal) and dcp_process (never the best asynchronous mode; the one that ran out of memory) left
-    # out; 2 rounds; 4 bandwidth pairs (2 with the ceiling first, 2 second); a 50-snapshot memory soak
-    "ckpt": ["--modes", "none,ours,dcp_stager", "--rounds", "2", "--bw-pairs", "4", "--soak", "50"],
+    # out; 2 rounds; 4 bandwidth pairs (2 with the ceiling first, 2 second); the memory soak's goal is stated over
+    # 200 snapshots (~100 s; a 50-snapshot soak, 31 s on 2026-12-04, read the warm-up as growth: 1.045)
+    "ckpt": ["--modes", "none,ours,dcp_stager", "--rounds", "2", "--bw-pairs", "4", "--soak", "200"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes; about 69 s of
     # it are fixed (the peers' venv checks and set-up) whatever the trials
     "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "2", "--first-snapshot", "0",

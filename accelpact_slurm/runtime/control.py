@@ -15,7 +15,9 @@ the lead one read of N keys and one write of the result.  In :meth:`ControlPlane
 is the N values (an all-gather), in one item instead of N; in :meth:`ControlPlane.all_reduce` (the vote) the lead
 combines the N values once and every other member reads only the combined result, whose size does not grow with N.
 Below ``ControlPlane.LEAD_FROM`` members every member reads every value (one request of N keys) and combines
-them itself: cheaper than the lead's two extra hops while N is small.
+them itself: cheaper than the lead's two extra hops while N is small.  With the job's store that request also sets
+the member's own value (``JobStore.set_multi_get``): a round costs a member one round trip, and the round's last
+member is answered before the others it releases.
 
 While a round lasts, the rank's liveness thread looks at the records of those it waits on (:mod:`.liveness`): the
 lead at the members that have not joined yet, every other member at the lead.  A member that is dead, stopped or

@@ -150,7 +150,7 @@ def markdown(res: dict[str, Any]) -> str:
         "collective absorbs, so it bounds the overhead from above; the block ratio is the measured overhead, "
         "noisier."),
         "",
-        (f"The guard adds a fixed cost per update (two small round trips), so its relative overhead shrinks with "
+        (f"The guard adds a fixed cost per update (the boundary all-reduce and the vote's round trip), so its relative overhead shrinks with "
         f"the update's length: these updates take ~{h.fmt(g['unguarded_ms_per_update']['median'], '{:.0f}')} "
         "ms; the paper's +0.2% is for multi-second GPU updates."),
         "",
