@@ -111,6 +111,8 @@ class GroupDetector(Protocol):
 
     def renewed(self, pg: Any, generation: int) -> None: ...
 
+    def timed_from_now(self, work: Any) -> None: ...
+
 
 @runtime_checkable
 class RankPlace(Protocol):

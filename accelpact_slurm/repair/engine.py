@@ -388,8 +388,9 @@ class RepairEngine:
         self._finish_check(name, pg, self._start_check(pg))
 
     def _start_check(self, pg: dist.ProcessGroup) -> list[tuple[Any, torch.Tensor]]:
-        """:meth:`_check_group`'s all-reduces issued (``async_op``: through the collective tap, so their waits are
-        watched by the detector like any other); :meth:`_finish_check` waits for them and checks the sums."""
+        """:meth:`_check_group`'s all-reduces issued (``async_op``: through the collective tap, so that on the CPU
+        their waits are watched by the detector like any other); :meth:`_finish_check` waits for them (timed by the
+        detector from that wait, not from their issue) and checks the sums."""
         devices = [torch.device("cpu")] + ([self.device] if self.device.type == "cuda" else [])
         out = []
         for dev in devices:
@@ -397,9 +398,11 @@ class RepairEngine:
             out.append((dist.all_reduce(t, group=pg, async_op=True), t))
         return out
 
-    @staticmethod
-    def _finish_check(name: str, pg: dist.ProcessGroup, pending: list[tuple[Any, torch.Tensor]]) -> None:
+    def _finish_check(self, name: str, pg: dist.ProcessGroup, pending: list[tuple[Any, torch.Tensor]]) -> None:
+        detector = getattr(self.rt, "detector", None)
         for work, t in pending:
+            if detector is not None and hasattr(detector, "timed_from_now"):  # the scan since its issue is ours
+                detector.timed_from_now(work)
             work.wait()
             if int(t) != pg.size():
                 raise RepairError(f"validation all-reduce on the new {name} group ({t.device.type}) gave {int(t)}, "

@@ -293,6 +293,12 @@ class Detector:
             self.state.done = {x.name: x.done for x in self._known.values()}
         return g
 
+    def timed_from_now(self, work: Any) -> None:
+        """``work`` (a collective issued earlier, about to be waited for) is timed from now: its caller did work of
+        its own since issuing it, which is no part of how long the collective takes (what the bounds learn)."""
+        if isinstance(work, WatchedWork) and not work._settled:
+            work._t0 = time.monotonic()
+
     def renewed(self, pg: Any, generation: int) -> None:
         """A repair gave ``pg`` a new transport in place (reconfigured, the same object): no longer given up, and
         numbered afresh under a name of this generation's, so that no peer compares its counts with the old

@@ -106,7 +106,7 @@ class ControlPlane:
         prefix, are deleted with this member's next batch of stale keys (:meth:`_clean`).
         """
         old = getattr(self, "_generation", None)
-        if old is not None and old != generation:
+        if old is not None:
             self._stale_full += [f"cp/g{old}/{k}" for k in self._stale]
         self._generation = generation
         self._stale: list[str] = []
