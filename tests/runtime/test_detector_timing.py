@@ -4,7 +4,6 @@ its caller says so (``Detector.timed_from_now``), else the caller's own work in 
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 from accelpact_slurm.runtime import liveness as lv
