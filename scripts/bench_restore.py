@@ -190,6 +190,16 @@ def check_path(variant: str, load: dict[str, Any], copies: list[dict[str, Any]],
     return None
 
 
+def _logs_of(run_dir: Path, events: list[dict[str, Any]]) -> str:
+    """What a failed restart left to read: the job's last events and the end of every non-empty log (the
+    launcher's echo shows only the replay check's line; a start that fails before any rank logs, as a daemon
+    that refuses, says why only there)."""
+    out = [f"its last events: {[{k: e.get(k) for k in ('event', 'reason', 'cause', 'exit_code') if k in e} for e in events[-4:]]}"]
+    logs = sorted(p for p in (run_dir / "logs").glob("*") if p.is_file() and p.stat().st_size)
+    out += [f"{p.name} ends:\n{h.tail(p, 15)}" for p in logs[:6]]
+    return "\n".join(out) if logs else out[0] + f"; no log under {run_dir / 'logs'} has anything in it"
+
+
 def restart(work: Path, rnd: int, variant: str, snap: dict[str, Any], config: Path, keep: bool) -> dict[str, Any]:
     """One measured restart of one variant from a fresh copy of the pristine tree."""
     run_dir = work / f"{rnd}-{variant}"
@@ -218,8 +228,8 @@ def restart(work: Path, rnd: int, variant: str, snap: dict[str, Any], config: Pa
         if problem is None and [c.get("verdict") for c in checks] != ["match"]:
             problem = f"replay check verdicts {[c.get('verdict') for c in checks]}, not one match"
         if problem is not None:
-            raise RuntimeError(f"the {variant} restart of round {rnd} did not take its path: {problem}; rank 0's "
-                               f"log ends:\n{h.tail(run_dir / 'logs' / 'rank-0.log', 25)}")
+            raise RuntimeError(f"the {variant} restart of round {rnd} did not take its path: {problem}; "
+                               f"{_logs_of(run_dir, events)}")
         assert step is not None
         load_s = float(load["load_s"])
         return {"round": rnd, "variant": variant, "exit_code": code, "wall_s": wall,
