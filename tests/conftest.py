@@ -104,4 +104,13 @@ def repo_root():
     return REPO
 
 
-from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture for tests marked slurm)
+from tests.slurm_cluster import slurm_cluster, watchdog_restarts  # noqa: E402,F401  (slurm_cluster: a fixture)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The dev-cluster daemons the watchdog had to start again during the session (a Slurm crash, not a test's)."""
+    restarts = watchdog_restarts()
+    if restarts:
+        terminalreporter.section("dev-cluster watchdog")
+        for line in restarts:
+            terminalreporter.write_line(line)

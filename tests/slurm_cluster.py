@@ -15,11 +15,14 @@ Every call here has a timeout, and every wait a deadline on ``time.monotonic()``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +39,10 @@ POLL_S = 0.2
 CLIENT_TIMEOUT_S = 30.0
 #: Deadline for ``dev-cluster.sh start``: covers apt-get installing slurm-wlm and munge from nothing (6-15 s seen).
 START_TIMEOUT_S = 300.0
+#: Seconds between two looks of the :class:`Watchdog` at the daemons' pid files.
+WATCH_S = 1.0
+#: The daemons the watchdog keeps up: (process name, pid file under the state dir's ``run/``).
+WATCHED = (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd-node1.pid"), ("slurmd", "slurmd-node2.pid"))
 
 #: States a job does not leave by itself. With ``--requeue``, NODE_FAIL and PREEMPTED jobs go back to PENDING
 #: instead, so a waiter never sees them as final there.
@@ -314,14 +321,108 @@ def wait_job(
         time.sleep(POLL_S)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Cluster:
-    """The dev cluster, started once per session; skips (or fails, with ``ACCELPACT_REQUIRE_SLURM=1``) without it."""
+def _alive(pid_file: Path, name: str) -> bool:
+    """True while ``pid_file`` names a live (not zombie) process called ``name``."""
     try:
-        return ensure_cluster()
+        pid = int(pid_file.read_text().strip())
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
+    except (OSError, ValueError, IndexError):
+        return False
+    return comm == name and state not in "ZXx"
+
+
+class Watchdog:
+    """Starts again a dev-cluster daemon that died under the tests (``dev-cluster.sh start``, which also resumes
+    a node the controller set down meanwhile).
+
+    Why: slurmd 22.05 aborted once here on a heap check ("free(): unaligned chunk detected in tcache 2", in
+    ``nodelist_find``) while two jobs launched their steps at once. Without a slurmd its node stays allocated,
+    then down, and every job after it pends until its test's deadline: one crash failed every Slurm test after
+    it. A job whose steps ran on the dead node may still fail its own test; the ones after it run.
+
+    Every restart is kept in :attr:`restarts` (printed at the end of the session) and told on stderr at once.
+    """
+
+    def __init__(self, cluster: Cluster, interval_s: float = WATCH_S) -> None:
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self.restarts: list[str] = []
+        self._pause = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dev-cluster-watchdog", daemon=True)
+
+    def dead(self) -> list[str]:
+        """The watched daemons not running now, by pid file (e.g. ``["slurmd-node2"]``)."""
+        run = self.cluster.state_dir / "run"
+        return [pid_file[: -len(".pid")] for name, pid_file in WATCHED if not _alive(run / pid_file, name)]
+
+    def check(self) -> str | None:
+        """One look: when a daemon is dead, runs ``start`` and returns what happened (also kept); else None."""
+        with self._pause:
+            dead = self.dead()
+            if not dead:
+                return None
+            try:
+                proc = self.cluster.script("start")
+                said = [line for line in proc.stdout.splitlines() if line.startswith("dev-cluster:")]
+                outcome = f"exit {proc.returncode}: {'; '.join(said)[-600:]}"
+            except subprocess.TimeoutExpired:
+                outcome = f"passed {START_TIMEOUT_S:g}s"
+            line = f"{', '.join(dead)} not running: dev-cluster.sh start ({outcome})"
+            self.restarts.append(line)
+            print(f"[dev-cluster watchdog] {line}", file=sys.__stderr__, flush=True)
+            return line
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No look while the caller stops or restarts the cluster on purpose."""
+        with self._pause:
+            yield
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=START_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.check()
+
+
+#: The session's watchdogs, by state dir (:func:`watchdog_of`).
+_watchdogs: dict[Path, Watchdog] = {}
+
+
+def watchdog_of(cluster: Cluster) -> Watchdog | None:
+    """The session fixture's watchdog of ``cluster``, if it started one."""
+    return _watchdogs.get(cluster.state_dir)
+
+
+def watchdog_restarts() -> list[str]:
+    """Every restart the session's watchdogs made, for the session's summary."""
+    return [line for dog in _watchdogs.values() for line in dog.restarts]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    """The dev cluster, started once per session and kept up by a :class:`Watchdog`; skips (or fails, with
+    ``ACCELPACT_REQUIRE_SLURM=1``) without it."""
+    try:
+        cluster = ensure_cluster()
     except ClusterUnavailable as exc:
         if require_slurm():
             pytest.fail(f"ACCELPACT_REQUIRE_SLURM=1 but the Slurm dev cluster did not start: {exc}", pytrace=False)
         pytest.skip(
             f"Slurm dev cluster unavailable (set ACCELPACT_REQUIRE_SLURM=1 to fail instead): {str(exc)[:2000]}"
         )
+    dog = _watchdogs.get(cluster.state_dir)
+    if dog is None:
+        dog = _watchdogs[cluster.state_dir] = Watchdog(cluster)
+        dog.start()
+    try:
+        yield cluster
+    finally:
+        dog.stop()

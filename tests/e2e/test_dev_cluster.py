@@ -25,6 +25,7 @@ from tests.slurm_cluster import (  # noqa: F401,F811  (slurm_cluster is a fixtur
     job_info,
     submit,
     wait_job,
+    watchdog_of,
 )
 
 pytestmark = pytest.mark.slurm
@@ -225,7 +226,8 @@ def test_start_restarts_when_the_config_changed(slurm_cluster: Cluster):
     conf = slurm_cluster.conf
     conf.write_text(conf.read_text().replace("KillWait=5", "KillWait=17"))  # as if written by an older script
 
-    restarted = slurm_cluster.script("start")
+    with watchdog_of(slurm_cluster).paused():
+        restarted = slurm_cluster.script("start")
 
     assert restarted.returncode == 0, restarted.stdout
     assert "config changed: restarting the cluster" in restarted.stdout
@@ -233,3 +235,36 @@ def test_start_restarts_when_the_config_changed(slurm_cluster: Cluster):
     assert set(new_pids) == set(pids)
     assert new_pids["slurmctld"] != pids["slurmctld"]
     assert "KillWait=17" not in conf.read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="restarting a slurmd needs root")
+def test_the_watchdog_brings_back_a_slurmd_that_died_and_jobs_run_again(slurm_cluster: Cluster, tmp_path: Path):
+    """A slurmd that dies under the tests (it aborted once on a heap check while two jobs launched their steps) is
+    started again by the session's watchdog, and a two-node job runs after it. Negative control: while the watchdog
+    is paused, the dead slurmd stays dead (nothing else brings it back), and its death is what the watchdog sees."""
+    dog = watchdog_of(slurm_cluster)
+    pid_file = slurm_cluster.state_dir / "run" / "slurmd-node2.pid"
+    old_pid = int(pid_file.read_text())
+    restarts = len(dog.restarts)
+
+    with dog.paused():
+        os.kill(old_pid, 9)
+        deadline = time.monotonic() + JOB_DEADLINE_S
+        while dog.dead() != ["slurmd-node2"]:
+            assert time.monotonic() < deadline, f"slurmd node2 (pid {old_pid}) still counted alive after SIGKILL"
+            time.sleep(POLL_S)
+        assert len(dog.restarts) == restarts  # paused: not started again
+
+    deadline = time.monotonic() + 2 * JOB_DEADLINE_S
+    while dog.dead() or len(dog.restarts) == restarts:
+        assert time.monotonic() < deadline, f"the watchdog did not start slurmd node2 again: {dog.restarts}"
+        time.sleep(POLL_S)
+    assert "slurmd-node2 not running" in dog.restarts[-1] and "exit 0" in dog.restarts[-1], dog.restarts[-1]
+    assert int(pid_file.read_text()) != old_pid
+
+    script = tmp_path / "both-nodes.sh"
+    script.write_text("#!/bin/sh\nsrun true\n")  # a step on each node: node2's slurmd must launch it
+    job_id = submit(script, env=slurm_cluster.env, extra_sbatch_args=["--nodes=2", "--ntasks-per-node=1"],
+                    cwd=tmp_path)
+    assert wait_job(job_id, JOB_DEADLINE_S, slurm_cluster.env) == "COMPLETED"
+    assert job_info(job_id, slurm_cluster.env)["NodeList"] == "node[1-2]"
