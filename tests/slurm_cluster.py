@@ -22,11 +22,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEV_CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "dev-cluster.sh"
@@ -399,6 +402,21 @@ _watchdogs: dict[Path, Watchdog] = {}
 def watchdog_of(cluster: Cluster) -> Watchdog | None:
     """The session fixture's watchdog of ``cluster``, if it started one."""
     return _watchdogs.get(cluster.state_dir)
+
+
+def again_after_a_crash(cluster: Cluster, run: Callable[[], T]) -> T:
+    """``run()``; when it raises and the watchdog had to start a daemon again while it ran (a Slurm crash, not
+    the test's doing), ``run()`` once more, its first failure told on stderr."""
+    dog = watchdog_of(cluster)
+    mark = len(dog.restarts) if dog is not None else 0
+    try:
+        return run()
+    except (Exception, pytest.fail.Exception) as exc:  # a failed assertion, or pytest.fail
+        if dog is None or len(dog.restarts) == mark:
+            raise
+        print(f"[dev-cluster watchdog] run again after a daemon restart ({dog.restarts[mark]}); it failed with "
+              f"{type(exc).__name__}: {str(exc)[:300]}", file=sys.__stderr__, flush=True)
+    return run()
 
 
 def watchdog_restarts() -> list[str]:

@@ -148,9 +148,10 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
             "build_s": sp(entry["build_s"]), "refs": refs, "reps": reps,
             "scans_truncated": sum(1 for r in reps if r["scan_truncated"]),
             "rebind_ms": sp([r["rebind_s"] * 1e3 for r in reps]),
-            "per_ref_us": sp([r["rebind_s"] / r["rebound"] * 1e6 for r in reps]),
-            "rebind_all_per_ref_us": sp([None if r["rebind_all_s"] is None else r["rebind_all_s"] / r["rebound"] * 1e6
-                                         for r in reps]),
+            # None where nothing was rebound (the group reconfigured in place, torch 2.14.1+)
+            "per_ref_us": sp([r["rebind_s"] / r["rebound"] * 1e6 if r["rebound"] else None for r in reps]),
+            "rebind_all_per_ref_us": sp([None if r["rebind_all_s"] is None or not r["rebound"]
+                                         else r["rebind_all_s"] / r["rebound"] * 1e6 for r in reps]),
             "scan_ms": sp([r["scan_s"] * 1e3 for r in reps]),
             "scan_gc_ms": sp([r["scan_gc_s"] * 1e3 for r in reps]),
             "retire_ms": sp([None if r["retire_s"] is None else r["retire_s"] * 1e3 for r in reps]),
@@ -164,7 +165,8 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
             out = []
             for r in s["reps"]:
                 b = base.get(r["round"])
-                if b is None or r.get(key) is None or b.get(key) is None:
+                if b is None or r.get(key) is None or b.get(key) is None or (per_ref and not (r["rebound"]
+                                                                                            and b["rebound"])):
                     continue
                 out.append(_ratio(r[key] / (r["rebound"] if per_ref else 1), b[key] / (b["rebound"] if per_ref else 1)))
             return sp(out)

@@ -25,7 +25,7 @@ import pytest
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE
 from accelpact_slurm.core.events import read_events
 from tests.conftest import DECODER_JOB, REPO, VISION_JOB, job_text, run_cli
-from tests.slurm_cluster import Cluster, job_info, submit, wait_job
+from tests.slurm_cluster import Cluster, again_after_a_crash, job_info, submit, wait_job
 
 # The first test waits for every scenario (the fixture is in its setup): the lanes get a limit of their own.
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
@@ -409,8 +409,9 @@ def outcomes(request, slurm_cluster: Cluster, tmp_path_factory) -> dict[str, Bas
     wanted = {item.originalname[len("test_"):] + (f"[{item.callspec.id}]" if hasattr(item, "callspec") else "")
               for item in request.session.items if item.module is sys.modules[__name__]}
     def one(name: str, body) -> BaseException | None:
-        try:
-            body(slurm_cluster, tmp_path_factory.mktemp(re.sub(r"\W+", "_", name)[:40]))
+        try:  # a scenario under a Slurm daemon's crash runs again (tests/slurm_cluster.py: Watchdog)
+            again_after_a_crash(slurm_cluster,
+                                lambda: body(slurm_cluster, tmp_path_factory.mktemp(re.sub(r"\W+", "_", name)[:40])))
         except BaseException as exc:  # noqa: BLE001 - re-raised by the scenario's own test
             return exc
         return None
