@@ -9,6 +9,7 @@ object ``__dict__``s, skipping tensors, so it is cheap enough to run on every re
 
 from __future__ import annotations
 
+import enum
 import logging
 import types
 import weakref
@@ -93,9 +94,11 @@ def rebind_groups(model: nn.Module, fsdp: str, mesh: Any,
 
 #: Values the scan never enters: no group can hide inside them (a group other than the retired one included).
 #: (``torch.Size`` holds integers only; a weak reference is not followed: it keeps nothing alive.)
+#: (An enumeration's members are made with its class, before any group exists; a stream or an event holds
+#: a device's handle only.)
 _LEAF_TYPES = (str, int, float, bool, bytes, type(None), torch.Tensor, torch.device, torch.dtype, type,
                types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType,
-               dist.ProcessGroup, torch.Size, weakref.ReferenceType)
+               dist.ProcessGroup, torch.Size, weakref.ReferenceType, enum.Enum, torch.Stream, torch.Event)
 #: The built-in containers without attributes of their own: they hold their items only (empty: nothing).
 _PLAIN = frozenset((dict, list, tuple, set, frozenset, deque))
 _LEAF, _MAPPING, _ITEMS, _OBJECT = 0, 1, 2, 3
@@ -131,7 +134,10 @@ def _kind(t: type) -> tuple[int, tuple[str, ...], bool, int]:
             # A subclass of a container may carry attributes as well as items: both are read.
             attrs = walk == _OBJECT or t not in _PLAIN
             empty = 1 if t in _PLAIN else 2 if t is OrderedDict else 0  # nn.Module's hook tables: OrderedDict
-            kind = (walk, slots, attrs, empty)
+            # An object with neither a __dict__ nor slots (a C extension's, e.g. a pybind11 enum such as
+            # DebugLevel) has nothing the walk could follow: a leaf.
+            kind = (_LEAF, (), False, 0) if walk == _OBJECT and not slots and not t.__dictoffset__ else (
+                walk, slots, attrs, empty)
         _kinds[t] = kind
     return kind
 
@@ -179,42 +185,44 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
     skip = {t for t, k in _kinds.items() if k[0] == _LEAF} - target_types
     found: dict[str, list[str]] = {label: [] for label in olds}
     seen: set[int] = set()
-    # The stack and the trail (per entered object: its parent's index, how it was reached, the key) are kept as
-    # parallel lists: nothing is allocated per value looked at, so the walk does not set off the collector.
+    # The stack (every value still to look at, with its parent's index in the trail, how it was reached and the
+    # key) and the trail (the same per entered object) are kept as parallel lists: nothing is allocated per value
+    # looked at, so the walk does not set off the collector; a value is pushed without a call (most are leaves,
+    # filtered by type before the push) and decided on when popped.
     objs: list[Any] = []
     parents: list[int] = []
     hows: list[str] = []
     keys: list[Any] = []
+    push_o, push_p, push_h, push_k = objs.append, parents.append, hows.append, keys.append
+    pop_o, pop_p, pop_h, pop_k = objs.pop, parents.pop, hows.pop, keys.pop
     t_parents: list[int] = []
     t_hows: list[str] = []
     t_keys: list[Any] = []
     kinds = _kinds
 
-    def consider(v: Any, how: str, k: Any, me: int) -> None:
-        t = type(v)
-        if t in target_types and id(v) in targets:
-            found[targets[id(v)]].append(_path(t_parents, t_hows, t_keys, me, how, k))
-            return
-        kind = kinds.get(t) or _kind(t)
-        if kind[0] == _LEAF:
-            if t not in target_types:  # another group of a target's type: its type must stay looked at
-                skip.add(t)
-            return
-        if id(v) in seen:
-            return
-        if kind[3] and not v and (kind[3] == 1 or not v.__dict__):  # an empty container holds nothing
-            return
-        objs.append(v)
-        parents.append(me)
-        hows.append(how)
-        keys.append(k)
-
     for i, r in enumerate(roots):
-        consider(r, "root", i, -1)
+        push_o(r)
+        push_p(-1)
+        push_h("root")
+        push_k(i)
     visited = 0
     while objs:
-        obj, parent, how, key = objs.pop(), parents.pop(), hows.pop(), keys.pop()
+        obj = pop_o()
+        parent = pop_p()
+        how = pop_h()
+        key = pop_k()
+        t = type(obj)
+        if t in target_types and id(obj) in targets:
+            found[targets[id(obj)]].append(_path(t_parents, t_hows, t_keys, parent, how, key))
+            continue
+        walk, slots, attrs, empty = kinds.get(t) or _kind(t)
+        if walk == _LEAF:
+            if t not in target_types:  # another group of a target's type: its type must stay looked at
+                skip.add(t)
+            continue
         if id(obj) in seen:
+            continue
+        if empty and not obj and (empty == 1 or not obj.__dict__):  # an empty container holds nothing
             continue
         seen.add(id(obj))
         visited += 1
@@ -225,27 +233,41 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
         t_parents.append(parent)
         t_hows.append(how)
         t_keys.append(key)
-        walk, slots, attrs, _ = kinds.get(type(obj)) or _kind(type(obj))
         if walk == _MAPPING:
             for k, v in obj.items():
                 if type(k) not in skip:
-                    consider(k, "key", None, me)
+                    push_o(k)
+                    push_p(me)
+                    push_h("key")
+                    push_k(None)
                 if type(v) not in skip:
-                    consider(v, "[]", k, me)
+                    push_o(v)
+                    push_p(me)
+                    push_h("[]")
+                    push_k(k)
         elif walk == _ITEMS:
             for i, v in enumerate(obj):
                 if type(v) not in skip:
-                    consider(v, "[]", i, me)
+                    push_o(v)
+                    push_p(me)
+                    push_h("[]")
+                    push_k(i)
         if attrs:
             d = getattr(obj, "__dict__", None)
             if type(d) is dict:
                 for k, v in d.items():
                     if type(v) not in skip and k != "_parameters" and k != "_buffers":
-                        consider(v, ".", k, me)
+                        push_o(v)
+                        push_p(me)
+                        push_h(".")
+                        push_k(k)
             for slot in slots:
                 v = getattr(obj, slot, _MISSING)
                 if v is not _MISSING and type(v) not in skip:
-                    consider(v, ".", slot, me)
+                    push_o(v)
+                    push_p(me)
+                    push_h(".")
+                    push_k(slot)
     if mesh is not None:
         for m in (mesh, mesh._get_root_mesh()):
             for dim, name in enumerate(tc.mesh_dim_group_names(m)):
