@@ -56,6 +56,16 @@ def repair_rebuild(environ: Mapping[str, str] | None = None) -> bool:
     return environ.get(REPAIR_REBUILD, "") not in ("", "0")
 
 
+#: ``1``: rank 0 serves the job's store from a thread of its own process (as before the store had a process of its
+#: own, :mod:`accelpact_slurm.runtime.store_host`): for comparisons and debugging.
+STORE_THREAD = "ACCELPACT_STORE_THREAD"
+
+
+def store_thread(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(STORE_THREAD, "") not in ("", "0")
+
+
 #: ``0`` starts the embedded default's ranks as plain subprocesses instead of forking them from one zygote.
 ZYGOTE = "ACCELPACT_ZYGOTE"
 

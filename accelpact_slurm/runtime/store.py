@@ -1,7 +1,8 @@
 """The job's own store: a ``torch.distributed.Store`` only the job's ranks can reach.
 
 The data plane's rendezvous (Gloo, NCCL), the control plane's agreements and the ranks' heartbeats all go through
-one store, hosted by rank 0 (:class:`~.store_server.StoreServer`).  Every connection proves, in a mutual handshake,
+one store, hosted by rank 0: a :class:`~.store_server.StoreServer` in a process of its own that lives exactly as long
+as rank 0 (:mod:`.store_host`; rank 0's interpreter is on no request's path).  Every connection proves, in a mutual handshake,
 that it holds the run's key (``.accelpact-key``, readable by the job's user only) and is of this job and this start
 (:mod:`.store_wire`); every frame after it carries a MAC.  So another user on a node can neither read a vote, nor
 write one, nor delete one; a server she puts on the job's port first is not believed (its answer to the handshake
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from accelpact_slurm.core.errors import ControlPlaneError
 from accelpact_slurm.runtime import store_wire as w
+from accelpact_slurm.runtime.store_host import StoreProcess, spawn
 from accelpact_slurm.runtime.store_server import StoreServer, listen
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,18 @@ def host_store(host: str, candidates: Sequence[int], key: bytes, bind_to: str,
         log.warning("store: port(s) %s on %s were taken (by another program or user); serving on %d",
                     taken, host, sock.getsockname()[1])
     return StoreServer(sock, key, bind_to, on_warning=on_warning).start()
+
+
+def host_store_process(host: str, candidates: Sequence[int], key: bytes, bind_to: str,
+                       on_warning: Callable[[str], None] | None = None, *,
+                       reached_from_other_hosts: bool = False) -> StoreProcess:
+    """Rank 0: :func:`host_store`, served by a process of its own that lives exactly as long as this one
+    (:mod:`.store_host`: rank 0's interpreter is then on no request's path)."""
+    sock, taken = listen(host, candidates, reached_from_other_hosts=reached_from_other_hosts)
+    if taken:
+        log.warning("store: port(s) %s on %s were taken (by another program or user); serving on %d",
+                    taken, host, sock.getsockname()[1])
+    return spawn(sock, key, bind_to, on_warning)
 
 
 class NotOurs(ConnectionError):

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.runtime.control import ControlPlane
-from accelpact_slurm.runtime.store import JobStore, binding as store_binding, host_store, port_candidates
+from accelpact_slurm.runtime.store import JobStore, binding as store_binding, host_store, host_store_process, \
+    port_candidates
 from accelpact_slurm.runtime.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.slurm.env import SlurmContext
@@ -86,7 +87,8 @@ class Runtime:
     hardware: Hardware = CPU
     #: The fault detector (:mod:`.collectives`): heartbeats, watched collectives and control-plane rounds.
     detector: Any = None
-    #: Rank 0: the job's store it hosts (:class:`.store_server.StoreServer`).
+    #: Rank 0: the job's store it hosts (:class:`.store_host.StoreProcess`, or with ``ACCELPACT_STORE_THREAD=1`` a
+    #: :class:`.store_server.StoreServer` thread).
     store_server: Any = None
     #: A further client of the job's store, for a thread of its own (``store_client(timeout)``).
     store_client: Any = None
@@ -172,8 +174,8 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     startup = timedelta(seconds=cfg.timeouts.startup_s)
     # Ranks on other hosts: a real allocation of more than one node (the embedded default's nodes share this one).
     others = not settings.emulated(environ) and len(set(ctx.nodelist)) > 1
-    server = host_store(host, ports, key, bind_to, on_warning, reached_from_other_hosts=others) \
-        if ctx.rank == 0 else None
+    serve = host_store if settings.store_thread(environ) else host_store_process
+    server = serve(host, ports, key, bind_to, on_warning, reached_from_other_hosts=others) if ctx.rank == 0 else None
     # Two clients of the one store: a control-plane round that waits does not hold up a group's rendezvous.
     data_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)
     control_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)

@@ -1,0 +1,165 @@
+"""The job's store served by a process of its own beside rank 0, not by a thread of rank 0.
+
+Why: a thread of rank 0 answers a request only when it holds rank 0's interpreter lock, which rank 0's own Python
+(its update's hooks and optimizer, an L1 repair's rebinding and invariant scan) holds in slices of up to the
+switch interval (5 ms).  Every control-plane round, every group build of a repair and every heartbeat of every
+rank waited on rank 0's Python that way; a repair of a replication group that held rank 0 took ~1 ms longer than
+one that did not (``make bench`` part ``repair``).  In its own process the server (the same
+:class:`~.store_server.StoreServer`) has an interpreter of its own.
+
+Lifetime: the store lives exactly as long as rank 0.  Rank 0 binds the listening socket (so the port is known, and
+clients that come early wait in its backlog), hands it over, and keeps the write end of a pipe whose read end is
+the server's standard input: when rank 0 exits, however it ends (``SIGKILL`` included), the pipe closes and the
+server exits at once; ``PR_SET_PDEATHSIG`` (Linux) kills it too if the spawning thread ends first (a forked child
+of rank 0 that inherited the pipe cannot keep it alive).  So the clients see the store go with rank 0, as before:
+a round waiting on it fails at once.
+
+The run's key goes over the pipe, never on the command line (``/proc/PID/cmdline`` is readable by every user).
+The server's warnings (refused connections: another user on the node) come back as lines on its standard output,
+and rank 0 reports them as before (``on_warning``).
+
+Who calls: :func:`accelpact_slurm.runtime.store.host_store_process` (rank 0, :func:`.topology.build_runtime`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+#: Seconds :meth:`StoreProcess.close` waits for the server to leave after its pipe closed, before killing it.
+CLOSE_S = 2.0
+
+
+class StoreProcess:
+    """Rank 0's handle on the store server process: its address, and :meth:`close`."""
+
+    def __init__(self, proc: subprocess.Popen, address: tuple, on_warning: Callable[[str], None] | None) -> None:
+        self.proc = proc
+        self._address = address
+        self._on_warning = on_warning
+        self._reader = threading.Thread(target=self._relay, name="accelpact-store-relay", daemon=True)
+        self._reader.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._address[1])
+
+    @property
+    def address(self) -> tuple:
+        return self._address
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _relay(self) -> None:
+        """The server's warnings, one a line, to rank 0's ``on_warning`` (else its log)."""
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if not line:
+                continue
+            if self._on_warning is not None:
+                try:
+                    self._on_warning(line)
+                except Exception:  # noqa: BLE001 - a report that failed must not end the relay
+                    log.warning("store: %s", line, exc_info=True)
+            else:
+                log.warning("store: %s", line)
+
+    def close(self, timeout_s: float = CLOSE_S) -> None:
+        """End the server: close its pipe (it leaves at once), kill it after ``timeout_s``."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=timeout_s)
+
+
+def spawn(sock: socket.socket, key: bytes, binding: str, on_warning: Callable[[str], None] | None = None,
+          python: str | None = None) -> StoreProcess:
+    """Serve the job's store on the listening ``sock`` from a new process; ``sock`` is closed here (the server holds
+    the only copy).  Returns once the process is started (clients that connect before it accepts wait in the
+    socket's backlog)."""
+    address = sock.getsockname()
+    fd = sock.fileno()
+    # The server imports the same code as this rank: the package's own root first on its path.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # PR_SET_PDEATHSIG fires when the *thread* that started the process ends: asked for only from the main thread.
+    tie = "tie" if threading.current_thread() is threading.main_thread() else "pipe"
+    proc = subprocess.Popen(
+        [python or sys.executable, "-m", "accelpact_slurm.runtime.store_host", str(fd), binding, tie],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), close_fds=True, env=env,
+    )
+    sock.close()
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(key.hex().encode() + b"\n")
+        proc.stdin.flush()
+    except OSError as exc:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the store server process exited at its start (exit {proc.returncode})") from exc
+    return StoreProcess(proc, address, on_warning)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: a ``SIGKILL`` when the thread that started this process ends; elsewhere only the pipe's end."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # rank 0 ended before the request took effect
+        os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The server process: ``store_host FD BINDING``, the key (hex) as the first line of standard input, which then
+    stays open for as long as rank 0 lives."""
+    args = sys.argv[1:] if argv is None else argv
+    fd, binding, tie = int(args[0]), args[1], args[2] if len(args) > 2 else "pipe"
+    parent = os.getppid()
+    if tie == "tie":
+        _die_with_parent(parent)
+    # Signals meant for the job (^C to the foreground group; Slurm's SIGTERM, USR2 or a preemption to every process
+    # of the step) are rank 0's to act on: it may still need the store to take its last snapshot and vote.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    stdin = sys.stdin.buffer
+    key = bytes.fromhex(stdin.readline().decode().strip() or "00")
+    from accelpact_slurm.core import settings
+    from accelpact_slurm.runtime.store_server import StoreServer
+
+    logging.basicConfig(level=settings.log_level(), format="[store] %(levelname)s %(message)s", stream=sys.stderr)
+
+    def warn(msg: str) -> None:
+        sys.stdout.write(msg.replace("\n", " ") + "\n")
+        sys.stdout.flush()
+
+    server = StoreServer(socket.socket(fileno=fd), key, binding, on_warning=warn).start()
+    while stdin.read(1 << 16):  # EOF: rank 0 closed the pipe or ended
+        pass
+    server.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
