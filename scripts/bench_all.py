@@ -102,7 +102,7 @@ GPU_JSON = RESULTS / "gpu-check.json"
 # sum fits the budget (a part run alone keeps its defaults).  Estimated seconds per part, from the stored results'
 # segment times at the rates of 2026-11-30..12-02 / at 2026-12-03's (a day on which the same code, the earlier
 # commits' own jobs included, ran every update about 2x slower):
-#   status 7/17, repair 95/95, guard 52/85, store 73/124, control 70/198, paper 110/150, peers 161/235,
+#   status 7/17, repair 95/95, guard 52/85, store 150/250, control 70/198, paper 110/150, peers 161/235,
 #   l1backward 90/94, ckpt 315/590, recovery 387/618, shared 53/116, restore 63/153: about 1,450 s in all
 #   (2,450 s on a day like 2026-12-03, past TOTAL_BUDGET_S: the last parts would then be cut).
 # Every goal stays decidable (the ckpt part keeps none, ours and DCP's best asynchronous mode, dcp_stager in every
@@ -114,8 +114,9 @@ PART_ARGS: dict[str, list[str]] = {
     "repair": ["--repairs", "16", "--rebind-reps", "2", "--guard-pairs", "8"],
     # 2 pairs (the budget stopped at 2 on 2026-12-03 anyway), 4 rounds of 6 updates per segment
     "guard": ["--pairs", "2", "--rounds", "4", "--steps", "6"],
-    # 5 ABBA pairs of shorter jobs (42 timed updates each instead of 64)
-    "store": ["--pairs", "5", "--rounds", "3", "--steps", "6"],
+    # 4 ABBA pairs against the earlier code, 2 of the store's server in a thread vs its own process; jobs of 5 rounds
+    # of 8 updates per mode (6 x 8: 151 s for 5 pairs on 2026-12-04, 3 x 6 read 0.91-1.22 over three runs)
+    "store": ["--pairs", "4", "--rounds", "5", "--steps", "8", "--where-pairs", "2"],
     # 3 samples at 4-256 members; 1,024 members always takes a warm-up + 3 samples (4 x 13-43 s of the old code)
     "control": ["--samples", "3"],
     "paper": ["--repeats", "2"],

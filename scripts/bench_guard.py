@@ -118,11 +118,14 @@ def write_job(path: Path, out: Path, plan: dict[str, Any]) -> Path:
     return path
 
 
-def run_job(tree: Path, tag: str, work: Path, plan: dict[str, Any], deadline_s: float) -> dict[str, Any]:
-    """One job of the library in ``tree``; its segments and its overhead ratio (or ``error``)."""
+def run_job(tree: Path, tag: str, work: Path, plan: dict[str, Any], deadline_s: float,
+            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One job of the library in ``tree``; its segments and its overhead ratio (or ``error``).  ``extra_env``: set
+    for the job after the caller's ``SLURM_*``/``ACCELPACT_*`` variables are scrubbed."""
     out = work / f"{tag}.jsonl"
     cfg = write_job(work / f"{tag}.yaml", out, {**plan, "deadline_s": deadline_s})
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB)}
+    env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(h.SCRIPTS)])
     env["PYTHONUNBUFFERED"] = "1"
     log = work / f"{tag}.log"

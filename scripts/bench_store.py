@@ -3,7 +3,8 @@
 
 Before ``2abb175``'s successor the ranks' data plane, control plane and heartbeats used torch's ``TCPStore``; now
 they use the job's own store (``accelpact_slurm/runtime/store.py``: a handshake under the run's key, a MAC on
-every frame, a Python server thread in rank 0).  Two measurements, side by side in this one run:
+every frame, a Python server in a process of its own beside rank 0).  Three measurements, side by side in this one
+run:
 
 1. **Per update, ABBA**: the same job (the decoder example's model at its sizes, 2 emulated nodes x 2 ranks, no
    snapshots, ``scripts/bench/guard_entry.py``: interleaved segments of plain and guarded updates, rank 0's clock)
@@ -14,6 +15,9 @@ every frame, a Python server thread in rank 0).  Two measurements, side by side 
 2. **Per round trip**: one client's ``set`` then ``get`` of a vote-sized value, against the job's store and against
    a ``TCPStore``, both served by one other process (as rank 0 serves every other rank), interleaved in blocks
    (ABBA), many samples: what the ratio of (1) is made of.
+3. **Where the server runs, ABBA**: the job of (1), current code only, its store served by a process of its own
+   (the default) and by a thread of rank 0 (``ACCELPACT_STORE_THREAD=1``, as before ``runtime/store_host.py``);
+   a pair's figure is the thread job's median update over the process job's, with the added milliseconds.
 
 Output: ``--json`` (default ``benchmarks/results/<date>/store.json``) and the block between ``<!-- store-bench -->``
 markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
@@ -99,6 +103,39 @@ def round_trips(blocks: int = 20, per_block: int = 200) -> dict[str, Any]:
             "where": "both servers in one other process, this process the client"}
 
 
+def where_served(pairs: int, plan: dict[str, Any], log: Any, budget: Any) -> dict[str, Any]:
+    """Measurement 3: the current code's job with its store in a process of its own and in a thread of rank 0."""
+    import shutil
+    import tempfile
+
+    import bench_guard as bg
+
+    work = Path(tempfile.mkdtemp(prefix="bench-store-where-"))
+    jobs: list[dict[str, Any]] = []
+    try:
+        for i in range(pairs):
+            if i and not budget.fits(2.1):
+                log(f"where: pair {i + 1} would not fit the budget; stopping at {i}")
+                break
+            for mode in h.abba(i, "process", "thread"):
+                job = bg.run_job(h.REPO, f"{mode}-{i}", work, plan, 90.0,
+                                 extra_env={"ACCELPACT_STORE_THREAD": "1" if mode == "thread" else "0"})
+                job["mode"], job["pair"] = mode, i
+                budget.record(job["wall_s"])
+                jobs.append(job)
+                log(f"where pair {i + 1} {mode}: " + (f"plain {job['plain_ms']:.1f} ms, guarded {job['guarded_ms']:.1f} ms"
+                                                       if job["ok"] else f"FAILED {job.get('error', '')[:200]}"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    by = {(j["pair"], j["mode"]): j for j in jobs if j["ok"]}
+    done = [i for i in range(pairs) if (i, "thread") in by and (i, "process") in by]
+    res: dict[str, Any] = {"jobs": jobs, "pairs": len(done)}
+    for kind in ("plain_ms", "guarded_ms"):
+        res[kind] = h.spread(by[(i, "thread")][kind] / by[(i, "process")][kind] for i in done)
+        res[f"{kind}_added"] = h.spread(by[(i, "thread")][kind] - by[(i, "process")][kind] for i in done)
+    return res
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = [MARK, "", f"Run {res.get('date', '?')} ({h.machine_line(res.get('machine', {}))}); "
              f"the current code against commit `{res.get('commit', BEFORE)}` (torch's `TCPStore`).", ""]
@@ -118,6 +155,12 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{h.fmt(rt['ours_us']['median'], '{:.0f}')} us against "
                      f"{h.fmt(rt['tcpstore_us']['median'], '{:.0f}')} us | {rt['blocks']} blocks of "
                      f"{rt['per_block']} |")
+    where = res.get("where") or {}
+    for kind, what in (("plain_ms", "plain update"), ("guarded_ms", "guarded update")):
+        if where.get(kind, {}).get("n"):
+            lines.append(f"| {what}, the store in a thread of rank 0 / in its own process (current code) | "
+                         f"{h.fmt_spread(where[kind], '{:.3f}')} | {h.fmt_spread(where[f'{kind}_added'], '{:+.2f}')} ms "
+                         f"| {where['pairs']} pairs (ABBA) |")
     goal = (cost.get("guarded_ms") or {}).get("median")
     lines += ["", f"Goal: the authenticated store costs an update at most 1% (guarded update ratio <= 1.01): "
               f"{'met' if goal is not None and goal <= 1.01 else 'not met' if goal is not None else 'not measured'}"
@@ -136,6 +179,11 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     if rt.get("ratio"):
         rows.append(h.row("one set + get", "TCPStore, same process, interleaved", rt["ratio"],
                           note=f"{h.fmt(rt['ours_us']['median'], '{:.0f}')} us"))
+    where = res.get("where") or {}
+    if (where.get("guarded_ms") or {}).get("n"):
+        added = (where.get("guarded_ms_added") or {}).get("median")
+        rows.append(h.row("guarded update, the store in a thread of rank 0", "the store in a process of its own, "
+                          "same code (ABBA)", where["guarded_ms"], note=f"{h.fmt(added, '{:+.2f}')} ms per update"))
     return rows
 
 
@@ -147,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit", default=BEFORE, help="the earlier commit (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=4, help="segment pairs per job (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=8, help="updates per segment (default: %(default)s)")
+    ap.add_argument("--where-pairs", type=int, default=3,
+                    help="ABBA pairs of measurement 3, the store's server in a process vs a thread (default: %(default)s)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="time budget (default: %(default)s)")
     h.output_args(ap, f"benchmarks/results/{h.today()}/store.json")
     return ap
@@ -160,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         if h.write_markdown(args.markdown, MARK, markdown(res)) is None:
             print(markdown(res))
         return 0
-    if args.pairs < 1 or args.rounds < 1 or args.steps < 1:
-        raise SystemExit("--pairs, --rounds and --steps must be >= 1")
+    if args.pairs < 1 or args.rounds < 1 or args.steps < 1 or args.where_pairs < 0:
+        raise SystemExit("--pairs, --rounds and --steps must be >= 1, --where-pairs >= 0")
     from bench import recovery_cost
 
     budget = h.Budget(h.outer_deadline(args.budget_s, margin_s=10.0, floor_s=30.0))
@@ -172,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"round trip: ours {rt['ours_us']['median']:.0f} us, TCPStore {rt['tcpstore_us']['median']:.0f} us")
     plan = {"rounds": args.rounds, "steps": args.steps, "warmup": 3}
     res["cost"] = recovery_cost.measure(args.commit, args.pairs, log, budget, plan)
+    if args.where_pairs:
+        res["where"] = where_served(args.where_pairs, plan, log, budget)
     res["total_wall_s"] = budget.elapsed()
     h.finish(res)
     cost = res["cost"]

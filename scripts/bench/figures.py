@@ -125,7 +125,11 @@ def readme_lines(results: dict[str, tuple[dict[str, Any], str]], gpu: dict[str, 
                    f"it, which used torch's `TCPStore`): a guarded update (its vote a control-plane round) "
                    f"{_x(g, '{:.3f}')}; goal ≤ 1.01x {'met' if g and g['ratio'] <= 1.01 else 'not met'}. One round "
                    f"trip costs {rt.get('ours_us', {}).get('median', 0):.0f} µs against `TCPStore`'s "
-                   f"{rt.get('tcpstore_us', {}).get('median', 0):.0f} µs (a Python server thread, a MAC each way).")
+                   f"{rt.get('tcpstore_us', {}).get('median', 0):.0f} µs (a Python server, a MAC each way).")
+        w = _row(res, "guarded", "thread of rank 0")
+        if w:
+            out[-1] += (f" Served by a thread of rank 0 instead of a process of its own, the same code's guarded "
+                        f"update took {_x(w, '{:.3f}')} ({w.get('note', '')}).")
     if "recovery" in R:
         res = R["recovery"]
         sm = res["summary"]
