@@ -33,6 +33,9 @@ import sys
 import threading
 from typing import Callable
 
+from accelpact_slurm.core import settings
+from accelpact_slurm.runtime.store_server import StoreServer
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -145,9 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     key = bytes.fromhex(stdin.readline().decode().strip() or "00")
-    from accelpact_slurm.core import settings
-    from accelpact_slurm.runtime.store_server import StoreServer
-
     logging.basicConfig(level=settings.log_level(), format="[store] %(levelname)s %(message)s", stream=sys.stderr)
 
     def warn(msg: str) -> None:

@@ -137,6 +137,8 @@ def _forward_fault_requeues_and_reloads_the_newest_verified(slurm_cluster: Clust
     requeues = [e for e in events if e["event"] == "requeue"]
     assert requeues and requeues[0]["by"] == "scontrol" and requeues[0]["accepted"] is True
     loads = [e for e in events if e["event"] == "restart_load" and e["restart"] == 1]
+    assert loads, ("restart 1 loaded no snapshot; checkpoints: "
+                   f"{[(e['step'], e.get('state'), e.get('hostname')) for e in events if e['event'] == 'checkpoint']}")
     fault = min(e["ts"] for e in events if e["event"] == "fault")
     verified = [e["step"] for e in events if e["event"] == "checkpoint" and e.get("state") == "verified"
                 and e["ts"] < loads[0]["ts"]]
