@@ -2,10 +2,12 @@
 
 Why: a thread of rank 0 answers a request only when it holds rank 0's interpreter lock, which rank 0's own Python
 (its update's hooks and optimizer, an L1 repair's rebinding and invariant scan) holds in slices of up to the
-switch interval (5 ms).  Every control-plane round, every group build of a repair and every heartbeat of every
-rank waited on rank 0's Python that way; a repair of a replication group that held rank 0 took ~1 ms longer than
-one that did not (``make bench`` part ``repair``).  In its own process the server (the same
-:class:`~.store_server.StoreServer`) has an interpreter of its own.
+switch interval (5 ms); and every request served there is time rank 0's training thread waits for the lock.
+Every control-plane round, every group build of a repair and every heartbeat of every rank (N writes per
+interval: they grow with the job) went through rank 0's interpreter that way.  In its own process the server (the
+same :class:`~.store_server.StoreServer`) has an interpreter of its own.  On the 2 cores of the development
+machine, with four ranks, the difference is within the jobs' own spread (``make bench`` part ``store``, its
+*where* rows); ``ACCELPACT_STORE_THREAD=1`` serves from a thread as before.
 
 Lifetime: the store lives exactly as long as rank 0.  Rank 0 binds the listening socket (so the port is known, and
 clients that come early wait in its backlog), hands it over, and keeps the write end of a pipe whose read end is
