@@ -224,6 +224,8 @@ def write_descriptor(root: str, step: int, local_rank: int, desc: dict[str, Any]
     tmp = f"{path}.tmp.{os.getpid()}"
     body = dict(desc)
     body["meta"] = json.dumps(desc["meta"])
+    if "entries" in body:  # lists of numbers and names: JSON text, which the daemon reads back faster than the
+        body["entries"] = json.dumps(body["entries"])  # weights-only unpickler (the bench's node: 25 -> 10 ms)
     torch.save(body, tmp)
     os.replace(tmp, path)
     return path
@@ -234,6 +236,8 @@ def read_descriptor(path: str) -> dict[str, Any]:
 
     data = torch.load(path, weights_only=True)
     data["meta"] = json.loads(data["meta"])
+    if isinstance(data.get("entries"), str):
+        data["entries"] = json.loads(data["entries"])
     return data
 
 

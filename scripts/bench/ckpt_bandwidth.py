@@ -169,9 +169,10 @@ def _write_dd(ndir: Path, size: int) -> dict[str, Any]:
 
 def _write_ceiling(ndir: Path, slots: list[Any], sizes: list[int]) -> dict[str, Any]:
     """The ceiling of the same shape as the daemon's write: ``writer.WRITE_THREADS`` files written in parallel,
-    one thread each, the staged slots' own bytes in 4 MiB writes, the write-back started every
-    ``writer.WRITEBACK_WINDOW`` bytes, then fsync and the pages dropped -- the writer's pattern, without the
-    serialisation, the digest, the manifest and the rename."""
+    one thread each, the staged slots' own bytes in 4 MiB pieces through the writer's own :class:`writer.Sink`
+    (direct I/O through its aligned buffer where the file system allows it, else the page cache with the
+    write-back started every ``writer.WRITEBACK_WINDOW`` bytes), then fsync -- the writer's pattern, without
+    the serialisation, the digest, the manifest and the rename."""
     from ckpt_service import writer
 
     bufs = [memoryview(s.buf[:n].numpy()).cast("B") for s, n in zip(slots, sizes)]
@@ -192,26 +193,16 @@ def _write_ceiling(ndir: Path, slots: list[Any], sizes: list[int]) -> dict[str, 
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        path = ndir / f"ceiling-{i}.bin"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sink = writer.Sink(str(ndir / f"ceiling-{i}.bin"))  # the writer's own sink: direct I/O where it is
         try:
-            pos = kicked = 0
             for run in runs[i]:
                 for j in range(0, len(run), 4 << 20):
-                    chunk = run[j:j + (4 << 20)]
-                    done = 0
-                    while done < len(chunk):
-                        done += os.write(fd, chunk[done:])
-                    pos += done
-                    if pos - kicked >= writer.WRITEBACK_WINDOW:
-                        writer._start_writeback(fd, kicked, pos - kicked)
-                        kicked = pos
-            os.fsync(fd)
-            writer.drop_cached(fd)
+                    sink.put(run[j:j + (4 << 20)])
+            sink.finish()
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
         finally:
-            os.close(fd)
+            sink.close()
 
     cpu = time.process_time()
     t = time.monotonic()
