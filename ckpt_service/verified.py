@@ -70,13 +70,17 @@ def _hash_fd(fd: int, drop: bool, algorithm: str) -> str:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     h = digest.new(algorithm)
+    # One buffer read into again and again: a fresh 4 MiB object per read costs the kernel a fresh mapping's
+    # zeroed pages each time (the development machine: 1.3 instead of 0.3 CPU-s per GiB in some runs).
+    buf = bytearray(_BUF)
+    view = memoryview(buf)
     offset = 0
     while True:
-        b = os.pread(fd, _BUF, offset)
-        if not b:
+        n = os.preadv(fd, [buf], offset)
+        if not n:
             break
-        h.update(b)
-        offset += len(b)
+        h.update(view[:n])
+        offset += n
     if drop and hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

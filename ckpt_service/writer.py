@@ -35,6 +35,7 @@ import logging
 import math
 import mmap
 import os
+import queue
 import shutil
 import threading
 import time
@@ -324,12 +325,12 @@ _ALIGN = 4096
 
 
 class Sink:
-    """Where a snapshot file's bytes go, in order: straight to the disk through a page-aligned buffer of
-    ``DIRECT_CHUNK`` bytes (``O_DIRECT``: full buffers, then the tail's whole pages; its last partial page
-    through the page cache), or, where the file system refuses direct I/O (tmpfs) or ``direct`` is False,
-    through the page cache, the disk asked to start writing back every ``WRITEBACK_WINDOW`` bytes.
-    :meth:`finish` fsyncs and drops what the page cache holds of the file.  Also the bench's ceiling of the
-    write path's shape (the same sink, without serialisation or digest).
+    """Where a snapshot file's bytes go, in order: straight to the disk (``O_DIRECT``) through two page-aligned
+    buffers of ``DIRECT_CHUNK`` bytes, one filled while a thread of the sink writes the other (full buffers,
+    then the tail's whole pages; its last partial page through the page cache), or, where the file system
+    refuses direct I/O, through the page cache, the disk asked to start writing back every
+    ``WRITEBACK_WINDOW`` bytes.  :meth:`finish` fsyncs and drops what the page cache holds of the file.  Also
+    the bench's ceiling of the write path's shape (the same sink, without serialisation or digest).
     """
 
     def __init__(self, path: str, direct: bool | None = None) -> None:
@@ -347,9 +348,70 @@ class Sink:
             self.fd = os.open(path, flags, 0o644)
         self.pos = 0  # bytes taken
         self.kicked = 0  # bytes whose write-back was started (page cache only)
-        self.fill = 0  # bytes in the aligned buffer (direct only)
-        self._buf: mmap.mmap | None = mmap.mmap(-1, DIRECT_CHUNK) if self.direct else None
-        self._view = memoryview(self._buf) if self._buf is not None else None
+        self.fill = 0  # bytes in the buffer being filled (direct only)
+        self._bufs = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(2)] if self.direct else []
+        self._views = [memoryview(b) for b in self._bufs]
+        self._tensors = [_bytes_tensor(b) for b in self._bufs]  # copies into them release the GIL
+        self._cur = 0 if self.direct else -1  # the buffer being filled (-1: the page cache, no buffer)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._full: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._free.put(1)
+        self._io: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def put(self, mv: memoryview, hasher: Any = None) -> None:
+        """Take ``mv``'s bytes; ``hasher.update`` sees each of them once, in order (from the aligned buffer
+        right after the copy into it, while they are in the cache, where there is one)."""
+        if self._cur < 0:
+            if hasher is not None:
+                hasher.update(mv)
+            _write_all(self.fd, mv)
+            self.pos += len(mv)
+            if self.pos - self.kicked >= WRITEBACK_WINDOW:
+                _start_writeback(self.fd, self.kicked, self.pos - self.kicked)
+                self.kicked = self.pos
+            return
+        at, n = 0, len(mv)
+        while at < n:
+            k = min(n - at, DIRECT_CHUNK - self.fill)
+            self._tensors[self._cur][self.fill:self.fill + k].copy_(_bytes_tensor(mv[at:at + k]))
+            if hasher is not None:
+                hasher.update(self._views[self._cur][self.fill:self.fill + k])
+            self.fill += k
+            at += k
+            if self.fill == DIRECT_CHUNK:
+                self._hand_off()
+        self.pos += n
+
+    def _hand_off(self) -> None:
+        """The full buffer to the sink's thread; the other one, once the disk has taken it, to fill."""
+        if self._io is None:  # (a thread inherits its creator's priority: a background writer's stays low)
+            self._io = threading.Thread(target=self._drain, daemon=True,
+                                        name=f"{threading.current_thread().name}-io")
+            self._io.start()
+        self._full.put(self._cur)
+        self.fill = 0
+        self._cur = self._free.get()
+        if self._error is not None:
+            raise self._error
+
+    def _drain(self) -> None:
+        while True:
+            i = self._full.get()
+            if i is None:
+                return
+            if self._error is None:
+                try:
+                    self._direct_write(self._views[i])
+                except BaseException as exc:  # noqa: BLE001 - raised in the filling thread
+                    self._error = exc
+            self._free.put(i)
+
+    def _stop_io(self, timeout_s: float | None = None) -> None:
+        if self._io is not None:
+            self._full.put(None)
+            self._io.join(timeout_s)
+            self._io = None
 
     def _direct_write(self, mv: memoryview) -> None:
         done = 0
@@ -365,56 +427,43 @@ class Sink:
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                 self.direct = False
 
-    def put(self, mv: memoryview) -> None:
-        if not self.direct and self._view is not None:  # direct writes were refused: the buffer's bytes first
-            _write_all(self.fd, self._view[:self.fill])
-            self.fill = 0
-            self._view = None  # the buffer itself is let go in close()
-        if self._view is None:
-            _write_all(self.fd, mv)
-            self.pos += len(mv)
-            if self.pos - self.kicked >= WRITEBACK_WINDOW:
-                _start_writeback(self.fd, self.kicked, self.pos - self.kicked)
-                self.kicked = self.pos
-            return
-        view, at, n = self._view, 0, len(mv)
-        while at < n:
-            k = min(n - at, DIRECT_CHUNK - self.fill)
-            view[self.fill:self.fill + k] = mv[at:at + k]
-            self.fill += k
-            at += k
-            if self.fill == DIRECT_CHUNK:
-                self.fill = 0
-                self._direct_write(view)
-                if not self.direct:  # the rest through the page cache (put counts it)
-                    self.pos += at
-                    self.put(mv[at:])
-                    return
-        self.pos += n
-
     def finish(self) -> int:
-        """The tail written, fsync, the file's pages dropped; returns its size."""
-        if self._view is not None and self.fill:
+        """The buffers written, then the tail, fsync, the file's pages dropped; returns its size."""
+        if self._cur >= 0:
+            self._stop_io()
+            if self._error is not None:
+                raise self._error
+            view = self._views[self._cur]
             whole = self.fill // _ALIGN * _ALIGN if self.direct else 0
             if whole:
-                self._direct_write(self._view[:whole])
+                self._direct_write(view[:whole])
             if self.fill > whole and self.direct:  # the last partial page through the page cache: direct I/O
                 # writes whole pages only
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             if self.fill > whole:
-                _write_all(self.fd, self._view[whole:self.fill])
+                _write_all(self.fd, view[whole:self.fill])
             self.fill = 0
         os.fsync(self.fd)
         drop_cached(self.fd)
         return self.pos
 
     def close(self) -> None:
-        self._view = None
-        if self._buf is not None:
+        self._stop_io(60.0)  # abandoned mid-way: its thread ends after the write it is in
+        self._views, self._tensors = [], []
+        for b in self._bufs:
             with contextlib.suppress(BufferError):  # a view still held somewhere: the collector unmaps it
-                self._buf.close()
-            self._buf = None
+                b.close()
+        self._bufs = []
         os.close(self.fd)
+
+
+def _bytes_tensor(buf: Any) -> Any:
+    """A uint8 tensor over ``buf``'s memory, no copy (a read-only buffer too: nothing writes through it)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _write_all(fd: int, mv: memoryview) -> None:
@@ -427,8 +476,9 @@ class _HashingFile:
     """A write-only file that computes its digest (:data:`.digest.WRITE`) from the bytes as they are written.
 
     Small writes (``torch.save``'s record headers) are gathered; large ones (a tensor's bytes, straight
-    from the staging slot) are hashed and handed to the file's :class:`Sink` as they are (direct to the disk
-    where the file system allows it).  ``close()`` is a flush: DCP closes its streams before they are finished.
+    from the staging slot) go to the file's :class:`Sink` as they are, which hashes them as it copies them
+    into its aligned buffer (direct to the disk where the file system allows it).  ``close()`` is a flush:
+    DCP closes its streams before they are finished.
     """
 
     def __init__(self, path: str) -> None:
@@ -474,8 +524,7 @@ class _HashingFile:
         self.flush()
 
     def _write(self, mv: memoryview) -> None:
-        self.h.update(mv)  # releases the GIL: the other write threads go on meanwhile
-        self.sink.put(mv)
+        self.sink.put(mv, self.h)  # the hash releases the GIL: the other write threads go on meanwhile
 
     def finish(self) -> tuple[int, str]:
         """Flush, write the rest, fsync, drop the file's pages from the page cache; ``(size, digest)``."""

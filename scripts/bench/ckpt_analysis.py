@@ -182,7 +182,7 @@ def goals(steps: dict[str, Any], bw: dict[str, Any]) -> dict[str, Any]:
                                "pass": None if ours_blk is None or best_blk is None else ours_blk <= 0.5 * best_blk},
         },
         "write_bandwidth": {"goal": "daemon write bandwidth >= 0.9 x the ceiling of its shape (as many files and "
-                                    "threads, the same write-back and fsync pattern, no serialisation or digest)",
+                                    "threads, the same sink and fsync pattern, no serialisation or digest)",
                             "median_ratio": ratio, "dd_median_ratio": bw.get("ratio_full", {}).get("median"),
                             "pass": None if ratio is None else ratio >= 0.9},
     }
@@ -232,8 +232,9 @@ def rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                          note="goal <= 1.5: " + ("PASS" if gf.get("pass") else "FAIL")))
     if bw.get("ratio_ceiling"):
         out.append(h.row("checkpoint: daemon write bandwidth (whole write path)",
-                         "the ceiling of its shape: as many files written in parallel, the same write-back and fsync "
-                         "pattern, the same bytes, no serialisation or digest; same round, order rotated",
+                         "the ceiling of its shape: as many files written in parallel, the same sink (direct I/O "
+                         "where the file system allows it) and fsync pattern, the same bytes, no serialisation or "
+                         "digest; same round, order rotated",
                          bw["ratio_ceiling"], note="goal >= 0.9: " + ("PASS" if g["write_bandwidth"]["pass"] else "FAIL")))
     if bw.get("ratio_full"):
         out.append(h.row("checkpoint: daemon write bandwidth (whole write path), for reference",

@@ -213,10 +213,11 @@ def write_path_lines(bw: dict[str, Any]) -> list[str]:
         f"{len(bw['pairs'])} rounds of three writes, the six orders in turn): the daemon's write path "
         "(map the two ranks' shared-memory slots, build the DCP state from their boxes, DCP save of every box as a "
         f"chunk into {bw.get('write_threads', 1)} file(s) written in parallel, each hashed ({_digest(bw)}) as it is "
-        "written, its write-back started every 32 MiB, fsynced and dropped from the page cache; manifest, rename) "
-        "against the **ceiling of the same shape** (`ckpt_bandwidth._write_ceiling`: the same slots' bytes into as "
-        "many files on as many threads, 4 MiB writes, the same write-back windows, fsync and drop; no serialisation, "
-        "digest, manifest or rename), and `dd if=/dev/zero bs=4M conv=fsync` of the same size (one stream, for "
+        "written, through the writer's `Sink` (direct I/O through two page-aligned 8 MiB buffers, one filled while "
+        "the other is written, where the file system allows it; else the page cache, write-back started every "
+        "32 MiB), fsynced; manifest, rename) against the **ceiling of the same shape** (`ckpt_bandwidth._write_ceiling`: "
+        "the same slots' bytes into as many files on as many threads, in 4 MiB pieces through the same `Sink`, fsync; "
+        "no serialisation, digest, manifest or rename), and `dd if=/dev/zero bs=4M conv=fsync` of the same size (one stream, for "
         f"reference). The verification (re-read from the disk, {_digest(bw)}, coverage) runs after the three writes "
         "of a round, untimed in the ratios.",
         "",
@@ -255,7 +256,8 @@ def cpu_lines(bw: dict[str, Any]) -> list[str]:
     if alg != "SHA-256" and c.get("sha256_alone") is not None:
         alone += f" (SHA-256 {_f(c['sha256_alone'])} s, measured beside it)"
     return ["", f"The daemon's CPU per GiB written (process CPU time, all threads, medians): write path "
-                f"{_f(c.get('write'))} s (serialisation, writes into the page cache, {alg} while writing, fsync), "
+                f"{_f(c.get('write'))} s (serialisation, the copy into the sink's buffers, the writes, {alg} while "
+                f"writing, fsync), "
                 f"verification {_f(c.get('verify'))} s (re-read from the disk, {alg}, coverage); {alone}, once in "
                 f"each."]
 
@@ -306,7 +308,7 @@ def analysis_lines(res: dict[str, Any]) -> list[str]:
         out.append(
             f"Write path {'meets' if g['write_bandwidth']['pass'] else 'misses'} goal 2: per write, mapping the "
             f"slots takes {pm.get('map_s', 0):.2f} s, building the state {pm.get('build_state', 0):.2f} s, DCP's "
-            f"serialisation + writes into the page cache {pm.get('ours_write_only_s', 0):.2f} s and fsync "
+            f"serialisation + writes {pm.get('ours_write_only_s', 0):.2f} s and fsync "
             f"overlapped with SHA-256 {pm.get('fsync_and_hash', 0):.2f} s; dd took {pm.get('dd_s', 0):.2f} s.")
         return out
     if bw.get("ratio_ceiling"):

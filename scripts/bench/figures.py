@@ -321,7 +321,11 @@ def goal_lines(results: dict[str, tuple[dict[str, Any], str]], results_dir: Path
             line("repair", "repair ≤ 1.5x its floor",
                  "n/a" if st.get("median") is None else ("met" if st["median"] <= 1.5 else "not met"),
                  f"{_s(st)}x; largest phases against the floor: "
-                 + ", ".join(f"{x} {ph[x]['vs_floor']['median']:.2f}x" for x in top))
+                 + ", ".join(f"{x} {ph[x]['vs_floor']['median']:.2f}x" for x in top)
+                 + (f"; the affected ranks start {m['start_skew_ms']['median']:.2f} ms apart after the vote"
+                    + (f" (the floor's members {m['floor_start_skew_ms']['median']:.2f} ms after their barrier)"
+                       if (m.get("floor_start_skew_ms") or {}).get("median") is not None else "")
+                    if (m.get("start_skew_ms") or {}).get("median") is not None else ""))
     if "store" in R:
         g = _row(R["store"], "guarded")
         if g:

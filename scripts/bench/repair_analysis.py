@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from typing import Any
 
 from bench import harness as h
@@ -15,6 +17,16 @@ _ratio = h.ratio
 #: ``main.method`` of a result whose floor is the slowest member's, over many samples (older results have none:
 #: one sample, timed on the lead rank only, after a world barrier).
 FLOOR_METHOD = "slowest-member, median over samples"
+
+
+def _floor_start_skew(ranks: list[dict[str, Any]], pair: dict[str, Any]) -> float | None:
+    """Median over a repair's floor samples of how far apart (ms) its members started each (None: not recorded)."""
+    k, members = pair["k"], pair["ranks"]
+    starts = [ranks[r]["main"][k].get("floor_starts") or [] for r in members]
+    n = min((len(x) for x in starts), default=0)
+    skews = [(max(x[i] for x in starts) - min(x[i] for x in starts)) * 1e3 for i in range(n)
+             if all(x[i] is not None for x in starts)]
+    return statistics.median(skews) if skews else None
 
 
 def floor_of(ranks: list[dict[str, Any]], k: int, members: list[int]) -> dict[str, Any]:
@@ -89,6 +101,13 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
                         for pos in ("before", "after")},
         "rank_skew": sp([_ratio(max(p["repair_per_rank_s"][str(r)] for r in p["ranks"]),
                                 min(p["repair_per_rank_s"][str(r)] for r in p["ranks"])) for p in pairs]),
+        # The affected ranks' starts after the vote (one clock: CLOCK_MONOTONIC is the machine's): the first to
+        # start waits that long in the build for its peer.
+        "start_skew_ms": sp([(max(p["rank_marks"][str(r)]["start"] for r in p["ranks"])
+                              - min(p["rank_marks"][str(r)]["start"] for r in p["ranks"])) * 1e3
+                             for p in pairs if all((p.get("rank_marks") or {}).get(str(r)) for r in p["ranks"])]),
+        "floor_start_skew_ms": sp([_floor_start_skew(ranks, p) for p in pairs
+                                   if _floor_start_skew(ranks, p) is not None]),
         "floor_rank_skew": sp([_ratio(max(p["floor"]["floor_per_rank_s"].values()),
                                       min(p["floor"]["floor_per_rank_s"].values())) for p in pairs]),
         "data_plane_vs_floor": sp([_ratio(sum(p["phases_s"][x] for x in ("replace", "rebind", "validate")),

@@ -162,6 +162,7 @@ class RepairRank:
         self.job, self.plan = job, plan
         self.rt = job._rt  # the floor and the sweep's guards need the runtime's control plane and layout
         self.rank, self.control = job.rank, self.rt.control
+        self.floor_starts: dict[str, float] = {}  # tag -> this rank's start of that floor sample
         self.out_dir = Path(job.run_dir)
         self.events = _EventTail(self.out_dir / EVENTS_FILE, self.rank)
         self.probes = _Probes()
@@ -203,6 +204,7 @@ class RepairRank:
         if self.rank not in members:
             return None
         t0 = time.monotonic()
+        self.floor_starts[tag] = t0  # the members' starts, for their skew beside the repair's
         store = dist.PrefixStore(f"bench/floor/{tag}", self.control.base_store)
         pg = tc.build_gloo_group(members, store, f"bench-floor-{tag}", self.rt.collective_timeout_s)
         t = torch.ones(1, dtype=torch.int64)
@@ -254,8 +256,10 @@ class RepairRank:
             if position == "after":
                 fl = self.floor_samples(members, f"main{k}")
             guarded()  # the next update runs on the replacement group
+            starts = [self.floor_starts.get(f"main{k}s{i}") for i in range(len(fl or []))]
             pairs.append({"k": k, "step": s, "fault_rank": frank, "ranks": members, "position": position,
-                          "floor_first": position == "before", "floor_samples_s": fl, **rec})
+                          "floor_first": position == "before", "floor_samples_s": fl, "floor_starts": starts,
+                          **rec})
             _say(rank, f"repair {k + 1}/{n} (rank {frank} withheld at update {s}; floor {position}) done")
         self.res["main"] = pairs
 

@@ -234,7 +234,11 @@ def goal_lines(res: dict[str, Any]) -> list[str]:
     return [f"**Goal: repair <= {REPAIR_GOAL:g}x its floor.** {'Met' if met else 'Not met'}: "
             f"{h.fmt_spread(st)} (slowest affected rank, {st['n']} repair(s) counted). The phases against the "
             f"floor, largest first (lowest affected rank): {cause}; the repair's slowest rank took "
-            f"{h.fmt_spread(m.get('rank_skew'))}x its fastest."]
+            f"{h.fmt_spread(m.get('rank_skew'))}x its fastest"
+            + (f"; the affected ranks began the repair {h.fmt_spread(m['start_skew_ms'], '{:.2f}')} ms apart after "
+               "the vote (the first waits that long for its peer in the build), the floor's members "
+               f"{h.fmt_spread(m.get('floor_start_skew_ms'), '{:.2f}')} ms apart after their barrier"
+               if (m.get("start_skew_ms") or {}).get("median") is not None else "") + "."]
 
 
 def repairs_table(res: dict[str, Any]) -> list[str]:
