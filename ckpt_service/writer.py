@@ -351,7 +351,8 @@ class Sink:
         self.fill = 0  # bytes in the buffer being filled (direct only)
         self._bufs = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(2)] if self.direct else []
         self._views = [memoryview(b) for b in self._bufs]
-        self._tensors = [_bytes_tensor(b) for b in self._bufs]  # copies into them release the GIL
+        self._cbufs = [ctypes.c_char.from_buffer(b) for b in self._bufs]
+        self._addrs = [ctypes.addressof(c) for c in self._cbufs]  # memmove into them: one thread, the GIL released
         self._cur = 0 if self.direct else -1  # the buffer being filled (-1: the page cache, no buffer)
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._full: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -374,7 +375,7 @@ class Sink:
         at, n = 0, len(mv)
         while at < n:
             k = min(n - at, DIRECT_CHUNK - self.fill)
-            self._tensors[self._cur][self.fill:self.fill + k].copy_(_bytes_tensor(mv[at:at + k]))
+            ctypes.memmove(self._addrs[self._cur] + self.fill, _address(mv) + at, k)
             if hasher is not None:
                 hasher.update(self._views[self._cur][self.fill:self.fill + k])
             self.fill += k
@@ -449,7 +450,7 @@ class Sink:
 
     def close(self) -> None:
         self._stop_io(60.0)  # abandoned mid-way: its thread ends after the write it is in
-        self._views, self._tensors = [], []
+        self._views, self._cbufs, self._addrs = [], [], []
         for b in self._bufs:
             with contextlib.suppress(BufferError):  # a view still held somewhere: the collector unmaps it
                 b.close()
@@ -457,13 +458,14 @@ class Sink:
         os.close(self.fd)
 
 
-def _bytes_tensor(buf: Any) -> Any:
-    """A uint8 tensor over ``buf``'s memory, no copy (a read-only buffer too: nothing writes through it)."""
+def _address(mv: memoryview) -> int:
+    """The address of ``mv``'s first byte (a read-only buffer too: only read through it), for ``ctypes.memmove``
+    (which releases the GIL and copies on the calling thread: torch's copy would wake its intra-op threads)."""
     import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=torch.uint8)
+        return torch.frombuffer(mv, dtype=torch.uint8).data_ptr()
 
 
 def _write_all(fd: int, mv: memoryview) -> None:
