@@ -8,7 +8,7 @@ point (``scripts/bench/repair_entry.py:main``, called by ``accelpact-run`` on ev
 it builds the decoder example's model, AdamW, schedule and data (``examples/decoder/``), hands them to
 ``job.protect`` (the real guard, envelope and repair engine) and runs three scenarios in one go:
 
-1. *Repair vs floor.*  Warm-up updates, then N real faults injected exactly as the job file's
+1. *Repair vs floor.*  Warm-up updates and one untimed repair, then N real faults injected exactly as the job file's
    ``faults: [boundary:STEP:RANK]`` does (the rank withholds its part of the boundary all-reduce on its
    replication group; the peer hits Gloo's timeout; the vote decides Preserve; the engine repairs).
    The faulting rank rotates, so both replication groups are repaired.  Each repair is paired with
@@ -16,12 +16,15 @@ it builds the decoder example's model, AdamW, schedule and data (``examples/deco
    order within each replication group (``repair_setup.floor_positions``: the position is tied neither to
    the group nor to the faulting rank): one new Gloo group with the same membership under a fresh store
    prefix (as the engine builds its replacement) plus one all-reduce of the boundary all-reduce's size (one
-   int64), each sample behind a world barrier and timed on every member.  A repair is done when its slowest
+   int64), each sample behind a world barrier and timed on every member.  Each rank enters that barrier as
+   late as it entered the last faulted update's vote (the floor in the repair's position: the detecting member
+   late by the detection time, the others woken after that long a wait).  A repair is done when its slowest
    affected rank is: the figure is the max over those ranks of each rank's own total (``repair_rank``),
    against the floor's median over samples of the slowest member's time; a repair below its floor is
    flagged (``below_floor``) and left out of the ratio.  Per-phase timings are the engine's own (its
    ``repair`` event, emitted by the lowest affected rank).  One clean update follows each repair (the new
-   group carries training on).
+   group carries training on).  Also reported: both timed from their round's last arrival (the vote's, the
+   barrier's) to the slowest member's end (``from_last_arrival_vs_floor``).
 2. *Guard overhead.*  On the same model and process groups: blocks of K updates inside
    ``with run.update()`` (forward, backward, optimizer step, then the boundary all-reduce on the
    replication group and the world's vote over the control plane) against blocks of the same update

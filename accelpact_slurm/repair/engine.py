@@ -114,6 +114,7 @@ class RepairContext:
     parts: dict[str, float] = field(default_factory=dict)  # seconds of a phase's parts: "validate.check", ...
     marks: dict[str, float] = field(default_factory=dict)  # time.monotonic() when the rank entered the repair, ...
     check: list[Any] | None = None  # the validation's all-reduces, issued once the model is rebound (rebind)
+    ahead: rb.WalkAhead | None = None  # the invariant's walk taken while the vote was in flight (walk_ahead)
 
 
 def rss_bytes() -> int:
@@ -166,17 +167,36 @@ class RepairEngine:
 
     # ------------------------------------------------------------------ driver
 
+    def walk_ahead(self) -> rb.WalkAhead | None:
+        """The invariant's walk over the framework's objects, for a repair of this rank's replication group that
+        the vote in flight may decide on (the guard runs it while its vote's request waits for the others).
+
+        It finds where the group is referenced now; after the rebinding, :meth:`rebind` reads those places back
+        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`).  None where no walk is
+        needed (a group reconfigured in place keeps its references) or where it failed (the rebinding then walks
+        as before).
+        """
+        old = self.rt.replicate_group
+        try:
+            if old is None or tc.can_reconfigure(old):
+                return None
+            return rb.WalkAhead(tc.framework_roots(self.model, self.rt.mesh), old)
+        except Exception:  # noqa: BLE001 - an optimisation only: the rebinding walks itself
+            log.warning("the walk ahead of a repair failed; the rebinding walks after it", exc_info=True)
+            return None
+
     def repair(self, *, frontier: int, ranks: list[int], observed: float, key: str, reason: str,
                scope: str = "replicate", optimizer: Any = None, step: int | None = None,
-               agreed: list[dict[str, Any]] | None = None) -> RepairContext:
+               agreed: list[dict[str, Any]] | None = None, ahead: rb.WalkAhead | None = None) -> RepairContext:
         """Repair at the boundary the vote decided on; every rank of the world calls this (see the module docstring).
 
         ``agreed``: every rank's ``{"F": frontier, "g": repairs done before this one}`` as its vote carried them,
         in rank order (:meth:`BoundaryGuard.decide`); the control barrier checks them instead of gathering them
-        again.  Without them (a caller with no vote), the control barrier gathers them itself.
+        again.  Without them (a caller with no vote), the control barrier gathers them itself.  ``ahead``: this
+        rank's :meth:`walk_ahead`, taken while the vote was in flight (used if it walked the group replaced).
         """
         ctx = RepairContext(frontier=frontier, ranks=ranks, observed=observed, key=key, reason=reason, scope=scope,
-                            optimizer=optimizer, step=step, agreed=agreed)
+                            optimizer=optimizer, step=step, agreed=agreed, ahead=ahead)
         transitions = UPDATE_TRANSITIONS if scope == "update" else TRANSITIONS
         failed_phase = "backward" if scope == "update" else "committed"
         phase = "observe"
@@ -325,7 +345,12 @@ class RepairEngine:
         t1 = time.monotonic()
         ctx.check = self._start_check(ctx.new)
         t2 = time.monotonic()
-        left = rb.find_references(tc.framework_roots(self.model, self.rt.mesh), old, self.rt.mesh)
+        ahead, ctx.ahead = ctx.ahead, None
+        if ahead is not None and ahead.old is old:  # walked while the vote was in flight: its finds read back
+            left = ahead.left(lambda: tc.framework_roots(self.model, self.rt.mesh), self.rt.mesh)
+            ctx.parts["rebind.walk_ahead"] = ahead.seconds  # not within this repair's time: before the vote's answer
+        else:
+            left = rb.find_references(tc.framework_roots(self.model, self.rt.mesh), old, self.rt.mesh)
         ctx.parts["rebind.rebind"], ctx.parts["rebind.scan"] = t1 - t0, time.monotonic() - t2
         ctx.parts["validate.check_start"] = t2 - t1
         if left:

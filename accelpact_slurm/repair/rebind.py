@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 import types
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -169,7 +170,8 @@ def find_references(roots: Iterable[Any], old: Any, mesh: Any = None) -> list[st
     return find_references_to(roots, {"old": old}, mesh)["old"]
 
 
-def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = None) -> dict[str, list[str]]:
+def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = None,
+                       locations: list[tuple[Any, str, Any]] | None = None) -> dict[str, list[str]]:
     """:func:`find_references` for every group in ``olds`` (by label) in one walk; the paths per label.
 
     Every object reachable from ``roots`` is entered once, except those that cannot hold anything: a
@@ -177,7 +179,8 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
     dictionary lookup per type decides) and an empty built-in container.  A mapping's keys and values,
     a collection's items, an object's ``__dict__`` (a module's parameters and buffers excepted: tensors)
     and every slot along its class's MRO are followed.  The path is spelt only for a find, from parent
-    links kept per entered object.
+    links kept per entered object.  ``locations``, if given, gets each find's place: ``(the object holding it
+    (None: a root), how it is held there, the key)``, as :func:`holds` reads it back.
     """
     targets = {id(pg): label for label, pg in olds.items()}
     target_types = {type(pg) for pg in olds.values()}
@@ -198,6 +201,7 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
     t_parents: list[int] = []
     t_hows: list[str] = []
     t_keys: list[Any] = []
+    t_objs: list[Any] = []  # the entered objects themselves (a find's holder, for ``locations``)
     kinds = _kinds
 
     for i, r in enumerate(roots):
@@ -214,6 +218,8 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
         t = type(obj)
         if t in target_types and id(obj) in targets:
             found[targets[id(obj)]].append(_path(t_parents, t_hows, t_keys, parent, how, key))
+            if locations is not None:
+                locations.append((t_objs[parent] if parent >= 0 else None, how, key))
             continue
         walk, slots, attrs, empty = kinds.get(t) or _kind(t)
         if walk == _LEAF:
@@ -233,6 +239,7 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
         t_parents.append(parent)
         t_hows.append(how)
         t_keys.append(key)
+        t_objs.append(obj)
         if walk == _MAPPING:
             for k, v in obj.items():
                 if type(k) not in skip:
@@ -268,10 +275,62 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
                     push_p(me)
                     push_h(".")
                     push_k(slot)
+    _mesh_names(mesh, olds, found)
+    return found
+
+
+def _mesh_names(mesh: Any, olds: dict[str, Any], found: dict[str, list[str]]) -> None:
+    """Add to ``found`` every dimension of ``mesh`` (and its root) still naming one of ``olds``."""
     if mesh is not None:
         for m in (mesh, mesh._get_root_mesh()):
             for dim, name in enumerate(tc.mesh_dim_group_names(m)):
                 for label, pg in olds.items():
                     if name == pg.group_name:
                         found[label].append(f"mesh._dim_group_names[{dim}] = {name!r}")
-    return found
+
+
+def holds(holder: Any, how: str, key: Any, target: Any) -> bool:
+    """Whether ``target`` is still where a walk found it (``locations`` of :func:`find_references_to`)."""
+    if holder is None:  # a root itself
+        return True
+    if how == ".":
+        d = getattr(holder, "__dict__", None)
+        if type(d) is dict and key in d:
+            return d[key] is target
+        return getattr(holder, key, _MISSING) is target
+    if how == "key":
+        return any(k is target for k in holder)
+    if isinstance(holder, dict):
+        return holder.get(key, _MISSING) is target
+    if isinstance(holder, (set, frozenset)):  # walked in iteration order: the index says nothing
+        return any(x is target for x in holder)
+    try:
+        return holder[key] is target
+    except (IndexError, KeyError, TypeError):
+        return False
+
+
+class WalkAhead:
+    """The invariant's walk of the framework's objects, taken before a repair (while its vote is in flight).
+
+    It records where each reference to ``old`` is held.  After the rebinding, :meth:`left` reads those places
+    back: none may hold ``old`` any more.  Sound because nothing between the walk and the rebinding adds a
+    reference to ``old`` to the framework's objects: the rank is inside the guard's vote and the engine (no
+    training code, no FSDP hook runs), and the rebinding writes only the new group.  Where a place still holds
+    it (the rebinding replaced its holder instead, say), the full walk decides as it would without this one.
+    """
+
+    def __init__(self, roots: Iterable[Any], old: Any) -> None:
+        t0 = time.monotonic()
+        self.old = old
+        self.locations: list[tuple[Any, str, Any]] = []
+        self.found = len(find_references_to(roots, {"old": old}, None, self.locations)["old"])
+        self.seconds = time.monotonic() - t0
+
+    def left(self, roots: Callable[[], Iterable[Any]], mesh: Any) -> list[str]:
+        """The references to ``old`` left after the rebinding (paths, as :func:`find_references` gives them)."""
+        if any(holds(h, how, key, self.old) for h, how, key in self.locations):
+            return find_references(roots(), self.old, mesh)
+        found: dict[str, list[str]] = {"old": []}
+        _mesh_names(mesh, {"old": self.old}, found)
+        return found["old"]

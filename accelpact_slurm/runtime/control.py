@@ -138,22 +138,35 @@ class ControlPlane:
         return self._round(name, value, ranks, timeout_s, None)
 
     def all_reduce(self, name: str, value: Any, combine: Callable[[list[Any]], Any],
-                   ranks: Sequence[int] | None = None, timeout_s: float | None = None) -> Any:
+                   ranks: Sequence[int] | None = None, timeout_s: float | None = None,
+                   meanwhile: Callable[[], None] | None = None) -> Any:
         """Every rank in ``ranks`` contributes ``value``; all get ``combine(values in rank order)``.
 
         ``combine`` must be pure and JSON-able in its result: from :attr:`LEAD_FROM` members on it runs once, on
         the round's lead, and every other member reads its result only (O(1) in the members when the result is);
         below, every member runs it on every value.  Either way every member returns the same JSON round trip
-        of it.  Deadlines, stops and the lead's death as in :meth:`all_gather`.
+        of it.  Deadlines, stops and the lead's death as in :meth:`all_gather`.  ``meanwhile``: this rank's own
+        work, run once its value is sent and before it waits for the others' (with the job's store, while its one
+        request is in flight: a member that came last has it overlap the round trip; one that waits for others, its
+        wait); its exception is raised after the round (not taken for the store's).
         """
-        return self._round(name, value, ranks, timeout_s, combine)
+        return self._round(name, value, ranks, timeout_s, combine, meanwhile)
 
     def _round(self, name: str, value: Any, ranks: Sequence[int] | None, timeout_s: float | None,
-               combine: Callable[[list[Any]], Any] | None) -> Any:
+               combine: Callable[[list[Any]], Any] | None, meanwhile: Callable[[], None] | None = None) -> Any:
         ranks, key = self._enter(name, ranks)
         n = self._seq[name] - 1
         mine = json.dumps(value)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        failed: list[Exception] = []
+        if meanwhile is not None:
+            work = meanwhile
+
+            def meanwhile() -> None:  # its failure is the caller's, raised after the round (not the store's)
+                try:
+                    work()
+                except Exception as exc:  # noqa: BLE001
+                    failed.append(exc)
         lead = min(ranks)
         through_lead = self._through_lead(ranks)
         one_trip = not through_lead and hasattr(self._base, "set_multi_get")
@@ -162,8 +175,11 @@ class ControlPlane:
                 self._store.set(f"{key}/{self.rank}", mine)
             except Exception as exc:  # noqa: BLE001 - the store's host is gone
                 raise self._lost(name, exc) from exc
+            if meanwhile is not None:  # this rank's value is in: its work before it waits
+                meanwhile()
+                meanwhile = None
         if not through_lead:  # with the job's store, this rank's value goes in the same request as the read
-            values = self._gather_every(key, name, ranks, timeout, n, mine if one_trip else None)
+            values = self._gather_every(key, name, ranks, timeout, n, mine if one_trip else None, meanwhile)
             if combine is not None:
                 values = json.loads(json.dumps(combine(values)))
         elif self.rank == lead:
@@ -176,6 +192,8 @@ class ControlPlane:
                 self._stale.append(f"{name}#{n - 2}/{RESULT}")
             if len(self._stale) + len(self._stale_full) >= self.CLEANUP_BATCH:
                 self._clean()
+        if failed:
+            raise failed[0]
         return values
 
     #: Stale keys a member deletes in one request (the job's store takes several keys in one delete): a round
@@ -207,9 +225,10 @@ class ControlPlane:
         return not self.all_read_all and len(ranks) >= self.LEAD_FROM
 
     def _gather_every(self, key: str, name: str, ranks: list[int], timeout: float, round_: int,
-                      mine: str | None = None) -> list[Any]:
+                      mine: str | None = None, meanwhile: Callable[[], None] | None = None) -> list[Any]:
         keys = [f"{key}/{r}" for r in ranks]
-        raws = self._read(keys, name, ranks, timeout, round_, None if mine is None else (f"{key}/{self.rank}", mine))
+        raws = self._read(keys, name, ranks, timeout, round_, None if mine is None else (f"{key}/{self.rank}", mine),
+                          meanwhile)
         for v in raws:
             self._raise_stop(v, name)
         return [json.loads(v) for v in raws]
@@ -353,11 +372,12 @@ class ControlPlane:
         return set(left)
 
     def _read(self, keys: list[str], name: str, ranks: list[int], timeout_s: float | None,
-              round_: int = 0, mine: tuple[str, str] | None = None) -> list[bytes]:
+              round_: int = 0, mine: tuple[str, str] | None = None,
+              meanwhile: Callable[[], None] | None = None) -> list[bytes]:
         """The values of ``keys``, once all are set, within the deadline: one blocking read (the store waits for
         missing keys up to its timeout, set here to this call's deadline for the read and put back after).
         ``mine``: this rank's ``(key, value)``, set by the same request before the read (the job's store's
-        ``set_multi_get``: one round trip for the whole round).
+        ``set_multi_get``: one round trip for the whole round; ``meanwhile`` runs while it is in flight).
 
         With the detector, the rank's liveness thread watches the round while it lasts (past its first slice: the
         records of ``ranks`` whose ``keys`` are missing, every slice); one that will never come gets a stop in the
@@ -372,10 +392,13 @@ class ControlPlane:
         self._base.set_timeout(timedelta(seconds=timeout))  # local: no round trip
         try:
             if mine is None:
+                if meanwhile is not None:
+                    meanwhile()
                 values = self._store.multi_get(keys)
             else:  # full keys: the PrefixStore does not pass this call through
                 prefix = f"cp/g{self._generation}/"
-                values = self._base.set_multi_get(prefix + mine[0], mine[1], [prefix + k for k in keys])
+                values = self._base.set_multi_get(prefix + mine[0], mine[1], [prefix + k for k in keys],
+                                                  **({"meanwhile": meanwhile} if meanwhile is not None else {}))
         except Exception as exc:  # DistStoreError on the deadline; anything else: the store (rank 0) is gone
             if isinstance(exc, dist.DistStoreError) and not isinstance(exc, dist.DistNetworkError):
                 raise self._timeout(keys, name, ranks, timeout) from exc

@@ -216,7 +216,12 @@ class BoundaryGuard:
                 "stop": signals.requested(), "redo": redoable, **(extra or {})}
         if exception:
             mine["exc"] = {k: exception.get(k) for k in ("type", "message", "file", "line", "function")}
-        summary = rt.control.all_reduce("vote", mine, summarize_votes)
+        # A rank whose group broke at the boundary walks the framework's objects for the repair's invariant while
+        # its vote is in flight (the repair then reads the walk's finds back instead of walking: off its path).
+        ahead: list[Any] = []
+        walk = getattr(self.engine, "walk_ahead", None) if fault == COMMITTED else None
+        summary = rt.control.all_reduce("vote", mine, summarize_votes,
+                                        **({"meanwhile": lambda: ahead.append(walk())} if walk else {}))
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
         self.stop_requested = bool(summary["stop"])
         votes = [Vote.from_json(r, d) for r, d in summary["votes"]]
@@ -256,7 +261,7 @@ class BoundaryGuard:
                                    agreed=agreed)
                 return REDO, None, fps
             self.engine.repair(frontier=frontier, ranks=ranks, observed=observed, key=str(key), reason=reason,
-                               agreed=agreed)
+                               agreed=agreed, **({"ahead": ahead[0]} if ahead and ahead[0] is not None else {}))
             return CONTINUE, mean, fps
         raise FailStop(reason, EXIT_REQUEUE, cause="link", phase=phase, frontier=min(v.frontier for v in votes),
                        decided_at=decided, key=str(key))

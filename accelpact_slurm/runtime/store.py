@@ -156,8 +156,13 @@ class JobStore(dist.Store):
 
     # ------------------------------------------------------------------ requests
 
-    def _call(self, op: int, items: list[bytes], timeout_s: float | None = None) -> list[bytes]:
+    def _call(self, op: int, items: list[bytes], timeout_s: float | None = None,
+              meanwhile: Callable[[], None] | None = None) -> list[bytes]:
+        """One request and its answer.  ``meanwhile`` runs once the request is sent, before the answer is read
+        (work of the caller's own while the store waits for others: the answer waits in the socket); an exception
+        of it is raised after the answer is read, so that the connection stays in step."""
         wait_s = self.timeout.total_seconds() if timeout_s is None else timeout_s
+        failed: Exception | None = None
         if wait_s <= 0:  # torch's kNoTimeout (zero): wait without a deadline, as TCPStore does
             wait_s = NO_TIMEOUT_S
         with self._lock:
@@ -168,6 +173,11 @@ class JobStore(dist.Store):
                     self._sock.settimeout(wait_s + ANSWER_MARGIN_S)
                     self._sock_timeout = wait_s
                 self._sock.sendall(self._sealer.seal(w.request(op, int(wait_s * 1000), items)))
+                if meanwhile is not None:
+                    try:
+                        meanwhile()
+                    except Exception as exc:  # noqa: BLE001 - raised once the answer is in
+                        failed = exc
                 head = _recv_exact(self._sock, w.LEN_SIZE)
                 n = w.frame_length(head)
                 if n > w.MAX_FRAME:
@@ -184,6 +194,8 @@ class JobStore(dist.Store):
                 self._close_locked()
                 raise dist.DistNetworkError(f"an answer of the job's store at {self.host}:{self.port} failed its "
                                             f"MAC; connection closed")
+        if failed is not None:
+            raise failed
         status, out = w.parse_answer(payload)
         if status == w.TIMEOUT:
             raise dist.DistStoreError(f"wait timeout after {wait_s * 1000:.0f}ms for {w.OPS[op]} of "
@@ -213,10 +225,11 @@ class JobStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call(w.MULTI_GET, [_b(k) for k in keys])
 
-    def set_multi_get(self, key: str, value: bytes | str, keys: list[str]) -> list[bytes]:
+    def set_multi_get(self, key: str, value: bytes | str, keys: list[str],
+                      meanwhile: Callable[[], None] | None = None) -> list[bytes]:
         """``set(key, value)`` then ``multi_get(keys)`` in one request (full keys: no ``PrefixStore`` passes this
-        through): a control-plane round costs its member one round trip."""
-        return self._call(w.SET_GET, [_b(key), _b(value)] + [_b(k) for k in keys])
+        through): a control-plane round costs its member one round trip.  ``meanwhile`` as in :meth:`_call`."""
+        return self._call(w.SET_GET, [_b(key), _b(value)] + [_b(k) for k in keys], meanwhile=meanwhile)
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         items: list[bytes] = []

@@ -325,7 +325,10 @@ def goal_lines(results: dict[str, tuple[dict[str, Any], str]], results_dir: Path
                  + (f"; the affected ranks start {m['start_skew_ms']['median']:.2f} ms apart after the vote"
                     + (f" (the floor's members {m['floor_start_skew_ms']['median']:.2f} ms after their barrier)"
                        if (m.get("floor_start_skew_ms") or {}).get("median") is not None else "")
-                    if (m.get("start_skew_ms") or {}).get("median") is not None else ""))
+                    if (m.get("start_skew_ms") or {}).get("median") is not None else "")
+                 + (f"; the floor's ranks arrive at its barrier as at the vote; from the last arrival "
+                    f"{_s(m['from_last_arrival_vs_floor'])}x"
+                    if (m.get("from_last_arrival_vs_floor") or {}).get("median") is not None else ""))
     if "store" in R:
         g = _row(R["store"], "guarded")
         if g:

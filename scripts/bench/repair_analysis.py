@@ -29,6 +29,30 @@ def _floor_start_skew(ranks: list[dict[str, Any]], pair: dict[str, Any]) -> floa
     return statistics.median(skews) if skews else None
 
 
+def from_last_arrival(ranks: list[dict[str, Any]], k: int, members: list[int]) -> dict[str, Any] | None:
+    """Repair ``k`` and its floor samples each timed from its round's last arrival to its slowest member's end
+    (one clock: CLOCK_MONOTONIC is the machine's): the repair from the last rank's entry into the vote, a floor
+    sample from the last rank's entry into its barrier.  Counts every rank's wake-up and any work a rank did
+    before its own start (None: not recorded)."""
+    recs = [r["main"][k] for r in ranks]
+    if not all(x.get("vote_marks", {}).get("vote_enter") for x in recs) or not all(x.get("floor_entries") for x in recs):
+        return None
+    decided = max(x["vote_marks"]["vote_enter"] for x in recs)
+    done = max(recs[r]["repair_rank"]["marks"]["start"] + recs[r]["repair_rank"]["total_s"] for r in members)
+    samples = []
+    for i in range(min(len(x["floor_entries"]) for x in recs)):
+        entered = [x["floor_entries"][i] for x in recs]
+        ends = [(recs[r]["floor_starts"] or [None] * (i + 1))[i] for r in members]
+        took = [(recs[r]["floor_samples_s"] or [None] * (i + 1))[i] for r in members]
+        if None in entered or None in ends or None in took:
+            continue
+        samples.append(max(e + t for e, t in zip(ends, took)) - max(entered))
+    if not samples:
+        return None
+    return {"repair_s": done - decided, "floor_s": h.med(samples), "floor_samples_s": samples,
+            "ratio": _ratio(done - decided, h.med(samples))}
+
+
 def floor_of(ranks: list[dict[str, Any]], k: int, members: list[int]) -> dict[str, Any]:
     """Repair ``k``'s floor from its members' samples (pure).
 
@@ -79,6 +103,10 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
             "rank_parts_s": {str(r["rank"]): r["main"][k]["repair_rank"].get("parts_s") for r in ranks},
             # time.monotonic() (one clock for the machine's processes) of each rank's start, release and exit
             "rank_marks": {str(r["rank"]): r["main"][k]["repair_rank"].get("marks") for r in ranks},
+            # each rank's entry and exit of the faulted update's vote, and how late it entered the floor's barrier
+            "vote_marks": {str(r["rank"]): r["main"][k].get("vote_marks") for r in ranks},
+            "floor_arrival_s": {str(r["rank"]): r["main"][k].get("floor_arrival_s") for r in ranks},
+            "from_last_arrival": from_last_arrival(ranks, k, members),
         })
     counted = [p for p in pairs if not p["below_floor"]]  # a repair faster than its floor is flagged, not counted
     phases: dict[str, Any] = {}
@@ -113,8 +141,21 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
         "data_plane_vs_floor": sp([_ratio(sum(p["phases_s"][x] for x in ("replace", "rebind", "validate")),
                                           p["floor_s"]) for p in pairs]),
         "replace_vs_floor": phases["replace"]["vs_floor"],
-        "scan_ms": sp([((p["probes_s"].get("framework_roots") or 0.0) + (p["probes_s"].get("find_references") or 0.0))
-                       * 1e3 for p in pairs]),
+        # The invariant's check inside the repair, slowest member (the walk's finds read back, or the walk itself
+        # where none was taken while the vote was in flight) and that walk (before the repair's start).
+        "scan_ms": sp([max(((p["rank_parts_s"].get(str(r)) or {}).get("rebind.scan") or 0.0) for r in p["ranks"]) * 1e3
+                       for p in pairs]),
+        "walk_ahead_ms": sp([max(((p["rank_parts_s"].get(str(r)) or {}).get("rebind.walk_ahead") or 0.0)
+                                 for r in p["ranks"]) * 1e3 for p in pairs]),
+        # The floor in the repair's position: how late (ms) the last rank entered the floor's barrier, as in the vote.
+        "floor_arrivals": "each rank enters the floor's barrier as late as it entered the last faulted update's vote",
+        "floor_late_ms": sp([max(v for v in p["floor_arrival_s"].values() if v is not None) * 1e3 for p in pairs
+                             if any(v is not None for v in p["floor_arrival_s"].values())]),
+        # Both timed from their round's last arrival to the slowest member's end.
+        "from_last_arrival_vs_floor": sp([p["from_last_arrival"]["ratio"] for p in pairs if p["from_last_arrival"]]),
+        "from_last_arrival_ms": sp([p["from_last_arrival"]["repair_s"] * 1e3 for p in pairs if p["from_last_arrival"]]),
+        "floor_from_last_arrival_ms": sp([p["from_last_arrival"]["floor_s"] * 1e3 for p in pairs
+                                          if p["from_last_arrival"]]),
         "scan_gc_ms": sp([((p["probes_s"].get("framework_roots.gc") or 0.0)
                            + (p["probes_s"].get("find_references.gc") or 0.0)) * 1e3 for p in pairs]),
         "rebind_all_ms": sp([None if p["probes_s"].get("rebind_all") is None else p["probes_s"]["rebind_all"] * 1e3
@@ -158,7 +199,11 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
             reps.append({"round": rec0["round"], "lead": lead, "rebound": rep["rebound"], "rebound_by_kind": rep["rebound_by_kind"],
                          "rebind_s": rep["phases"]["rebind"], "total_s": rep["total_s"],
                          "rebind_all_s": pr.get("rebind_all"),
-                         "scan_s": (pr.get("framework_roots") or 0.0) + (pr.get("find_references") or 0.0),
+                         # the invariant's walk: taken while the vote was in flight (the engine's part
+                         # ``rebind.walk_ahead``), else inside the rebind phase (the probes)
+                         "scan_s": ((rep.get("parts_s") or {}).get("rebind.walk_ahead")
+                                    or (pr.get("framework_roots") or 0.0) + (pr.get("find_references") or 0.0)),
+                         "walk_ahead": "rebind.walk_ahead" in (rep.get("parts_s") or {}),
                          "retire_s": pr.get("retire_group"), "scan_truncated": rec["scan_truncated"],
                          "scan_gc_s": (pr.get("framework_roots.gc") or 0.0) + (pr.get("find_references.gc") or 0.0)})
         refs = sorted({r["rebound"] for r in reps})
@@ -222,7 +267,7 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         refs = f"L={b['layers']} ({'/'.join(map(str, b['refs']))} refs)"
         base = f"L={a['layers']} ({'/'.join(map(str, a['refs']))} refs), same run, paired by round"
         rows.append(h.row(
-            f"rebind phase (rebinding + invariant scan + retire) per reference, {refs}", base, b["per_ref_vs_base"],
+            f"rebind phase (rebinding + invariant check + retire) per reference, {refs}", base, b["per_ref_vs_base"],
             note=f"{h.fmt_spread(b['per_ref_us'], '{:.0f}')} vs "
                  f"{h.fmt_spread(a['per_ref_us'], '{:.0f}')} µs/ref; fitted slope "
                  f"{h.fmt((fit.get('slope_ms') or 0) * 1e3, '{:.0f}')} µs/ref"))

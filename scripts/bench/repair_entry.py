@@ -5,10 +5,13 @@
 the decoder example's model, AdamW, schedule and data (``bench.workload.decoder_parts``), hands them to
 ``job.protect`` (the real guard, envelope and repair engine) and runs, in one go:
 
-1. repairs against the floor: warm-up updates, then the job file's injected boundary faults, each paired
-   with ``floor_samples`` floor samples (a new Gloo group with the same members + one all-reduce, each
-   timed by every member) taken right before or right after it, in ABBA order per replication group
-   (``repair_setup.floor_positions``); every update is a public ``with run.update()``;
+1. repairs against the floor: warm-up updates and one untimed repair, then the job file's injected boundary
+   faults, each paired with ``floor_samples`` floor samples (a new Gloo group with the same members + one
+   all-reduce, each timed by every member) taken right before or right after it, in ABBA order per replication
+   group (``repair_setup.floor_positions``); every update is a public ``with run.update()``.  A floor sample
+   starts in the repair's position: behind a world barrier that each rank enters as late as it entered the
+   last faulted update's vote (the member that detected the fault ~the detection time after the others, whose
+   wake-up after that long a wait the repair pays too);
 2. guard overhead: ABBA pairs of K-update blocks, ``with run.update()`` against the same update body
    without it (``bench.workload.update``); the guard's boundary all-reduce and vote are also timed
    directly (thin wrappers on ``job.run._guard`` and the control plane, removed afterwards);
@@ -35,7 +38,7 @@ from typing import Any
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[1]),) if p not in sys.path]
 
 from bench import harness as h  # noqa: E402
-from bench.repair_setup import RPN, fault_spec, floor_positions, main_faults, plan_faults  # noqa: E402
+from bench.repair_setup import RPN, fault_spec, floor_positions, main_faults, plan_faults, warm_fault  # noqa: E402
 
 
 def main(job: Any) -> None:
@@ -163,6 +166,10 @@ class RepairRank:
         self.rt = job._rt  # the floor and the sweep's guards need the runtime's control plane and layout
         self.rank, self.control = job.rank, self.rt.control
         self.floor_starts: dict[str, float] = {}  # tag -> this rank's start of that floor sample
+        self.floor_entries: dict[str, float] = {}  # tag -> when this rank entered that sample's world barrier
+        #: How much later than the first rank this rank entered the last faulted update's vote: it enters a floor
+        #: sample's barrier as late (the floor in the repair's position).
+        self.arrival_s = 0.0
         self.out_dir = Path(job.run_dir)
         self.events = _EventTail(self.out_dir / EVENTS_FILE, self.rank)
         self.probes = _Probes()
@@ -174,9 +181,29 @@ class RepairRank:
         probes = self.probes
         self.events.skip()
         mark_p, mark_t = len(probes.calls), probes.truncated
+        marks: dict[str, float] = {}
+        vote = self.control.all_reduce
+
+        def timed_vote(name, *a, **kw):  # when this rank entered and left the update's vote
+            if name == "vote":
+                marks["vote_enter"] = time.monotonic()
+            try:
+                return vote(name, *a, **kw)
+            finally:
+                if name == "vote":
+                    marks["vote_exit"] = time.monotonic()
+
+        self.control.all_reduce = timed_vote
         t0 = time.monotonic()
-        at = step()
+        try:
+            at = step()
+        finally:
+            del self.control.all_reduce  # the instance wrapper: back to the class's method
         update_s = time.monotonic() - t0
+        # Outside any timing: every rank's entry into the vote, so that the floor samples repeat the arrivals.
+        entries = self.control.all_gather("bench-vote-entries", marks.get("vote_enter"))
+        if all(e is not None for e in entries):
+            self.arrival_s = marks["vote_enter"] - min(entries)
         new = self.events.new()
         rr = [e for e in new if e["event"] == "repair_rank"]
         if len(rr) != 1:
@@ -186,20 +213,27 @@ class RepairRank:
             raise RuntimeError(f"repair of {rep['ranks']}, expected {expect_ranks}")
         faults = [e for e in new if e["event"] == "fault"]
         return {"repair": rep, "repair_rank": rr[0], "probes": probes.since(mark_p), "update_s": update_s,
-                "scan_truncated": probes.truncated - mark_t, "fault": faults[0] if faults else None}
+                "scan_truncated": probes.truncated - mark_t, "fault": faults[0] if faults else None,
+                "vote_marks": marks, "vote_arrival_s": self.arrival_s}
 
     def floor(self, members: list[int], tag: str) -> float | None:
         """One floor sample: a new Gloo group with ``members`` under a fresh prefix (as the engine builds it)
         + one int64 all-reduce, timed on this rank (None on a rank outside ``members``).
 
         Every rank of the world enters the control-plane barrier first (the world is where the repair's
-        vote comes from); each member times its own build and all-reduce, so the analysis can take the
-        slowest member, as a repair is done only when its slowest rank is."""
+        vote comes from), each as late as it entered the last faulted update's vote (``arrival_s``: the
+        repair's position, long waiters and a late comer); each member times its own build and all-reduce, so
+        the analysis can take the slowest member, as a repair is done only when its slowest rank is."""
+        import threading
+
         import torch
         import torch.distributed as dist
 
         from accelpact_slurm.repair import torch_compat as tc
 
+        if self.arrival_s > 0:  # not a synchronisation: this rank's arrival time, as in the vote
+            threading.Event().wait(self.arrival_s)
+        self.floor_entries[tag] = time.monotonic()
         self.control.barrier("floor-go")
         if self.rank not in members:
             return None
@@ -245,21 +279,28 @@ class RepairRank:
                    f"updates, then {n} injected repairs")
         for _ in range(warm):
             guarded()
+        ws, wrank = warm_fault(plan)  # untimed: warms the repair's path and measures the vote's arrivals
+        assert run.step == ws - 1, (run.step, ws)
+        self.faulted_update(guarded, self.members_of(wrank))
+        guarded()
         # ABBA per replication group: the floor's position is not tied to the group or the faulting rank.
         positions = floor_positions(faults, lambda r: tuple(self.members_of(r)))
         pairs = []
         for k, ((s, frank), position) in enumerate(zip(faults, positions)):
             assert run.step == s - 1, (run.step, s)
             members = self.members_of(frank)
+            arrival = self.arrival_s  # the floor's arrivals: the previous vote's (before) or this one's (after)
             fl = self.floor_samples(members, f"main{k}") if position == "before" else None
             rec = self.faulted_update(guarded, members)
             if position == "after":
+                arrival = self.arrival_s
                 fl = self.floor_samples(members, f"main{k}")
             guarded()  # the next update runs on the replacement group
             starts = [self.floor_starts.get(f"main{k}s{i}") for i in range(len(fl or []))]
+            entries = [self.floor_entries.get(f"main{k}s{i}") for i in range(len(fl or []))]
             pairs.append({"k": k, "step": s, "fault_rank": frank, "ranks": members, "position": position,
                           "floor_first": position == "before", "floor_samples_s": fl, "floor_starts": starts,
-                          **rec})
+                          "floor_entries": entries, "floor_arrival_s": arrival, **rec})
             _say(rank, f"repair {k + 1}/{n} (rank {frank} withheld at update {s}; floor {position}) done")
         self.res["main"] = pairs
 

@@ -84,9 +84,11 @@ def markdown(res: dict[str, Any]) -> str:
         (f"For reference: fault to resume, from the moment the reporting rank saw the fault, {F(m['fault_to_resume_s'])} "
         f"s (when the reporting rank is the one that withheld, this includes its peer's {p['collective_s']:g} s "
         f"detection timeout); the whole faulted update {F(m['update_s'])} s. Each faulted update was followed by a "
-        "clean one on the replacement group. The rebind phase's invariant scan (every object reachable from the "
-        f"model, the mesh and the FSDP states) took {F(m.get('scan_ms'))} ms of it (garbage-collector pauses "
-        f"inside it: {F(m.get('scan_gc_ms'))} ms); rebinding the references themselves "
+        "clean one on the replacement group. The invariant's walk (every object reachable from the model, the "
+        "mesh and the FSDP states), taken on each affected rank while its vote was in flight, took "
+        f"{F(m.get('walk_ahead_ms'))} ms; the rebind phase read its finds back in {F(m.get('scan_ms'))} ms "
+        f"(slowest member; garbage-collector pauses in a walk inside the phase: {F(m.get('scan_gc_ms'))} ms); "
+        "rebinding the references themselves "
         f"{F(m.get('rebind_all_ms'), '{:.3f}')} ms. *scans cut short* (below): scans that stopped at the "
         "helper's object limit and so checked the invariant only partly."),
         "",
@@ -97,9 +99,11 @@ def markdown(res: dict[str, Any]) -> str:
          f"{sw[0]['width'] if sw else '—'}, the rest as above) on the same mesh, runs {p['sweep_warmup']} warm-up "
          "update(s), one injected repair and one clean update. *rebind phase* = the engine's `rebind` duration: "
          "rebinding every cached reference (FSDP1: `_inter_node_pg` and `_inter_node_state.process_group` per unit; "
-         "the mesh's dimension name) + the invariant scan for any reference left (`framework_roots` + "
-         "`find_references`, a walk of every object reachable from the model, the mesh and the FSDP states) + "
-         "retiring the old group; the parts are timed by wrappers around the engine's helpers (*rebinding only* = "
+         "the mesh's dimension name) + the invariant check for any reference left + retiring the old group; "
+         "*scan ms* = the invariant's walk of every object reachable from the model, the mesh and the FSDP states "
+         "(taken while the vote was in flight where the rank saw the fault, the engine's `rebind.walk_ahead`; "
+         "else inside the phase, `framework_roots` + `find_references`); the parts are timed by wrappers around "
+         "the engine's helpers (*rebinding only* = "
          "`rebind_all`). Per reference = time / references rebound. Ratios: against the repair at "
          f"L={sw[0]['layers'] if sw else '—'} of the same round, median (min–max) over rounds."),
         "",
@@ -175,7 +179,13 @@ def floor_text(res: dict[str, Any]) -> str:
     return ("Floor = on the members of the affected replication group: one new Gloo group with the same "
             "membership under a fresh store prefix (the engine's own group builder) plus one int64 all-reduce (the "
             f"boundary all-reduce's size), {m.get('floor_samples')} samples beside each repair, each behind a "
-            "world barrier and timed on every member; a sample takes as long as its slowest member, and the floor "
+            "world barrier and timed on every member"
+            + ("; each rank enters that barrier as late as it entered the last faulted update's vote, so that the "
+               "floor starts in the repair's position (the member that detected the fault comes "
+               f"{h.fmt_spread(m['floor_late_ms'], '{:.0f}')} ms after the others, who wait that long and are woken "
+               "one by one as after the vote; one untimed repair before the first measures it)"
+               if m.get("floor_arrivals") else "")
+            + "; a sample takes as long as its slowest member, and the floor "
             "of a repair is the median over its samples of that slowest member's time. The samples run right "
             "before or right after their repair in ABBA order within each replication group (a group's repairs "
             "0 and 3 before, 1 and 2 after), so each group and each faulting rank has both positions. The repair "
@@ -187,7 +197,7 @@ def floor_text(res: dict[str, Any]) -> str:
 #: The parts of the phases each rank records (``repair_rank.parts_s``), in the order they happen.
 PARTS = (("control_barrier.generation", "control barrier: the move to the next generation"),
          ("rebind.rebind", "rebinding"), ("validate.check_start", "the validation all-reduce issued"),
-         ("rebind.scan", "invariant scan (the all-reduce running)"), ("validate.check", "the all-reduce awaited"),
+         ("rebind.scan", "invariant check (the all-reduce running)"), ("validate.check", "the all-reduce awaited"),
          ("validate.release", "the world's release"), ("validate.retire", "retiring the old group"))
 
 
@@ -210,7 +220,10 @@ def slowest_parts_lines(res: dict[str, Any]) -> list[str]:
                       if per_part[k])
     return [(f"Where the slowest affected rank's time goes (its own record, ms, median (min–max) over "
              f"{len(pairs)} repairs): {cells}. The validation all-reduce is issued once the model is rebound and "
-             "runs while the invariant scan walks; the release is one request per rank (its value set and the "
+             "runs while the invariant is checked: the places where the walk taken during the vote found the old "
+             "group read back (the walk itself, on each affected rank before its start: "
+             f"{h.fmt_spread(res['main'].get('walk_ahead_ms'), '{:.2f}')} ms), or the walk where none was taken; "
+             "the release is one request per rank (its value set and the "
              "round read together), the round's last member answered first. Every rank of the world, affected or "
              f"not (each from its own start to its release), against the same floor: {h.fmt_spread(h.spread(world))}."),
             ""]
@@ -238,7 +251,14 @@ def goal_lines(res: dict[str, Any]) -> list[str]:
             + (f"; the affected ranks began the repair {h.fmt_spread(m['start_skew_ms'], '{:.2f}')} ms apart after "
                "the vote (the first waits that long for its peer in the build), the floor's members "
                f"{h.fmt_spread(m.get('floor_start_skew_ms'), '{:.2f}')} ms apart after their barrier"
-               if (m.get("start_skew_ms") or {}).get("median") is not None else "") + "."]
+               if (m.get("start_skew_ms") or {}).get("median") is not None else "")
+            + (". Timed instead from the last rank's arrival (the repair from the last entry into the vote, which "
+               "counts the walk the last comer takes before it reads the vote's answer; a floor sample from the "
+               "last entry into its barrier) to the slowest member's end: "
+               f"{h.fmt_spread(m['from_last_arrival_vs_floor'])} "
+               f"({h.fmt_spread(m.get('from_last_arrival_ms'), '{:.1f}')} vs "
+               f"{h.fmt_spread(m.get('floor_from_last_arrival_ms'), '{:.1f}')} ms)"
+               if (m.get("from_last_arrival_vs_floor") or {}).get("median") is not None else "") + "."]
 
 
 def repairs_table(res: dict[str, Any]) -> list[str]:

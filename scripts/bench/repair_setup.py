@@ -62,9 +62,15 @@ def fault_spec(update: int, rank: int) -> str:
     return f"boundary:{update - 1}:{rank}"
 
 
+def warm_fault(plan: dict[str, Any]) -> tuple[int, int]:
+    """The untimed repair right after the warm-up updates (the repair's code warmed, and the vote's arrivals
+    measured for the first repair's floor samples): the update after them, the last of ``FAULT_RANKS``."""
+    return plan["warmup"] + 1, FAULT_RANKS[-1]
+
+
 def main_faults(plan: dict[str, Any]) -> list[tuple[int, int]]:
-    """The faults of the repairs-vs-floor scenario: one every other update after the warm-up."""
-    return plan_faults(plan["warmup"] + 1, plan["repairs"], 2)
+    """The faults of the repairs-vs-floor scenario: one every other update after the warm-up repair."""
+    return plan_faults(plan["warmup"] + 3, plan["repairs"], 2)
 
 
 def write_job(plan: dict[str, Any], path: Path) -> Path:
@@ -72,7 +78,7 @@ def write_job(plan: dict[str, Any], path: Path) -> Path:
     the faults of the first scenario (the sweep's are set per model on the rank), the plan in ``params.bench``."""
     from bench.workload import entry_of, write_job as write
 
-    faults = [fault_spec(s, r) for s, r in main_faults(plan)]
+    faults = [fault_spec(s, r) for s, r in [warm_fault(plan), *main_faults(plan)]]
     return write(path, {
         "steps": 100_000, "log_every": 100_000, "checkpoint.every_steps": 0, "topology.nodes": NODES,
         "topology.ranks_per_node": RPN, "timeouts.collective_s": plan["collective_s"],

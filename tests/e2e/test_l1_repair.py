@@ -74,6 +74,13 @@ def test_boundary_and_backward_faults_are_repaired_in_process_bitwise(baseline, 
     assert (boundary["scope"], boundary["frontier"], boundary["ranks"], boundary["generation"]) == \
         ("replicate", 10, [1, 3], 2)
     assert boundary["replayed_updates"] == 0
+    if not boundary.get("reconfigured"):  # a group reconfigured in place keeps its references: nothing to walk
+        # Each affected rank saw the fault, walked the framework's objects for the invariant while its vote was in
+        # flight, and read that walk's finds back after the rebinding instead of walking again.
+        for rep in (stuck, boundary):
+            parts = [e.get("parts_s") or {} for e in events if e["event"] == "repair_rank"
+                     and e["generation"] == rep["generation"] and e["rank"] in rep["ranks"]]
+            assert len(parts) == 2 and all("rebind.walk_ahead" in p for p in parts), parts
     assert set(boundary["phases"]) == {"observe", "guard_sync", "control_barrier", "replace", "rebind", "validate"}
     if (fsdp, mesh) == ("fsdp1", "group_pair"):
         # two slots per FSDP unit, plus the job's mesh (whose groups the explicit pair came from)

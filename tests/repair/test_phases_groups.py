@@ -48,21 +48,24 @@ SCRIPT = textwrap.dedent('''
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     out = {}
-    for case in ("clean", "stale"):
+    for case in ("clean", "stale", "clean-ahead", "stale-ahead"):
         old = tc.build_gloo_group([0], dist.PrefixStore(f"old-{case}", store), f"old-{case}", 5)
-        rt = SimpleNamespace(rank=0, layout=Layout(1, 1), local_rank=0, control=Control(0 if case == "clean" else 5), replicate_group=old,
+        rt = SimpleNamespace(rank=0, layout=Layout(1, 1), local_rank=0, control=Control({"clean": 0, "stale": 5, "clean-ahead": 10, "stale-ahead": 12}[case]), replicate_group=old,
                              mesh=None, collective_timeout_s=5)
-        model = Holder(old) if case == "stale" else torch.nn.Linear(2, 2)
+        model = Holder(old) if case.startswith("stale") else torch.nn.Linear(2, 2)
         # the runtime's own applier takes over what the engine returns (the engine assigns nothing to rt)
         engine = RepairEngine(model, rt, SimpleNamespace(emit=lambda *a, **k: None), fsdp="fsdp1", out=io.StringIO(),
                               on_replaced=lambda replaced, rt=rt: Runtime.adopt(rt, replaced))
         ctx = RepairContext(frontier=3, ranks=[0], observed=0.0, key="<k>", reason="test")
+        if case.endswith("-ahead"):  # the walk the guard takes while its vote is in flight
+            ctx.ahead = engine.walk_ahead()
         try:
             for phase in ("observe", "control_barrier", "replace", "rebind", "validate"):
                 getattr(engine, phase)(ctx)
             out[case] = {"ok": True, "new_is_bound": rt.replicate_group is ctx.new and ctx.new is not old,
                          "returned": ctx.replaced == Replaced(replicate_group=ctx.new),
-                         "name": tc.group_name(ctx.new), "generation": rt.control.generation}
+                         "name": tc.group_name(ctx.new), "generation": rt.control.generation,
+                         "read_back": "rebind.walk_ahead" in ctx.parts}
         except FailStop as stop:
             out[case] = {"ok": False, "reason": stop.reason, "exit": stop.exit_code}
 
@@ -113,6 +116,17 @@ def test_replace_rebind_validate_on_a_real_group(results):
 
 def test_a_reference_the_rebinders_miss_fails_the_invariant_scan(results):
     stale = results["stale"]
+    assert not stale["ok"] and stale["exit"] == 75, stale
+    assert "rebinding invariant violated: 1 reference(s) to the retired group remain" in stale["reason"], stale
+    assert "cached" in stale["reason"]
+
+
+def test_with_the_walk_taken_during_the_vote_the_invariant_holds_and_fails_alike(results):
+    """The engine reads back the finds of the walk taken while the vote was in flight (``walk_ahead``) instead of
+    walking after the rebinding: the clean repair passes, and the reference the rebinders miss fails it the same
+    way, named by its path."""
+    clean, stale = results["clean-ahead"], results["stale-ahead"]
+    assert clean["ok"] and clean["new_is_bound"] and clean["read_back"], clean
     assert not stale["ok"] and stale["exit"] == 75, stale
     assert "rebinding invariant violated: 1 reference(s) to the retired group remain" in stale["reason"], stale
     assert "cached" in stale["reason"]

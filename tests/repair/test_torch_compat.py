@@ -326,6 +326,48 @@ def test_scan_of_several_groups_in_one_walk_misses_nothing_it_prunes():
     assert sorted(rb.find_references(roots, other)) == ["root0['first']", "root2.plain"]
 
 
+def test_a_walk_ahead_reads_its_finds_back_after_the_rebinding_and_walks_again_where_one_stays():
+    """The repair's walk taken while its vote is in flight records where each reference is held (an attribute, a
+    slot, a mapping's value and key, a list's and a set's item); after a rebinding that replaced every one,
+    reading those places back finds none.  One the rebinding missed is found, with its path (the control: a read
+    back that trusted the rebinding would miss it).  A holder the rebinding replaced instead of changing leaves
+    the old one holding the group: the full walk then decides, and finds none reachable."""
+    class PG:
+        group_name = "1"
+
+    class Holder:
+        def __init__(self, x):
+            self.x = x
+
+    class Slotted:
+        __slots__ = ("s",)
+
+    old, new = PG(), PG()
+    slotted = Slotted()
+    slotted.s = old
+    state = {"attr": Holder(old), "slot": slotted, "value": {"pg": old}, "key": {old: 1}, "list": [0, old],
+             "set": {old}}
+    ahead = rb.WalkAhead([state], old)
+    assert ahead.found == 6 and len(ahead.locations) == 6
+    state["attr"].x, slotted.s, state["value"]["pg"], state["list"][1] = new, new, new, new
+    state["key"][new] = state["key"].pop(old)
+    state["set"].discard(old)
+    state["set"].add(new)
+    assert ahead.left(lambda: [state], None) == []
+    missed = rb.WalkAhead([state], new)  # now a rebinding from `new` that misses the mapping's value
+    state["attr"].x, slotted.s, state["list"][1] = old, old, old
+    state["key"][old] = state["key"].pop(new)
+    state["set"] = {old}
+    assert missed.left(lambda: [state], None) == ["root0['value']['pg']"]
+    replaced = rb.WalkAhead([state], old)
+    holder = state["attr"]
+    state["attr"] = Holder(new)  # the holder replaced, not changed: the old one still holds the group
+    assert any(h is holder and rb.holds(h, how, key, old) for h, how, key in replaced.locations)
+    for k in ("slot", "key", "list", "set"):
+        state[k] = None
+    assert replaced.left(lambda: [state], None) == []
+
+
 def test_an_fsdp2_parameter_loses_every_gradient_whichever_form_its_release_gives_the_accumulated_one():
     """Up to torch 2.14 ``unsharded_accumulated_grad`` is an attribute of its own; 2.15 makes it a read-only property
     reading ``_unsharded_param.grad``.  The drop handles both, and this release's ``FSDPParam`` has one of them."""

@@ -114,11 +114,11 @@ class Counting(JobStore):
         self.calls: list[tuple[str, int]] = []
         self.read_bytes = 0
 
-    def _call(self, op, items, timeout_s=None):
+    def _call(self, op, items, timeout_s=None, meanwhile=None):
         keys = (len(items) // 2 if op in (w.SET, w.MULTI_SET) else 1 if op == w.CAS
                 else len(items) - 1 if op == w.SET_GET else len(items))  # SET_GET: its key and the keys it reads
         self.calls.append((w.OPS[op], keys))
-        out = super()._call(op, items, timeout_s)
+        out = super()._call(op, items, timeout_s, meanwhile)
         if w.OPS[op] in ("get", "multi_get", "set_multi_get"):
             got = out if isinstance(out, (list, tuple)) else [out]
             self.read_bytes += sum(len(x) for x in got if isinstance(x, (bytes, bytearray)))
@@ -261,3 +261,57 @@ def test_all_reduce_gives_every_member_the_same_combined_value_both_ways(planes)
     got = on_every_rank(planes, lambda p: [p.all_reduce("sum", p.rank + n, lambda vs: {"total": sum(vs)})
                                            for n in range(3)])
     assert got == [[{"total": 3 * n + 3} for n in range(3)]] * len(planes)
+
+
+@pytest.mark.parametrize("store", ["job-store", "tcpstore"])
+def test_a_members_own_work_runs_once_its_value_is_in_and_before_it_waits(store, monkeypatch):
+    """``meanwhile`` (the repair's walk during the vote) runs after the rank's value reached the store: rank 0's work
+    waits, with a deadline, until rank 1 has left the round, which it can only do once rank 0's value is in.  Run
+    before the send (the control), rank 1 would wait for rank 0 and the work would reach its deadline.  With the
+    job's store it runs while the one request is in flight; with a plain store between the set and the read.  A
+    failing ``meanwhile`` is raised after the round, which completes on every member, and the next round works."""
+    if store == "job-store":
+        key = secrets.token_bytes(32)
+        bind_to = binding("79", 0)
+        ports = port_candidates(key, "79")
+        server = host_store("127.0.0.1", ports, key, bind_to)
+        clients = [JobStore("127.0.0.1", ports, key, bind_to, r, timedelta(seconds=20)) for r in range(2)]
+    else:
+        server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=20))
+        clients = [dist.TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timedelta(seconds=20))
+                   for _ in range(2)]
+    left = threading.Event()
+    seen: list = []
+    try:
+        planes = [ControlPlane(c, rank=r, world_size=2, timeout_s=10) for r, c in enumerate(clients)]
+
+        def work():
+            seen.append(left.wait(10))  # rank 1 left the round: rank 0's value was in before this ran
+
+        def rank(p):
+            if p.rank == 0:
+                got = p.all_reduce("vote", 3, sum, meanwhile=work)
+            else:
+                got = p.all_reduce("vote", 4, sum)
+                left.set()
+            return got
+
+        assert on_every_rank(planes, rank) == [7, 7]
+        assert seen == [True]
+
+        def boom():
+            raise ValueError("the walk failed")
+
+        def failing(p):
+            return p.all_reduce("vote", p.rank, sum, meanwhile=boom if p.rank == 0 else None)
+
+        got = on_every_rank(planes, failing)
+        assert isinstance(got[0], ValueError) and str(got[0]) == "the walk failed", got
+        assert got[1] == 1
+        assert on_every_rank(planes, lambda p: p.all_gather("after", p.rank)) == [[0, 1], [0, 1]]
+    finally:
+        if store == "job-store":
+            for c in clients:
+                c.close()
+            server.close()
