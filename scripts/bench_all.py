@@ -114,9 +114,10 @@ PART_ARGS: dict[str, list[str]] = {
     "repair": ["--repairs", "16", "--rebind-reps", "2", "--guard-pairs", "8"],
     # 2 pairs (the budget stopped at 2 on 2026-12-03 anyway), 4 rounds of 6 updates per segment
     "guard": ["--pairs", "2", "--rounds", "4", "--steps", "6"],
-    # 4 ABBA pairs against the earlier code, 2 of the store's server in a thread vs its own process; jobs of 5 rounds
-    # of 8 updates per mode (6 x 8: 151 s for 5 pairs on 2026-12-04, 3 x 6 read 0.91-1.22 over three runs)
-    "store": ["--pairs", "4", "--rounds", "5", "--steps", "8", "--where-pairs", "2"],
+    # 8 ABBA pairs against the earlier code, 2 of the store's server in a thread vs its own process; jobs of 5 rounds
+    # of 8 updates per mode (6 x 8: 151 s for 5 pairs on 2026-12-04, 3 x 6 read 0.91-1.22 over three runs; with 4
+    # pairs the same store code read 0.915, 1.079 and 1.044 in three runs: more pairs, ~90 s more)
+    "store": ["--pairs", "8", "--rounds", "5", "--steps", "8", "--where-pairs", "2"],
     # 3 samples at 4-256 members; 1,024 members always takes a warm-up + 3 samples (4 x 13-43 s of the old code)
     "control": ["--samples", "3"],
     "paper": ["--repeats", "2"],
