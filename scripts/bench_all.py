@@ -129,7 +129,9 @@ PART_ARGS: dict[str, list[str]] = {
     "ckpt": ["--modes", "none,ours,dcp_stager", "--rounds", "2", "--bw-pairs", "4", "--soak", "200"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes; about 69 s of
     # it are fixed (the peers' venv checks and set-up) whatever the trials
-    "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "2", "--first-snapshot", "0",
+    # the detector's cost against the code before it: 4 ABBA pairs (2 read 0.89x and 1.12x in two runs of the same
+    # detector; the plain updates moved as much: job-to-job noise), ~50 s more
+    "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "4", "--first-snapshot", "0",
                  "--traffic-s", "3"],
     "shared": ["--pairs", "2", "--steps", "24", "--warmup", "4"],
     # the mixed variant (no goal, not in the README) left out

@@ -16,9 +16,9 @@ it builds the decoder example's model, AdamW, schedule and data (``examples/deco
    order within each replication group (``repair_setup.floor_positions``: the position is tied neither to
    the group nor to the faulting rank): one new Gloo group with the same membership under a fresh store
    prefix (as the engine builds its replacement) plus one all-reduce of the boundary all-reduce's size (one
-   int64), each sample behind a world barrier and timed on every member.  Each rank enters that barrier as
-   late as it entered the last faulted update's vote (the floor in the repair's position: the detecting member
-   late by the detection time, the others woken after that long a wait).  A repair is done when its slowest
+   int64), each sample behind a world barrier and timed on every member.  The repair's detecting member enters
+   that barrier the detection time late (as measured in the last faulted update's vote), the others at once
+   (the floor in the repair's position: the others woken after that long a wait).  A repair is done when its slowest
    affected rank is: the figure is the max over those ranks of each rank's own total (``repair_rank``),
    against the floor's median over samples of the slowest member's time; a repair below its floor is
    flagged (``below_floor``) and left out of the ratio.  Per-phase timings are the engine's own (its

@@ -148,7 +148,8 @@ def analyse(ranks: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]
         "walk_ahead_ms": sp([max(((p["rank_parts_s"].get(str(r)) or {}).get("rebind.walk_ahead") or 0.0)
                                  for r in p["ranks"]) * 1e3 for p in pairs]),
         # The floor in the repair's position: how late (ms) the last rank entered the floor's barrier, as in the vote.
-        "floor_arrivals": "each rank enters the floor's barrier as late as it entered the last faulted update's vote",
+        "floor_arrivals": "the repair's detecting members enter the floor's barrier the last faulted vote's detection "
+                          "time after every other rank",
         "floor_late_ms": sp([max(v for v in p["floor_arrival_s"].values() if v is not None) * 1e3 for p in pairs
                              if any(v is not None for v in p["floor_arrival_s"].values())]),
         # Both timed from their round's last arrival to the slowest member's end.

@@ -9,9 +9,9 @@ the decoder example's model, AdamW, schedule and data (``bench.workload.decoder_
    faults, each paired with ``floor_samples`` floor samples (a new Gloo group with the same members + one
    all-reduce, each timed by every member) taken right before or right after it, in ABBA order per replication
    group (``repair_setup.floor_positions``); every update is a public ``with run.update()``.  A floor sample
-   starts in the repair's position: behind a world barrier that each rank enters as late as it entered the
-   last faulted update's vote (the member that detected the fault ~the detection time after the others, whose
-   wake-up after that long a wait the repair pays too);
+   starts in the repair's position: behind a world barrier that the repair's detecting member(s) (its group
+   but the withholding rank) enter the detection time late, as measured in the last faulted update's vote, and
+   every other rank at once (the others wait that long and are woken one by one, as after the vote);
 2. guard overhead: ABBA pairs of K-update blocks, ``with run.update()`` against the same update body
    without it (``bench.workload.update``); the guard's boundary all-reduce and vote are also timed
    directly (thin wrappers on ``job.run._guard`` and the control plane, removed afterwards);
@@ -167,9 +167,9 @@ class RepairRank:
         self.rank, self.control = job.rank, self.rt.control
         self.floor_starts: dict[str, float] = {}  # tag -> this rank's start of that floor sample
         self.floor_entries: dict[str, float] = {}  # tag -> when this rank entered that sample's world barrier
-        #: How much later than the first rank this rank entered the last faulted update's vote: it enters a floor
-        #: sample's barrier as late (the floor in the repair's position).
-        self.arrival_s = 0.0
+        #: How much later than the first rank the last one entered the last faulted update's vote (the detection
+        #: time): a repair's detecting members enter its floor samples' barrier as late (the repair's position).
+        self.detect_late_s = 0.0
         self.out_dir = Path(job.run_dir)
         self.events = _EventTail(self.out_dir / EVENTS_FILE, self.rank)
         self.probes = _Probes()
@@ -203,7 +203,7 @@ class RepairRank:
         # Outside any timing: every rank's entry into the vote, so that the floor samples repeat the arrivals.
         entries = self.control.all_gather("bench-vote-entries", marks.get("vote_enter"))
         if all(e is not None for e in entries):
-            self.arrival_s = marks["vote_enter"] - min(entries)
+            self.detect_late_s = max(entries) - min(entries)
         new = self.events.new()
         rr = [e for e in new if e["event"] == "repair_rank"]
         if len(rr) != 1:
@@ -214,16 +214,17 @@ class RepairRank:
         faults = [e for e in new if e["event"] == "fault"]
         return {"repair": rep, "repair_rank": rr[0], "probes": probes.since(mark_p), "update_s": update_s,
                 "scan_truncated": probes.truncated - mark_t, "fault": faults[0] if faults else None,
-                "vote_marks": marks, "vote_arrival_s": self.arrival_s}
+                "vote_marks": marks, "vote_late_s": self.detect_late_s}
 
-    def floor(self, members: list[int], tag: str) -> float | None:
+    def floor(self, members: list[int], tag: str, late: list[int] = ()) -> float | None:
         """One floor sample: a new Gloo group with ``members`` under a fresh prefix (as the engine builds it)
         + one int64 all-reduce, timed on this rank (None on a rank outside ``members``).
 
         Every rank of the world enters the control-plane barrier first (the world is where the repair's
-        vote comes from), each as late as it entered the last faulted update's vote (``arrival_s``: the
-        repair's position, long waiters and a late comer); each member times its own build and all-reduce, so
-        the analysis can take the slowest member, as a repair is done only when its slowest rank is."""
+        vote comes from), the ranks in ``late`` (the repair's detecting members) ``detect_late_s`` after the
+        others (the repair's position: long waiters and a late comer); each member times its own build and
+        all-reduce, so the analysis can take the slowest member, as a repair is done only when its slowest rank
+        is."""
         import threading
 
         import torch
@@ -231,8 +232,8 @@ class RepairRank:
 
         from accelpact_slurm.repair import torch_compat as tc
 
-        if self.arrival_s > 0:  # not a synchronisation: this rank's arrival time, as in the vote
-            threading.Event().wait(self.arrival_s)
+        if self.rank in late and self.detect_late_s > 0:  # not a synchronisation: its arrival, as in the vote
+            threading.Event().wait(self.detect_late_s)
         self.floor_entries[tag] = time.monotonic()
         self.control.barrier("floor-go")
         if self.rank not in members:
@@ -249,9 +250,9 @@ class RepairRank:
         getattr(tc.retire_group, "__wrapped__", tc.retire_group)(pg)  # not counted in the engine's probes
         return dt
 
-    def floor_samples(self, members: list[int], tag: str) -> list[float | None]:
+    def floor_samples(self, members: list[int], tag: str, late: list[int] = ()) -> list[float | None]:
         """``plan["floor_samples"]`` floor samples in a row (each behind its own world barrier)."""
-        return [self.floor(members, f"{tag}s{i}") for i in range(self.plan.get("floor_samples", 1))]
+        return [self.floor(members, f"{tag}s{i}", late) for i in range(self.plan.get("floor_samples", 1))]
 
     def members_of(self, frank: int) -> list[int]:
         return self.rt.layout.replicate_ranks(self.rt.layout.local_of(frank))
@@ -289,12 +290,14 @@ class RepairRank:
         for k, ((s, frank), position) in enumerate(zip(faults, positions)):
             assert run.step == s - 1, (run.step, s)
             members = self.members_of(frank)
-            arrival = self.arrival_s  # the floor's arrivals: the previous vote's (before) or this one's (after)
-            fl = self.floor_samples(members, f"main{k}") if position == "before" else None
+            late = [r for r in members if r != frank]  # the repair's detecting members: late into its vote
+            # the detection time: the last vote's (before: the previous repair's; after: this one's)
+            fl = self.floor_samples(members, f"main{k}", late) if position == "before" else None
+            arrival = self.detect_late_s if self.rank in late else 0.0
             rec = self.faulted_update(guarded, members)
             if position == "after":
-                arrival = self.arrival_s
-                fl = self.floor_samples(members, f"main{k}")
+                arrival = self.detect_late_s if self.rank in late else 0.0
+                fl = self.floor_samples(members, f"main{k}", late)
             guarded()  # the next update runs on the replacement group
             starts = [self.floor_starts.get(f"main{k}s{i}") for i in range(len(fl or []))]
             entries = [self.floor_entries.get(f"main{k}s{i}") for i in range(len(fl or []))]
