@@ -109,9 +109,10 @@ GPU_JSON = RESULTS / "gpu-check.json"
 # stored run; recovery's first-snapshot goal needs a run alone: --first-snapshot 1 is a 110M job of ~170 s);
 # every median keeps >= 2 samples.
 PART_ARGS: dict[str, list[str]] = {
-    # 16 repairs for its goal (two balanced cycles of 8: every group and faulting rank with its floor before and
-    # after equally often; 45 s with 8 on 2026-12-04); the rebinding sweep 4 -> 2 rounds, guard 16 -> 8 pairs
-    "repair": ["--repairs", "16", "--rebind-reps", "2", "--guard-pairs", "8"],
+    # 24 repairs for its goal (three balanced cycles of 8: every group and faulting rank with its floor before and
+    # after equally often; with 16 the median read 1.47 and 1.52 in two runs of the same engine; 45 s with 16 on
+    # 2026-12-05); the rebinding sweep 4 -> 2 rounds, guard 16 -> 8 pairs
+    "repair": ["--repairs", "24", "--rebind-reps", "2", "--guard-pairs", "8"],
     # 2 pairs (the budget stopped at 2 on 2026-12-03 anyway), 4 rounds of 6 updates per segment
     "guard": ["--pairs", "2", "--rounds", "4", "--steps", "6"],
     # 8 ABBA pairs against the earlier code, 2 of the store's server in a thread vs its own process; jobs of 5 rounds

@@ -172,7 +172,8 @@ class RepairEngine:
         the vote in flight may decide on (the guard runs it while its vote's request waits for the others).
 
         It finds where the group is referenced now; after the rebinding, :meth:`rebind` reads those places back
-        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`).  None where no walk is
+        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`); it also takes the guard
+        check's look at the FSDP units (``idle``), which :meth:`guard_sync` then uses.  None where no walk is
         needed (a group reconfigured in place keeps its references) or where it failed (the rebinding then walks
         as before).
         """
@@ -180,7 +181,9 @@ class RepairEngine:
         try:
             if old is None or tc.can_reconfigure(old):
                 return None
-            return rb.WalkAhead(tc.framework_roots(self.model, self.rt.mesh), old)
+            ahead = rb.WalkAhead(tc.framework_roots(self.model, self.rt.mesh), old)
+            ahead.idle = tc.fsdp_idle(self.model, self.fsdp)  # the guard check's, of the same unchanged state
+            return ahead
         except Exception:  # noqa: BLE001 - an optimisation only: the rebinding walks itself
             log.warning("the walk ahead of a repair failed; the rebinding walks after it", exc_info=True)
             return None
@@ -261,12 +264,20 @@ class RepairEngine:
     def guard_sync(self, ctx: RepairContext) -> None:
         """Drain the device and check that no FSDP unit is mid-step (and, after a discard, no gradient is left).
 
+        At the committed boundary on the ranks of the group(s) to repair only (a rank outside them keeps its
+        model and groups as they are, and leaves the cores to the repair's ranks), from the look at the units
+        that :meth:`walk_ahead` took while the vote was in flight where there is one.
+
         On a GPU the failed NCCL work was aborted where its wait raised (so no kernel of it is left to wait
         for); the device is drained before the checks.
         """
+        if ctx.scope != "update" and not ctx.member:  # nothing of this rank's is replaced or rebound
+            return
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             torch.cuda.synchronize(self.device)
-        ok, why = tc.fsdp_idle(self.model, self.fsdp)
+        # At the boundary, the look the walk took while the vote was in flight (nothing ran on this rank since).
+        idle = getattr(ctx.ahead, "idle", None) if ctx.scope != "update" else None
+        ok, why = idle if idle is not None else tc.fsdp_idle(self.model, self.fsdp)
         if not ok:
             raise RepairError(f"guard check failed: {why}")
         # At the committed boundary the update's reduced gradients are still to be stepped on: they stay.  After

@@ -323,6 +323,7 @@ class WalkAhead:
     def __init__(self, roots: Iterable[Any], old: Any) -> None:
         t0 = time.monotonic()
         self.old = old
+        self.idle: tuple[bool, str] | None = None  # the caller's look at the FSDP units, taken with the walk
         self.locations: list[tuple[Any, str, Any]] = []
         self.found = len(find_references_to(roots, {"old": old}, None, self.locations)["old"])
         self.seconds = time.monotonic() - t0

@@ -268,3 +268,24 @@ def test_driver_turns_a_control_plane_error_into_a_fail_stop_naming_control_barr
         engine.repair(frontier=7, ranks=[1, 3], observed=0.0, key="<k>", reason="test")
     assert info.value.exit_code == 75
     assert control.generation == 2
+
+
+def test_the_boundary_guard_check_runs_on_the_groups_ranks_only_and_takes_the_look_of_the_walk_ahead():
+    """At the committed boundary a rank outside the group(s) to repair keeps its model and groups: no check (it
+    joins the release only).  A member takes the look at its FSDP units the walk ahead of the vote took (nothing
+    ran since): a unit it saw mid-step fails the check (the control: a member without that look checks itself)."""
+    from accelpact_slurm.repair.rebind import WalkAhead
+
+    engine, _, _ = make_engine(0, FakeControl())
+    ctx = ctx_for(ranks=(1, 3))
+    engine.observe(ctx)
+    assert not ctx.member
+    engine.guard_sync(ctx)  # a non-member: nothing looked at
+    engine, _, _ = make_engine(1, FakeControl())
+    ctx = ctx_for(ranks=(1, 3))
+    engine.observe(ctx)
+    engine.guard_sync(ctx)  # a member, no walk ahead: its own look (a plain module: no FSDP unit)
+    ctx.ahead = WalkAhead([], object())
+    ctx.ahead.idle = (False, "FSDP unit is FORWARD")
+    with pytest.raises(RepairError, match="guard check failed: FSDP unit is FORWARD"):
+        engine.guard_sync(ctx)
