@@ -33,7 +33,9 @@ from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-ALIGN = 64  # byte alignment of every box in a slot
+#: Byte alignment of every box in a slot: a page, so the daemon's writer hands a large box to the disk from the
+#: slot itself (``O_DIRECT`` wants page-aligned memory: :class:`ckpt_service.writer.Sink`).
+ALIGN = 4096
 
 
 @dataclass

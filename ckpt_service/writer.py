@@ -12,8 +12,8 @@ Steps of :func:`write_snapshot` (each names the failure it prevents):
    (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads), without
    ``torch.save``'s per-record CRC-32 (the digest of step 4 covers every byte);
 4. every file hashed (BLAKE3, :mod:`.digest`) as its bytes are written (:class:`_HashingFile`: no second pass over the
-   bytes), written past the page cache (``O_DIRECT``, through a page-aligned buffer: :class:`Sink`) where the
-   file system allows it, else through it with its write-back started while it is still being written, then
+   bytes), written past the page cache (``O_DIRECT``: :class:`Sink`; every large box from the slot itself, on a
+   page of its file, the rest through a page-aligned buffer: :func:`_write_files`) where the file system allows it, else through it with its write-back started while it is still being written, then
    fsynced and dropped from the page cache (memory nothing needs: the verifier re-reads the disk itself, so it
    checks the bytes on the disk, not a cached copy);
    the tensors go to ``WRITE_THREADS`` files written in parallel; ``manifest.json`` with the checksums,
@@ -322,6 +322,8 @@ DIRECT_IO = True
 #: The page-aligned buffer a direct file's bytes are gathered in: one direct write each time it is full.
 DIRECT_CHUNK = 8 << 20
 _ALIGN = 4096
+#: Spans from this size on are written from where they lie when they start on a page (:class:`Sink`).
+DIRECT_SPAN = 1 << 20
 
 
 class Sink:
@@ -331,6 +333,11 @@ class Sink:
     refuses direct I/O, through the page cache, the disk asked to start writing back every
     ``WRITEBACK_WINDOW`` bytes.  :meth:`finish` fsyncs and drops what the page cache holds of the file.  Also
     the bench's ceiling of the write path's shape (the same sink, without serialisation or digest).
+
+    A span of at least ``DIRECT_SPAN`` bytes that starts on a page, in memory and in the file (a staged box the
+    writer placed there: :func:`_write_files`), goes to the disk from where it lies, its whole pages written by the
+    sink's thread while the caller hashes them: no copy into the buffer (0.17 CPU-s per GiB measured here);
+    only its last partial page is copied.
     """
 
     def __init__(self, path: str, direct: bool | None = None) -> None:
@@ -355,8 +362,10 @@ class Sink:
         self._addrs = [ctypes.addressof(c) for c in self._cbufs]  # memmove into them: one thread, the GIL released
         self._cur = 0 if self.direct else -1  # the buffer being filled (-1: the page cache, no buffer)
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._full: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        # to the sink's thread, in file order: (buffer, bytes of it, then a span to write from where it lies, or None)
+        self._full: queue.SimpleQueue[tuple[int, int, Any] | None] = queue.SimpleQueue()
         self._free.put(1)
+        self.spans = 0  # bytes written from where they lay (no copy)
         self._io: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -372,6 +381,8 @@ class Sink:
                 _start_writeback(self.fd, self.kicked, self.pos - self.kicked)
                 self.kicked = self.pos
             return
+        if len(mv) >= DIRECT_SPAN and self.fill % _ALIGN == 0 and self.direct and _address(mv) % _ALIGN == 0:
+            mv = self._span(mv, hasher)
         at, n = 0, len(mv)
         while at < n:
             k = min(n - at, DIRECT_CHUNK - self.fill)
@@ -384,13 +395,36 @@ class Sink:
                 self._hand_off()
         self.pos += n
 
-    def _hand_off(self) -> None:
-        """The full buffer to the sink's thread; the other one, once the disk has taken it, to fill."""
+    def _span(self, mv: memoryview, hasher: Any) -> memoryview:
+        """``mv``'s whole pages to the disk from where they lie, by the sink's thread, in file order, while this
+        one hashes them and goes on; returns the rest, to copy.  The memory must stay as it is until
+        :meth:`finish` (a staged slot does: the daemon checks the slot's stamp after the write, and the verifier
+        re-reads the disk)."""
+        whole = len(mv) // _ALIGN * _ALIGN
+        self._start_io()
+        # what the buffer holds (whole pages: the span starts on a page of the file) goes in the same write
+        self._full.put((self._cur, self.fill, mv[:whole]))
+        if hasher is not None:
+            hasher.update(mv[:whole])
+        self.fill = 0
+        self._cur = self._free.get()
+        if self._error is not None:
+            raise self._error
+        self.pos += whole
+        self.spans += whole
+        return mv[whole:]
+
+    def _start_io(self) -> None:
         if self._io is None:  # (a thread inherits its creator's priority: a background writer's stays low)
             self._io = threading.Thread(target=self._drain, daemon=True,
                                         name=f"{threading.current_thread().name}-io")
             self._io.start()
-        self._full.put(self._cur)
+
+    def _hand_off(self) -> None:
+        """The buffer's bytes (whole pages) to the sink's thread; the other one, once the disk has taken it, to
+        fill."""
+        self._start_io()
+        self._full.put((self._cur, self.fill, None))
         self.fill = 0
         self._cur = self._free.get()
         if self._error is not None:
@@ -398,12 +432,18 @@ class Sink:
 
     def _drain(self) -> None:
         while True:
-            i = self._full.get()
-            if i is None:
+            job = self._full.get()
+            if job is None:
                 return
+            i, fill, span = job
             if self._error is None:
                 try:
-                    self._direct_write(self._views[i])
+                    if span is None:
+                        self._direct_write(self._views[i][:fill])
+                    elif fill:
+                        self._direct_writev(self._views[i][:fill], span)
+                    else:
+                        self._direct_write(span)
                 except BaseException as exc:  # noqa: BLE001 - raised in the filling thread
                     self._error = exc
             self._free.put(i)
@@ -413,6 +453,20 @@ class Sink:
             self._full.put(None)
             self._io.join(timeout_s)
             self._io = None
+
+    def _direct_writev(self, first: memoryview, second: memoryview) -> None:
+        """Both, in one write where the kernel takes them whole (one request to the disk, not a small one before
+        each span); what a short write left, one after the other."""
+        try:
+            done = os.writev(self.fd, [first, second])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise
+            done = 0  # _direct_write turns direct I/O off and writes both through the page cache
+        if done < len(first):
+            self._direct_write(first[done:])
+            done = len(first)
+        self._direct_write(second[done - len(first):])
 
     def _direct_write(self, mv: memoryview) -> None:
         done = 0
@@ -537,10 +591,12 @@ class _HashingFile:
         self.sink.close()
 
 
-def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException]):
+def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException],
+                from_slot: dict[str, int] | None = None):
     """DCP's local file system whose write streams are :class:`_HashingFile`s; ``sums[name] = (size, digest)``
     (by file name: every file of a snapshot lies in its one directory).  A stream that failed leaves its
-    exception in ``errors``: DCP's extra write threads would otherwise only print it."""
+    exception in ``errors``: DCP's extra write threads would otherwise only print it.  ``from_slot[name]``: the
+    bytes of the file written to the disk from where they lay (:meth:`Sink._span`)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class _HashingFileSystem(FileSystem):
@@ -559,6 +615,8 @@ def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException]):
                 with _no_zip_crc():  # this stream's thread may be one of DCP's, whose CRC option is its own
                     yield fh
                 sums[os.path.basename(os.fspath(path))] = fh.finish()
+                if from_slot is not None:
+                    from_slot[os.path.basename(os.fspath(path))] = fh.sink.spans
             except BaseException as exc:
                 errors.append(exc)
                 raise
@@ -574,15 +632,140 @@ def _hashing_fs(sums: dict[str, tuple[int, str]], errors: list[BaseException]):
     return _HashingFileSystem()
 
 
+#: The DCP items the writer places on a page of their file (their ``torch.save`` record's data too): from this
+#: size on (a smaller one would cost more padding than its copy).
+PLACE_FROM = DIRECT_SPAN
+
+
+def _can_place_items() -> bool:
+    """Whether this torch has what :func:`_write_files` uses: DCP's ``_write_item`` and ``torch.save``'s storage
+    alignment (both in torch 2.13-2.15)."""
+    import inspect
+
+    import torch.serialization as ser
+    from torch.distributed.checkpoint import filesystem
+
+    try:
+        params = list(inspect.signature(filesystem._write_item).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return (params == ["transforms", "stream", "data", "write_item", "storage_key", "serialization_format"]
+            and hasattr(ser, "_get_storage_alignment"))
+
+
+@contextlib.contextmanager
+def _storage_alignment(n: int):
+    """``torch.save`` places each record's data on a multiple of ``n`` from the record's start, in this thread
+    (torch keeps the setting per thread)."""
+    from torch.utils.serialization import config
+
+    before = config.save.storage_alignment
+    config.save.storage_alignment = n
+    try:
+        yield
+    finally:
+        config.save.storage_alignment = before
+
+
+def _item_bytes(item: Any) -> int:
+    """The bytes of a DCP tensor item's chunk (0 for a bytes item)."""
+    import torch
+
+    td = getattr(item, "tensor_data", None)
+    if td is None:
+        return 0
+    return math.prod(td.chunk.sizes) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+def _interleaved(items: Sequence[Any]) -> list[Any]:
+    """A file's items in the order the writer takes them: the bytes items, then the tensors, the small ones
+    spread evenly between the large ones: a small one's serialisation (Python, the GIL) then runs while the
+    sink's thread writes a large one, not in a tail after the last large one with the disk idle."""
+    plain = [i for i in items if getattr(i, "tensor_data", None) is None]
+    tensors = [i for i in items if getattr(i, "tensor_data", None) is not None]
+    large = [i for i in tensors if _item_bytes(i) >= PLACE_FROM]
+    small = [i for i in tensors if _item_bytes(i) < PLACE_FROM]
+    if not large:
+        return plain + small
+    out = list(plain)
+    for k, item in enumerate(large):
+        out.append(item)
+        out += small[k * len(small) // len(large):(k + 1) * len(small) // len(large)]
+    return out
+
+
+def _write_files(w: Any, planner: Any, file_queue: queue.Queue) -> Any:
+    """DCP's file writing (its ``_write_item`` for every item, its files from ``file_queue`` in ``w.thread_count``
+    threads), with every tensor of ``PLACE_FROM`` bytes or more on a page of its file: the stream is padded to
+    the next page before the item (DCP's metadata records each item's offset, so readers seek past the padding)
+    and ``torch.save`` puts the record's data on a page from there; the slot's box lies on a page too
+    (:data:`.capture.ALIGN`), so the :class:`Sink` writes it to the disk from the slot, without a copy.  A
+    smaller tensor keeps ``torch.save``'s own alignment (a page each would pad its records by ~24 KiB)."""
+    from torch.distributed.checkpoint.filesystem import _write_item
+    from torch.futures import Future
+    from torch.utils.serialization import config
+
+    results: list[Any] = []
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with _storage_alignment(config.save.storage_alignment):  # restored as it was, in this thread
+                files()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            failed.append(exc)
+
+    def files() -> None:
+        usual = config.save.storage_alignment
+        while True:
+            try:
+                path, storage_key, items = file_queue.get_nowait()
+            except queue.Empty:
+                return
+            done = []
+            with w.fs.create_stream(path, "wb") as stream:
+                for item in _interleaved(items):
+                    data = planner.resolve_data(item)
+                    place = _item_bytes(item) >= PLACE_FROM
+                    if place:
+                        pad = -stream.tell() % _ALIGN
+                        if pad:
+                            stream.write(bytes(pad))
+                    config.save.storage_alignment = _ALIGN if place else usual
+                    done.append(_write_item(w.transforms, stream, data, item, storage_key, w.serialization_format))
+            results.extend(done)
+
+    threads = [threading.Thread(target=work, name=f"{threading.current_thread().name}-w{k}", daemon=True)
+               for k in range(1, w.thread_count)]
+    for t in threads:
+        t.start()
+    work()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    fut: Future = Future()
+    fut.set_result(results)
+    return fut
+
+
 def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults = NO_FAULTS,
-            sums: dict[str, tuple[int, str]] | None = None):
+            sums: dict[str, tuple[int, str]] | None = None, from_slot: dict[str, int] | None = None):
     from torch.distributed.checkpoint import FileSystemWriter
 
     errors: list[BaseException] = []
 
     class _Writer(FileSystemWriter):
         """FileSystemWriter with the ``writing`` fault point between the shard files and ``.metadata``, which
-        fails when any write thread failed (DCP would return the other threads' results as if complete)."""
+        fails when any write thread failed (DCP would return the other threads' results as if complete); an
+        uncompressed one through hashing streams writes its files itself (:func:`_write_files`: every large
+        tensor's bytes on a page of the file)."""
+
+        def _write_data(self, planner, file_queue):  # noqa: D401 - DCP interface (torch 2.13-2.15)
+            if (compress or sums is None or not _can_place_items()
+                    or getattr(self.serialization_format, "value", None) != "torch_save"):
+                return super()._write_data(planner, file_queue)
+            return _write_files(self, planner, file_queue)
 
         def write_data(self, plan, planner):  # noqa: D401 - DCP interface
             fut = super().write_data(plan, planner)
@@ -601,19 +784,21 @@ def _writer(path: str, compress: bool, ndir: str, step: int, faults_: TestFaults
     w = _Writer(path, single_file_per_rank=True, sync_files=False, thread_count=WRITE_THREADS, overwrite=False,
                 _extensions=zstd_extensions(compress))
     if sums is not None:
-        w.fs = _hashing_fs(sums, errors)
+        w.fs = _hashing_fs(sums, errors, from_slot)
     return w
 
 
 def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, compress: bool = False,
                    node: str = "", timings: dict[str, float] | None = None,
                    faults: TestFaults = NO_FAULTS, key: bytes | None = None,
-                   before_commit: Callable[[], None] | None = None) -> tuple[str, int]:
+                   before_commit: Callable[[], None] | None = None,
+                   from_slot: dict[str, int] | None = None) -> tuple[str, int]:
     """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
 
     The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose
     descriptors say the proof failed is refused.  ``timings`` (if given) receives the seconds spent in
-    ``dcp_save`` and ``fsync_hash``.  ``key``: the run's key, which signs the manifest (:mod:`.auth`).
+    ``dcp_save`` and ``fsync_hash``; ``from_slot`` (if given), by file, the bytes written to the disk straight
+    from the slots (no copy: :func:`_write_files`).  ``key``: the run's key, which signs the manifest (:mod:`.auth`).
     ``before_commit``: called once every byte is written and hashed, before the manifest and the rename; what it
     raises fails the snapshot (the daemon checks there that the slots still hold this step).
     """
@@ -636,9 +821,10 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
         os.makedirs(tmp)
         t = time.monotonic()
         written: dict[str, tuple[int, str]] = {}  # file name -> (size, digest): hashed while written, fsynced
+        from_slot = {} if from_slot is None else from_slot
         with _no_zip_crc():
-            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step, faults, written), planner=_planner(),
-                     no_dist=True)
+            dcp.save(state, storage_writer=_writer(tmp, compress, ndir, step, faults, written, from_slot),
+                     planner=_planner(), no_dist=True)
         timings["dcp_save"] = time.monotonic() - t
         names = sorted(os.listdir(tmp))
         t = time.monotonic()

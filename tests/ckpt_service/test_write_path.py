@@ -228,3 +228,129 @@ def test_a_file_system_that_refuses_direct_io_at_the_open_gets_the_page_cache(tm
     assert (tmp_path / "f").read_bytes() == data
     with pytest.raises(FileNotFoundError):
         writer.Sink(str(tmp_path / "missing" / "f"))
+
+
+def _page_aligned(data: bytes):
+    """``data`` in an anonymous mapping: its first byte on a page, as a staged slot's large boxes are."""
+    import mmap
+
+    m = mmap.mmap(-1, len(data) + 8192)
+    m[:len(data)] = data
+    return m
+
+
+@pytest.mark.parametrize("offset", [0, 64])
+def test_a_large_span_on_a_page_goes_to_the_disk_from_where_it_lies(tmp_path, offset):
+    """A span of ``DIRECT_SPAN`` bytes or more that starts on a page, in memory and in the file, is written
+    from where it lies (its whole pages: ``sink.spans``), the buffered bytes before it first, its last partial
+    page copied: the file holds exactly the bytes given, hashed once, in order.  Control (offset 64): the same
+    bytes off a page are all copied, no span, the same file."""
+    from ckpt_service import writer
+
+    big = os.urandom((3 << 20) + 777)
+    other = os.urandom(2 << 20)
+    m1, m2 = _page_aligned(b"\0" * offset + big), _page_aligned(other)
+    head = os.urandom(100)
+    pad = bytes(-(len(head)) % 4096)
+    tail = os.urandom(50)
+    pad2 = bytes(-(len(head) + len(pad) + len(big) + len(tail)) % 4096)
+    pieces = [memoryview(head), memoryview(pad), memoryview(m1)[offset:offset + len(big)], memoryview(tail),
+              memoryview(pad2), memoryview(m2)[:len(other)], memoryview(tail)]
+    data = b"".join(bytes(p) for p in pieces)
+    sink = writer.Sink(str(tmp_path / "f"))
+    if not sink.direct:
+        sink.close()
+        pytest.skip("no direct I/O on this file system")
+    h = blake3.blake3()
+    for p in pieces:
+        sink.put(p, h)
+    assert sink.finish() == len(data)
+    sink.close()
+    assert (tmp_path / "f").read_bytes() == data
+    assert h.hexdigest() == blake3.blake3(data).hexdigest()
+    if offset == 0:
+        assert sink.spans == (3 << 20) + (2 << 20)  # both spans' whole pages from where they lay
+    else:
+        assert sink.spans == 2 << 20  # the first span is off a page: copied; the second one still goes as it lies
+
+
+def test_a_span_refused_direct_io_after_the_open_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """A span written with the buffered bytes before it (one vectored write) that the file system refuses
+    (EINVAL) goes through the page cache, none of its bytes lost or doubled."""
+    from ckpt_service import writer
+
+    real_write, real_writev = os.write, os.writev
+
+    def refuse(fd):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(writer.os, "write", lambda fd, b: (refuse(fd), real_write(fd, b))[1])
+    monkeypatch.setattr(writer.os, "writev", lambda fd, bs: (refuse(fd), real_writev(fd, bs))[1])
+    big = os.urandom(2 << 20)
+    m = _page_aligned(big)
+    head = os.urandom(4096)
+    sink = writer.Sink(str(tmp_path / "f"))
+    if not sink.direct:
+        sink.close()
+        pytest.skip("no direct I/O on this file system")
+    sink.put(memoryview(head))
+    sink.put(memoryview(m)[:len(big)])
+    assert sink.finish() == len(head) + len(big)
+    sink.close()
+    assert not sink.direct
+    assert (tmp_path / "f").read_bytes() == head + big
+
+
+@pytest.mark.parametrize("placed", [True, False])
+def test_large_boxes_are_written_from_the_slot_each_on_a_page_of_its_file(tmp_path, monkeypatch, placed):
+    """Every DCP item of ``PLACE_FROM`` bytes or more starts on a page of its file and its ``torch.save``
+    record's data too, so the sink writes the box from the slot (``from_slot``: at least every large box's
+    whole pages); the files still verify and stock ``dcp.load`` reads the state bit for bit.  Control
+    (``placed`` False: DCP's own file writing, no padding): the large items are not all on pages and less is
+    written from the slots."""
+    import io
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_service import staging, writer
+    from ckpt_service.verify import verify_snapshot
+
+    if not placed:
+        monkeypatch.setattr(writer, "_can_place_items", lambda: False)
+    t = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))  # 4 MiB: two boxes of ~2 MiB
+    small = torch.arange(300.0)
+    descs = [_stage_rows(tmp_path / "shm", t, (0, 500_001), 0, 7), _stage_rows(tmp_path / "shm", t, (500_001, t.numel()), 1, 7)]
+    meta = {"job_id": "t", "config_digest": "0" * 64, "config": {}, "world_size": 2, "layout": [1, 2],
+            "extra_json": json.dumps({"run": {}, "ranks": {}}), "capture": None}
+    for d in descs:
+        d["meta"] = meta
+        d["plain"] = {"model": {}, "lr": 1, "small": small}
+        d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
+    large = [s for d in descs for e in d["entries"] for _o, s, _b in e["boxes"] if math.prod(s) * 4 >= writer.PLACE_FROM]
+    assert len(large) == 2
+    from_slot: dict[str, int] = {}
+    path, _ = writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", key=b"k" * 32, from_slot=from_slot)
+    assert verify_snapshot(path, b"k" * 32)[0]
+    back = {"model": {"w": torch.zeros_like(t)}, "lr": 0, "small": torch.zeros_like(small), "extra": {"json": ""}}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    assert torch.equal(back["model"]["w"], t) and torch.equal(back["small"], small)
+    md = dcp.FileSystemReader(path).read_metadata()
+    on_pages = []
+    for index, info in md.storage_data.items():
+        if index.fqn != "model.w" or info.length < writer.PLACE_FROM:  # the two large boxes' items
+            continue
+        raw = open(os.path.join(path, info.relative_path), "rb").read()[info.offset:info.offset + info.length]
+        record = zipfile.ZipFile(io.BytesIO(raw))
+        zi = next(z for z in record.infolist() if z.filename.endswith("/data/0"))
+        local = raw[zi.header_offset:zi.header_offset + 30]
+        start = zi.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        on_pages.append(info.offset % 4096 == 0 and (info.offset + start) % 4096 == 0)
+    whole = sum(math.prod(s) * 4 // 4096 * 4096 for s in large)
+    if placed:
+        assert on_pages == [True, True]
+        assert sum(from_slot.values()) >= whole
+    else:
+        assert not all(on_pages) and sum(from_slot.values()) < whole
