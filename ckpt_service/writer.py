@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import inspect
 import logging
 import math
 import mmap
@@ -640,8 +641,6 @@ PLACE_FROM = DIRECT_SPAN
 def _can_place_items() -> bool:
     """Whether this torch has what :func:`_write_files` uses: DCP's ``_write_item`` and ``torch.save``'s storage
     alignment (both in torch 2.13-2.15)."""
-    import inspect
-
     import torch.serialization as ser
     from torch.distributed.checkpoint import filesystem
 
