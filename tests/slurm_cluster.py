@@ -16,6 +16,7 @@ Every call here has a timeout, and every wait a deadline on ``time.monotonic()``
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -417,6 +418,27 @@ def again_after_a_crash(cluster: Cluster, run: Callable[[], T]) -> T:
         print(f"[dev-cluster watchdog] run again after a daemon restart ({dog.restarts[mark]}); it failed with "
               f"{type(exc).__name__}: {str(exc)[:300]}", file=sys.__stderr__, flush=True)
     return run()
+
+
+def rerun_after_a_crash(test: Callable[..., T]) -> Callable[..., T]:
+    """A Slurm test run once more when it failed while the watchdog started a crashed daemon again
+    (:func:`again_after_a_crash`), its ``tmp_path`` a fresh directory in each try (``try-0``, ``try-1``).  The
+    test takes the ``slurm_cluster`` fixture by that name."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> T:
+        tries = iter(range(2))
+        base = kwargs.get("tmp_path")
+
+        def once() -> T:
+            if base is not None:
+                kwargs["tmp_path"] = base / f"try-{next(tries)}"
+                kwargs["tmp_path"].mkdir()
+            return test(*args, **kwargs)
+
+        return again_after_a_crash(kwargs["slurm_cluster"], once)
+
+    return run
 
 
 def watchdog_restarts() -> list[str]:

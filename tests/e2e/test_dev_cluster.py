@@ -23,6 +23,7 @@ from tests.slurm_cluster import (  # noqa: F401,F811  (slurm_cluster is a fixtur
     Cluster,
     completion_records,
     job_info,
+    rerun_after_a_crash,
     submit,
     wait_job,
     watchdog_of,
@@ -120,6 +121,7 @@ def _assert_four_ranks_on_two_nodes(ranks: dict[int, dict], config: Path, run_di
     assert {node: sorted(r) for node, r in per_node.items()} == {"node1": [0, 1], "node2": [2, 3]}
 
 
+@rerun_after_a_crash
 def test_hsdp_template_runs_four_ranks_over_two_nodes(slurm_cluster: Cluster, standin_env, tmp_path: Path):
     submit_dir = tmp_path / "submit"
     config = _write_config(submit_dir)
@@ -140,6 +142,7 @@ def test_hsdp_template_runs_four_ranks_over_two_nodes(slurm_cluster: Cluster, st
     assert (record["State"], record["NodeList"], record["ExitCode"]) == ("COMPLETED", "node[1-2]", "0:0")
 
 
+@rerun_after_a_crash
 def test_hsdp_template_survives_hostile_paths(slurm_cluster: Cluster, standin_env, tmp_path: Path):
     # submitit's weird_tmp_path: a quote that would end a shell string, a command after it, a newline.
     submit_dir = tmp_path / "sub 'a'; echo foo\nbar"
@@ -155,6 +158,7 @@ def test_hsdp_template_survives_hostile_paths(slurm_cluster: Cluster, standin_en
     assert not list(tmp_path.rglob("pwned"))
 
 
+@rerun_after_a_crash
 def test_hsdp_template_forwards_usr2_to_every_task(slurm_cluster: Cluster, standin_env, tmp_path: Path):
     """The pre-timeout USR2 goes to the batch shell only (B:); it must reach every task, not kill the shell."""
     submit_dir = tmp_path / "submit"
@@ -177,6 +181,7 @@ def test_hsdp_template_forwards_usr2_to_every_task(slurm_cluster: Cluster, stand
     assert "USR2 (time limit near): forwarding" in _job_log(submit_dir, job_id)
 
 
+@rerun_after_a_crash
 def test_hsdp_template_holds_an_early_usr2_until_the_tasks_take_it(slurm_cluster: Cluster, standin_env,
                                                                    tmp_path: Path):
     """A USR2 that reaches the batch shell while the tasks are still starting (no handler yet: the default action

@@ -24,7 +24,7 @@ import pytest
 
 from accelpact_slurm.core.events import read_events
 from tests.e2e.test_l2_slurm import JOB_DEADLINE_S, finish, job_file, reference, restarts_seen, sbatch
-from tests.slurm_cluster import Cluster, job_info, wait_job
+from tests.slurm_cluster import Cluster, job_info, rerun_after_a_crash, wait_job
 
 pytestmark = pytest.mark.slurm
 
@@ -53,6 +53,7 @@ def _scancel(env: dict, *args: str) -> None:
     subprocess.run(["scancel", *args], env=env, check=True, timeout=30)
 
 
+@rerun_after_a_crash
 def test_preemption_sigterm_snapshots_at_the_next_boundary_requeues_and_completes(slurm_cluster: Cluster,
                                                                                   tmp_path: Path):
     """SIGCONT + SIGTERM to every task, as a preemption's grace time begins: the ranks snapshot at the next
@@ -91,6 +92,7 @@ def test_preemption_sigterm_snapshots_at_the_next_boundary_requeues_and_complete
     assert summary["losses"] == ref["losses"]
 
 
+@rerun_after_a_crash
 def test_a_plain_scancel_still_ends_the_job_for_good(slurm_cluster: Cluster, tmp_path: Path):
     """A plain ``scancel`` (SIGTERM to the batch shell and every step, SIGKILL after KillWait) ends the job
     CANCELLED: nobody requeues it, though the batch script now outlives its SIGTERM and the ranks take SIGTERM

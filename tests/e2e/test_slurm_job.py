@@ -10,7 +10,7 @@ import pytest
 
 from accelpact_slurm.core.events import read_events
 from tests.conftest import DECODER_JOB, REPO, VISION_JOB, job_text, run_cli
-from tests.slurm_cluster import Cluster, again_after_a_crash, submit, wait_job
+from tests.slurm_cluster import Cluster, rerun_after_a_crash, submit, wait_job
 
 pytestmark = pytest.mark.slurm
 
@@ -35,6 +35,7 @@ def _job(tmp_path: Path, example: str) -> Path:
 
 
 @pytest.mark.parametrize("example", ["decoder", "vision"])
+@rerun_after_a_crash
 def test_example_through_the_template_repairs_a_fault_and_matches_the_embedded_default(
         slurm_cluster: Cluster, tmp_path: Path, example: str):
     """Each example, through sbatch on 2 nodes x 2 tasks, with an L1 boundary fault after update 5, ends in the
@@ -42,23 +43,14 @@ def test_example_through_the_template_repairs_a_fault_and_matches_the_embedded_d
     config = _job(tmp_path, example)
     local = run_cli(["accelpact_slurm.cli.run", str(config), "--run-dir", str(tmp_path / "local")])
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
-    config.write_text(config.read_text().replace("faults: []", "faults: [boundary:5:1]"))
-    reference = json.loads((tmp_path / "local" / "summary.json").read_text())
-    tries = iter(range(2))
-    # a job under a Slurm daemon's crash runs once more, in a fresh directory (tests/slurm_cluster.py: Watchdog)
-    again_after_a_crash(slurm_cluster, lambda: _through_the_template(
-        slurm_cluster, config, tmp_path / f"try {next(tries)}", reference))
-
-
-def _through_the_template(slurm_cluster: Cluster, config: Path, where: Path, reference: dict) -> None:
-    where.mkdir()
-    run_dir = where / "run dir"
+    run_dir = tmp_path / "run dir"
     env = dict(slurm_cluster.env)
     env["ACCELPACT_PYTHON"] = sys.executable
     env["PYTHONPATH"] = REPO
-    job_id = submit(TEMPLATE, [str(config), str(run_dir)], env, ["--nodes=2", "--ntasks-per-node=2"], cwd=where)
+    config.write_text(config.read_text().replace("faults: []", "faults: [boundary:5:1]"))
+    job_id = submit(TEMPLATE, [str(config), str(run_dir)], env, ["--nodes=2", "--ntasks-per-node=2"], cwd=tmp_path)
     state = wait_job(job_id, deadline_s=300, env=env)
-    out = (where / f"accelpact-hsdp-{job_id}.out").read_text()
+    out = (tmp_path / f"accelpact-hsdp-{job_id}.out").read_text()
     assert state == "COMPLETED", out[-4000:]
     events = list(read_events(run_dir / "events.jsonl"))
     members = sorted((e["rank"], e["hostname"]) for e in events if e["event"] == "membership")
@@ -71,6 +63,7 @@ def _through_the_template(slurm_cluster: Cluster, config: Path, where: Path, ref
     assert repair["frontier"] == 5 and repair["decision"] == "preserve"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["world_size"] == 4 and summary["nodes"] == 2
+    reference = json.loads((tmp_path / "local" / "summary.json").read_text())
     assert summary["final_state_digest"] == reference["final_state_digest"]
     assert "final_state_digest" in out
     # rank 0's lines carry its label (srun --label), as the embedded default's and submitit's do

@@ -17,11 +17,12 @@ import pytest
 from accelpact_slurm.core.events import read_events
 from ckpt_service.layout import node_dir, staging_root
 from tests.e2e.test_l2_slurm import JOB_DEADLINE_S, job_file, sbatch
-from tests.slurm_cluster import Cluster, wait_job
+from tests.slurm_cluster import Cluster, rerun_after_a_crash, wait_job
 
 pytestmark = pytest.mark.slurm
 
 
+@rerun_after_a_crash
 def test_kill_9_of_ranks_and_daemons_leaves_no_staging_on_the_nodes(slurm_cluster: Cluster, tmp_path: Path):
     """Once both nodes hold staged slots, every rank and daemon is killed with SIGKILL; the daemon task's shell
     outlives its daemon and drops that node's staging (``accelpact-ckptd --drop-staging``, under the node
