@@ -284,14 +284,24 @@ def drop_unserved(ndir: str) -> tuple[str, str]:
 
     The node directory's daemon lock (``ckptd.lock``, flock) is taken non-blocking first and held while
     removing: while a live daemon holds it, nothing is touched (``SERVED``).  The kernel releases a dead
-    daemon's lock, ``kill -9`` included.  Without a node directory no daemon can have served it and there
-    is no lock to take: the staging root, if any, is left alone (``NOTHING``).
+    daemon's lock, ``kill -9`` included.  Without a node directory (missing, or a file in its place) no daemon
+    can serve it and there is no lock to take: what the node's ranks staged there anyway (they stage before
+    they learn that no daemon came) is read by nobody and removed (``REMOVED``); else ``NOTHING``, and no
+    directory is created.
     """
     ndir = os.path.abspath(ndir)
     root = staging_root(ndir)
     sock = socket_path(ndir)
     if not os.path.isdir(ndir):
-        return NOTHING, f"no node directory {ndir}: no daemon served it here"
+        if not os.path.lexists(root):
+            return NOTHING, f"no node directory {ndir}: no daemon served it here"
+        try:
+            check_private(os.path.dirname(root))  # never follow a link another user planted
+            check_private(root)
+            shutil.rmtree(root)
+        except (OSError, CheckpointError) as exc:
+            return FAILED, f"cannot remove what the ranks staged for {ndir}: {exc}"
+        return REMOVED, f"removed {root}: the ranks staged for {ndir}, which no daemon could serve (no directory)"
     try:
         fd = os.open(os.path.join(ndir, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:

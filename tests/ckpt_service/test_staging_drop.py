@@ -66,6 +66,22 @@ def test_without_a_node_directory_nothing_is_touched(tmp_path):
     assert drop_unserved(ndir)[0] == NOTHING and not os.path.exists(ndir)  # no directory created either
 
 
+def test_what_ranks_staged_for_a_node_directory_no_daemon_could_serve_is_dropped(tmp_path):
+    """A file where the node directory should be: its daemon could not start, the node's ranks staged anyway
+    (they learn it at their first hand-over); nobody reads those slots, so they go.  The file stays."""
+    ndir = str(tmp_path / "node1")
+    with open(ndir, "w") as fh:
+        fh.write("a file where the node directory should be\n")
+    root = staging_root(ndir)
+    os.makedirs(os.path.join(root, "step-0000000002"), mode=0o700)
+    with open(os.path.join(root, "rank-0.slot-0"), "wb") as fh:
+        fh.write(b"\0" * 4096)
+    what, why = drop_unserved(ndir)
+    assert what == REMOVED and "no daemon could serve" in why, why
+    assert not os.path.exists(root) and os.path.isfile(ndir)
+    assert drop_unserved(ndir)[0] == NOTHING
+
+
 def test_the_module_entry_drops_and_reports(tmp_path, capsys):
     ndir = str(tmp_path / "node-local" / "n1")
     os.makedirs(ndir)

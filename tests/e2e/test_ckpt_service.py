@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from ckpt_service.index import newest_verified, read_record, scan
-from ckpt_service.layout import socket_path, step_dirname
+from ckpt_service.layout import socket_path, staging_root, step_dirname
 from tests.conftest import REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.multiproc
@@ -433,3 +433,6 @@ def test_a_daemon_that_cannot_start_says_so_once_and_the_ranks_go_on_without_it(
     warnings = [e for e in events if e["event"] == "warning" and "no checkpoint daemon on node1" in e["reason"]]
     assert len(warnings) == 1, warnings  # said once, by node1's first rank
     assert [r.step for r in scan(str(nvme / "node2")) if r.state == "verified"][-2:] == [6, 8]
+    # node1's ranks staged every snapshot before they learnt there was no daemon: nothing of it stays in /dev/shm
+    # (control: without the drop for a node directory no daemon could serve, the staging root stayed)
+    assert not os.path.exists(staging_root(str(nvme / "node1")))
