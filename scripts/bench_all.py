@@ -130,10 +130,10 @@ PART_ARGS: dict[str, list[str]] = {
     "ckpt": ["--modes", "none,ours,dcp_stager", "--rounds", "2", "--bw-pairs", "4", "--soak", "200"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes; about 69 s of
     # it are fixed (the peers' venv checks and set-up) whatever the trials
-    # the detector's cost against the code before it: 4 ABBA pairs (2 read 0.89x and 1.12x in two runs of the same
-    # detector; the plain updates moved as much: job-to-job noise), ~50 s more
-    "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "4", "--first-snapshot", "0",
-                 "--traffic-s", "3"],
+    # the detector's own cost (its goal): on and off in turn in one job, 100 alternations of 2 + 2 updates (~45 s);
+    # beside it the comparison with the code before the detector, 2 ABBA pairs (context only: job-to-job noise)
+    "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "2", "--toggle-alternations", "100",
+                 "--first-snapshot", "0", "--traffic-s", "3"],
     "shared": ["--pairs", "2", "--steps", "24", "--warmup", "4"],
     # the mixed variant (no goal, not in the README) left out
     "restore": ["--rounds", "2", "--variants", "own,peer,shared"],

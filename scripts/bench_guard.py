@@ -122,6 +122,30 @@ def run_job(tree: Path, tag: str, work: Path, plan: dict[str, Any], deadline_s: 
             extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """One job of the library in ``tree``; its segments and its overhead ratio (or ``error``).  ``extra_env``: set
     for the job after the caller's ``SLURM_*``/``ACCELPACT_*`` variables are scrubbed."""
+    recs, res, log = launch(tree, tag, work, plan, deadline_s, extra_env)
+    ready = next((r for r in recs if r.get("ev") == "ready"), {})
+    segs = {(r["round"], r["mode"]): r for r in recs if r.get("ev") == "segment"}
+    rounds = sorted({rd for rd, _ in segs if (rd, "plain") in segs and (rd, "guarded") in segs})
+    res["library"] = ready.get("library")
+    if not rounds or not any(r.get("ev") == "done" for r in recs):
+        why = "its deadline passed" if res["rc"] is None else f"exit code {res['rc']}"
+        return {**res, "ok": False, "error": f"{tag}: no complete run ({why}): {h.tail(log, 6, sep=' | ', limit=600)}"}
+    g = {rd: segs[(rd, "guarded")] for rd in rounds}
+    p = {rd: segs[(rd, "plain")] for rd in rounds}
+    gm = {rd: h.med(g[rd]["dts"]) for rd in rounds}  # a segment's median update
+    pm = {rd: h.med(p[rd]["dts"]) for rd in rounds}
+    ratios = {rd: gm[rd] / pm[rd] for rd in rounds}
+    seg_ratios = {rd: g[rd]["seg_s"] / p[rd]["seg_s"] for rd in rounds}
+    return {**res, "ok": True, "ratios": [ratios[rd] for rd in rounds], "overhead": h.med(ratios.values()),
+            "seg_ratios": [seg_ratios[rd] for rd in rounds], "overhead_seg": h.med(seg_ratios.values()),
+            "guarded_ms": h.med(gm.values()) * 1e3, "plain_ms": h.med(pm.values()) * 1e3,
+            "added_ms": h.med((gm[rd] - pm[rd]) * 1e3 for rd in rounds)}
+
+
+def launch(tree: Path, tag: str, work: Path, plan: dict[str, Any], deadline_s: float,
+           extra_env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], Path]:
+    """Run one job of the library in ``tree`` to its end or its deadline: (rank 0's records, ``{"tag", "rc",
+    "wall_s"}``, its log)."""
     out = work / f"{tag}.jsonl"
     cfg = write_job(work / f"{tag}.yaml", out, {**plan, "deadline_s": deadline_s})
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB)}
@@ -146,24 +170,7 @@ def run_job(tree: Path, tag: str, work: Path, plan: dict[str, Any], deadline_s: 
                 pass
             proc.wait(timeout=10)
     wall = time.monotonic() - t0
-    recs = h.read_jsonl(out)
-    ready = next((r for r in recs if r.get("ev") == "ready"), {})
-    segs = {(r["round"], r["mode"]): r for r in recs if r.get("ev") == "segment"}
-    rounds = sorted({rd for rd, _ in segs if (rd, "plain") in segs and (rd, "guarded") in segs})
-    res: dict[str, Any] = {"tag": tag, "rc": rc, "wall_s": round(wall, 1), "library": ready.get("library")}
-    if not rounds or not any(r.get("ev") == "done" for r in recs):
-        why = "its deadline passed" if rc is None else f"exit code {rc}"
-        return {**res, "ok": False, "error": f"{tag}: no complete run ({why}): {h.tail(log, 6, sep=' | ', limit=600)}"}
-    g = {rd: segs[(rd, "guarded")] for rd in rounds}
-    p = {rd: segs[(rd, "plain")] for rd in rounds}
-    gm = {rd: h.med(g[rd]["dts"]) for rd in rounds}  # a segment's median update
-    pm = {rd: h.med(p[rd]["dts"]) for rd in rounds}
-    ratios = {rd: gm[rd] / pm[rd] for rd in rounds}
-    seg_ratios = {rd: g[rd]["seg_s"] / p[rd]["seg_s"] for rd in rounds}
-    return {**res, "ok": True, "ratios": [ratios[rd] for rd in rounds], "overhead": h.med(ratios.values()),
-            "seg_ratios": [seg_ratios[rd] for rd in rounds], "overhead_seg": h.med(seg_ratios.values()),
-            "guarded_ms": h.med(gm.values()) * 1e3, "plain_ms": h.med(pm.values()) * 1e3,
-            "added_ms": h.med((gm[rd] - pm[rd]) * 1e3 for rd in rounds)}
+    return h.read_jsonl(out), {"tag": tag, "rc": rc, "wall_s": round(wall, 1)}, log
 
 
 # ====================================================================== analysis and report

@@ -108,3 +108,21 @@ def test_the_newest_part_file_wins_over_the_merged_copy(tmp_path):
     (res_dir / "2026-01-01.json").write_text(json.dumps({"parts": {"x": {"part": "x", "rows": [{"ratio": 3.0}]}}}))
     got, rel = figures.stored_results(res_dir)["x"]
     assert got["rows"][0]["ratio"] == 2.0 and rel == os.path.join("benchmarks", "results", "2026-01-02", "x.json")
+
+
+def test_the_detector_toggle_pairs_each_alternation_on_its_slowest_rank(bench_all):
+    """The detector's own cost (``recovery_cost.toggle_analysis``): each alternation's ratio is the slowest rank's
+    mean of its ``on`` updates over the slowest rank's mean of its adjacent ``off`` ones, and the headline is
+    their median.  Rank 1 is the slow one in every update here, 10% slower with the detector on; rank 0 is fast
+    and unaffected: the headline must read rank 1's 1.10, not rank 0's 1.00 nor a mean of the two."""
+    from bench.recovery_cost import toggle_analysis
+
+    k, n = 2, 10
+    base = [0.100 + 0.001 * (i % 3) for i in range(n * k)]  # the same moments of the machine in both halves
+    ranks = [{"on": [0.050] * (n * k), "off": [0.050] * (n * k), "wall_s": 4.0, "liveness_cpu_s": 0.004},
+             {"on": [b * 1.10 for b in base], "off": base, "wall_s": 4.0, "liveness_cpu_s": 0.008}]
+    got = toggle_analysis({"k": k, "alternations": n, "ranks": ranks})
+    assert got["ratio"]["n"] == n and abs(got["ratio"]["median"] - 1.10) < 1e-9
+    assert got["ratio"]["lo"] <= got["ratio"]["median"] <= got["ratio"]["hi"]
+    assert [round(x["ratio"], 6) for x in got["per_rank"]] == [1.0, 1.1]
+    assert abs(got["added_ms"] - 10.1) < 0.2 and got["liveness_cpu_share"]["max"] == 0.002

@@ -111,7 +111,10 @@ class RoundWatch:
 
 
 #: A round is left alone this long before the liveness thread publishes it and looks at its missing members...
-FIRST_LOOK_S = 0.02
+#: (a look costs its rank about 7 store round trips, and every waiting rank looks: at 20 ms, the vote of a guarded
+#: update on a busy machine often lasted long enough, and the looks cost the job ~3% of every guarded update; a
+#: dead member is still named within this plus :data:`LOOK_S`, its node peer's pidfd having marked it at once)
+FIRST_LOOK_S = 0.2
 #: ...and then looks again this often.
 LOOK_S = 0.1
 

@@ -64,6 +64,13 @@ def main(job: Any) -> None:
         body()
         guarded()
     emit("ready", library=os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["accelpact_slurm"].__file__))))
+    if plan.get("toggle"):  # the current code only: the detector on and off in this same job
+        emit("toggle", **toggle_detector(job, guarded, plan["toggle"]))
+        control.barrier("bench-end")
+        emit("done", world=job.world_size)
+        if fd is not None:
+            os.close(fd)
+        return
     for r in range(plan["rounds"]):
         for mode in h.abba(r, "plain", "guarded"):
             control.barrier("bench-segment")
@@ -82,3 +89,52 @@ def main(job: Any) -> None:
     emit("done", world=job.world_size)
     if fd is not None:
         os.close(fd)
+
+
+def toggle_detector(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """The detector's own cost, in this job: guarded updates with the detector on (its collective tap, the
+    control plane's watched rounds) and off (neither), ``k`` of each in turn, ``alternations`` times, the order
+    swapped every other time (ABBA), every rank timing its own updates.  The liveness thread writes its heartbeat
+    in both (a rank without it would be called hung): its CPU seconds over the whole section are measured apart
+    (``/proc/self/task/<tid>/schedstat``).  Every rank decides from the update's index alone when to switch (the ranks
+    are in lock step at every update's vote): no round of its own.  Returns every rank's times (rank 0 emits)."""
+    from accelpact_slurm.repair import torch_compat as tc
+
+    rt = job._rt
+    det, control = rt.detector, rt.control
+    k, n = int(plan.get("k", 2)), int(plan.get("alternations", 60))
+
+    def switch(on: bool) -> None:
+        if on:
+            tc.install_collective_tap(det.on_call)
+            control.watch = det
+        else:
+            tc.remove_collective_tap()
+            control.watch = None
+
+    def thread_cpu_s() -> float | None:  # schedstat: the thread's time on a CPU, in nanoseconds
+        tid = getattr(getattr(det.publisher, "_thread", None), "native_id", None)
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as fh:
+                return int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError, TypeError):
+            return None
+
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    control.barrier("bench-toggle")
+    cpu0, wall0 = thread_cpu_s(), time.monotonic()
+    try:
+        for i in range(n):
+            for mode in h.abba(i, "on", "off"):
+                switch(mode == "on")
+                for _ in range(k):
+                    t0 = time.perf_counter()
+                    guarded()
+                    times[mode].append(time.perf_counter() - t0)
+    finally:
+        switch(True)
+    cpu1, wall = thread_cpu_s(), time.monotonic() - wall0
+    mine = {"on": times["on"], "off": times["off"], "wall_s": wall,
+            "liveness_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0}
+    every = control.all_gather("bench-toggle-times", mine)
+    return {"k": k, "alternations": n, "ranks": every}
