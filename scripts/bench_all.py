@@ -118,7 +118,10 @@ PART_ARGS: dict[str, list[str]] = {
     # 8 ABBA pairs against the earlier code, 2 of the store's server in a thread vs its own process; jobs of 5 rounds
     # of 8 updates per mode (6 x 8: 151 s for 5 pairs on 2026-12-04, 3 x 6 read 0.91-1.22 over three runs; with 4
     # pairs the same store code read 0.915, 1.079 and 1.044 in three runs: more pairs, ~90 s more)
-    "store": ["--pairs", "8", "--rounds", "5", "--steps", "8", "--where-pairs", "2"],
+    # 2026-12-05: the goal decided in one job instead (the control plane on our store and on a TCPStore in turn,
+    # 100 alternations, ~45 s; the 8 job pairs read 0.997 (0.87-1.11), 1.016 the run before); 2 pairs against the
+    # earlier code kept as context
+    "store": ["--toggle-alternations", "100", "--pairs", "2", "--rounds", "5", "--steps", "8", "--where-pairs", "2"],
     # 3 samples at 4-256 members; 1,024 members always takes a warm-up + 3 samples (4 x 13-43 s of the old code)
     "control": ["--samples", "3"],
     "paper": ["--repeats", "2"],
@@ -127,7 +130,9 @@ PART_ARGS: dict[str, list[str]] = {
     # dcp_sync (no goal) and dcp_process (never the best asynchronous mode; the one that ran out of memory) left
     # out; 2 rounds; 4 bandwidth pairs (2 with the ceiling first, 2 second); the memory soak's goal is stated over
     # 200 snapshots (~100 s; a 50-snapshot soak, 31 s on 2026-12-04, read the warm-up as growth: 1.045)
-    "ckpt": ["--modes", "none,ours,dcp_stager", "--rounds", "2", "--bw-pairs", "4", "--soak", "200"],
+    # 2026-12-05: 3 rounds (one timed snapshot per mode and round: with 2 one slow copy, 1.52 s against a 0.2 s
+    # floor, decided the blocking goal; ~100 s per round), paid for by the store part's job pairs
+    "ckpt": ["--modes", "none,ours,dcp_stager", "--rounds", "3", "--bw-pairs", "4", "--soak", "200"],
     # alone (its defaults: 5 trials, 3 per peer, the 110M job, 3 cost pairs) it takes 18 minutes; about 69 s of
     # it are fixed (the peers' venv checks and set-up) whatever the trials
     # the detector's own cost (its goal): on and off in turn in one job, 120 alternations of 2 + 2 updates (~55 s;

@@ -124,7 +124,7 @@ def markdown(res: dict[str, Any]) -> str:
                   f"process is stopped after the segment for lack of memory): call "
                   f"{_med([f['call_s'] for f in fc]):.2f} s, done after {_med([f['done_s'] for f in fc]):.2f} s "
                   f"(medians of {len(fc)})."]
-    lines += write_path_lines(bw) if bw.get("ratio_ceiling") else [
+    lines += [] if not bw.get("pairs") else write_path_lines(bw) if bw.get("ratio_ceiling") else [
         "",
         f"**Write bandwidth** (one node's snapshot, {bw['pairs'][0]['ours_bytes'] / 2**30:.2f} "
         f"GiB; {len(bw['pairs'])} pairs, order alternated): the daemon's write path (map the two ranks' "
@@ -311,6 +311,8 @@ def analysis_lines(res: dict[str, Any]) -> list[str]:
             f"replay check of a later reload. Committed after "
             f"{_f(committed, '{:.1f}')} s, verified after {_f(verified, '{:.1f}')} s: {behind}.")
     pm = bw["parts_median_s"]
+    if not bw.get("pairs"):  # the bandwidth part was left out (--bw-pairs 0): nothing to say of the write path
+        return out
     if "dcp_save_s" not in pm:  # a result from before the write path hashed while writing
         out.append(
             f"Write path {'meets' if g['write_bandwidth']['pass'] else 'misses'} goal 2: per write, mapping the "

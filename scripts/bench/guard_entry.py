@@ -64,8 +64,9 @@ def main(job: Any) -> None:
         body()
         guarded()
     emit("ready", library=os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["accelpact_slurm"].__file__))))
-    if plan.get("toggle"):  # the current code only: the detector on and off in this same job
-        emit("toggle", **toggle_detector(job, guarded, plan["toggle"]))
+    if plan.get("toggle"):  # the current code only: the detector on and off (or the store) in this same job
+        toggle = toggle_store if plan["toggle"].get("what") == "store" else toggle_detector
+        emit("toggle", **toggle(job, guarded, plan["toggle"]))
         control.barrier("bench-end")
         emit("done", world=job.world_size)
         if fd is not None:
@@ -91,18 +92,69 @@ def main(job: Any) -> None:
         os.close(fd)
 
 
+def _alternate(job: Any, guarded: Any, plan: dict[str, Any], switch: Any, probe: Any = None) -> dict[str, Any]:
+    """``k`` guarded updates in mode ``on``, then ``k`` in mode ``off`` (``switch(on)`` between them), ``alternations``
+    times, the order swapped every other time (ABBA), every rank timing its own updates; every rank decides from
+    the update's index alone when to switch (the ranks are in lock step at every update's vote: no round of its
+    own).  ``probe()``: a number read before and after (its difference is returned).  Every rank's times."""
+    control = job._rt.control
+    k, n = int(plan.get("k", 2)), int(plan.get("alternations", 60))
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    control.barrier("bench-toggle")
+    p0, wall0 = probe() if probe else None, time.monotonic()
+    try:
+        for i in range(n):
+            for mode in h.abba(i, "on", "off"):
+                switch(mode == "on")
+                for _ in range(k):
+                    t0 = time.perf_counter()
+                    guarded()
+                    times[mode].append(time.perf_counter() - t0)
+    finally:
+        switch(True)
+    p1, wall = probe() if probe else None, time.monotonic() - wall0
+    mine = {"on": times["on"], "off": times["off"], "wall_s": wall,
+            "liveness_cpu_s": None if p0 is None or p1 is None else p1 - p0}
+    every = control.all_gather("bench-toggle-times", mine)
+    return {"k": k, "alternations": n, "ranks": every}
+
+
+def toggle_store(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """What the job's store costs a guarded update, in this job: its control plane (the vote's round) on the job's
+    store (``on``) and on a ``TCPStore`` that rank 0 hosts for the section (``off``), in turn (:func:`_alternate`).
+    Everything else (the heartbeats, the detector's reads, the groups' stores) stays on the job's store in both."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    control = job._rt.control
+    ours = control.base_store
+    host = getattr(ours, "host", "127.0.0.1")
+    server = dist.TCPStore(host, 0, job.world_size, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60)) if job.rank == 0 else None
+    port = control.all_gather("bench-tcpstore", server.port if server is not None else None)[0]
+    tcp = server if server is not None else dist.TCPStore(host, port, job.world_size, is_master=False,
+                                                          timeout=timedelta(seconds=60))
+
+    def switch(on: bool) -> None:
+        base = ours if on else tcp
+        control._base = base
+        control._store = dist.PrefixStore(f"cp/g{control.generation}", base)
+
+    out = _alternate(job, guarded, plan, switch)
+    control.barrier("bench-tcpstore-done")  # nobody reads the TCPStore any more: rank 0 may end it
+    return out
+
+
 def toggle_detector(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, Any]:
     """The detector's own cost, in this job: guarded updates with the detector on (its collective tap, the
-    control plane's watched rounds) and off (neither), ``k`` of each in turn, ``alternations`` times, the order
-    swapped every other time (ABBA), every rank timing its own updates.  The liveness thread writes its heartbeat
-    in both (a rank without it would be called hung): its CPU seconds over the whole section are measured apart
-    (``/proc/self/task/<tid>/schedstat``).  Every rank decides from the update's index alone when to switch (the ranks
-    are in lock step at every update's vote): no round of its own.  Returns every rank's times (rank 0 emits)."""
+    control plane's watched rounds) and off (neither), in turn (:func:`_alternate`).  The liveness thread writes its
+    heartbeat in both (a rank without it would be called hung): its CPU seconds over the whole section are measured
+    apart (``/proc/self/task/<tid>/schedstat``)."""
     from accelpact_slurm.repair import torch_compat as tc
 
     rt = job._rt
     det, control = rt.detector, rt.control
-    k, n = int(plan.get("k", 2)), int(plan.get("alternations", 60))
 
     def switch(on: bool) -> None:
         if on:
@@ -120,21 +172,4 @@ def toggle_detector(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, A
         except (OSError, ValueError, IndexError, TypeError):
             return None
 
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    control.barrier("bench-toggle")
-    cpu0, wall0 = thread_cpu_s(), time.monotonic()
-    try:
-        for i in range(n):
-            for mode in h.abba(i, "on", "off"):
-                switch(mode == "on")
-                for _ in range(k):
-                    t0 = time.perf_counter()
-                    guarded()
-                    times[mode].append(time.perf_counter() - t0)
-    finally:
-        switch(True)
-    cpu1, wall = thread_cpu_s(), time.monotonic() - wall0
-    mine = {"on": times["on"], "off": times["off"], "wall_s": wall,
-            "liveness_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0}
-    every = control.all_gather("bench-toggle-times", mine)
-    return {"k": k, "alternations": n, "ranks": every}
+    return _alternate(job, guarded, plan, switch, thread_cpu_s)

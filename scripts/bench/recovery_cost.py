@@ -60,30 +60,32 @@ def measure(commit: str, pairs: int, log: Any, budget: Any, plan: dict[str, Any]
     return res
 
 
-def toggle(log: Any, k: int = 2, alternations: int = 60, deadline_s: float = 120.0) -> dict[str, Any]:
+def toggle(log: Any, k: int = 2, alternations: int = 60, deadline_s: float = 120.0,
+           what: str = "detector") -> dict[str, Any]:
     """The detector's own cost in one job of the current code: ``k`` guarded updates with the detector on, then
     ``k`` with it off (its tap removed, the control plane's rounds unwatched), ``alternations`` times in ABBA order
     (``guard_entry.toggle_detector``).  The same work, the same processes, the same moments of the machine: an
     alternation's ratio is its ``on`` updates' mean over its adjacent ``off`` updates' mean, per rank; the goal's
     figure is the median over the alternations of the slowest rank's ratio (every rank timed), with a bootstrap
-    interval of that median (:func:`toggle_analysis`)."""
+    interval of that median (:func:`toggle_analysis`).  ``what="store"``: the control plane on the job's store
+    (``on``) and on a ``TCPStore`` (``off``) instead (``guard_entry.toggle_store``), for the store part."""
     import bench_guard as bg  # scripts/bench_guard.py: its job runner
 
-    work = Path(tempfile.mkdtemp(prefix="bench-recovery-toggle-"))
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{what}-toggle-"))
     try:
-        plan = {"rounds": 0, "steps": 0, "warmup": 3, "toggle": {"k": k, "alternations": alternations}}
+        plan = {"rounds": 0, "steps": 0, "warmup": 3, "toggle": {"k": k, "alternations": alternations, "what": what}}
         recs, res, logf = bg.launch(h.REPO, "toggle", work, plan, deadline_s)
         got = next((r for r in recs if r.get("ev") == "toggle"), None)
         if got is None or not any(r.get("ev") == "done" for r in recs):
             why = "its deadline passed" if res["rc"] is None else f"exit code {res['rc']}"
             res.update(ok=False, error=f"no complete run ({why}): {h.tail(logf, 6, sep=' | ', limit=600)}")
-            log(f"detector on/off: FAILED {res['error'][:300]}")
+            log(f"{what} on/off: FAILED {res['error'][:300]}")
             return res
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res.update(toggle_analysis(got))
     res["ok"] = True
-    log(f"detector on/off in one job: slowest rank {res['ratio']['median']:.3f}x "
+    log(f"{what} on/off in one job: slowest rank {res['ratio']['median']:.3f}x "
         f"(90% interval {res['ratio']['lo']:.3f}-{res['ratio']['hi']:.3f}), {res['added_ms']:+.2f} ms")
     return res
 
