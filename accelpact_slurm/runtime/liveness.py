@@ -106,14 +106,19 @@ class RoundWatch:
     ranks: list[int]
     since: float
     published: bool = False
+    publish_at: float = 0.0
     next_look: float = 0.0
+    looks: int = 0
     done: bool = False
 
 
-#: A round is left alone this long before the liveness thread publishes it and looks at its missing members...
-#: (a look costs its rank about 7 store round trips, and every waiting rank looks: at 20 ms, the vote of a guarded
-#: update on a busy machine often lasted long enough, and the looks cost the job ~3% of every guarded update; a
-#: dead member is still named within this plus :data:`LOOK_S`, its node peer's pidfd having marked it at once)
+#: A round is left alone this long before the liveness thread publishes that this rank waits in it (one write: the
+#: members still inside a collective read it there and give the collective up at once, "left")...
+PUBLISH_S = 0.02
+#: ...and this long before it first looks at the round's missing members (a look costs its rank about 5 store
+#: round trips, and every waiting rank looks: at 20 ms, the vote of a guarded update on a busy machine often lasted
+#: long enough, and the looks cost the job ~3% of every guarded update; a dead member, marked at once by its node
+#: peer's pidfd, is still named within this plus :data:`LOOK_S`)...
 FIRST_LOOK_S = 0.2
 #: ...and then looks again this often.
 LOOK_S = 0.1
@@ -181,10 +186,11 @@ class Publisher:
                      ranks: list[int]) -> RoundWatch:
         """The training thread is about to block in this control-plane round (its keys under ``prefix``)."""
         w = RoundWatch(prefix, name, round_, list(keys), list(ranks), time.monotonic())
+        w.publish_at = w.since + PUBLISH_S
         w.next_look = w.since + FIRST_LOOK_S
         self.state.wait = ["c", generation, name, round_]
         self._round = w
-        self._wake()  # the thread schedules its first look
+        self._wake()  # the thread schedules its publication and first look
         return w
 
     def round_ends(self, w: RoundWatch) -> None:
@@ -238,9 +244,10 @@ class Publisher:
                     poller.register(fd, select.POLLIN)
                 now = time.monotonic()
                 w = self._round
+                if w is not None and not w.done and not w.published and now >= w.publish_at:
+                    w.published = self._want_write = True
                 if w is not None and not w.done and now >= w.next_look:
-                    if not w.published:
-                        w.published = self._want_write = True
+                    w.looks += 1
                     self._look_round(w, now)
                     w.next_look = now + LOOK_S
                 if self._want_write or now - last_write >= self.interval_s:
@@ -250,7 +257,7 @@ class Publisher:
                 wake_at = last_write + self.interval_s
                 w = self._round
                 if w is not None and not w.done:
-                    wake_at = min(wake_at, w.next_look)
+                    wake_at = min(wake_at, w.next_look if w.published else w.publish_at)
                 for fd, _ev in poller.poll(max(0.0, wake_at - time.monotonic()) * 1000):
                     if fd == self._wake_r:
                         try:

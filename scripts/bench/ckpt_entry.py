@@ -99,13 +99,17 @@ class CkptBench(DcpModes):
         untimed = 0.0
         if snap and mode == "ours":  # the floor right before the snapshot (its time left out of the update's)
             t = time.monotonic()
+            f0 = _minor_faults()
             info["memcpy_floor_before_s"] = self._memcpy_floor()
+            info["floor_before_minflt"] = _minor_faults() - f0
             untimed = time.monotonic() - t
         wall = time.time()
         if snap:
             t = time.monotonic()
             if mode == "ours":
+                f0 = _minor_faults()
                 self._snap_ours(step, info)
+                info["snapshot_minflt"] = _minor_faults() - f0  # page faults of the whole process (the copy's)
             else:
                 self._snap_dcp(mode, step)
             block = time.monotonic() - t
@@ -230,3 +234,10 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (a copy into pages the kernel unmapped since: one per page)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
