@@ -174,7 +174,7 @@ class SnapshotClient:
         if plan.on_gpu:
             self.slots[slot].pin()  # once per mapping: D2H at DMA speed
         parts["slot"] = time.monotonic() - t
-        t = time.monotonic()
+        t, cpu = time.monotonic(), time.thread_time()
         token = staging.new_token()
         # cleared before the first byte changes, stamped after the last: a daemon still writing what this slot
         # held before (it should not be: the slot was released) sees the stamp gone and commits nothing
@@ -182,6 +182,7 @@ class SnapshotClient:
         plan.copy_into(self.slots[slot].buf)
         staging.write_stamp(self.slots[slot].buf, nbytes, step, token)
         parts["copy"] = time.monotonic() - t
+        parts["copy_cpu"] = time.thread_time() - cpu  # this thread's CPU in it (wall above it: waiting or preempted)
         other = self.slots[(slot + 1) % SLOTS]
         if 0 < other.size < staging.slot_bytes(nbytes) and (self._prefault is None or not self._prefault.is_alive()):
             # a second slot exists (the daemon was behind once) but the state outgrew it: regrown beside training

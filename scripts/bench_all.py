@@ -139,8 +139,10 @@ PART_ARGS: dict[str, list[str]] = {
     # 100 read 1.008 (0.989-1.035) on 2026-12-05); the comparison with the code before the detector left out (job-to-
     # job noise: 2 pairs read 1.05 (0.91-1.19); with 2 pairs and 100 alternations the part took 485 s, too near the
     # ~500 s the budget leaves it as the last part)
+    # 2026-12-05 (later): 3 extra pairs of ours and torchft on the stalled link in backward (~60 s), for the goal
+    # detection -> next commit like for like (the rounds give it one pair)
     "recovery": ["--trials", "2", "--peer-trials", "1", "--cost-pairs", "0", "--toggle-alternations", "120",
-                 "--first-snapshot", "0", "--traffic-s", "3"],
+                 "--first-snapshot", "0", "--traffic-s", "3", "--detect-pairs", "3"],
     "shared": ["--pairs", "2", "--steps", "24", "--warmup", "4"],
     # the mixed variant (no goal, not in the README) left out
     "restore": ["--rounds", "2", "--variants", "own,peer,shared"],

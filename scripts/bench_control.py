@@ -160,6 +160,10 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: The most one sample of one size may take (1,024 members: 13-43 s a sample of the earlier code).
+SAMPLE_DEADLINE_S = 150.0
+
+
 def rounds_for(n: int) -> int:
     """Rounds per sample: enough for a sample of a few tens of milliseconds at small sizes."""
     return max(1, min(50, 800 // n))
@@ -226,15 +230,18 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
                 continue
             t = time.monotonic()
             g = {c: group(c, n) for c in codes}
+            # every sample of this size has a deadline of its own: a sample that hangs (seen once at 1,024 members
+            # in a full run: no output for 270 s) costs this size, not the parts after this one
+            deadline_s = max(30.0, min(SAMPLE_DEADLINE_S, budget.budget_s - budget.elapsed()))
             try:
                 rounds = rounds_for(n)
                 for c in codes:
-                    g[c].sample(1)  # warm-up
+                    g[c].sample(1, timeout_s=deadline_s)  # warm-up
                 per = {"old": [], "new": []}
                 k = samples if n < 1024 else max(3, samples - 2)
                 for i in range(k):
                     for c in h.abba(i, "old", "new"):
-                        per[c].append(g[c].sample(rounds))
+                        per[c].append(g[c].sample(rounds, timeout_s=deadline_s))
                 row = {"members": n, "rounds": rounds, "old_ms": h.spread(per["old"]),
                        "new_ms": h.spread(per["new"]),
                        "speedup": h.spread([a / b for a, b in zip(per["old"], per["new"])]),
@@ -244,6 +251,10 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
                 log(f"{n} members: old {row['old_ms']['median']:.2f} ms, new {row['new_ms']['median']:.2f} ms "
                     f"per decision ({k} samples of {rounds} rounds); store CPU old "
                     f"{row['old_store_cpu_ms']['median']:.1f} ms, new {row['new_store_cpu_ms']['median']:.1f} ms")
+            except RuntimeError as exc:  # a sample past its deadline, or a member's error: this size only
+                out["curve"][str(n)] = {"skipped": f"a sample failed or passed its {deadline_s:.0f} s deadline: "
+                                                   f"{str(exc)[:200]}"}
+                log(f"{n} members: {out['curve'][str(n)]['skipped']}")
             finally:
                 for c in codes:
                     g[c].close()

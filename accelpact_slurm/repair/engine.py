@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -151,6 +152,11 @@ class RepairEngine:
         self.generation = 0
         self.repairs = 0
         self.retiring: list[Any] = []  # background aborts of retired NCCL communicators (joined by close)
+        #: Retired Gloo groups, held until :meth:`release_retired` frees them on a thread of their own: freeing a
+        #: Gloo group closes its pairs, each close waiting for a tick of Gloo's transport loop (up to 10 ms;
+        #: two groups cost ~18 ms, measured), and whichever reference drops last frees it, on the training
+        #: thread otherwise (the given-up update's traceback, in the middle of a recovery).
+        self.retired: list[Any] = []
 
     @property
     def device(self) -> torch.device:
@@ -159,6 +165,7 @@ class RepairEngine:
 
     def close(self, deadline_s: float = 10.0) -> int:
         """Wait up to ``deadline_s`` for the background retirements; return how many are still running."""
+        self.release_retired()
         end = time.monotonic() + deadline_s
         for t in self.retiring:
             t.join(max(0.0, end - time.monotonic()))
@@ -457,12 +464,28 @@ class RepairEngine:
             detector.renewed(pg, generation)
 
     def _retire(self, ctx: RepairContext) -> None:
-        """After the release: unregister the replaced groups; an NCCL communicator is aborted in the background."""
+        """After the release: unregister the replaced groups; an NCCL communicator is aborted in the background, a
+        Gloo group is held for :meth:`release_retired`."""
         for pg in ctx.retired:
             thread = tc.retire_group(pg)
             if thread is not None:  # pragma: no cover - GPU only
                 self.retiring.append(thread)
+            else:
+                self.retired.append(pg)
         ctx.retired = []
+
+    def release_retired(self) -> threading.Thread | None:
+        """Free the retired Gloo groups on a thread of their own (it releases the GIL while Gloo's loop ticks);
+        the guard calls this at the first vote that commits after a repair, when nothing of the given-up update
+        holds them any more.  Returns the thread (joined by :meth:`close`), or None when none was held."""
+        if not self.retired:
+            return None
+        held, self.retired = self.retired, []
+        thread = threading.Thread(target=held.clear, name="accelpact-free-retired", daemon=True)
+        del held  # the thread's list holds the last references
+        thread.start()
+        self.retiring.append(thread)
+        return thread
 
     # ------------------------------------------------------------------ phases of a backward fault
 

@@ -5,12 +5,16 @@ on GPU clusters often minutes).  The detector replaces that wait: each collectiv
 replication group (through the tap of :func:`accelpact_slurm.repair.torch_compat.install_collective_tap`, so
 FSDP's own collectives too) is numbered per group, and its ``wait`` first waits a few milliseconds (the normal
 case, with no other cost); a wait that lasts longer publishes "waiting in collective k of group G" in this
-rank's record and then, every :data:`POLL_S`, reads the records of the group's members and asks
-:func:`accelpact_slurm.runtime.liveness.judge_collective` what it sees:
+rank's record and then, every :data:`POLL_S`, reads the records of the group's members (and the job's notice of
+a given-up collective, in the same request) and asks :func:`accelpact_slurm.runtime.liveness.judge_collective`
+what it sees:
 
-- a member left (it is in the vote) or every member waits in it past the learned bound: the collective is
-  given up with :class:`~accelpact_slurm.core.errors.CollectiveAbandoned`, a communication fault, and the vote
-  decides as for any failed collective (L1 where the envelope allows it);
+- a member left (it is in the vote), any rank gave up a collective of the same update's forward or backward
+  (the notice), or every member waits in it past the learned bound: the collective is given up with
+  :class:`~accelpact_slurm.core.errors.CollectiveAbandoned`, a communication fault, and the vote decides as for
+  any failed collective (L1 where the envelope allows it); a rank that gives one up in forward or backward posts
+  the notice (:data:`~accelpact_slurm.runtime.liveness.NOTICE_KEY`), so that every rank hears of it at its next
+  look instead of one group at a time;
 - a member is dead, stopped or hung: :class:`~accelpact_slurm.core.errors.FailStop` (L2), naming it;
 - a member still computes (a straggler): the wait goes on, up to the backend's own timeout.
 
@@ -49,8 +53,10 @@ log = logging.getLogger(__name__)
 
 #: How long a wait is left alone before it looks at anyone (most collectives complete within it).
 FAST_S = 0.02
-#: Between two looks at the members' records while a wait lasts.
-POLL_S = 0.05
+#: Between two looks at the members' records while a wait lasts (a look is one store request: the records and
+#: the job's notice; slow waits are rare, a handful per job, and this bounds how long a rank waiting in a
+#: collective takes to hear that another rank gave its update up).
+POLL_S = 0.02
 #: The learned bound: this many times the slowest recent collective of the dimension...
 LINK_FACTOR = 4.0
 #: ...over this many recent completed collectives...
@@ -211,6 +217,9 @@ class Detector:
         self._latched: tuple[str, str] | None = None
         self.verdicts: list[lv.Verdict] = []
         self.slow_waits = 0  # waits that outlasted FAST_S and looked at the members
+        #: When (``time.time()``) this rank last gave up a collective; the vote's ``fault`` event reports it and
+        #: clears it (the moment of detection, before the error unwinds the training code).
+        self.given_up_at: float | None = None
         self.longest_wait_s = 0.0  # the longest of them that completed (a straggler's peers wait that long)
 
     def summary(self) -> dict[str, Any]:
@@ -390,7 +399,7 @@ class Detector:
                     ww._settled = True
                     raise
                 try:
-                    seen = self.observer.look(group.members, self._store)
+                    seen, (notice,) = self.observer.look_also(group.members, (lv.NOTICE_KEY,), self._store)
                 except Exception as exc:  # noqa: BLE001 - the store is gone: rank 0, its host, died
                     raise FailStop(f"lost the control plane while waiting in collective {seq} of group {group.name}: "
                                    f"{type(exc).__name__}: {exc}; its host, rank 0, is probably gone", EXIT_REQUEUE,
@@ -404,7 +413,8 @@ class Detector:
                 verdict = lv.judge_collective(self.rank, group.members, group.name, seq, seen, now, episode,
                                               bound_s=bound,
                                               heartbeat_s=self.timeouts.heartbeat_s, fresh_s=fresh_s,
-                                              position=self._position(), describe=self.describe)
+                                              position=self._position(), describe=self.describe,
+                                              notice=notice, update=state.update)
                 if verdict is not None:
                     self._give_up(ww, verdict, now - episode.started)
         finally:
@@ -422,6 +432,7 @@ class Detector:
 
     def _give_up(self, ww: WatchedWork, verdict: lv.Verdict, waited_s: float) -> None:
         ww._settled = True
+        self.given_up_at = time.time()
         g = ww._group
         self.verdicts.append(verdict)
         log.warning("rank %d gives up collective %d of its %s group after %.2f s: %s", self.rank, ww._seq, g.dim,
@@ -435,9 +446,24 @@ class Detector:
             self.bounds.widen(g.dim)
         self._abandoned.add(id(g.pg))
         text = f"collective {ww._seq} of the {g.dim} group given up after {waited_s:.2f} s: {verdict.reason}"
+        if self.state.phase in ("forward", "backward") and not verdict.noticed:
+            self._post_notice(g, ww._seq, verdict)
         phase = self.state.phase if self.state.phase in ("forward", "backward") else "backward"
         self._latched = (phase, f"CollectiveAbandoned: {text}")
         raise CollectiveAbandoned(text)
+
+    def _post_notice(self, g: _Group, seq: int, verdict: lv.Verdict) -> None:
+        """Tell every rank (:data:`~accelpact_slurm.runtime.liveness.NOTICE_KEY`) that this update's collective
+        ``seq`` of ``g`` was given up: the update is discarded at the vote, so each rank gives up whatever
+        collective of it it waits in, at its next look, instead of through a chain of ``left`` records.  Not at
+        the boundary: a boundary fault repairs only the replication groups of the ranks that report one."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(lv.NOTICE_KEY, lv.encode_notice(self._position()[0], self.state.update, self.rank,
+                                                            g.name, seq, verdict.kind))
+        except Exception as exc:  # noqa: BLE001 - the records still carry the fault, one hop at a time
+            log.warning("rank %d could not post its notice of the given-up collective: %s", self.rank, exc)
 
 
 def try_wait(work: Any, timeout: timedelta) -> bool:

@@ -39,6 +39,8 @@ def start_detector(rt: Runtime, timeouts: Any, *, detect: bool = True) -> Detect
     detector = Detector(rt.rank, lambda: (rt.shard_group, rt.replicate_group), members, state, publisher, observer,
                         rt.control.position, timeouts, watch=detect and not rt.hardware.is_cuda,
                         describe=rt.describe, store=rt.control.base_store)
+    if rt.rank == 0:  # the notice exists (empty) before any rank can read it: the pid exchange below orders it
+        rt.control.base_store.set(lv.NOTICE_KEY, b"")
     host_name = rt.ctx.hostname or os.uname().nodename
     pids = rt.control.all_gather("liveness-pids", {"pid": os.getpid(), "host": host_name})
     peers = {r: int(p["pid"]) for r, p in enumerate(pids)

@@ -210,7 +210,12 @@ class BoundaryGuard:
         observed = time.monotonic()
         if fault:
             log.warning("rank %d saw a fault in %s at update %d: %s", rt.rank, fault, step, error)
-            self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier)
+            detector = getattr(rt, "detector", None)
+            seen_at = getattr(detector, "given_up_at", None)  # the detector's verdict, before the error unwound
+            if seen_at is not None:
+                detector.given_up_at = None
+            self.events.emit("fault", phase=fault, step=step, fault_rank=rt.rank, error=error, frontier=frontier,
+                             **({"detected_ts": seen_at} if seen_at is not None else {}))
 
         mine = {"F": reported, "g": self.engine.generation, "fault": fault, "error": error, "loss": loss,
                 "stop": signals.requested(), "redo": redoable, **(extra or {})}
@@ -230,6 +235,9 @@ class BoundaryGuard:
         mean = summary["mean"]
         fps = summary["fps"] or [None] * summary["n"]
         if action == CONTINUE:
+            # The groups a repair replaced are freed off this thread, now that no frame of a given-up update holds
+            # them (a frame that let go last would free them here, ~10 ms per Gloo pair).
+            self.engine.release_retired()
             return CONTINUE, mean, fps
         if action == STOP:
             culprit = next(v for v in votes if v.fault == TRAINING_CODE)

@@ -24,6 +24,11 @@ functions returning a reason:
   allowed);
 - every member is alive (its counter moved lately) and waits in this same collective for longer than the
   bound learned from the job's own collectives (``link``): a broken link, as above;
+- any rank of the job gave up a collective of this same update's forward or backward (``left``, from the
+  job's one *notice*, :data:`NOTICE_KEY`, read in the same round trip as the members' records): every rank
+  meets it in the vote, which discards the update and replaces every group, so no collective of this update
+  can still matter.  Without the notice a rank two groups away from the fault learns of it only through a
+  chain of ``left`` records, one hop per group (a record is published only once its rank waits in the vote);
 - anything else (a member computing: a straggler) keeps the wait going, up to the backend's own timeout.
 
 Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` starts the publisher; the collective tap and
@@ -60,6 +65,19 @@ DEAD, HUNG, STOPPED, LEFT, LINK = "dead", "hung", "stopped", "left", "link"
 
 def record_key(rank: int) -> str:
     return f"hb/{rank}"
+
+
+#: The job's one notice of a given-up collective: ``{"g": generation, "u": update, "r": rank, "grp", "seq",
+#: "why": the verdict's kind}`` of the last one (written by :meth:`Detector._give_up
+#: <accelpact_slurm.runtime.collectives.Detector._give_up>`), empty until then (rank 0 creates it at the start,
+#: so that a read never waits for it).  Only a notice of the reader's own generation and update counts.
+NOTICE_KEY = "hb/notice"
+
+
+def encode_notice(generation: int, update: int, rank: int, group: str, seq: int, why: str) -> str:
+    """The notice's value; ``why``: the giving-up verdict's kind (``link``, ``left``)."""
+    return json.dumps({"g": generation, "u": update, "r": rank, "grp": group, "seq": seq, "why": why[:40]},
+                      separators=(",", ":"))
 
 
 @dataclass
@@ -433,15 +451,21 @@ class Observer:
     def look(self, ranks: Iterable[int], store: Any = None) -> dict[int, Seen]:
         """One read of every record of ``ranks`` (one round trip, through ``store``, else the observer's own).
         Raises what the store raises."""
-        ranks = list(ranks)
-        raws = (store or self._store).multi_get([record_key(r) for r in ranks])
+        return self.look_also(ranks, (), store)[0]
+
+    def look_also(self, ranks: Iterable[int], keys: Iterable[str], store: Any = None
+                  ) -> tuple[dict[int, Seen], list[bytes]]:
+        """:meth:`look`, and the values of ``keys`` (which must exist) in the same round trip."""
+        ranks, keys = list(ranks), list(keys)
+        raws = (store or self._store).multi_get([record_key(r) for r in ranks] + keys)
+        extra = list(raws[len(ranks):])
         now = self._clock()
         with self._lock:
             for r, raw in zip(ranks, raws):
                 prev = self.seen.get(r)
                 if prev is None or prev.raw != raw:
                     self.seen[r] = Seen(decode(raw), raw, now)
-            return {r: self.seen[r] for r in ranks}
+            return {r: self.seen[r] for r in ranks}, extra
 
 
 @dataclass(frozen=True)
@@ -453,6 +477,7 @@ class Verdict:
     reason: str
     exit_code: int | None = None  # a stopped member's own exit code
     cause: str | None = None  # a stopped member's own cause
+    noticed: bool = False  # read from the job's notice (another rank gave up first), not from a member's record
 
     @property
     def fails_stop(self) -> bool:
@@ -515,10 +540,13 @@ class Episode:
 def judge_collective(me: int, members: Iterable[int], group: str, seq: int, seen: Mapping[int, Seen], now: float,
                      episode: Episode, *, bound_s: float, heartbeat_s: float, fresh_s: float,
                      position: tuple[int, Mapping[str, int]],
-                     describe: Callable[[int], str] = lambda r: f"rank {r}") -> Verdict | None:
+                     describe: Callable[[int], str] = lambda r: f"rank {r}",
+                     notice: Any = None, update: int | None = None) -> Verdict | None:
     """The verdict on this rank's wait in collective ``seq`` of ``group``, or None to keep waiting (pure).
 
-    See the module docstring for the rules.  ``episode`` carries the times across calls of one wait.
+    See the module docstring for the rules.  ``episode`` carries the times across calls of one wait;
+    ``notice``: the raw value of :data:`NOTICE_KEY` and ``update`` this rank's update (the notice counts when it
+    is of this rank's generation and update, from another rank).
     """
     others = [r for r in members if r != me]
     for r in others:
@@ -526,6 +554,12 @@ def judge_collective(me: int, members: Iterable[int], group: str, seq: int, seen
             v = _member_gone(r, seen[r], now, heartbeat_s, describe)
             if v is not None:
                 return v
+    n = decode(notice)
+    if n is not None and n.get("g") == position[0] and n.get("u") == update and n.get("r") != me \
+            and isinstance(n.get("r"), int):
+        return Verdict(LEFT, n["r"], f"{describe(n['r'])} gave up update {update}'s collective {n.get('seq')} of "
+                                     f"group {n.get('grp')} ({n.get('why')}): every rank meets it in the vote",
+                       noticed=True)
     everyone_in = True
     for r in others:
         s = seen.get(r)

@@ -12,7 +12,8 @@ snapshot right after the update (``ours``: the run's client, ``job.run._snapshot
 times its own pieces in ``last_parts``; the DCP modes: ``ckpt_dcp.DcpModes``), and after its last update the
 segment is drained outside the timed updates (async futures, our daemons' write + verification,
 ``malloc_trim``).  Each ``ours`` snapshot is bracketed by the memcpy floor (the rank's same bytes into a
-touched buffer of their size), right before it (left out of the update's time) and right after it.  Step
+touched buffer of their size), right before it (left out of the update's time) and right after it; before the
+floor, the page probe (:class:`PageProbe`, also untimed).  Step
 time = time between the ends of two consecutive updates (each followed by its snapshot, if any) on rank 0
 (the ranks are in lock step), so it includes the blocking part.  Each rank dumps its records to
 ``plan["out"]/rank-<rank>.json`` after every segment.
@@ -67,6 +68,8 @@ class CkptBench(DcpModes):
         self.parts: dict[str, float] = {}
         self.ours_steps: list[int] = []
         self._floor_buf: Any = None  # the memcpy floor's target, during the ours segments (_prepare_next)
+        self._probe: PageProbe | None = None  # made at the warm-up's end, beside the slot made there
+        self.floor_cpu_s: float | None = None  # the last memcpy floor's CPU time (this thread's)
         self._init_dcp()
         self.out = os.path.join(self.plan["out"], f"rank-{job.rank}.json")
 
@@ -85,6 +88,7 @@ class CkptBench(DcpModes):
                     # one-off per start, taken here, untimed, and reported apart; the timed snapshots are
                     # the steady state
                     client.snapshot(step)
+                    self._probe = PageProbe(self.job.rank)
                     self.extra["ours_first_snapshot"] = dict(client.last_parts)
                     self.extra["ours_first_snapshot"]["state"] = client.wait(step, self.cfg.timeouts.startup_s)
                 self._prepare_next(step)
@@ -99,8 +103,11 @@ class CkptBench(DcpModes):
         untimed = 0.0
         if snap and mode == "ours":  # the floor right before the snapshot (its time left out of the update's)
             t = time.monotonic()
+            if self._probe is not None:
+                info["page_probe"] = self._probe.probe()
             f0 = _minor_faults()
             info["memcpy_floor_before_s"] = self._memcpy_floor()
+            info["floor_before_cpu_s"] = self.floor_cpu_s
             info["floor_before_minflt"] = _minor_faults() - f0
             untimed = time.monotonic() - t
         wall = time.time()
@@ -174,12 +181,13 @@ class CkptBench(DcpModes):
         srcs = self._floor_sources() if buf is not None else None
         if not srcs:
             return None
-        t = time.monotonic()
+        t, c = time.monotonic(), time.thread_time()
         at = 0
         for src in srcs:
             n = src.numel()
             buf[at:at + n].copy_(src)
             at += n
+        self.floor_cpu_s = time.thread_time() - c
         return time.monotonic() - t
 
     # -------------------------------------------------------------- between segments (untimed)
@@ -215,6 +223,67 @@ class CkptBench(DcpModes):
     def close(self) -> None:
         self.close_stagers()
         self._dump()
+
+
+class PageProbe:
+    """Two shared-memory buffers left idle like the staging slot, written twice each before every timed snapshot.
+
+    Why: the copy into the slot took up to ~2x the memcpy floor in the rounds after another mode's segment, with a
+    handful of page faults.  The slots of the two replicas of a shard hold the same bytes (HSDP replicas are
+    identical; the emulated nodes are one machine), and a virtual machine's host may merge identical pages of its
+    guest and copy a merged page on its first write, which the guest sees only as slower user time.  The probe
+    shows it or rules it out at the snapshot's own moments: ``dup`` holds bytes every rank's ``dup`` and its
+    source also hold, ``uniq`` bytes found nowhere else (random, re-drawn in place after each probe); each is
+    written twice with the same source, each write's wall and CPU time taken (this thread's: the host's work on
+    a guest's page shows as the guest's CPU time, with no page fault; waiting for a core does not).
+    :data:`MIB` each (the effect is per page; the slot's size is not needed).  The files are unlinked at once.
+    """
+
+    MIB = 64
+
+    def __init__(self, rank: int) -> None:
+        import torch
+
+        n = self.MIB * 2**20
+        gen = torch.Generator().manual_seed(20261205)  # the same on every rank: the duplicated bytes
+        self.src = torch.randn(n // 4, generator=gen).view(torch.uint8)
+        self.dup, self.uniq = _shm_buffer(n), _shm_buffer(n)
+        self.dup.copy_(self.src)
+        self._gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") + rank)
+        self.uniq.view(torch.float32).normal_(generator=self._gen)
+
+    def probe(self) -> dict[str, Any]:
+        import torch
+
+        out: dict[str, Any] = {"mib": self.MIB}
+        f0 = _minor_faults()
+        for name, buf in (("dup", self.dup), ("uniq", self.uniq)):
+            for k in ("first", "second"):
+                t, c = time.perf_counter(), time.thread_time()
+                buf.copy_(self.src)
+                out[f"{name}_{k}_s"], out[f"{name}_{k}_cpu_s"] = time.perf_counter() - t, time.thread_time() - c
+        out["minflt"] = _minor_faults() - f0
+        self.uniq.view(torch.float32).normal_(generator=self._gen)  # unique again (dup holds src: duplicated)
+        return out
+
+
+def _shm_buffer(nbytes: int) -> Any:
+    """A touched uint8 tensor over an unlinked ``/dev/shm`` file, mapped shared as the staging slots are."""
+    import mmap
+    import tempfile
+
+    import torch
+
+    fd, path = tempfile.mkstemp(prefix="accelpact-probe-", dir="/dev/shm")
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    buf.fill_(0)
+    return buf
 
 
 def release_free_memory() -> None:

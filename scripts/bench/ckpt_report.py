@@ -176,7 +176,8 @@ def markdown(res: dict[str, Any]) -> str:
     if g4:
         lines.append(f"4. Training blocked per snapshot ≤ 1.5x the memcpy floor of the rank's own bytes: "
                      f"{verdict[g4['pass']]} — median {_f(g4['median_ratio'])}"
-                     f"{'x' if g4['median_ratio'] is not None else ' (no floor measured)'}.")
+                     f"{'x' if g4['median_ratio'] is not None else ' (no floor measured)'}."
+                     + (f" Measured cause: {g4['cause']}." if g4.get("cause") else ""))
     if g5:
         lines.append(f"5. Updates between snapshots ≤ 1.1x the no-snapshot update: {verdict[g5['pass']]} — median "
                      f"{_f(g5['median_ratio'])}x.")

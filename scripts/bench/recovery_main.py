@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     budget = h.Budget(h.outer_deadline(args.budget_s, margin_s=20.0, floor_s=60.0))
     defaults = load_config(JOB_FILE).timeouts
     res = h.new_result(PART, json=h.json_field(args.json), plan={"trials": args.trials, "U": rr.U, "steps": rr.STEPS,
-                       "every": rr.EVERY, "classes": list(args.classes)},
+                       "every": rr.EVERY, "every_l1": rr.EVERY_L1, "classes": list(args.classes)},
                        timeouts={k: getattr(defaults, k) for k in ("collective_s", "control_s", "heartbeat_s",
                                                                     "heartbeat_interval_s", "link_floor_s",
                                                                     "shutdown_s")},
@@ -78,14 +78,25 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 for name, mod in peers.items():
                     if i >= args.peer_trials or cls not in getattr(mod, "FAULTS", ()) or not budget.fits():
                         continue
-                    try:
-                        f = mod.run_trial(mod.FAULTS[cls], step=rr.U, rank=1, workdir=work / f"{name}-{cls}-{i}",
-                                          timeout_s=90.0)
-                    except Exception as exc:  # noqa: BLE001 - a peer's harness failing is its result, not ours
-                        f = {"ok": False, "handled": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
-                    f["cls"] = cls
+                    f = _peer_trial(name, mod, cls, work, f"{i}")
                     res["peers"][name].append(f)
                     log(f"round {i + 1} {name} {cls}: {f.get('recover_s')} (handled {f.get('handled')})")
+        tft = peers.get("torchft")
+        for i in range(args.detect_pairs if tft is not None and "link-backward" in args.classes else 0):
+            # Detection -> next commit, like for like: more pairs of the same fault on the same job, the order
+            # alternating (ABBA), so that the goal's median rests on more than the rounds' one torchft trial.
+            if not budget.fits():
+                log(f"detection pair {i + 1}: would not fit the budget; stopping")
+                break
+            for who in h.abba(i, "ours", "torchft"):
+                if who == "ours":
+                    t = rr.run_ours("link-backward", work, f"d{i}")
+                    budget.record(t["wall_s"])
+                    res["trials"].append(t)
+                else:
+                    t = _peer_trial("torchft", tft, "link-backward", work, f"d{i}")
+                    res["peers"]["torchft"].append(t)
+                log(f"detection pair {i + 1} {who}: detection -> commit {t.get('detect_to_commit_s')}")
         for i in range(args.first_snapshot):
             if budget.elapsed() + 300 > budget.budget_s:
                 log("first snapshot after a restart: would not fit the budget")
@@ -114,8 +125,37 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         else:
             shutil.rmtree(work, ignore_errors=True)
     res["summary"] = rr.summary(res["trials"])
+    res["detection"] = detection_pairs(res)
     res["total_wall_s"] = budget.elapsed()
     return res
+
+
+def _peer_trial(name: str, mod: Any, cls: str, work: Path, tag: str) -> dict[str, Any]:
+    """One trial of peer ``name`` on fault class ``cls`` (rank 1 at update U), tagged as our trial it pairs with."""
+    try:
+        f = mod.run_trial(mod.FAULTS[cls], step=rr.U, rank=1, workdir=work / f"{name}-{cls}-{tag}", timeout_s=90.0)
+    except Exception as exc:  # noqa: BLE001 - a peer's harness failing is its result, not ours
+        f = {"ok": False, "handled": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    f["cls"], f["tag"] = cls, tag
+    return f
+
+
+def detection_pairs(res: dict[str, Any], cls: str = "link-backward") -> dict[str, Any]:
+    """Ours against torchft on ``cls``, paired by tag (the same round or detection pair): per pair and key
+    (``detect_to_commit_s``: from the first rank's detection; ``known_to_commit_s``: from when every rank knew),
+    both seconds and ours / torchft; medians and spreads over the pairs."""
+    ours = {t["tag"]: t for t in res["trials"] if t["cls"] == cls and t.get("ok") and t.get("detect_to_commit_s")}
+    theirs = {t.get("tag"): t for t in (res.get("peers") or {}).get("torchft", [])
+              if t.get("cls") == cls and t.get("handled") and t.get("detect_to_commit_s")}
+    pairs = [{"tag": k, **{f"{who}_{key}": src[k].get(key) for who, src in (("ours", ours), ("torchft", theirs))
+                           for key in ("detect_to_commit_s", "known_to_commit_s", "detect_first_s", "recover_s")}}
+             for k in ours if k in theirs]
+    out: dict[str, Any] = {"cls": cls, "pairs": pairs}
+    for key in ("detect_to_commit_s", "known_to_commit_s"):
+        out[key] = {"ours": h.spread(p[f"ours_{key}"] for p in pairs),
+                    "torchft": h.spread(p[f"torchft_{key}"] for p in pairs),
+                    "ratio": h.spread(h.ratio(p[f"ours_{key}"], p[f"torchft_{key}"]) for p in pairs)}
+    return out
 
 
 def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -139,6 +179,17 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                           f"the same job at commit {cost['commit']}, ABBA pairs", cost["guarded_ms"],
                           note=f"plain updates {h.fmt_spread(cost['plain_ms'], '{:.3f}')}; every change since that "
                                f"commit counts here, jobs at different moments (the goal: the row above)"))
+    dp = res.get("detection") or {}
+    if (dp.get("detect_to_commit_s") or {}).get("ratio", {}).get("n"):
+        d, k = dp["detect_to_commit_s"], dp["known_to_commit_s"]
+        rows.append(h.row("link fault in backward: detection → next commit, ours / torchft (the first rank's "
+                          "detection to the slowest rank's commit of the redone update)",
+                          "torchft driving the same FSDP HSDP job on the same 4 ranks, the same stalled all-reduce, "
+                          "paired per round", d["ratio"],
+                          note=f"ours {h.fmt_spread(d['ours'], '{:.3f}')} s, torchft "
+                               f"{h.fmt_spread(d['torchft'], '{:.3f}')} s; from when every rank knew: "
+                               f"{h.fmt_spread(k['ratio'], '{:.2f}')}x ({h.fmt(k['ours']['median'], '{:.3f}')} vs "
+                               f"{h.fmt(k['torchft']['median'], '{:.3f}')} s); goal ≤ 1.0x"))
     s = res["summary"]
     for cls in res["plan"]["classes"]:
         c = s[cls]
@@ -159,7 +210,8 @@ def markdown(res: dict[str, Any]) -> str:
              "the spread is over trials.", "",
              (f"**What ran.** Per fault class, {res['plan']['trials']} trials of `accelpact-run` on the embedded "
               f"default (2 emulated nodes x 2 ranks, the decoder example, FSDP1 `HYBRID_SHARD`, a snapshot every "
-              f"{res['plan']['every']} updates), the fault at update {res['plan']['U']}, the shipped default timeouts "
+              f"{res['plan']['every']} updates, every {res['plan'].get('every_l1', res['plan']['every'])} for the "
+              f"link faults: none in the update they redo), the fault at update {res['plan']['U']}, the shipped default timeouts "
               f"(collective_s {t['collective_s']:g}, control_s {t['control_s']:g}, heartbeat_s {t['heartbeat_s']:g}, "
               f"heartbeat_interval_s {t['heartbeat_interval_s']:g}, link_floor_s {t['link_floor_s']:g}). Every rank "
               "records its commits (`scripts/bench/recovery_entry.py`); a trial's figure is the slowest rank's time "
@@ -197,6 +249,29 @@ def markdown(res: dict[str, Any]) -> str:
             lines += ["", f"Timeouts {name} ran with that differ from its shipped ones (the reasons in the JSON): "
                           + "; ".join(f"`{k}` {used.get(k, '?')} s ({str(v).split(';')[0].split(':')[0][:100]})"
                                       for k, v in lowered["timeouts_lowered"].items()) + "."]
+    dp = res.get("detection") or {}
+    if dp.get("pairs"):
+        d, k = dp["detect_to_commit_s"], dp["known_to_commit_s"]
+        lines += ["", ("**Detection → next commit, like for like**: the link fault in backward "
+                       "above, ours and torchft on the same FSDP HSDP job, the same four ranks, the same stalled "
+                       "replication all-reduce of rank 1 in update 8's backward (torchft: rank 1 waits its process "
+                       "group's timeout in place of the all-reduce, then reports the failure to its manager, as a "
+                       "timed-out all-reduce does; its peer times out inside the all-reduce), paired per round "
+                       "(the rounds' trials and the extra detection pairs, ABBA). Detection: the moment a rank's "
+                       "collective was given up (ours: the detector's verdict, `detected_ts` of its `fault` event) "
+                       "or failed (torchft: the `detect` record after the all-reduce returned failed); commit: the "
+                       "slowest rank's commit of the redone update (neither takes a snapshot in it)."), "",
+                  "| from | ours s | torchft s | ours / torchft, paired | n |", "|---|---|---|---|---|",
+                  f"| the first rank's detection | {F(d['ours'], '{:.3f}')} | {F(d['torchft'], '{:.3f}')} | "
+                  f"**{F(d['ratio'])}** | {d['ratio']['n']} |",
+                  f"| every rank knew (ours: the last rank's verdict; torchft: the last of the failed all-reduces "
+                  f"and `should_commit`'s aborts) | {F(k['ours'], '{:.3f}')} | {F(k['torchft'], '{:.3f}')} | "
+                  f"{F(k['ratio'])} | {k['ratio']['n']} |",
+                  "", (f"Goal ≤ 1.0x: {'met' if (d['ratio']['median'] or 9) <= 1.0 else 'not met'}. The detection "
+                       f"itself is not in these figures: ours gave the stalled all-reduce up after "
+                       f"{F(h.spread(p['ours_detect_first_s'] for p in dp['pairs']))} s (the learned bound), torchft "
+                       f"after {F(h.spread(p['torchft_detect_first_s'] for p in dp['pairs']))} s (its timeout)."),
+                  ]
     fs = [f for f in res.get("first_snapshot") or [] if f.get("ok")]
     if fs:
         lines += ["", ("**The first snapshot after a restart** (`recovery_runs.run_first_snapshot`: the checkpoint "
@@ -258,6 +333,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                     help="peers beside ours (default: %(default)s; '' for none)")
     ap.add_argument("--peer-trials", type=int, default=3, help="trials per fault class and peer (default: "
                                                                   "%(default)s)")
+    ap.add_argument("--detect-pairs", type=int, default=3,
+                    help="extra pairs of ours and torchft on link-backward, ABBA, for detection -> next commit "
+                         "(default: %(default)s)")
     ap.add_argument("--no-traffic", dest="traffic", action="store_false", help="leave the heartbeat scaling out")
     ap.add_argument("--first-snapshot", type=int, default=1,
                     help="jobs measuring the first snapshot after a restart on the 110M model (default: %(default)s)")

@@ -1,7 +1,7 @@
 """Recovery benchmark, the running half: one of our jobs with one fault, and its timings (``scripts/bench_recovery.py``).
 
 A job is ``accelpact-run JOB.yaml`` itself (the decoder example's job file, the shipped default timeouts, a
-snapshot every :data:`EVERY` updates, the timed entry point ``recovery_entry``), started in its own session
+snapshot every :data:`EVERY` updates (:data:`EVERY_L1` for the link classes), the timed entry point ``recovery_entry``), started in its own session
 and killed with its whole group when it passes its deadline.  The fault of a class:
 
 ==================  ====================================================================================
@@ -42,6 +42,11 @@ TO_EXIT = {"bug"}
 U = 8  # the update the fault is about
 STEPS = 12
 EVERY = 4  # a snapshot at 4 and 8: a restart reloads 4 (update 8 never committed) and trains again from 5
+#: The link classes (an L1 repair, no restart): a snapshot at 5 and 10, none in update U, which they redo and the
+#: peers' trials take no snapshot in (the interval from detection to the next commit holds the same work on both
+#: sides; with EVERY, ours added a snapshot's blocking, ~15 ms, to it).
+EVERY_L1 = 5
+L1_CLASSES = ("link-boundary", "link-backward")
 RUN_DEADLINE_S = 150.0
 SCRUB = ("SLURM_", "ACCELPACT_")
 
@@ -50,7 +55,8 @@ def write_config(path: Path, out: Path, cls: str, deadline_s: float) -> Path:
     from bench.workload import entry_of, write_job
 
     plan = {"out": str(out), "deadline_s": deadline_s, "bug": [U, 1] if cls == "bug" else None}
-    return write_job(path, {"steps": STEPS, "checkpoint.every_steps": EVERY, "recovery.max_restarts": 2,
+    every = EVERY_L1 if cls in L1_CLASSES else EVERY
+    return write_job(path, {"steps": STEPS, "checkpoint.every_steps": every, "recovery.max_restarts": 2,
                             "faults": []}, entry=entry_of("recovery_entry"), params={"bench": plan})
 
 
@@ -131,8 +137,26 @@ def run_ours(cls: str, work: Path, tag: str, deadline_s: float = RUN_DEADLINE_S)
                                              f"{h.tail(log, 8, sep=' | ', limit=800)}"}
     res["recover_s"] = max(per_rank.values())
     res["slowest_rank"] = max(per_rank, key=lambda r: per_rank[r])
+    if cls in L1_CLASSES:
+        res.update(detection(events, inject, res["recover_s"]))
     res["ok"] = rc == 0
     return res if res["ok"] else {**res, "error": f"{name}: exit code {rc}: {h.tail(log, 8, sep=' | ', limit=800)}"}
+
+
+def detection(events: list[dict[str, Any]], inject: float, recover_s: float) -> dict[str, Any]:
+    """Detection -> the next commit of an L1 class: every rank's ``fault`` event of update U after the injection
+    (``detected_ts``: the moment its detector gave the collective up, else the event's own), the first of them
+    (the job's detection), the last (every rank knows), and the slowest rank's next commit (``recover_s`` after the
+    injection) from each; the peers' harnesses report the same fields."""
+    seen = {e["rank"]: e.get("detected_ts") or e["ts"] for e in events
+            if e.get("event") == "fault" and e.get("step") == U and e.get("ts", 0) >= inject}
+    if not seen:
+        return {"detect_per_rank_s": {}, "detect_first_s": None, "detect_to_commit_s": None,
+                "known_to_commit_s": None}
+    first, last = min(seen.values()), max(seen.values())
+    commit = inject + recover_s
+    return {"detect_per_rank_s": {r: t - inject for r, t in sorted(seen.items())}, "detect_first_s": first - inject,
+            "detect_to_commit_s": commit - first, "known_to_commit_s": commit - last}
 
 
 def _injection(cls: str, recs: dict[int, list[dict[str, Any]]]) -> float | None:

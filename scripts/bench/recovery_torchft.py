@@ -56,13 +56,13 @@ SHIPPED = {"lighthouse_heartbeat_timeout_ms": 5000, "lighthouse_join_timeout_ms"
 TIMEOUTS = {**SHIPPED, "pg_timeout_s": 5.0, "group_timeout_s": 10.0, "quorum_timeout_s": 10.0}
 TIMEOUT_NOTES = {
     "pg_timeout_s": "torchft's ProcessGroupGloo (the replicate dimension's all-reduce) ships with 60 s: a "
-                    "withheld all-reduce would take 60 s to fail, a trial well over a minute; lowered to 5 s, "
+                    "stalled all-reduce would take 60 s to fail, a trial well over a minute; lowered to 5 s, "
                     "our job's collective_s (examples/decoder/job.yaml), so both detect a silent link alike",
     "group_timeout_s": "not torchft's: the replica group's own Gloo group (FSDP's all-gather/reduce-scatter), "
                        "torch's default 1800 s; a rank whose group peer is stopped (SIGSTOP) only fails, and so "
                        "only gets its group restarted, when this expires; lowered to 10 s, twice pg_timeout_s, "
                        "since a rank's FSDP collective may legitimately wait while its group peer sits in a "
-                       "withheld replication all-reduce for pg_timeout_s",
+                       "stalled replication all-reduce for pg_timeout_s",
     "quorum_timeout_s": "ships with 60 s; it decides the stop trials: a rank whose group peer is stopped fails in "
                         "FSDP's collective after group_timeout_s but its process only exits once its own quorum "
                         "request (waiting in its group's ManagerServer for the stopped peer) expires, because "
@@ -296,6 +296,7 @@ def _analyse(fault: str, step: int, rank: int, files: dict[tuple[int, int], Path
                    "first_commit_s": latest("commit"),
                    "first_commit_u": first[0]["u"] if first and first[0] else None})
     out["restarts"] = rs
+    out.update(detection(every, fault_rec["u"], t_inj, out["recover_s"]))
     if not handled:
         stuck = [r for r, v in per_rank.items() if v["after_s"] is None]
         why = []
@@ -323,6 +324,30 @@ def _analyse(fault: str, step: int, rank: int, files: dict[tuple[int, int], Path
         out["not_handled_because"] = "; ".join(why) or f"ranks {stuck} never committed again"
         out["stuck_ranks"] = stuck
     return out
+
+
+def detection(every: list[dict[str, Any]], u: int, t_inj: float, recover_s: float | None) -> dict[str, Any]:
+    """Detection -> the next commit, as ``recovery_runs.detection`` measures ours: each rank's ``detect`` record of
+    update ``u`` (its replication all-reduce failed), the first of them (the job's detection) and, per rank, when it
+    knew the update was lost (its detection, or its ``abort`` at ``should_commit`` for a rank whose own collectives
+    all completed; the last of these: every rank knows), and the slowest rank's next commit from each."""
+    seen: dict[int, float] = {}
+    known: dict[int, float] = {}
+    for x in sorted(every, key=lambda y: y["t"]):
+        if x.get("u") != u or x["t"] < t_inj:
+            continue
+        if x["ev"] == "detect":
+            seen.setdefault(x["rank"], x["t"])
+        if x["ev"] in ("detect", "abort"):
+            known.setdefault(x["rank"], x["t"])
+    if not seen or recover_s is None:
+        return {"detect_per_rank_s": {r: t - t_inj for r, t in sorted(seen.items())},
+                "detect_first_s": min(seen.values()) - t_inj if seen else None,
+                "detect_to_commit_s": None, "known_to_commit_s": None}
+    commit = t_inj + recover_s
+    return {"detect_per_rank_s": {r: t - t_inj for r, t in sorted(seen.items())},
+            "detect_first_s": min(seen.values()) - t_inj, "detect_to_commit_s": commit - min(seen.values()),
+            "known_to_commit_s": commit - max(known.values()) if len(known) == 4 else None}
 
 
 def overhead_of(files: dict[tuple[int, int], Path], timed_out: bool, workdir: Path) -> dict[str, Any]:

@@ -22,9 +22,10 @@ quorum and heals from a surviving rank of the same group rank over torchft's che
 is the rank's *local shards* (model, AdamW, schedule, data cursor), rebuilt into DTensors on load.
 
 Faults (``--fault KIND --fault-step N --fault-rank R``, first start only, on global rank R = 2 * group + rank):
-``link`` R withholds its part of the replication all-reduce of update N (it reports the failed collective to its
-manager, as torchft does when its all-reduce raises, and does not enter it: its peer in the other group waits
-for the process group's timeout); ``kill`` R SIGKILLs itself as update N begins (right after committing N-1);
+``link`` R's part of the first replication all-reduce of update N's backward never arrives, a stalled link as
+the recovery benchmark gives ours: R does not enter it and waits there for the process group's timeout, then
+reports the failed collective to its manager as torchft does when its all-reduce raises; its peer in the other
+group, inside the all-reduce, fails at the same timeout; ``kill`` R SIGKILLs itself as update N begins (right after committing N-1);
 ``stop`` R SIGSTOPs itself as update N begins; ``bug`` R raises ValueError in the loss of update N (uncaught).
 
 Per-update cost (``--overhead-rounds R``, no fault): after the run, both groups run R rounds of two segments of
@@ -34,7 +35,8 @@ group rank (torch's own, no Manager, no quorum, no commit vote): native HSDP's w
 segment is timed on every rank between two barriers of all four, so it ends when the slowest rank is done.
 
 Records (JSON lines in ``--out``, one ``os.write`` each): imported, ready, commit/abort per update
-(``time.time()``, ``u``, ``dt``, participants), fault, segment (mode, round, dts, seg_s), done.  Ranks stop after the same committed update: the
+(``time.time()``, ``u``, ``dt``, participants), fault, detect (the moment this rank's replication all-reduce of
+update ``u`` failed: the first error its manager holds), segment (mode, round, dts, seg_s), done.  Ranks stop after the same committed update: the
 first one at or past ``--steps`` that follows 3 updates all 4 ranks committed together after the fault.
 """
 
@@ -189,21 +191,32 @@ def main() -> int:
     cur = {"u": 0}
     plain: dict[str, object] = {"pg": None}  # the overhead's plain segments: a torch Gloo group across the groups
 
+    detected: set[int] = set()  # updates whose failed all-reduce this rank recorded
+
     def all_reduce_hook(output: torch.Tensor) -> None:
         """The replicate dimension's gradient all-reduce of one FSDP unit (after its reduce-scatter)."""
         if inject["link"] and cur["u"] == args.fault_step:
             inject["link"] = False
             rec.emit("fault", u=cur["u"], what="link")
-            # Without this report the withholding group would commit a gradient that half its units never
-            # averaged across groups (divergent replicas); torchft reports a failed collective the same way.
-            manager.report_error(RuntimeError(f"injected: rank {rank} withheld its part of the replication "
-                                              f"all-reduce of update {cur['u']}"))
+            # The stalled all-reduce: this rank's part never arrives, and it waits as long as a real one would
+            # before its timeout says so (its peer, inside the all-reduce, times out at the same moment).
+            time.sleep(args.pg_timeout_s)
+            detected.add(cur["u"])
+            rec.emit("detect", u=cur["u"], how="its own replication all-reduce timed out (injected stall)")
+            # Without this report this group would commit a gradient that half its units never averaged across
+            # groups (divergent replicas); torchft reports a failed collective the same way.
+            manager.report_error(TimeoutError(f"injected: rank {rank}'s replication all-reduce of update "
+                                              f"{cur['u']} timed out after {args.pg_timeout_s:g} s (stalled link)"))
             return
         if plain["pg"] is not None:
             plain["pg"].allreduce([output]).wait()  # Gloo has no AVG: a sum over the 2 groups, halved
             output.div_(2)
             return
         replicate.allreduce([output], ReduceOp.AVG).wait()  # errors are swallowed and reported to the manager
+        if cur["u"] not in detected and manager.errored() is not None:
+            detected.add(cur["u"])
+            err = manager.errored()
+            rec.emit("detect", u=cur["u"], how=str(getattr(err, "original_exception", err)).splitlines()[0][:200])
 
     for m in model.modules():
         if isinstance(m, FSDPModule):

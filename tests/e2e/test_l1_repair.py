@@ -97,6 +97,13 @@ def test_boundary_and_backward_faults_are_repaired_in_process_bitwise(baseline, 
     peers = [e["error"] for e in faults if "injected" not in e["error"] and "withheld" not in e["error"]]
     assert peers and all("given up" in err for err in peers), peers
     assert any("broken link" in err for err in peers) and any("left collective" in err for err in peers)
+    # The stalled backward all-reduce of update 21: the rank that gave it up first posted the job's notice, and
+    # ranks outside that collective gave theirs up on it, not one group at a time (negative control: without
+    # Detector._post_notice no error names the notice).
+    assert any("every rank meets it in the vote" in e["error"] for e in faults if e["step"] == 21), \
+        [e["error"] for e in faults if e["step"] == 21]
+    assert all(isinstance(e.get("detected_ts"), float) and e["detected_ts"] <= e["ts"] for e in faults
+               if "given up" in e["error"])
     assert all(e["fault_to_resume_s"] < COLLECTIVE_S / 2 for e in (stuck, boundary, backward, stuck_backward))
     # Every update committed exactly once, and the run ends in the uninterrupted state.
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))

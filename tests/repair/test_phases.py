@@ -289,3 +289,27 @@ def test_the_boundary_guard_check_runs_on_the_groups_ranks_only_and_takes_the_lo
     ctx.ahead.idle = (False, "FSDP unit is FORWARD")
     with pytest.raises(RepairError, match="guard check failed: FSDP unit is FORWARD"):
         engine.guard_sync(ctx)
+
+
+def test_replaced_gloo_groups_are_held_and_freed_off_the_training_thread():
+    """Freeing a Gloo group waits for ticks of Gloo's transport loop (~10 ms per pair): the retired groups are held
+    after the release and freed on a thread of their own when the guard's next committing vote asks for it.
+    Negative control: freed in ``_retire`` (as before) the finalizer runs on this thread, there."""
+    import threading
+    import weakref
+
+    engine, _, _ = make_engine(1, FakeControl({}))
+    freed: list[str] = []
+
+    class Group:  # stands for a Gloo group: not in c10d's registry, no NCCL communicator
+        pass
+
+    ctx = ctx_for()
+    ctx.retired = [Group()]
+    weakref.finalize(ctx.retired[0], lambda: freed.append(threading.current_thread().name))
+    engine._retire(ctx)
+    assert freed == [] and len(engine.retired) == 1 and ctx.retired == []
+    thread = engine.release_retired()
+    thread.join(5)
+    assert freed == ["accelpact-free-retired"] and engine.retired == [] and thread in engine.retiring
+    assert engine.release_retired() is None

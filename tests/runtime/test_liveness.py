@@ -77,6 +77,28 @@ def test_a_member_in_a_control_plane_round_this_rank_has_not_reached_left_the_co
     assert judge({1: seen(rec(wait=["c", 1, "vote", 0])), 2: seen(rec())}).kind == lv.LEFT  # a newer generation
 
 
+def test_another_ranks_notice_of_this_update_gives_the_collective_up_and_no_other_notice_does():
+    """The job's notice (a collective of this generation's update 7 given up by rank 3, in another group): every
+    rank waiting in a collective of that update gives it up at its next look, though its own members only compute.
+    A notice of another generation or update, or this rank's own, says nothing; a dead member still fails stop."""
+    computing = {1: seen(rec()), 2: seen(rec(wait=["d", G, 5]))}
+    notice = lv.encode_notice(0, 7, 3, "g-other", 12, "link")
+
+    def with_notice(raw, others=computing, update=7):
+        return lv.judge_collective(0, [0, 1, 2], G, 5, others, 1.0, lv.Episode(started=0.0), bound_s=0.5,
+                                   heartbeat_s=HB, fresh_s=FRESH, position=POS, notice=raw, update=update)
+
+    v = with_notice(notice)
+    assert v.kind == lv.LEFT and v.noticed and v.rank == 3 and not v.fails_stop
+    assert "rank 3 gave up update 7's collective 12 of group g-other (link)" in v.reason
+    assert with_notice(None) is None and with_notice(b"") is None  # no notice yet (rank 0 creates it empty)
+    assert with_notice(lv.encode_notice(1, 7, 3, "g", 1, "x")) is None  # another generation (after a repair)
+    assert with_notice(notice, update=8) is None  # an earlier update's
+    assert with_notice(lv.encode_notice(0, 7, 0, "g", 1, "x")) is None  # its own
+    dead = {1: seen(rec(dead={"by": 2, "how": "its process ended"})), 2: seen(rec())}
+    assert with_notice(notice, others=dead).kind == lv.DEAD
+
+
 def test_a_member_that_completed_the_collective_is_no_verdict():
     """On a loaded node the waiting rank's backend thread may not have run yet: only the backend's timeout decides."""
     ep = lv.Episode(started=0.0)
