@@ -140,15 +140,24 @@ class Members:
         cpu0 = cpu_s(self.host_pid)
         barrier.wait()
         t0 = time.perf_counter()
+        end = time.monotonic() + timeout_s  # one deadline for all of them (a join's own would add up per member)
         for t in threads:
-            t.join(timeout_s)
+            t.join(max(0.0, end - time.monotonic()))
         if errors or any(t.is_alive() for t in threads):
             raise RuntimeError(f"{self.n} members: {errors[:1] or 'a member did not finish'}")
         self.store_cpu_ms.append((cpu_s(self.host_pid) - cpu0) / rounds * 1e3)
         return (max(ends) - t0) / rounds * 1e3
 
     def close(self) -> None:
+        import socket
+
         for c in self.clients:
+            sock = getattr(c, "_sock", None)  # a member still blocked in a request holds the client's lock: its
+            if sock is not None:              # socket is shut down first, so that its request fails and close does
+                try:                          # not wait out the request's own timeout (a stuck size, SIGTERM)
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             c.close()
 
 
@@ -160,8 +169,9 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-#: The most one sample of one size may take (1,024 members: 13-43 s a sample of the earlier code).
-SAMPLE_DEADLINE_S = 150.0
+#: The most the samples of one size may take together (1,024 members: 13-43 s a sample of the earlier code, 8
+#: samples with the warm-ups; ~60 s in all here alone).
+SIZE_DEADLINE_S = 200.0
 
 
 def rounds_for(n: int) -> int:
@@ -229,19 +239,26 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
                 out["curve"][str(n)] = {"skipped": "out of time"}
                 continue
             t = time.monotonic()
+            log(f"{n} members: connecting {2 * n} clients")
             g = {c: group(c, n) for c in codes}
-            # every sample of this size has a deadline of its own: a sample that hangs (seen once at 1,024 members
-            # in a full run: no output for 270 s) costs this size, not the parts after this one
-            deadline_s = max(30.0, min(SAMPLE_DEADLINE_S, budget.budget_s - budget.elapsed()))
+            # this size's samples share one deadline: a sample that hangs (seen twice at 1,024 members in full runs:
+            # no output for minutes) costs this size, not the parts after this one
+            deadline_s = max(30.0, min(SIZE_DEADLINE_S, budget.budget_s - budget.elapsed()))
+            end = time.monotonic() + deadline_s
+
+            def left() -> float:
+                return max(1.0, end - time.monotonic())
+
             try:
                 rounds = rounds_for(n)
                 for c in codes:
-                    g[c].sample(1, timeout_s=deadline_s)  # warm-up
+                    g[c].sample(1, timeout_s=left())  # warm-up
+                log(f"{n} members: connected and warmed up after {time.monotonic() - t:.0f} s")
                 per = {"old": [], "new": []}
                 k = samples if n < 1024 else max(3, samples - 2)
                 for i in range(k):
                     for c in h.abba(i, "old", "new"):
-                        per[c].append(g[c].sample(rounds, timeout_s=deadline_s))
+                        per[c].append(g[c].sample(rounds, timeout_s=left()))
                 row = {"members": n, "rounds": rounds, "old_ms": h.spread(per["old"]),
                        "new_ms": h.spread(per["new"]),
                        "speedup": h.spread([a / b for a, b in zip(per["old"], per["new"])]),
@@ -252,7 +269,7 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
                     f"per decision ({k} samples of {rounds} rounds); store CPU old "
                     f"{row['old_store_cpu_ms']['median']:.1f} ms, new {row['new_store_cpu_ms']['median']:.1f} ms")
             except RuntimeError as exc:  # a sample past its deadline, or a member's error: this size only
-                out["curve"][str(n)] = {"skipped": f"a sample failed or passed its {deadline_s:.0f} s deadline: "
+                out["curve"][str(n)] = {"skipped": f"a sample failed or passed the size's {deadline_s:.0f} s deadline: "
                                                    f"{str(exc)[:200]}"}
                 log(f"{n} members: {out['curve'][str(n)]['skipped']}")
             finally:
