@@ -77,9 +77,11 @@ def markdown(res: dict[str, Any]) -> str:
     ours = st.get("ours", {})
     parts = mean_parts([r["parts"] for r in ours.get("rounds", [])])
     if parts:
+        cpu = parts.pop("copy_cpu", None)  # the copy's own CPU time: inside *copy*, not beside it
         rest = (ours.get("blocking_s", {}).get("median") or 0.0) - sum(v for k, v in parts.items() if "." not in k)
         lines += ["", "Where `ours` blocks (mean per snapshot, s): " + ", ".join(
-            f"{k} {v:.2f}" for k, v in parts.items()) + f", rest {max(rest, 0.0):.2f}. *wait_slot*: asking the "
+            f"{k} {v:.2f}" + (f" (on a core {cpu:.2f})" if k == "copy" and cpu is not None else "")
+            for k, v in parts.items()) + f", rest {max(rest, 0.0):.2f}. *wait_slot*: asking the "
             "daemon whether the slot to reuse is free (backpressure); *extra*: the exchange of every rank's extra "
             "state (frontier, RNG, data loader, scheduler) over the control plane; *proof*: the staged bytes "
             "against the live state dict, only until one snapshot proved the capture (the first of each start); "
