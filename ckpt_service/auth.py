@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.safeopen import NotRegular, read_regular
 from ckpt_service.layout import step_of
 
 KEY_FILE = ".accelpact-key"
@@ -77,8 +78,11 @@ def load_key(run_dir: str) -> bytes:
                               f"trust every snapshot in it")
     deadline = time.monotonic() + 5.0
     while True:  # a concurrent first caller may not have written it yet (bounded)
-        with open(path, "rb") as fh:
-            text = fh.read().strip()
+        try:  # the same checks on the descriptor read (the name may have been replaced since the lstat)
+            text = read_regular(path, 4096, owner=os.getuid()).strip()
+        except NotRegular as exc:
+            raise CheckpointError(f"{exc.strerror}: remove the run directory's key only if you trust every "
+                                  f"snapshot in it") from None
         if len(text) == 64:
             return bytes.fromhex(text.decode())
         if time.monotonic() > deadline:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.core.safeopen import open_writable
 
 from ckpt_service import committed, faults, staging
 from ckpt_service.index import dir_size, publish_index, read_indexes, read_record, record_state, scan
@@ -129,7 +130,7 @@ def acquire_lock(ndir: str) -> int:
     """Take the node directory's lock (flock: released by the kernel when the holder dies, even by kill -9)."""
     os.makedirs(ndir, exist_ok=True)
     path = os.path.join(ndir, LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd, _st = open_writable(path, mode=0o600)  # never through a link planted at the name (core.safeopen)
     deadline = time.monotonic() + LOCK_RETRY_S
     while True:
         try:

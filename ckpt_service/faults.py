@@ -14,6 +14,7 @@ from typing import Any
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.core.safeopen import open_writable
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ def pause_point(phase: str, ndir: str, step: int | None = None, faults: TestFaul
     if want is None or want[0] != phase or (want[1] is not None and step is not None and want[1] != step):
         return
     marker = os.path.join(ndir, f".paused-{phase}")
-    with open(marker, "w") as fh:
+    fd, _st = open_writable(marker, mode=0o644)  # never through a link (core.safeopen)
+    os.ftruncate(fd, 0)
+    with os.fdopen(fd, "w") as fh:
         fh.write(f"{os.getpid()}\n")
     log.warning("fault injection: paused at %s (marker %s)", phase, marker)
     threading.Event().wait(PAUSE_LIMIT_S)

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from accelpact_slurm.core.atomic import fsync_dir, write_json_atomic  # noqa: F401  (re-exported)
 from accelpact_slurm.core.events import finite_number
+from accelpact_slurm.core.safeopen import open_writable
 
 from ckpt_service.layout import DAEMON_FAILED_SUFFIX, INDEX_DIR, MANIFEST, STATE, step_name_problem, step_of
 from ckpt_service.retention import is_milestone
@@ -291,7 +292,7 @@ class _index_lock:
 
     def __enter__(self) -> "_index_lock":
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd, _st = open_writable(self.path, mode=0o644)  # never through a link (core.safeopen)
         except OSError:
             log.warning("cannot open %s; publishing the index unlocked", self.path)
             return self

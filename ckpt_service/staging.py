@@ -41,6 +41,7 @@ import sys
 from typing import Any, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.safeopen import open_regular, open_writable
 from ckpt_service.layout import LOCK, check_private, private_dir, socket_path, staging_root
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def served(ndir: str) -> bool | None:
     :func:`ckpt_service.daemon.acquire_lock`).  Works across processes of one node, on any local file system.
     """
     try:
-        fd = os.open(os.path.join(ndir, LOCK), os.O_RDONLY)
+        fd, _st = open_regular(os.path.join(ndir, LOCK))  # a FIFO or link there is no daemon's lock
     except (FileNotFoundError, NotADirectoryError):
         return False  # no daemon ever served this node directory (or it is not even a directory)
     except OSError:
@@ -162,7 +163,11 @@ class Slot:
         self._mm = None  # dropped, not closed: a tensor may still view it until collected
         private_dir(os.path.dirname(self.path))
         tmp = f"{self.path}.tmp.{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:  # a leftover of this pid (a reused pid's crash) is ours to replace; anything else is never followed
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        fd, _st = open_writable(tmp, mode=0o600)
         try:
             os.ftruncate(fd, nbytes)
             self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -244,9 +249,8 @@ def read_descriptor(path: str) -> dict[str, Any]:
 def map_slot(path: str, ino: int, nbytes: int) -> memoryview:
     """A read-only view of a rank's slot (all of it, the stamp included); raises OSError when it is gone, replaced
     or too short."""
-    fd = os.open(path, os.O_RDONLY)
+    fd, st = open_regular(path)
     try:
-        st = os.fstat(fd)
         if st.st_ino != ino:
             raise OSError(f"{path} was replaced after staging (inode {st.st_ino}, staged {ino})")
         if st.st_size < nbytes:
@@ -303,7 +307,7 @@ def drop_unserved(ndir: str) -> tuple[str, str]:
             return FAILED, f"cannot remove what the ranks staged for {ndir}: {exc}"
         return REMOVED, f"removed {root}: the ranks staged for {ndir}, which no daemon could serve (no directory)"
     try:
-        fd = os.open(os.path.join(ndir, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fd, _st = open_writable(os.path.join(ndir, LOCK), mode=0o600)
     except OSError as exc:
         return FAILED, f"cannot open the daemon lock of {ndir}: {exc.strerror or exc}"
     try:

@@ -77,8 +77,8 @@ def _copy_flat(src: str, dst: str) -> None:
     os.mkdir(dst)
     for name, st in entries(src):
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(errno.EINVAL, f"{os.path.join(src, name)}: {name} is {kind(st.st_mode)}, not a regular "
-                                           f"file: the snapshot is not copied")
+            raise NotRegular(errno.EINVAL, f"{os.path.join(src, name)}:", f"{name} is {kind(st.st_mode)}, not a "
+                                                                         f"regular file: the snapshot is not copied")
         fd, _st = open_regular(os.path.join(src, name))
         try:
             with os.fdopen(fd, "rb", closefd=False) as fin, \

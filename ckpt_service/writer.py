@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
+from accelpact_slurm.core.safeopen import open_regular
 
 from ckpt_service import digest
 from ckpt_service import faults as fault_points
@@ -184,7 +185,7 @@ def hash_file(path: str, algorithm: str = digest.WRITE, bufsize: int = 4 << 20, 
     h = digest.new(algorithm)
     buf = bytearray(bufsize)
     mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
+    with open(open_regular(path)[0], "rb", buffering=0) as fh:  # never through a link (core.safeopen)
         if drop and hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -205,7 +206,7 @@ def _hash_direct(path: str, algorithm: str, bufsize: int) -> str | None:
     if not flag:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | flag)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | flag)
     except OSError:
         return None
     try:
@@ -232,7 +233,7 @@ def _hash_direct(path: str, algorithm: str, bufsize: int) -> str | None:
 
 
 def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -343,7 +344,7 @@ class Sink:
 
     def __init__(self, path: str, direct: bool | None = None) -> None:
         self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
         if (DIRECT_IO if direct is None else direct) and hasattr(os, "O_DIRECT"):
             try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig, with_overrides
 from accelpact_slurm.launch.core import add_job_flags, check_same_training, job_config, worker_args
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
-from accelpact_slurm.core.events import SUMMARY_FILE
+from accelpact_slurm.core.events import SUMMARY_FILE, parse_json, read_file
 from accelpact_slurm.launch.local import free_port_pair
 
 log = logging.getLogger("accelpact_slurm.cli.submit")
@@ -257,9 +256,8 @@ def _task(spec):
 def report_completed(run_dir: str, job_id: str) -> int:
 
     path = os.path.join(run_dir, SUMMARY_FILE)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            summary = json.load(fh)
+    try:  # bounded, a regular file only, never through a link (core.safeopen)
+        summary = parse_json(read_file(path))
     except (OSError, ValueError) as exc:
         print(f"{PROG}: job {job_id}: every task finished but {path} is unreadable ({exc})", file=sys.stderr)
         return EXIT_NOT_COMPLETED

@@ -6,6 +6,8 @@ import json
 import os
 from typing import IO, Any, Callable
 
+from accelpact_slurm.core.safeopen import create_new
+
 
 def fsync_dir(path: str) -> None:
     """Make a rename or a new entry in ``path`` durable (the directory's own metadata)."""
@@ -20,8 +22,13 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
     """``write`` the file's bytes under a temporary name, fsync, rename over ``path``, fsync the directory; a
     failure (a full disk) removes the temporary file and raises."""
     tmp = f"{path}.tmp.{os.getpid()}"
+    try:  # a leftover of this pid (a crash) is ours to replace; a link planted at the name is removed, not followed
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
     try:
-        with open(tmp, "wb") as fh:
+        # O_EXCL | O_NOFOLLOW: whatever takes the name first (a link, a FIFO) fails the create (core.safeopen)
+        with os.fdopen(create_new(tmp, 0o644), "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())

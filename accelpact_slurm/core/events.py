@@ -14,16 +14,17 @@ This module must not import torch: login-node tools read it.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import stat
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+from accelpact_slurm.core.safeopen import (  # noqa: F401 - NotRegular, open_regular: also this module's API
+    NotRegular, open_regular, open_writable, read_regular)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class EventLog:
         self._static = {"job_id": None, "restart": 0, "rank": None, "node": None}
         self._static.update(static)
         self._lock = threading.Lock()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # never through a link or into a FIFO planted at the name: created O_EXCL, or an existing regular file
+        # of this user (accelpact_slurm.core.safeopen)
+        self._fd, _st = open_writable(self.path, append=True, mode=0o644)
 
     def update_static(self, **fields: Any) -> None:
         self._static.update(fields)
@@ -140,68 +143,18 @@ LINE_LIMIT = 16 << 20
 JSON_FILE_LIMIT = 64 << 20
 
 
-class NotRegular(OSError):
-    """The path is a directory, a FIFO, a device or a socket: nothing a tool reads as a file."""
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """``(fd, fstat)`` of the regular file ``path`` opened read-only, never blocking.
-
-    ``O_NONBLOCK`` opens a FIFO at once instead of waiting for a writer; ``fstat`` on the very
-    descriptor then refuses anything that is not a regular file (a link is followed to what it names:
-    a link to ``/dev/zero`` is a device, refused).
-
-    Raises:
-        NotRegular: naming the path and what it is; FileNotFoundError and other OSErrors as they come.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except IsADirectoryError:
-        raise NotRegular(errno.EISDIR, "is a directory, not a regular file: not read") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file: not read")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
 def read_file(path: str, limit: int = JSON_FILE_LIMIT) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them (:func:`open_regular`).
+    """The bytes of the regular file ``path``, at most ``limit`` of them, never through a link
+    (:func:`accelpact_slurm.core.safeopen.read_regular`).
 
     Raises:
-        NotRegular: not a regular file, or more than ``limit`` bytes (the message says so); other OSErrors.
+        NotRegular: a link, not a regular file, or more than ``limit`` bytes (``why`` says so); other OSErrors.
     """
-    fd, st = open_regular(path)
-    try:
-        if st.st_size > limit:
-            raise NotRegular(errno.EFBIG, f"has {st.st_size} bytes, more than the {limit} read here: not read")
-        data = os.read(fd, limit + 1)
-        chunks = [data]
-        total = len(data)
-        while data and total <= limit:
-            data = os.read(fd, limit + 1 - total)
-            chunks.append(data)
-            total += len(data)
-        if total > limit:
-            raise NotRegular(errno.EFBIG, f"grew past the {limit} bytes read here: not read")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    return read_regular(path, limit)
 
 
 def read_lines(path: str | os.PathLike[str], bad: list[BadLine] | None = None, *, limit: int = READ_LIMIT,
-               line_limit: int = LINE_LIMIT) -> Iterator[tuple[int, bytes]]:
+               line_limit: int = LINE_LIMIT, follow: bool = False) -> Iterator[tuple[int, bytes]]:
     """``(1-based line number, line)`` of a log, bounded and never blocking; a missing file yields nothing.
 
     A path that is not a regular file (a directory, a FIFO), cannot be opened, or holds more than
@@ -216,11 +169,11 @@ def read_lines(path: str | os.PathLike[str], bad: list[BadLine] | None = None, *
             bad.append(BadLine(path, lineno, reason))
 
     try:
-        fd, _st = open_regular(path)
+        fd, _st = open_regular(path, follow=follow)
     except FileNotFoundError:
         return
     except NotRegular as exc:
-        skip(0, str(exc.strerror))
+        skip(0, exc.why)
         return
     except OSError as exc:
         skip(0, f"cannot open: {exc.strerror or exc}")

@@ -38,7 +38,6 @@ What lives here, and who calls it:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -52,7 +51,8 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from accelpact_slurm.core.atomic import write_json_atomic
 from accelpact_slurm.core.config import load_config, training_diff, training_part, with_overrides
-from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.core.events import EVENTS_FILE, EventLog, parse_json, read_events
+from accelpact_slurm.core.safeopen import NotRegular, check_dir, open_writable, read_regular
 from accelpact_slurm.launch.ranks import daemon_command
 from accelpact_slurm.launch.run_lock import claim
 from accelpact_slurm.runtime.job import run_rank
@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 #: The training-relevant part of the configuration of a run directory's first start.
 TRAINING_FILE = "job-training.json"
+#: The most read of ``job-training.json`` (a job file's training part: a few kilobytes; a file past this is
+#: refused before it is parsed, as a 200 MB one would take tens of seconds and gigabytes to parse).
+TRAINING_LIMIT = 16 << 20
 
 DONE = "done"
 REQUEUE = "requeue"
@@ -139,11 +142,13 @@ def check_same_training(cfg, run_dir: str, allow: bool) -> None:
 
     path = os.path.join(run_dir, TRAINING_FILE)
     mine = training_part(cfg)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            first = json.load(fh)
+    check_dir(run_dir)  # a directory others may write could hold their FIFO or link at the name
+    try:  # a FIFO refused at once (not waited on), a huge file before a byte is parsed (core.safeopen)
+        first = parse_json(read_regular(path, TRAINING_LIMIT, owner=os.geteuid()))
     except FileNotFoundError:
         first = None
+    except NotRegular as exc:
+        raise ConfigError("run dir", path, f"{exc.why}; remove it or use another --run-dir") from None
     except (OSError, ValueError) as exc:
         raise ConfigError("run dir", path, f"cannot read it ({exc}); remove it or use another --run-dir") from None
     if first is not None and not allow:
@@ -352,8 +357,10 @@ def forward_usr2(run_dir: str, restart: int, ntasks: int, step_pid: int | None, 
 
     out = out or sys.stderr
     os.makedirs(run_dir, exist_ok=True)
-    with open(signals.request_file(run_dir, restart), "w", encoding="utf-8"):
-        pass
+    try:  # an empty marker: created new, or left as it is (never opened through a link: core.safeopen)
+        os.close(open_writable(signals.request_file(run_dir, restart), mode=0o644)[0])
+    except NotRegular as exc:
+        print(f"hsdp.sbatch: {exc.strerror}: USR2 not recorded there", file=out, flush=True)
     ready_dir = os.path.join(run_dir, signals.READY_DIR)
     ready = len([n for n in os.listdir(ready_dir) if n.startswith(f"{restart}-")]) if os.path.isdir(ready_dir) else 0
     if step_pid is not None and ready >= ntasks:

@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from accelpact_slurm.core.safeopen import open_writable
 from accelpact_slurm.launch.ranks import daemon_command
 from ckpt_service.layout import node_dir
 from ckpt_service.staging import FAILED, REMOVED, drop_unserved
@@ -59,7 +60,7 @@ def spawn_daemon(config_path: str, run_dir: str, node: str, node_index: int, job
             return LocalDaemon(node, zygote.spawn(cmd[3:], environ, log_path, module=cmd[2]), log_path)
         except OSError as exc:
             log.warning("the daemon of %s starts as a plain process: %s", node, exc)
-    with open(log_path, "ab") as fh:
+    with os.fdopen(open_writable(log_path, append=True, mode=0o644)[0], "ab") as fh:  # never through a link
         proc = subprocess.Popen(cmd, env=dict(environ), stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
     return LocalDaemon(node, proc, log_path)

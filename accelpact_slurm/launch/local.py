@@ -34,6 +34,7 @@ from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: al
     DONE, RELAUNCH, STOP, LabelledWriter, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
 from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime.job import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 from accelpact_slurm.launch.zygote import Zygote
@@ -76,8 +77,9 @@ def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "", dro
     pos = 0
     while True:
         ended = done.is_set()
-        try:
-            with open(path, "rb") as fh:
+        try:  # a regular file only, never through a link (a FIFO there must not block the echo: core.safeopen)
+            fd, _st = open_regular(path)
+            with os.fdopen(fd, "rb") as fh:
                 fh.seek(pos)
                 data = fh.read()
         except FileNotFoundError:
@@ -96,7 +98,7 @@ def _pump(src, dst_file, echo: TextIO | None, label: str = "", drop: str = "") -
     ``drop`` left out)."""
     if echo is not None and label:
         echo = LabelledWriter(echo, label, drop)
-    with open(dst_file, "ab") as fh:
+    with os.fdopen(open_writable(dst_file, append=True, mode=0o644)[0], "ab") as fh:  # never through a link
         for line in iter(src.readline, b""):
             fh.write(line)
             fh.flush()

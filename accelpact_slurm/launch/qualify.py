@@ -9,7 +9,6 @@ the flags, checks the job and the envelope file with :func:`check_job`, :func:`e
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,8 @@ from typing import Any, Mapping, Sequence
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, ConfigError
-from accelpact_slurm.core.events import read_events
+from accelpact_slurm.core.events import parse_json, read_events, read_file
+from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime import envelope as env_mod
 
 #: accelpact-qualify's exit codes (a trial run's own exit code is accelpact-run's and only goes into its line).
@@ -154,7 +154,9 @@ def run_job(config: str, run_dir: str, extra: list[str], env: Mapping[str, str],
     cmd = [sys.executable, "-m", "accelpact_slurm.cli.run", config, "--run-dir", run_dir, *extra]
     deadline = time.monotonic() + timeout_s
     rc: int | None = None
-    with open(os.path.join(run_dir, OUTPUT_FILE), "w", encoding="utf-8") as out:
+    fd, _st = open_writable(os.path.join(run_dir, OUTPUT_FILE), mode=0o644)  # never through a link
+    os.ftruncate(fd, 0)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
         # Its own session: the terminal's Ctrl-C reaches only us, and a stopped run goes with every rank and
         # daemon it started (its process group), none left running on its own.
         proc = subprocess.Popen(cmd, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -170,9 +172,8 @@ def run_job(config: str, run_dir: str, extra: list[str], env: Mapping[str, str],
             _stop(proc, grace_s)
             raise
     events = list(read_events(os.path.join(run_dir, "events.jsonl")))
-    try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
+    try:  # bounded, a regular file only (core.safeopen)
+        summary = parse_json(read_file(os.path.join(run_dir, "summary.json")))
     except (OSError, ValueError):
         summary = None
     return rc, events, summary
@@ -180,7 +181,8 @@ def run_job(config: str, run_dir: str, extra: list[str], env: Mapping[str, str],
 
 def _last_line(path: str) -> str:
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
+        fd, _st = open_regular(path)  # a regular file only, never through a link (core.safeopen)
+        with open(fd, encoding="utf-8", errors="replace") as fh:
             lines = [line.strip() for line in fh if line.strip()]
     except OSError:
         return ""

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from accelpact_slurm.core.errors import ConfigError
+from accelpact_slurm.core.safeopen import NotRegular, check_dir, open_writable, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ LOCK_FILE = ".accelpact-lock"
 RETRY_S = 1.0
 #: How long a lock held under an unreadable record is taken for one whose holder is still writing it.
 RECORD_S = 5.0
+#: The most read of the lock's record (a job id, a host name, a pid and a time: well under a kilobyte).
+RECORD_LIMIT = 4096
 _UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -80,8 +83,7 @@ def lock_path(run_dir: str) -> str:
 def holder(run_dir: str) -> dict[str, Any] | None:
     """The record of the lock's last holder (``job_id``, ``host``, ``pid``, ``since``); None when unreadable."""
     try:
-        with open(lock_path(run_dir), encoding="utf-8") as fh:
-            rec = json.loads(fh.read() or "null")
+        rec = json.loads(read_regular(lock_path(run_dir), RECORD_LIMIT) or b"null")
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None
@@ -106,8 +108,13 @@ def claim(run_dir: str, job_id: str, *, hold: bool) -> RunDirLock | None:
         RunDirInUse: another job holds it; the message names the run directory and that job, on one line.
     """
     os.makedirs(run_dir, exist_ok=True)
+    check_dir(run_dir)  # a directory others may write could hold their link or FIFO at the lock's name
     path = lock_path(run_dir)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:  # never through a link (it would truncate the file it names): created O_EXCL, or our regular file
+        fd, _st = open_writable(path, mode=0o600)
+    except NotRegular as exc:
+        raise ConfigError("run dir", run_dir, f"its lock {exc.strerror}: remove it (rm {path}) if no job of "
+                                              f"yours runs there") from None
     # a holder retries for RETRY_S: another rank of its own job may be testing the lock (a shared lock, an instant)
     t0 = time.monotonic()
     deadline = t0 + (RETRY_S if hold else 0.0)

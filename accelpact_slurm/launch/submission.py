@@ -84,6 +84,7 @@ from accelpact_slurm.core.config import load_config, relaunch_resumes
 from accelpact_slurm.core.errors import EXIT_OK, SlurmEnvError
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.events import EVENTS_FILE, read_events
+from accelpact_slurm.core.safeopen import open_writable
 from accelpact_slurm.launch import core
 from accelpact_slurm.launch.core import decided_code, exit_verdict, relaunch_in_place
 from accelpact_slurm.launch.daemons import spawn_daemon
@@ -259,8 +260,8 @@ def wait_lock_free(lock_path: str, deadline_s: float) -> bool:
     """Poll until nobody holds ``lock_path`` (a daemon of an earlier attempt still draining); False at the deadline."""
     deadline = time.monotonic() + deadline_s
     while True:
-        try:
-            fd = os.open(lock_path, os.O_RDWR)
+        try:  # a link or FIFO at the name is nobody's lock: refused, not followed (core.safeopen)
+            fd, _st = open_writable(lock_path, create=False)
         except FileNotFoundError:
             return True
         try:

@@ -34,6 +34,7 @@ import time
 import traceback
 from typing import Any, Mapping, Sequence
 
+from accelpact_slurm.core.safeopen import open_writable
 from accelpact_slurm.launch.ranks import WORKER_MODULE
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def _child(req: dict[str, Any], control: Sequence[int]) -> None:
     """In the forked child: become the rank the request describes; never returns."""
     code = 1
     try:
-        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        out, _st = open_writable(req["log"], append=True, mode=0o644)  # never through a link (core.safeopen)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the zygote's request pipe was fd 0: the rank reads nothing
         os.dup2(out, 1)

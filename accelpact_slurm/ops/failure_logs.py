@@ -443,7 +443,7 @@ def _lines(path: str, bad: list[BadLine]) -> Iterable[tuple[int, str]]:
     if not os.path.exists(path):
         bad.append(BadLine(path, 0, "no such file"))
         return
-    for lineno, raw in read_lines(path, bad):
+    for lineno, raw in read_lines(path, bad, follow=True):  # a log the operator names: a link to it is fine
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError:

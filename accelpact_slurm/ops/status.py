@@ -490,7 +490,7 @@ def _read_json(path: str, bad: list[BadLine]) -> Any:
     except FileNotFoundError:
         return None
     except NotRegular as exc:
-        bad.append(BadLine(path, 0, str(exc.strerror)))
+        bad.append(BadLine(path, 0, exc.why))
         return None
     except OSError as exc:
         bad.append(BadLine(path, 0, f"cannot read: {exc.strerror or exc}"))

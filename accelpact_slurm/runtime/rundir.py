@@ -21,11 +21,11 @@ Torch-free.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 from accelpact_slurm.core.errors import CheckpointError, ConfigError
 from accelpact_slurm.core.events import EVENTS_FILE
+from accelpact_slurm.core.safeopen import NotRegular, check_dir, open_writable
 from ckpt_service.auth import key_path, load_key
 from ckpt_service.layout import node_dir, shared_dir, step_of
 
@@ -65,17 +65,7 @@ def check_run_dir(run_dir: str, cfg: Any = None, host: str | None = None) -> Non
     Raises:
         ConfigError: one line naming the path, what is wrong and the fix.
     """
-    run_dir = os.path.abspath(run_dir)
-    st = os.lstat(run_dir)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise ConfigError("run dir", run_dir, "is not a plain directory (a link or a file): use a real directory")
-    if st.st_uid != os.getuid():
-        raise ConfigError("run dir", run_dir, f"belongs to uid {st.st_uid}, not to the job's user (uid "
-                                              f"{os.getuid()}): its snapshots and key could be anyone's; use a "
-                                              f"run directory of your own")
-    if st.st_mode & 0o022:
-        raise ConfigError("run dir", run_dir, f"has mode {oct(st.st_mode & 0o777)}: other users may delete its key, "
-                                              f"plant snapshots or forge its event log; run chmod go-w {run_dir}")
+    check_dir(run_dir)  # before anything in it is opened: accelpact_slurm.core.safeopen
     check_key(run_dir, cfg, host)
     check_event_log(run_dir)
 
@@ -103,14 +93,12 @@ def check_event_log(run_dir: str) -> None:
     by the first of them in the run directory, which :func:`check_run_dir` found to be the job's user's)."""
     path = os.path.join(run_dir, EVENTS_FILE)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, _st = open_writable(path, append=True, create=False)
     except FileNotFoundError:
         return
+    except NotRegular as exc:
+        raise ConfigError("event log", path, f"{exc.why}: remove it (the job creates its own)") from None
     except OSError as exc:
         raise ConfigError("event log", path, f"cannot be opened for appending ({exc.strerror or exc}): make it a "
                                              f"file the job's user may write (chmod u+w), or remove it") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError("event log", path, "is not a regular file: remove it")
-    finally:
-        os.close(fd)
+    os.close(fd)

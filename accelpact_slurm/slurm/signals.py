@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import signal
 
+from accelpact_slurm.core.safeopen import open_writable
+
 #: Every signal (or request) that asked for the stop, in order; non-empty means requested.  A plain list, not a
 #: ``threading.Event``: a handler runs in the main thread between two bytecodes, and ``Event.set`` takes a lock the
 #: main thread may be holding at that moment (in ``clear``, or in a wait on the same event): it would wait forever.
@@ -100,8 +102,12 @@ def mark_ready(run_dir: str, restart: int, rank: int) -> None:
     """
     d = os.path.join(run_dir, READY_DIR)
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, f"{restart}-{rank}"), "w", encoding="utf-8") as fh:
-        fh.write(f"{os.getpid()}\n")
+    fd, _st = open_writable(os.path.join(d, f"{restart}-{rank}"), mode=0o644)  # never through a link
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
     if os.path.exists(request_file(run_dir, restart)):
         request(signal.SIGUSR2)
 
