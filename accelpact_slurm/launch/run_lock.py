@@ -16,6 +16,10 @@ requeued job (same Slurm job id, new start) whose earlier start has not quite en
 own launcher, or a relaunch by the same launcher.  ``flock`` is released by the kernel when the holder's process
 ends (``kill -9`` included), so a dead job leaves no stale lock.
 
+The lock is opened only after the run directory's owner-and-mode check and never through a link
+(:mod:`accelpact_slurm.core.safeopen`): a link planted at its name would otherwise have the job truncate and
+overwrite the file it names (a root job: any file).  Either stops the start in one line, exit 2.
+
 File systems: ``flock`` works on local file systems and on NFS (Linux emulates it with NFS byte-range locks,
 visible to every client); on Lustre only with the ``flock`` mount option (``localflock`` makes it node-local: two
 jobs whose rank 0 sit on different nodes would then both take it).  Where the file system refuses locks (ENOLCK,
