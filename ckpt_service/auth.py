@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from accelpact_slurm.core.errors import CheckpointError
-from accelpact_slurm.core.safeopen import NotRegular, read_regular
+from accelpact_slurm.core.safeopen import NotRegular, create_new, read_regular
 from ckpt_service.layout import step_of
 
 KEY_FILE = ".accelpact-key"
@@ -53,7 +53,7 @@ def load_or_create_key(run_dir: str) -> bytes:
                                   f"(it would reject all of them); restore the key file, or move the snapshots "
                                   f"away to start afresh")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_new(path, 0o600)  # O_EXCL | O_NOFOLLOW: a link or FIFO at the name fails the create
     except FileExistsError:
         return load_key(run_dir)
     try:
