@@ -159,3 +159,27 @@ def test_a_run_dir_others_may_write_is_refused_before_anything_in_it_is_opened(t
     (tmp_path / "alias").symlink_to(run)
     with pytest.raises(ConfigError, match="is not a plain directory"):
         check_dir(str(tmp_path / "alias"))
+
+
+@ROOT_ONLY
+@pytest.mark.timeout(20)
+def test_the_daemon_lock_is_never_taken_through_a_planted_link_or_fifo(base, other):
+    """A link at a node directory's ``ckptd.lock`` is refused by the daemon (its target keeps its bytes); a FIFO
+    there answers "cannot tell" to a rank asking whether a daemon serves it, at once.
+
+    Negative control: the old opens (``os.open(path, O_RDWR | O_CREAT)`` in ``acquire_lock``, a blocking
+    ``O_RDONLY`` in ``served``) open the file the link names, and wait on the FIFO for a writer forever."""
+    from ckpt_service.daemon import acquire_lock
+    from ckpt_service.layout import LOCK
+    from ckpt_service.staging import served
+
+    run, victim = _planted(base, other, f"os.mkdir(os.path.join(run, 'n1'), 0o755)\n"
+                                        f"os.symlink(victim, os.path.join(run, 'n1', {LOCK!r}))\n"
+                                        f"os.mkdir(os.path.join(run, 'n2'), 0o755)\n"
+                                        f"os.mkfifo(os.path.join(run, 'n2', {LOCK!r}))")
+    with pytest.raises(NotRegular, match="is a symbolic link: not followed"):
+        acquire_lock(os.path.join(run, "n1"))
+    _unchanged(victim)
+    t0 = time.monotonic()
+    assert served(os.path.join(run, "n2")) is None
+    assert time.monotonic() - t0 < 1.0
