@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="accelpact-status",
         description="Show AccelPact jobs: state, frontier, repairs, restarts, snapshots per node.",
+        epilog="documentation: docs/operator-tools.md#accelpact-status",
     )
     p.add_argument("targets", nargs="*", metavar="RUN_DIR_OR_JOBID",
                    help="run directories or job ids (resolved to RUNS_ROOT/<jobid>); none: your recent jobs")
@@ -202,8 +203,10 @@ def render_job(j: dict[str, Any]) -> str:
                                               rows).splitlines())
     if j["final"] is not None:
         f = j["final"]
-        line("final", f"step {f.get('final_step')}, loss {f.get('final_loss')}, exit {f.get('exit_code')}, "
-                      f"wall {f.get('wall_s')} s")
+        loss = f.get("final_loss")
+        loss = f"{loss:.6g}" if isinstance(loss, float) else str(loss)
+        line("final", f"step {f.get('final_step')}, loss {loss}, exit {f.get('exit_code')}, "
+                      f"wall {_seconds(f.get('wall_s'))}")
     for w in j["warnings"]:
         line("WARNING", w)
     for b in j["bad_lines"][:10]:
@@ -229,15 +232,35 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
     runs: dict[int, list[str]] = {}
     for fs in l2["fail_stops"]:
         cause = f" ({fs['cause']})" if fs.get("cause") else ""
+        others = "".join(f"; also{' (' + o['cause'] + ')' if o.get('cause') else ''} '{o['reason']}'"
+                         for o in fs.get("others") or ())
         runs.setdefault(fs["restart"], []).append(
             f"fail-stop{cause} '{fs['reason']}' (exit {fs['exit_code']}, phase {fs['phase'] or '-'}, "
-            f"frontier {fs['frontier']})")
+            f"{frontier_words(fs)}){others}")
     for rq in l2["requeues"]:
         runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
     for rl in l2["restart_loads"]:
         if isinstance(rl["restart"], int) and rl["restart"] > 0:
             runs.setdefault(rl["restart"] - 1, []).append(f"run {rl['restart']} loaded step {rl['step']}")
     return [f"run {r}: " + "; ".join(parts) for r, parts in sorted(runs.items())]
+
+
+def frontier_words(stop: dict[str, Any]) -> str:
+    """Where a stop left the job: its own frontier, else the newest update the log committed before it, else
+    that none was committed (never ``None``)."""
+    at = stop.get("frontier")
+    if not isinstance(at, int) or isinstance(at, bool):
+        return "before any committed update"
+    if stop.get("frontier_source") == "log":
+        return f"frontier {at}: the log's newest committed update before it"
+    return f"frontier {at}"
+
+
+def _seconds(value: Any) -> str:
+    """A time in seconds for people (``20.6 s``, ``3.2 min``); ``-`` for none or a non-number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return "-"
+    return format_duration(max(0.0, float(value)))
 
 
 def _ago(seconds: float | None) -> str:

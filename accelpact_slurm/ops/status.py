@@ -28,6 +28,7 @@ from accelpact_slurm.core.events import (
     EVENTS_FILE, JSON_FILE_LIMIT, SUMMARY_FILE, BadLine, NotRegular, TooDeep, finite_number, parse_json, read_events,
     read_file,
 )
+from ckpt_service.committed import SUFFIX as COMMITTED_SUFFIX
 from ckpt_service.index import SHARED_SOURCE, restart_source, scan
 from ckpt_service.layout import DAEMON_FAILED_SUFFIX, shared_dir
 from ckpt_service.retention import newest_common
@@ -196,6 +197,35 @@ def run_dir_state(last_event: dict[str, Any] | None, final: dict[str, Any] | Non
     return "STALE" if stale else "RUNNING"
 
 
+#: How much of an event log's end :func:`last_committed_step` reads: many updates' step events.
+_TAIL_BYTES = 256 * 1024
+
+
+def last_committed_step(path: str, tail_bytes: int = _TAIL_BYTES) -> int | None:
+    """The newest update a ``step`` event in the last ``tail_bytes`` of the event log at ``path`` records as
+    committed; None when there is none (or no log).  For a stop that carries no frontier of its own."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - tail_bytes))
+            data = fh.read(tail_bytes)
+    except OSError:
+        return None
+    lines = data.split(b"\n")
+    if size > tail_bytes:
+        lines = lines[1:]  # the first one is cut
+    for raw in reversed(lines):
+        if b'"step"' not in raw:
+            continue
+        try:
+            rec = parse_json(raw)
+        except (ValueError, TooDeep):
+            continue
+        if isinstance(rec, dict) and rec.get("event") == "step" and _count(rec.get("step")) is not None:
+            return rec["step"]
+    return None
+
+
 # --------------------------------------------------------------------------- collection
 
 
@@ -357,13 +387,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                 frontier = (ts, rec["frontier"], "repair")
             decision = _decision(rec, "preserve")
         elif kind == "fail_stop":
-            first = fail_stops.setdefault(restart, {
-                "ts": ts, "restart": restart, "reason": rec.get("reason"), "exit_code": rec.get("exit_code"),
-                "phase": rec.get("phase"), "frontier": rec.get("frontier"), "decision": rec.get("decision"),
-                "cause": rec.get("cause") if isinstance(rec.get("cause"), str) else None,
-                "culprit": rec.get("culprit") if isinstance(rec.get("culprit"), int) else None})
-            if first["cause"] is None and isinstance(rec.get("cause"), str):  # the launcher's comes last
-                first["cause"] = rec["cause"]
+            _add_stop(fail_stops, rec, ts, restart, frontier)
             decision = _decision(rec, "restart")
         elif kind == "fault":  # every rank that saw it logs it: one fault per (restart, step, phase)
             fkey = (restart, rec.get("step"), rec.get("phase"))
@@ -410,6 +434,47 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     }
 
 
+#: Further (cause, reason) pairs kept per start beside its first stop: other ranks' own words for the same end.
+_OTHER_STOPS = 3
+
+
+def _add_stop(fail_stops: dict[Any, dict[str, Any]], rec: dict[str, Any], ts: float | None, restart: int,
+              frontier: tuple[float, int, str] | None) -> None:
+    """Fold one ``fail_stop`` event into its start's stop: the first one a rank wrote leads (the launcher writes its
+    own only when no rank could, and it comes last), every other distinct cause and reason is kept beside it.
+
+    A stop without a frontier (a restore that failed before the start committed anything) gets the newest update
+    the log committed before it, so that no line says ``None``; ``frontier_source`` says where it came from.
+    """
+    cause = rec.get("cause") if isinstance(rec.get("cause"), str) else None
+    reason = rec.get("reason") if rec.get("reason") is not None else None
+    own = _count(rec.get("frontier"))
+    if own is not None:
+        at, source = own, "event"
+    elif frontier is not None:
+        at, source = frontier[1], "log"
+    else:
+        at, source = None, None
+    by_launcher = rec.get("by") == "launcher"
+    entry = {"ts": ts, "restart": restart, "reason": reason, "exit_code": rec.get("exit_code"),
+             "phase": rec.get("phase"), "frontier": at, "frontier_source": source, "decision": rec.get("decision"),
+             "cause": cause, "culprit": rec.get("culprit") if isinstance(rec.get("culprit"), int) else None,
+             "by": "launcher" if by_launcher else "rank", "others": []}
+    first = fail_stops.get(restart)
+    if first is None or (first["by"] == "launcher" and not by_launcher):
+        if first is not None:
+            entry["others"] = [{"cause": first["cause"], "reason": first["reason"]}] + first["others"]
+        fail_stops[restart] = entry
+        return
+    if first["cause"] is None and cause is not None:
+        first["cause"] = cause
+    if first["frontier_source"] != "event" and own is not None:
+        first["frontier"], first["frontier_source"] = own, "event"
+    pair = {"cause": cause, "reason": reason}
+    if (cause, reason) != (first["cause"], first["reason"]) and pair not in first["others"] \
+            and len(first["others"]) < _OTHER_STOPS:
+        first["others"].append(pair)
+
 
 def _decision(rec: dict[str, Any], implied: str | None) -> dict[str, Any]:
     """The envelope decision an event shows: its ``decision`` field, else what the event implies."""
@@ -439,8 +504,11 @@ def _phases(value: Any) -> dict[str, float]:
 
 def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str, Any]]:
     nodes = []
-    try:  # a daemon that could not start leaves <node>.daemon-failed.json there: word for the ranks, no index
-        names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json") and not n.endswith(DAEMON_FAILED_SUFFIX))
+    try:  # beside each <node>.json: <node>.daemon-failed.json (a daemon that could not start) and the signed
+        # <node>.committed.json (the newest step the node verified), no index either: read as one, each showed its
+        # node a second time, with no snapshots, above its real index
+        names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json")
+                       and not n.endswith((DAEMON_FAILED_SUFFIX, COMMITTED_SUFFIX)))
     except OSError:
         return nodes
     for name in names:

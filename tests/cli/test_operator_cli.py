@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import stat
@@ -337,7 +338,8 @@ def test_status_json_stays_valid_json_with_non_finite_numbers(tmp_path, capsys):
     json.dumps(doc, allow_nan=False)
     (job,) = doc["jobs"]
     assert job["final"]["final_loss"] is None and job["final"]["wall_s"] is None
-    assert job["l2"]["fail_stops"][0]["frontier"] is None
+    # -inf is no frontier: the stop gets the newest update the log committed before it
+    assert (job["l2"]["fail_stops"][0]["frontier"], job["l2"]["fail_stops"][0]["frontier_source"]) == (2, "log")
     assert status_cli.main([d, "--no-slurm"]) == 0  # the table still shows what it can
     assert "loss nan" in capsys.readouterr().out
 
@@ -437,3 +439,86 @@ def test_check_dependencies_alone(blocked, ok):
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     else:
         assert proc.returncode == 1 and "ConfigError: dependencies: invalid value 'numpy'" in proc.stderr
+
+
+# --------------------------------------------------------------------------- accelpact-status tells the truth
+
+#: A real run directory (events and node indexes): the vision example under FSDP1 with BatchNorm, a forward fault
+#: at update 10; each relaunch crashed in its restore (``Missing key in checkpoint state_dict``) before deciding
+#: anything, and the launcher of the time wrote its stops with no frontier and no cause.
+RESTORE_CRASH = os.path.join(DATA, "run-restore-crash")
+
+
+def _status_text(run_dir, capsys) -> str:
+    assert status_cli.main([str(run_dir), "--no-slurm"]) == 0
+    return capsys.readouterr().out
+
+
+def test_status_of_a_real_restore_crash_agrees_with_itself(capsys):
+    """Each node's index line once, and every stop with a frontier (no ``None``).
+
+    Negative control: reading ``<node>.committed.json`` as an index (the filter in ``ops/status.py`` without
+    ``COMMITTED_SUFFIX``) prints ``node1: no snapshots`` directly above ``node1: verified 1``; without the log's
+    frontier the relaunches' stops read ``frontier None``.
+    """
+    out = _status_text(RESTORE_CRASH, capsys)
+    index_lines = [line.split()[0] for line in out.splitlines() if "index updated" in line]
+    assert index_lines == ["node1:", "node2:"], out
+    assert "no snapshots;" not in out
+    assert "None" not in out, out
+    assert out.count("frontier 9: the log's newest committed update before it") == 2, out
+    assert "(exit 75, phase forward, frontier 9)" in out
+
+
+def _stop(restart, rank, cause, reason, frontier=None, ts=100.0, **extra):
+    return {"ts": ts, "event": "fail_stop", "restart": restart, "rank": rank, "cause": cause, "reason": reason,
+            "exit_code": 75, "phase": "start", "frontier": frontier, **extra}
+
+
+def test_status_names_each_stops_own_cause_and_reason(tmp_path, capsys):
+    """A restore that fails writes its ``fail_stop`` with its cause ("no snapshot can be restored: ..."): status
+    shows that text, and every other distinct cause and reason of the same start, never the launcher's guess; a
+    stop before any committed update says so.
+
+    Negative control: the old fold (the first ``fail_stop`` of a start, whoever wrote it, and nothing else) shows
+    the launcher's "every rank ended without a decision" for start 1 and drops rank 3's own reason.
+    """
+    recs = [{"ts": 1.0 + i, "event": "step", "restart": 0, "rank": 0, "step": i} for i in range(1, 14)]
+    recs += [_stop(0, r, "link", "fault in uncommitted compute (forward)", frontier=13, ts=20.0) for r in range(4)]
+    recs += [_stop(1, None, "launcher", "every rank ended without a decision (exit codes [1, 1, 1, 1]): killed, "
+                   "or crashed", ts=30.0, by="launcher")]
+    recs += [_stop(1, r, "checkpoint", "no snapshot can be restored: step 10: missing key model.bn.running_mean",
+                   ts=31.0) for r in range(3)]
+    recs += [_stop(1, 3, "dead-rank", "rank 2 (node 1) died during the restore", ts=31.5)]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({"job_id": "9", **r}) + "\n" for r in recs))
+    out = _status_text(run_dir, capsys)
+    run1 = next(line for line in out.splitlines() if "run 1: " in line)
+    assert "fail-stop (checkpoint) 'no snapshot can be restored: step 10: missing key model.bn.running_mean'" in run1
+    assert "also (dead-rank) 'rank 2 (node 1) died during the restore'" in run1
+    assert "also (launcher) 'every rank ended without a decision" in run1  # kept, after the ranks' own words
+    assert "frontier 13: the log's newest committed update before it" in run1
+    assert "last stop     start 1: checkpoint (exit 75): no snapshot can be restored" in out
+
+    (run_dir / "events.jsonl").write_text(json.dumps({"job_id": "9", **_stop(0, 0, "config", "bad key")}) + "\n")
+    out = _status_text(run_dir, capsys)
+    assert "phase start, before any committed update)" in out and "None" not in out
+
+
+def test_status_rounds_every_time_it_shows(tmp_path, capsys):
+    """``wall 20.608336156000405 s`` was the summary's float as written.
+
+    Negative control: the old ``f"wall {f.get('wall_s')} s"`` prints every digit.
+    """
+    run_dir = tmp_path / "run"
+    shutil.copytree(RUN, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(wall_s=20.608336156000405, final_loss=4.09429144859314)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    out = _status_text(run_dir, capsys)
+    final = next(line for line in out.splitlines() if line.strip().startswith("final"))
+    assert "wall 20.6 s" in final and "loss 4.09429," in final, final
+    digits = [n for n in re.findall(r"\d+\.\d+", out.replace("4.09429", "")) if len(n.replace(".", "").lstrip("0")) > 4]
+    assert digits == [], out  # no time anywhere with more than 4 significant digits
+
