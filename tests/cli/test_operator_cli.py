@@ -151,12 +151,14 @@ def test_cadence_json_schema_and_numbers(capsys):
 
 def test_cadence_flags_override_measured_costs(capsys):
     args = ["--events", RUN, "--step-time-s", "220", "--checkpoint-cost-s", "25.6", "--restart-cost-s", "600",
-            "--repair-s", "0.77", "--guard-overhead", "0.002", "--age-steps", "5", "--json"]
+            "--repair-s", "0.77", "--guard-overhead", "0.002", "--age-steps", "5", "--observed-s", str(7 * 86400),
+            "--json"]
     assert cad_cli.main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["costs"]["step_time_s"] == {"value": 220.0, "source": "flag", "samples": 0}
     assert doc["delta_t"]["saved_per_event_s"] == pytest.approx(1099.23)
-    assert doc["recommendation"]["use_l1"] is True  # 3 eligible faults in a few minutes of history
+    # 3 eligible faults in a week (the log's own few minutes are too little to recommend anything from)
+    assert doc["recommendation"]["use_l1"] is True
 
 
 def test_cadence_reports_a_missing_cost(tmp_path, capsys):
@@ -376,13 +378,14 @@ def test_cadence_skips_a_huge_elapsed_and_an_infinite_ts_as_bad_lines(tmp_path, 
                       '{"ts": 10.0, "event": "step", "job_id": "7", "step": 1, "step_s": 2.0}\n')
     rc = cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5", "--json"])
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
     doc = json.loads(captured.out)
+    # one node failure in an hour is too little to recommend from: the only thing missing
+    assert rc == 2 and [m.split(":")[0] for m in doc["missing"]] == ["observed time"], captured.out
     assert [(os.path.basename(b["path"]), b["lineno"]) for b in doc["bad_lines"]] == [
         ("sacct.txt", 2), ("sacct.txt", 3), ("events.jsonl", 1)]
     assert doc["observed_s"] == 3600.0 and doc["classes"]["node_fail"]["count"] == 1
     assert captured.err.count("skipped") == 3
-    assert cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5"]) == 0
+    assert cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5"]) == 2
     assert "3 bad line(s) skipped" in capsys.readouterr().out
 
 
@@ -522,3 +525,34 @@ def test_status_rounds_every_time_it_shows(tmp_path, capsys):
     digits = [n for n in re.findall(r"\d+\.\d+", out.replace("4.09429", "")) if len(n.replace(".", "").lstrip("0")) > 4]
     assert digits == [], out  # no time anywhere with more than 4 significant digits
 
+
+#: The event log of a real uninterrupted run of the decoder example (25 updates, about 15 s, no fault).
+UNINTERRUPTED = os.path.join(DATA, "run-uninterrupted")
+
+
+def test_cadence_refuses_to_recommend_from_one_short_uninterrupted_run(tmp_path, capsys):
+    """One 15 s run without an interruption: nothing recommended, ``--write`` leaves the job file byte for byte,
+    and the output says how much observed time the bound needs.
+
+    Negative control: without the evidence gate (``cadence_analysis.analyse``) it recommended
+    ``checkpoint.every_steps = 4`` and "L1 off" from this log and ``--write`` wrote it.
+    """
+    job = tmp_path / "job.yaml"
+    shutil.copy(os.path.join(REPO, "examples", "decoder", "job.yaml"), job)
+    before = job.read_bytes()
+    assert cad_cli.main(["--events", UNINTERRUPTED, "--write", str(job), "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert job.read_bytes() == before
+    rec = doc["recommendation"]
+    assert (rec["every_steps"], rec["interval_s"], rec["use_l1"]) == (None, None, None)
+    assert doc["write"] == {"path": str(job), "error": "not enough observed time: nothing written"}
+    proof = rec["evidence"]
+    assert proof["enough"] is False and proof["needed_count"] == 0
+    assert proof["needed_s"] > 60 * doc["observed_s"]  # minutes, against the run's seconds
+    assert cad_cli.main(["--events", UNINTERRUPTED]) == 2
+    out = capsys.readouterr().out
+    assert "Recommendation: none" in out and "checkpoint.every_steps =" not in out and "L1 off" not in out
+    assert "missing: observed time: not enough observed time" in out and "observed without one" in out
+    # The same log with a week of observed time (--observed-s) is enough.
+    assert cad_cli.main(["--events", UNINTERRUPTED, "--observed-s", str(7 * 86400), "--write", str(job)]) == 0
+    assert job.read_bytes() != before
