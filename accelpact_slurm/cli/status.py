@@ -28,6 +28,7 @@ from accelpact_slurm.ops.cadence import format_duration
 log = logging.getLogger(__name__)
 _SNAPSHOTS_SHOWN = 5
 _L2_SHOWN = 10
+_SKIPS_SHOWN = 3  # snapshots a restart skipped, named in its line (every one is in --json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,7 +242,14 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
         runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
     for rl in l2["restart_loads"]:
         if isinstance(rl["restart"], int) and rl["restart"] > 0:
-            runs.setdefault(rl["restart"] - 1, []).append(f"run {rl['restart']} loaded step {rl['step']}")
+            step = rl["step"]
+            text = f"run {rl['restart']} loaded step {step}" if isinstance(step, int) and not isinstance(step, bool) \
+                else f"run {rl['restart']} loaded no snapshot: {rl.get('reason') or 'no reason given'}"
+            skipped = [s for s in rl.get("skipped") or () if isinstance(s, dict)]
+            text += "".join(f", skipped step {s.get('step')}: {s.get('reason')}" for s in skipped[:_SKIPS_SHOWN])
+            if len(skipped) > _SKIPS_SHOWN:
+                text += f", and {len(skipped) - _SKIPS_SHOWN} more skipped"
+            runs.setdefault(rl["restart"] - 1, []).append(text)
     return [f"run {r}: " + "; ".join(parts) for r, parts in sorted(runs.items())]
 
 

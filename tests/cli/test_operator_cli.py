@@ -484,7 +484,8 @@ def test_status_names_each_stops_own_cause_and_reason(tmp_path, capsys):
     stop before any committed update says so.
 
     Negative control: the old fold (the first ``fail_stop`` of a start, whoever wrote it, and nothing else) shows
-    the launcher's "every rank ended without a decision" for start 1 and drops rank 3's own reason.
+    the launcher's "every rank ended without a decision" for start 1 and drops rank 3's own reason; the old
+    restart line said "run 1 loaded step None" and named no skipped snapshot.
     """
     recs = [{"ts": 1.0 + i, "event": "step", "restart": 0, "rank": 0, "step": i} for i in range(1, 14)]
     recs += [_stop(0, r, "link", "fault in uncommitted compute (forward)", frontier=13, ts=20.0) for r in range(4)]
@@ -493,6 +494,10 @@ def test_status_names_each_stops_own_cause_and_reason(tmp_path, capsys):
     recs += [_stop(1, r, "checkpoint", "no snapshot can be restored: step 10: missing key model.bn.running_mean",
                    ts=31.0) for r in range(3)]
     recs += [_stop(1, 3, "dead-rank", "rank 2 (node 1) died during the restore", ts=31.5)]
+    recs += [{"ts": 30.5, "event": "restart_load", "restart": 1, "rank": 0, "step": None,
+              "reason": "every candidate was rejected", "skipped": [
+                  {"step": 10, "reason": "cannot be restored: missing key model.bn.running_mean"},
+                  {"step": 5, "reason": "cannot be restored: missing key model.bn.running_mean"}]}]
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "events.jsonl").write_text("".join(json.dumps({"job_id": "9", **r}) + "\n" for r in recs))
@@ -503,6 +508,10 @@ def test_status_names_each_stops_own_cause_and_reason(tmp_path, capsys):
     assert "also (launcher) 'every rank ended without a decision" in run1  # kept, after the ranks' own words
     assert "frontier 13: the log's newest committed update before it" in run1
     assert "last stop     start 1: checkpoint (exit 75): no snapshot can be restored" in out
+    run0 = next(line for line in out.splitlines() if "run 0: " in line)
+    assert run0.endswith("run 1 loaded no snapshot: every candidate was rejected, skipped step 10: cannot be "
+                         "restored: missing key model.bn.running_mean, skipped step 5: cannot be restored: missing "
+                         "key model.bn.running_mean"), run0
 
     (run_dir / "events.jsonl").write_text(json.dumps({"job_id": "9", **_stop(0, 0, "config", "bad key")}) + "\n")
     out = _status_text(run_dir, capsys)
