@@ -170,7 +170,7 @@ def render_job(j: dict[str, Any]) -> str:
         last = l1["last"]
         when = "" if last["age_s"] is None else f", last {_ago(last['age_s'])} ago"
         total = "" if last["total_s"] is None else f" in {last['total_s']:.3g} s"
-        line("L1 repairs", f"{l1['count']}{when}: generation {last['generation']}, frontier {last['frontier']}{total}")
+        line("L1 repairs", f"{l1['count']}{when}: generation {_v(last['generation'])}, frontier {_v(last['frontier'])}{total}")
         for name, p in l1["phases"].items():
             line("", f"  {name:<18} last {p['last']:.3g} s  median {p['median']:.3g} s  max {p['max']:.3g} s")
     l2 = j["l2"]
@@ -205,8 +205,8 @@ def render_job(j: dict[str, Any]) -> str:
     if j["final"] is not None:
         f = j["final"]
         loss = f.get("final_loss")
-        loss = f"{loss:.6g}" if isinstance(loss, float) else str(loss)
-        line("final", f"step {f.get('final_step')}, loss {loss}, exit {f.get('exit_code')}, "
+        loss = f"{loss:.6g}" if isinstance(loss, float) else _v(loss)
+        line("final", f"step {_v(f.get('final_step'))}, loss {loss}, exit {_v(f.get('exit_code'))}, "
                       f"wall {_seconds(f.get('wall_s'))}")
     for w in j["warnings"]:
         line("WARNING", w)
@@ -236,10 +236,10 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
         others = "".join(f"; also{' (' + o['cause'] + ')' if o.get('cause') else ''} '{o['reason']}'"
                          for o in fs.get("others") or ())
         runs.setdefault(fs["restart"], []).append(
-            f"fail-stop{cause} '{fs['reason']}' (exit {fs['exit_code']}, phase {fs['phase'] or '-'}, "
+            f"fail-stop{cause} '{_v(fs['reason'])}' (exit {_v(fs['exit_code'])}, phase {fs['phase'] or '-'}, "
             f"{frontier_words(fs)}){others}")
     for rq in l2["requeues"]:
-        runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
+        runs.setdefault(rq["restart"], []).append(f"requeue '{_v(rq['reason'])}' by {rq['by'] or '-'}")
     for rl in l2["restart_loads"]:
         if isinstance(rl["restart"], int) and rl["restart"] > 0:
             step = rl["step"]
@@ -251,6 +251,11 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
                 text += f", and {len(skipped) - _SKIPS_SHOWN} more skipped"
             runs.setdefault(rl["restart"] - 1, []).append(text)
     return [f"run {r}: " + "; ".join(parts) for r, parts in sorted(runs.items())]
+
+
+def _v(value: Any) -> str:
+    """A field for people: ``-`` where the log holds none (a line never says ``None``)."""
+    return "-" if value is None else str(value)
 
 
 def frontier_words(stop: dict[str, Any]) -> str:

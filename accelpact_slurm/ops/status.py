@@ -28,6 +28,7 @@ from accelpact_slurm.core.events import (
     EVENTS_FILE, JSON_FILE_LIMIT, SUMMARY_FILE, BadLine, NotRegular, TooDeep, finite_number, parse_json, read_events,
     read_file,
 )
+from accelpact_slurm.ops.stops import add_stop, count as _count
 from ckpt_service.committed import SUFFIX as COMMITTED_SUFFIX
 from ckpt_service.index import SHARED_SOURCE, restart_source, scan
 from ckpt_service.layout import DAEMON_FAILED_SUFFIX, shared_dir
@@ -48,8 +49,6 @@ _RATE_WINDOW = 64
 #: Events that may follow a fail-stop without meaning the run is alive again.
 _BOOKKEEPING = {"requeue", "checkpoint", "membership", "shared_upload"}
 _END_FIELDS = ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code")
-#: Larger integers are no step count; a 400-digit one overflows float() in the step rate.
-_MAX_COUNT = 2 ** 53
 _TERMINAL_SLURM = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE"}
 
@@ -177,7 +176,8 @@ def stop_line(stop: dict[str, Any]) -> str:
     reason = " ".join(str(stop.get("reason") or "").split())
     if len(reason) > 300:
         reason = reason[:297] + "..."
-    return f"start {stop.get('restart')}: {cause} (exit {stop.get('exit_code')}): {reason}"
+    code = stop.get("exit_code")
+    return f"start {stop.get('restart')}: {cause} (exit {'-' if code is None else code}): {reason}"
 
 
 def run_dir_state(last_event: dict[str, Any] | None, final: dict[str, Any] | None, stale: bool) -> str:
@@ -195,35 +195,6 @@ def run_dir_state(last_event: dict[str, Any] | None, final: dict[str, Any] | Non
             return "STOPPED"
         return f"FAILED({code})"
     return "STALE" if stale else "RUNNING"
-
-
-#: How much of an event log's end :func:`last_committed_step` reads: many updates' step events.
-_TAIL_BYTES = 256 * 1024
-
-
-def last_committed_step(path: str, tail_bytes: int = _TAIL_BYTES) -> int | None:
-    """The newest update a ``step`` event in the last ``tail_bytes`` of the event log at ``path`` records as
-    committed; None when there is none (or no log).  For a stop that carries no frontier of its own."""
-    try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            fh.seek(max(0, size - tail_bytes))
-            data = fh.read(tail_bytes)
-    except OSError:
-        return None
-    lines = data.split(b"\n")
-    if size > tail_bytes:
-        lines = lines[1:]  # the first one is cut
-    for raw in reversed(lines):
-        if b'"step"' not in raw:
-            continue
-        try:
-            rec = parse_json(raw)
-        except (ValueError, TooDeep):
-            continue
-        if isinstance(rec, dict) and rec.get("event") == "step" and _count(rec.get("step")) is not None:
-            return rec["step"]
-    return None
 
 
 # --------------------------------------------------------------------------- collection
@@ -387,7 +358,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                 frontier = (ts, rec["frontier"], "repair")
             decision = _decision(rec, "preserve")
         elif kind == "fail_stop":
-            _add_stop(fail_stops, rec, ts, restart, frontier)
+            add_stop(fail_stops, rec, ts, restart, frontier)
             decision = _decision(rec, "restart")
         elif kind == "fault":  # every rank that saw it logs it: one fault per (restart, step, phase)
             fkey = (restart, rec.get("step"), rec.get("phase"))
@@ -416,7 +387,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     last_stop = stops[-1] if stops else None
     if job_end is not None and (last_stop is None or (job_end_at[0] or 0) >= (last_stop["ts"] or 0)):
         last_stop = {"ts": job_end_at[0], "restart": job_end_at[1], "cause": "completed", "exit_code":
-                     job_end.get("exit_code"), "reason": f"completed {job_end.get('final_step')} updates",
+                     job_end.get("exit_code"), "reason": "completed" if job_end.get("final_step") is None
+                     else f"completed {job_end.get('final_step')} updates",
                      "culprit": None}
     rate = None
     if len(window) >= 2 and window[-1][1] > window[0][1]:
@@ -432,48 +404,6 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
         "decision": decision, "every_steps": every_steps, "job_end": job_end, "shared_dir": shared,
         "milestone_every": milestone_every,
     }
-
-
-#: Further (cause, reason) pairs kept per start beside its first stop: other ranks' own words for the same end.
-_OTHER_STOPS = 3
-
-
-def _add_stop(fail_stops: dict[Any, dict[str, Any]], rec: dict[str, Any], ts: float | None, restart: int,
-              frontier: tuple[float, int, str] | None) -> None:
-    """Fold one ``fail_stop`` event into its start's stop: the first one a rank wrote leads (the launcher writes its
-    own only when no rank could, and it comes last), every other distinct cause and reason is kept beside it.
-
-    A stop without a frontier (a restore that failed before the start committed anything) gets the newest update
-    the log committed before it, so that no line says ``None``; ``frontier_source`` says where it came from.
-    """
-    cause = rec.get("cause") if isinstance(rec.get("cause"), str) else None
-    reason = rec.get("reason") if rec.get("reason") is not None else None
-    own = _count(rec.get("frontier"))
-    if own is not None:
-        at, source = own, "event"
-    elif frontier is not None:
-        at, source = frontier[1], "log"
-    else:
-        at, source = None, None
-    by_launcher = rec.get("by") == "launcher"
-    entry = {"ts": ts, "restart": restart, "reason": reason, "exit_code": rec.get("exit_code"),
-             "phase": rec.get("phase"), "frontier": at, "frontier_source": source, "decision": rec.get("decision"),
-             "cause": cause, "culprit": rec.get("culprit") if isinstance(rec.get("culprit"), int) else None,
-             "by": "launcher" if by_launcher else "rank", "others": []}
-    first = fail_stops.get(restart)
-    if first is None or (first["by"] == "launcher" and not by_launcher):
-        if first is not None:
-            entry["others"] = [{"cause": first["cause"], "reason": first["reason"]}] + first["others"]
-        fail_stops[restart] = entry
-        return
-    if first["cause"] is None and cause is not None:
-        first["cause"] = cause
-    if first["frontier_source"] != "event" and own is not None:
-        first["frontier"], first["frontier_source"] = own, "event"
-    pair = {"cause": cause, "reason": reason}
-    if (cause, reason) != (first["cause"], first["reason"]) and pair not in first["others"] \
-            and len(first["others"]) < _OTHER_STOPS:
-        first["others"].append(pair)
 
 
 def _decision(rec: dict[str, Any], implied: str | None) -> dict[str, Any]:
@@ -571,13 +501,6 @@ def _read_json(path: str, bad: list[BadLine]) -> Any:
     except ValueError as exc:  # UnicodeDecodeError is a ValueError
         bad.append(BadLine(path, getattr(exc, "lineno", 1), f"not JSON ({exc.__class__.__name__})"))
         return None
-
-
-def _count(value: Any) -> int | None:
-    """``value`` when it is an integer a float can hold (a step number), else None."""
-    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _MAX_COUNT:
-        return None
-    return value
 
 
 def _count_states(snaps: list[dict[str, Any]]) -> dict[str, int]:

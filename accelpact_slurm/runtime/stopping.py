@@ -19,7 +19,7 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USA
                                          ControlPlaneError, FailStop)
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.rank import RankContext
-from accelpact_slurm.ops.status import last_committed_step
+from accelpact_slurm.ops.stops import last_committed_step
 from accelpact_slurm.slurm import signals
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled

@@ -565,3 +565,19 @@ def test_cadence_refuses_to_recommend_from_one_short_uninterrupted_run(tmp_path,
     # The same log with a week of observed time (--observed-s) is enough.
     assert cad_cli.main(["--events", UNINTERRUPTED, "--observed-s", str(7 * 86400), "--write", str(job)]) == 0
     assert job.read_bytes() != before
+
+
+def test_status_never_prints_none_for_a_field_the_log_lacks(tmp_path, capsys):
+    """Events that hold only their kind (a log from an older release, a line cut short): every field shows ``-``.
+
+    Negative control: the fields printed as they came (``generation None, frontier None``, ``exit None``,
+    ``requeue 'None'``, ``loss None``) fail it.
+    """
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recs = [{"ts": 1.0, "event": "repair", "restart": 0}, {"ts": 2.0, "event": "fail_stop", "restart": 0},
+            {"ts": 3.0, "event": "requeue", "restart": 0}, {"ts": 4.0, "event": "job_end", "restart": 1}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = _status_text(run_dir, capsys)
+    assert "None" not in out, out
+    assert "generation -, frontier -" in out and "exit -" in out and "requeue '-'" in out and "loss -" in out, out
