@@ -38,6 +38,7 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.runtime.job import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 from accelpact_slurm.launch.zygote import Zygote
+from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.liveness import dump_stacks
 
 log = logging.getLogger(__name__)
@@ -280,12 +281,7 @@ def crash_lines(logs: Mapping[int, str], rank_codes: Sequence[int | None]) -> di
     for rank, rc in enumerate(rank_codes):
         if rc != 1 or rank not in logs:
             continue
-        try:
-            with open(logs[rank], "rb") as fh:
-                fh.seek(max(0, os.fstat(fh.fileno()).st_size - _CRASH_TAIL))
-                tail = fh.read(_CRASH_TAIL).decode(errors="replace")
-        except OSError:
-            continue
+        tail = read_tail(logs[rank], _CRASH_TAIL)[0].decode(errors="replace")
         if "Traceback (most recent call last)" not in tail:
             continue
         found = [m.group(1).strip() for line in tail.splitlines() if (m := _EXCEPTION_LINE.match(line.strip()))]

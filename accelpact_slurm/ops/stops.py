@@ -8,6 +8,7 @@ ranks' fail-stop line use it.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 from accelpact_slurm.core.events import TooDeep, parse_json
@@ -72,15 +73,9 @@ _TAIL_BYTES = 256 * 1024
 def last_committed_step(path: str, tail_bytes: int = _TAIL_BYTES) -> int | None:
     """The newest update a ``step`` event in the last ``tail_bytes`` of the event log at ``path`` records as
     committed; None when there is none (or no log).  For a stop that carries no frontier of its own."""
-    try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            fh.seek(max(0, size - tail_bytes))
-            data = fh.read(tail_bytes)
-    except OSError:
-        return None
+    data, cut = read_tail(path, tail_bytes)
     lines = data.split(b"\n")
-    if size > tail_bytes:
+    if cut:
         lines = lines[1:]  # the first one is cut
     for raw in reversed(lines):
         if b'"step"' not in raw:
@@ -92,3 +87,30 @@ def last_committed_step(path: str, tail_bytes: int = _TAIL_BYTES) -> int | None:
         if isinstance(rec, dict) and rec.get("event") == "step" and count(rec.get("step")) is not None:
             return rec["step"]
     return None
+
+
+def read_tail(path: str, limit: int) -> tuple[bytes, bool]:
+    """The last ``limit`` bytes of the regular file at ``path`` and whether its start was left out; ``b""`` for
+    no file, a link or anything not a regular file (a FIFO planted there must not block the reader)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return b"", False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return b"", False
+        start = max(0, st.st_size - limit)
+        os.lseek(fd, start, os.SEEK_SET)
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks), start > 0
+    except OSError:
+        return b"", False
+    finally:
+        os.close(fd)

@@ -171,7 +171,8 @@ def test_cadence_reports_a_missing_cost(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value", [("--checkpoint-cost-s", "-1"), ("--step-time-s", "0"),
-                                         ("--guard-overhead", "nan"), ("--confidence", "1.5")])
+                                         ("--guard-overhead", "nan"), ("--confidence", "1.5"), ("--max-regret", "0"),
+                                         ("--max-regret", "1")])
 def test_cadence_refuses_bad_numbers(flag, value, capsys):
     assert cad_cli.main(["--events", RUN, flag, value]) == 2
     assert flag in capsys.readouterr().err

@@ -55,3 +55,17 @@ def test_without_a_traceback_or_a_step_the_stop_says_only_what_is_known(tmp_path
     (stop,) = read_events(str(tmp_path / "events.jsonl"))
     assert stop["frontier"] is None
     assert stop["reason"] == "every rank ended without a decision (exit codes [1]): killed, or crashed"
+
+
+def test_a_fifo_or_a_link_at_a_ranks_log_is_not_read(tmp_path):
+    """The crash's line is read from the run directory's logs: a FIFO there must not block the launcher, a link
+    must not be followed.  Negative control: a plain ``open`` of the FIFO blocks (the test's timeout ends it)."""
+    import os
+
+    fifo, link, target = tmp_path / "rank-0.log", tmp_path / "rank-1.log", tmp_path / "elsewhere.log"
+    os.mkfifo(fifo)
+    target.write_text("Traceback (most recent call last):\nRuntimeError: read through a link\n")
+    link.symlink_to(target)
+    record_undecided_end(str(tmp_path), "9", 0, 75, [1, 1], {0: str(fifo), 1: str(link)})
+    (stop,) = read_events(str(tmp_path / "events.jsonl"))
+    assert stop["reason"] == "every rank ended without a decision (exit codes [1, 1]): killed, or crashed"
