@@ -92,3 +92,94 @@ def test_every_test_the_launch_matrix_names_exists():
         if not os.path.exists(full) or not re.search(rf"^def {name}\(", open(full, encoding="utf-8").read(), re.M):
             missing.append(f"{path}::{name}")
     assert missing == [], missing
+
+
+# --------------------------------------------------------------------------- docs references in --help
+
+_DOC_REF = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
+_DOC_SECTION = re.compile(r"docs/([\w.-]+\.md),\s+\"([^\"]+)\"")
+
+
+def _console_scripts() -> dict[str, str]:
+    """``{command: module}`` of setup.cfg's console scripts, with every other ``accelpact_slurm.cli`` module that
+    has a parser (the worker and node entries the launchers run)."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, "setup.cfg"))
+    scripts = {}
+    for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines():
+        name, target = (part.strip() for part in line.split("=", 1))
+        scripts[name] = target.split(":", 1)[0]
+    for path in sorted(glob.glob(os.path.join(REPO, "accelpact_slurm", "cli", "*.py"))):
+        module = "accelpact_slurm.cli." + os.path.basename(path)[:-3]
+        if module not in scripts.values() and "def build_parser(" in open(path, encoding="utf-8").read():
+            scripts[module] = module
+    return scripts
+
+
+def _help_texts(parser) -> list[str]:
+    """A parser's ``--help`` and every sub-command's, as printed (argparse wraps at spaces, never inside a path)."""
+    import argparse
+
+    texts = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                texts += _help_texts(sub)
+    return texts
+
+
+def heading_anchors(markdown: str) -> dict[str, str]:
+    """``{anchor: heading}`` as GitHub renders them: lower case, punctuation but ``-`` and ``_`` dropped, spaces
+    to ``-``; a repeated anchor gets ``-1``, ``-2``.  Headings inside code fences are none."""
+    anchors: dict[str, str] = {}
+    fenced = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        base, n = slug, 0
+        while slug in anchors:
+            n += 1
+            slug = f"{base}-{n}"
+        anchors[slug] = m.group(1).strip()
+    return anchors
+
+
+def test_heading_anchors_follow_githubs_rule():
+    text = "# Launching a job\n## `--json` schema `accelpact-status/1`\n```\n# not a heading\n```\n## A\n## A\n"
+    assert list(heading_anchors(text)) == ["launching-a-job", "--json-schema-accelpact-status1", "a", "a-1"]
+
+
+def test_every_docs_reference_in_every_help_exists():
+    """Every ``docs/FILE.md``, ``docs/FILE.md#anchor`` and ``docs/FILE.md, "Section"`` that a ``--help`` of a console
+    script (setup.cfg) or of a launcher's entry prints names a file that exists and, with an anchor or a
+    section, a heading of that file.
+
+    Negative control: ``accelpact-run --help``'s old pointer (``docs/api.md, "Launching a job"``: api.md has no
+    such section) fails it, as does any anchor of a heading renamed or removed.
+    """
+    import importlib
+
+    seen, missing = 0, []
+    for command, module in _console_scripts().items():
+        for text in _help_texts(importlib.import_module(module).build_parser()):
+            flat = " ".join(text.split())
+            refs = [(f, a or None, None) for f, a in _DOC_REF.findall(flat)]
+            refs += [(f, None, section) for f, section in _DOC_SECTION.findall(flat)]
+            for name, anchor, section in refs:
+                seen += 1
+                shown = f"docs/{name}" + (f"#{anchor}" if anchor else "") + (f', "{section}"' if section else "")
+                path = os.path.join(REPO, "docs", name)
+                if not os.path.isfile(path):
+                    missing.append(f"{command}: {shown}: no such file")
+                    continue
+                anchors = heading_anchors(open(path, encoding="utf-8").read())
+                if (anchor and anchor not in anchors) or (section and section not in anchors.values()):
+                    missing.append(f"{command}: {shown}: no such heading in docs/{name}")
+    assert missing == []
+    assert seen >= 8  # every command's help points somewhere: the scan found the references

@@ -39,7 +39,8 @@ _LABELS = {fl.COMM_COMMITTED: "comm fault, committed (L1-eligible)", fl.UNCOMMIT
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="accelpact-cadence",
-                                description="Checkpoint interval and L1 savings from Slurm failure logs and event logs.")
+                                description="Checkpoint interval and L1 savings from Slurm failure logs and event logs.",
+                                epilog="documentation: docs/operator-tools.md#accelpact-cadence")
     p.add_argument("--sacct", action="append", default=[], metavar="FILE",
                    help="sacct -P -D -X -o JobID,State,ExitCode,Start,End,NodeList,Elapsed output (repeatable)")
     p.add_argument("--jobcomp", action="append", default=[], metavar="FILE", help="jobcomp/filetxt log (repeatable)")
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint age at a fault, in steps (default: measured, else half the interval)")
     p.add_argument("--observed-s", type=float, help="observed time in seconds (default: sum of the runs' durations)")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the rate intervals (default 0.95)")
+    p.add_argument("--max-regret", type=float, default=cd.MAX_REGRET, metavar="FRACTION",
+                   help="recommend only when, anywhere in the rate's confidence interval, the interval recommended "
+                        f"costs at most this much goodput against the best one (default {cd.MAX_REGRET:g}); with "
+                        "less observed time nothing is recommended and --write writes nothing")
     p.add_argument("--json", action="store_true", help="print the accelpact-cadence/1 JSON document")
     p.add_argument("--plot", metavar="PNG", help="draw goodput against interval to PNG (needs matplotlib)")
     p.add_argument("--write", metavar="CONFIG", help="set checkpoint.every_steps in this job file")
@@ -71,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if not 0 < args.confidence < 1:
         print("accelpact-cadence: --confidence must be in (0, 1)", file=sys.stderr)
+        return EXIT_USAGE
+    if not 0 < args.max_regret < 1:
+        print("accelpact-cadence: --max-regret must be in (0, 1), e.g. 0.01 for 1 % goodput", file=sys.stderr)
         return EXIT_USAGE
     for flag in ("step_time_s", "observed_s"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
@@ -90,7 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["write"] = {"path": args.write, "error": str(exc)}
             rc = EXIT_USAGE
     elif args.write:
-        doc["write"] = {"path": args.write, "error": "no recommendation in steps: nothing written"}
+        proof = doc["recommendation"].get("evidence") or {}
+        why = "not enough observed time" if proof.get("enough") is False else \
+            "missing input" if doc["missing"] else "no recommendation in steps"
+        doc["write"] = {"path": args.write, "error": f"{why}: nothing written"}
         rc = EXIT_USAGE
     if args.json:
         print(json.dumps(_finite(doc), sort_keys=True, indent=1))
@@ -221,6 +232,9 @@ def render(doc: dict[str, Any]) -> str:
             every = cd.format_duration(dt["break_even_every_days"] * cd.DAY_S)
             out.append(f"  break-even: one eligible failure every {every} ({dt['break_even_per_day']:.3g}/day)")
     rec = doc["recommendation"]
+    if rec["interval_s"] is None and (rec.get("evidence") or {}).get("enough") is False:
+        out.append("")
+        out.append("Recommendation: none (see missing: observed time, below)")
     if rec["interval_s"] is not None:
         out.append("")
         l1 = {True: "L1 on", False: "L1 off", None: "L1 undecided"}[rec["use_l1"]]

@@ -125,11 +125,14 @@ formats:
 """ + "\n".join(textwrap.fill(what, 100, initial_indent=f"  {name:<13}", subsequent_indent=" " * 15)
                for name, what in FORMATS.items()) + """
 
-The format defaults to safetensors when OUT ends in .safetensors, else torch."""
+The format defaults to safetensors when OUT ends in .safetensors, else torch.
+
+documentation: docs/checkpoints.md#export"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="accelpact-ckpt", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p = argparse.ArgumentParser(prog="accelpact-ckpt", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                epilog="documentation: docs/checkpoints.md#from-the-shell")
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("list", help="list snapshots")
     a.add_argument("path", metavar="DIR", help="a node directory or a run directory")

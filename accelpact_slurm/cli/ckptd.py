@@ -45,7 +45,8 @@ log = logging.getLogger("accelpact_slurm.cli.ckptd")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="accelpact-ckptd", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p = argparse.ArgumentParser(prog="accelpact-ckptd", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                epilog="documentation: docs/checkpoints.md#what-runs-where")
     p.add_argument("config", metavar="CONFIG", help="the job's YAML file (its checkpoint section)")
     p.add_argument("--run-dir", required=True, metavar="DIR", help="the job's run directory")
     p.add_argument("--node", help="this node's name (default: $SLURMD_NODENAME or the hostname)")

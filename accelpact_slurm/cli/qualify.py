@@ -38,7 +38,8 @@ from accelpact_slurm.launch.qualify import (ALL_PHASES, DEFAULT_PHASE, EXIT_CODE
 from accelpact_slurm.runtime import envelope as env_mod
 
 EPILOG = "\n\n".join(__doc__.split("\n\n")[1:]).replace("``", "") + "\n\nexit codes:\n" + "\n".join(
-    f"  {code}  {text}" for code, text in sorted(EXIT_CODES.items()))
+    f"  {code}  {text}" for code, text in sorted(EXIT_CODES.items())) + \
+    "\n\ndocumentation: docs/l1-backward.md#which-faults-take-this-path, docs/detection.md#every-stop-says-why"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,8 +4,8 @@ Every rank calls the job file's ``entry: module:function`` with its Job (the pub
 docs/api.md).  The command launches the job itself: ``topology.nodes x topology.ranks_per_node``
 local processes (``python -m accelpact_slurm.cli.worker``, the same worker entry the sbatch
 template's ranks run) with an emulated Slurm environment, and relaunches it in place where Slurm
-would requeue it.  On Slurm, submit sbatch_templates/hsdp.sbatch or use accelpact-submit (docs/api.md,
-"Launching a job").
+would requeue it.  On Slurm, submit sbatch_templates/hsdp.sbatch or use accelpact-submit
+(docs/launch.md#which-command-does-what).
 """
 
 from __future__ import annotations

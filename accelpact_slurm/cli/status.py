@@ -28,12 +28,14 @@ from accelpact_slurm.ops.cadence import format_duration
 log = logging.getLogger(__name__)
 _SNAPSHOTS_SHOWN = 5
 _L2_SHOWN = 10
+_SKIPS_SHOWN = 3  # snapshots a restart skipped, named in its line (every one is in --json)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="accelpact-status",
         description="Show AccelPact jobs: state, frontier, repairs, restarts, snapshots per node.",
+        epilog="documentation: docs/operator-tools.md#accelpact-status",
     )
     p.add_argument("targets", nargs="*", metavar="RUN_DIR_OR_JOBID",
                    help="run directories or job ids (resolved to RUNS_ROOT/<jobid>); none: your recent jobs")
@@ -168,7 +170,7 @@ def render_job(j: dict[str, Any]) -> str:
         last = l1["last"]
         when = "" if last["age_s"] is None else f", last {_ago(last['age_s'])} ago"
         total = "" if last["total_s"] is None else f" in {last['total_s']:.3g} s"
-        line("L1 repairs", f"{l1['count']}{when}: generation {last['generation']}, frontier {last['frontier']}{total}")
+        line("L1 repairs", f"{l1['count']}{when}: generation {_v(last['generation'])}, frontier {_v(last['frontier'])}{total}")
         for name, p in l1["phases"].items():
             line("", f"  {name:<18} last {p['last']:.3g} s  median {p['median']:.3g} s  max {p['max']:.3g} s")
     l2 = j["l2"]
@@ -202,8 +204,10 @@ def render_job(j: dict[str, Any]) -> str:
                                               rows).splitlines())
     if j["final"] is not None:
         f = j["final"]
-        line("final", f"step {f.get('final_step')}, loss {f.get('final_loss')}, exit {f.get('exit_code')}, "
-                      f"wall {f.get('wall_s')} s")
+        loss = f.get("final_loss")
+        loss = f"{loss:.6g}" if isinstance(loss, float) else _v(loss)
+        line("final", f"step {_v(f.get('final_step'))}, loss {loss}, exit {_v(f.get('exit_code'))}, "
+                      f"wall {_seconds(f.get('wall_s'))}")
     for w in j["warnings"]:
         line("WARNING", w)
     for b in j["bad_lines"][:10]:
@@ -229,15 +233,47 @@ def _l2_lines(l2: dict[str, Any]) -> list[str]:
     runs: dict[int, list[str]] = {}
     for fs in l2["fail_stops"]:
         cause = f" ({fs['cause']})" if fs.get("cause") else ""
+        others = "".join(f"; also{' (' + o['cause'] + ')' if o.get('cause') else ''} '{o['reason']}'"
+                         for o in fs.get("others") or ())
         runs.setdefault(fs["restart"], []).append(
-            f"fail-stop{cause} '{fs['reason']}' (exit {fs['exit_code']}, phase {fs['phase'] or '-'}, "
-            f"frontier {fs['frontier']})")
+            f"fail-stop{cause} '{_v(fs['reason'])}' (exit {_v(fs['exit_code'])}, phase {fs['phase'] or '-'}, "
+            f"{frontier_words(fs)}){others}")
     for rq in l2["requeues"]:
-        runs.setdefault(rq["restart"], []).append(f"requeue '{rq['reason']}' by {rq['by'] or '-'}")
+        runs.setdefault(rq["restart"], []).append(f"requeue '{_v(rq['reason'])}' by {rq['by'] or '-'}")
     for rl in l2["restart_loads"]:
         if isinstance(rl["restart"], int) and rl["restart"] > 0:
-            runs.setdefault(rl["restart"] - 1, []).append(f"run {rl['restart']} loaded step {rl['step']}")
+            step = rl["step"]
+            text = f"run {rl['restart']} loaded step {step}" if isinstance(step, int) and not isinstance(step, bool) \
+                else f"run {rl['restart']} loaded no snapshot: {rl.get('reason') or 'no reason given'}"
+            skipped = [s for s in rl.get("skipped") or () if isinstance(s, dict)]
+            text += "".join(f", skipped step {s.get('step')}: {s.get('reason')}" for s in skipped[:_SKIPS_SHOWN])
+            if len(skipped) > _SKIPS_SHOWN:
+                text += f", and {len(skipped) - _SKIPS_SHOWN} more skipped"
+            runs.setdefault(rl["restart"] - 1, []).append(text)
     return [f"run {r}: " + "; ".join(parts) for r, parts in sorted(runs.items())]
+
+
+def _v(value: Any) -> str:
+    """A field for people: ``-`` where the log holds none (a line never says ``None``)."""
+    return "-" if value is None else str(value)
+
+
+def frontier_words(stop: dict[str, Any]) -> str:
+    """Where a stop left the job: its own frontier, else the newest update the log committed before it, else
+    that none was committed (never ``None``)."""
+    at = stop.get("frontier")
+    if not isinstance(at, int) or isinstance(at, bool):
+        return "before any committed update"
+    if stop.get("frontier_source") == "log":
+        return f"frontier {at}: the log's newest committed update before it"
+    return f"frontier {at}"
+
+
+def _seconds(value: Any) -> str:
+    """A time in seconds for people (``20.6 s``, ``3.2 min``); ``-`` for none or a non-number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return "-"
+    return format_duration(max(0.0, float(value)))
 
 
 def _ago(seconds: float | None) -> str:

@@ -33,7 +33,8 @@ PROG = "accelpact-submit"
 EXIT_NOT_COMPLETED = 1
 EPILOG = ("exit codes:\n  " + f"{EXIT_OK:>3}  submitted (with --wait: completed)\n  "
           f"{EXIT_NOT_COMPLETED:>3}  with --wait: failed, stopped without completing, or still running at the "
-          f"deadline\n  {EXIT_USAGE:>3}  {EXIT_CODES[EXIT_USAGE]}")
+          f"deadline\n  {EXIT_USAGE:>3}  {EXIT_CODES[EXIT_USAGE]}\n\n"
+          "documentation: docs/launch.md#which-command-does-what, docs/launch.md#what-an-exit-means")
 
 
 class SubmitUsageError(AccelpactError, ValueError):

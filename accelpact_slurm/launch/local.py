@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime.job import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 from accelpact_slurm.launch.zygote import Zygote
+from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.liveness import dump_stacks
 
 log = logging.getLogger(__name__)
@@ -70,11 +72,10 @@ class RankProcess:
     done: threading.Event | None = None  # tells a log follower (rank 0's echo) that the rank has ended
 
 
-def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "", drop: str = "") -> None:
-    """Echo what a rank appends to its log file, each line after ``label`` (``drop`` left out), until it has
-    ended (a forked rank writes its log itself)."""
+def _follow(path: str, echo: TextIO, done: threading.Event, label: str = "", drop: str = "", pos: int = 0) -> None:
+    """Echo what a rank appends to its log file from byte ``pos`` on, each line after ``label`` (``drop`` left
+    out), until it has ended (a forked rank writes its log itself)."""
     echo = LabelledWriter(echo, label, drop) if label else echo
-    pos = 0
     while True:
         ended = done.is_set()
         try:  # a regular file only, never through a link (a FIFO there must not block the echo: core.safeopen)
@@ -200,10 +201,13 @@ def launch_local(
                                control_port=control_port)
             log_path = os.path.join(logs, f"rank-{rank}.log")
             if zygote is not None and zygote.alive:
+                # Every start appends to the same log: echo only this start's part (from 0, a relaunch printed
+                # every earlier start's lines again before its own).
+                start = _size(log_path)
                 rp = RankProcess(rank, zygote.spawn(args, env, log_path), log_path)
                 if rank == 0:
                     rp.done = threading.Event()
-                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done, label, drop),
+                    rp.pump = threading.Thread(target=_follow, args=(log_path, out, rp.done, label, drop, start),
                                                name="echo-rank-0",
                                                daemon=True)
                     rp.pump.start()
@@ -222,7 +226,8 @@ def launch_local(
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
         code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped)
-        record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks])
+        record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks],
+                             {rp.rank: rp.log_path for rp in ranks})
         return code
     finally:
         stop_daemons(daemons)  # SIGINT: the daemons finish in-flight snapshots (bounded), then exit
@@ -230,12 +235,21 @@ def launch_local(
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
 
 
-def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, rank_codes: Sequence[int | None]) -> None:
-    """Every start ends with a ``fail_stop`` or ``job_end`` event: write one when no rank could (they all died)."""
+def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, rank_codes: Sequence[int | None],
+                         logs: Mapping[int, str] | None = None) -> None:
+    """Every start ends with a ``fail_stop`` or ``job_end`` event: write one when no rank could (they all died).
+
+    Its frontier is the newest update the log committed (None: none yet); a rank that crashed (exit 1: an
+    exception no handler took) is named with the exception its log (``logs``: rank -> path) ends with.
+    """
 
     path = os.path.join(run_dir, EVENTS_FILE)
-    decided = any(e.get("event") in ("fail_stop", "job_end") and e.get("restart") == restart
-                  for e in (read_events(path) if os.path.exists(path) else ()))
+    decided, frontier = False, None
+    for e in (read_events(path) if os.path.exists(path) else ()):
+        if e.get("event") in ("fail_stop", "job_end") and e.get("restart") == restart:
+            decided = True
+        elif e.get("event") == "step" and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool):
+            frontier = e["step"]  # the log's order: after an L2 the reloaded start's steps come later
     if decided:
         return
     signals = {128 + s.value: s.name for s in (signal.SIGINT, signal.SIGTERM)}
@@ -244,13 +258,47 @@ def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, ran
     else:
         cause = "launcher"
         reason = f"every rank ended without a decision (exit codes {list(rank_codes)}): killed, or crashed"
+        crashes = crash_lines(logs or {}, rank_codes)
+        if crashes:
+            reason = f"every rank ended without a decision (exit codes {list(rank_codes)}): " + "; ".join(
+                f"rank(s) {', '.join(map(str, ranks))} crashed: {text}" for text, ranks in crashes.items())
     events = EventLog(path, job_id=job_id, restart=restart, rank=None, node=None)
     again = exit_verdict(code, ending=cause == "signal", slurm=False).action == RELAUNCH
     try:
-        events.emit("fail_stop", reason=reason, exit_code=code, cause=cause, phase=None, frontier=None,
+        events.emit("fail_stop", reason=reason, exit_code=code, cause=cause, phase=None, frontier=frontier,
                     decision_s=None, decision="restart" if again else "stop", key=None, by="launcher")
     finally:
         events.close()
+
+
+#: How much of a crashed rank's log end is read for its exception (a traceback's last line is near the end).
+_CRASH_TAIL = 16 * 1024
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b.*)$")
+
+
+def crash_lines(logs: Mapping[int, str], rank_codes: Sequence[int | None]) -> dict[str, list[int]]:
+    """``{exception line: [ranks]}`` for each rank that exited 1 (Python's exit for an uncaught exception) and
+    whose log ends with a traceback; the same line on several ranks is named once."""
+    out: dict[str, list[int]] = {}
+    for rank, rc in enumerate(rank_codes):
+        if rc != 1 or rank not in logs:
+            continue
+        tail = read_tail(logs[rank], _CRASH_TAIL)[0].decode(errors="replace")
+        if "Traceback (most recent call last)" not in tail:
+            continue
+        found = [m.group(1).strip() for line in tail.splitlines() if (m := _EXCEPTION_LINE.match(line.strip()))]
+        if found:
+            text = found[-1] if len(found[-1]) <= 300 else found[-1][:297] + "..."
+            out.setdefault(text, []).append(rank)
+    return out
+
+
+def _size(path: str) -> int:
+    """The size of the file at ``path``; 0 when there is none yet."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None) -> int:

@@ -63,11 +63,16 @@ def judge_trial(rc: int | None, events: list[dict[str, Any]], summary: dict[str,
     """Did a trial repair in process and end in the reference state?  ``(ok, reason)``; ``rc`` None: timed out."""
     if rc is None:
         return False, f"timed out after {timeout_s:g} s (stopped)"
-    stops = [e for e in events if e.get("event") == "fail_stop"]
-    if stops:
-        s = stops[0]
+    first = next((i for i, e in enumerate(events) if e.get("event") == "fail_stop"), None)
+    if first is not None:
+        s = events[first]
         reason = " ".join(str(s.get("reason")).split())
-        return False, f"fail-stop at F={s.get('frontier')} (phase {s.get('phase')}): {reason} (exit {rc})"
+        at = s.get("frontier")
+        if not isinstance(at, int):  # none of its own: the newest update committed before it
+            at = next((e["step"] for e in reversed(events[:first]) if e.get("event") == "step"
+                       and isinstance(e.get("step"), int)), None)
+        where = f"at F={at}" if isinstance(at, int) else "before any committed update"
+        return False, f"fail-stop {where} (phase {s.get('phase')}): {reason} (exit {rc})"
     if rc != 0:
         return False, f"the run exited {rc} without a fail-stop event"
     repairs = [e for e in events if e.get("event") == "repair"]

@@ -310,6 +310,105 @@ def interval_range(checkpoint_cost_s: float, restart: Rate) -> tuple[float, floa
     return short, long_
 
 
+# --------------------------------------------------------------------------- evidence
+
+#: The most goodput a recommendation may cost, against the best interval for the true restart rate, anywhere in
+#: the rate's confidence interval: with less evidence it is the observation window that picks the interval.
+MAX_REGRET = 0.01
+
+
+def regret(interval_s: float, checkpoint_cost_s: float, restart_cost_s: float, rate: float) -> float:
+    """Goodput lost by checkpointing every ``interval_s`` when the restart rate is ``rate``, against Daly's interval
+    for that rate (never checkpointing when nothing fails: ``d / (tau + d)`` then)."""
+    if not math.isfinite(interval_s):
+        return 0.0 if rate <= 0 else 1.0
+    if rate <= 0:
+        return checkpoint_cost_s / (interval_s + checkpoint_cost_s)
+    mtbf = 1.0 / rate
+    best = expected_goodput(daly_interval(checkpoint_cost_s, mtbf), checkpoint_cost_s, restart_cost_s, mtbf)
+    return max(0.0, best - expected_goodput(interval_s, checkpoint_cost_s, restart_cost_s, mtbf))
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Whether the observed time supports a cadence: the worst :func:`regret` of the recommended interval over
+    the rate's confidence interval, and what would be enough (``needed_s``: observed time; ``needed_count``:
+    restart-causing interruptions, at the observed rate when some were seen)."""
+
+    enough: bool
+    max_regret: float
+    allowed: float
+    needed_s: float | None
+    needed_count: int | None
+    reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def worst_regret(checkpoint_cost_s: float, restart_cost_s: float, restart: Rate) -> float:
+    """The recommended interval's (:func:`decide_interval`) worst regret at either end of the rate interval."""
+    tau, _ = decide_interval(checkpoint_cost_s, restart, None)
+    return max(regret(tau, checkpoint_cost_s, restart_cost_s, r) for r in (restart.low, restart.high))
+
+
+def evidence(checkpoint_cost_s: float, restart_cost_s: float, restart: Rate,
+             allowed: float = MAX_REGRET) -> Evidence:
+    """Is the observed time enough for a recommendation, and if not, how much would be (pure).
+
+    The rate is known only within its Garwood interval (``restart.low .. restart.high``, at ``confidence``).  The
+    recommendation may cost at most ``allowed`` goodput wherever in that interval the true rate is.  With no
+    interruption seen the interval is ``0 .. -ln((1 - c) / 2) / T``: the upper bound, and with it the interval
+    recommended, is set by the observed time ``T`` alone, and at rate 0 checkpointing every ``tau`` costs
+    ``d / (tau + d)``; that is below ``allowed`` only once ``T`` is long enough.  With interruptions seen the
+    interval narrows as their count grows; what is needed is counted at the observed rate.
+    """
+    conf = restart.confidence
+    worst = worst_regret(checkpoint_cost_s, restart_cost_s, restart)
+    span = (f"the {conf:.0%} rate interval {restart.low * DAY_S:.3g} - {restart.high * DAY_S:.3g} per day "
+            f"({restart.count} restart-causing interruption(s) in {_fmt_s(restart.exposure_s)})")
+    if worst <= allowed:
+        return Evidence(True, worst, allowed, None, None,
+                        f"enough observed time: over {span} the recommended interval costs at most {worst:.2%} "
+                        f"goodput against the best one for the true rate (allowed {allowed:.0%})")
+    head = (f"not enough observed time for a recommendation: over {span} the interval it would recommend could "
+            f"cost up to {worst:.1%} goodput against the best one for the true rate (allowed {allowed:.0%})")
+    if restart.count == 0:
+        lo, hi = restart.exposure_s, restart.exposure_s
+        while worst_regret(checkpoint_cost_s, restart_cost_s, estimate_rate(0, hi, conf)) > allowed:
+            lo, hi = hi, hi * 2.0
+            if hi > 1e6 * DAY_S:
+                return Evidence(False, worst, allowed, None, None, head)
+        for _ in range(60):  # the regret at rate 0 falls as T grows: bisect to 1 %
+            mid = (lo + hi) / 2.0
+            if worst_regret(checkpoint_cost_s, restart_cost_s, estimate_rate(0, mid, conf)) > allowed:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo < 0.01 * hi:
+                break
+        return Evidence(False, worst, allowed, hi, 0,
+                        f"{head}; with no interruption seen that needs about {_fmt_s(hi)} observed "
+                        f"without one (the upper rate bound {-math.log((1.0 - conf) / 2.0):.3g} / T sets the "
+                        f"interval, and at rate 0 checkpointing every tau costs d / (tau + d))")
+    rate = restart.rate
+
+    def ok(n: int) -> bool:
+        return worst_regret(checkpoint_cost_s, restart_cost_s, estimate_rate(n, n / rate, conf)) <= allowed
+
+    low, high = restart.count, restart.count * 2
+    while not ok(high):  # doubling, then bisection: each look sums a Poisson tail of n terms
+        low, high = high, high * 2
+        if high > 1_000_000:
+            return Evidence(False, worst, allowed, None, None, head)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if ok(mid) else (mid, high)
+    return Evidence(False, worst, allowed, high / rate, high,
+                    f"{head}; at the observed rate that needs about {high} restart-causing interruptions, "
+                    f"about {_fmt_s(high / rate)} observed")
+
+
 # --------------------------------------------------------------------------- helpers
 
 

@@ -106,8 +106,20 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
         reasons.append(why_l1)
     chosen = "with_l1" if use_l1 else "without_l1"
     tau = taus[chosen]
-    reasons.append(doc["intervals"][chosen]["reason"])
-    doc["recommendation"].update(use_l1=use_l1, interval_s=tau, every_steps=cd.interval_steps(tau, step))
+    # Too little observed time: the window, not the job, would pick the interval (13 s without an interruption
+    # recommended a snapshot every 2 steps and L1 off); nothing is recommended and --write writes nothing.
+    proof = cd.evidence(delta, restart_cost, with_l1 if use_l1 else without,
+                        getattr(args, "max_regret", cd.MAX_REGRET))
+    doc["recommendation"]["evidence"] = proof.to_dict()
+    if not proof.enough:
+        reasons[:] = [proof.reason]
+        doc["recommendation"]["use_l1"] = None
+        doc["missing"].append(f"observed time: {proof.reason}")
+        tau = math.inf
+    else:
+        reasons.append(doc["intervals"][chosen]["reason"])
+        reasons.append(proof.reason)
+        doc["recommendation"].update(use_l1=use_l1, interval_s=tau, every_steps=cd.interval_steps(tau, step))
 
     # Both curves use the MTBFs the intervals used (the upper rate bound when nothing failed).
     m_without, m_with = doc["intervals"]["without_l1"]["mtbf_s"], doc["intervals"]["with_l1"]["mtbf_s"]
@@ -124,7 +136,7 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
                                                               for k, f in curves.items()}}
     short, long_ = doc["intervals"][chosen]["range_s"]
     rng = doc["intervals"][chosen]["range_steps"]
-    if math.isfinite(tau) and math.isfinite(short) and math.isfinite(long_):
+    if proof.enough and math.isfinite(tau) and math.isfinite(short) and math.isfinite(long_):
         f = curves[chosen]
         loss = max(f(tau) - f(short), f(tau) - f(long_))
         span = f"{rng[0]}-{rng[1]} steps" if None not in rng else f"{cd.format_duration(short)}-{cd.format_duration(long_)}"

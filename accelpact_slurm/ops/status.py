@@ -28,6 +28,8 @@ from accelpact_slurm.core.events import (
     EVENTS_FILE, JSON_FILE_LIMIT, SUMMARY_FILE, BadLine, NotRegular, TooDeep, finite_number, parse_json, read_events,
     read_file,
 )
+from accelpact_slurm.ops.stops import add_stop, count as _count
+from ckpt_service.committed import SUFFIX as COMMITTED_SUFFIX
 from ckpt_service.index import SHARED_SOURCE, restart_source, scan
 from ckpt_service.layout import DAEMON_FAILED_SUFFIX, shared_dir
 from ckpt_service.retention import newest_common
@@ -47,8 +49,6 @@ _RATE_WINDOW = 64
 #: Events that may follow a fail-stop without meaning the run is alive again.
 _BOOKKEEPING = {"requeue", "checkpoint", "membership", "shared_upload"}
 _END_FIELDS = ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code")
-#: Larger integers are no step count; a 400-digit one overflows float() in the step rate.
-_MAX_COUNT = 2 ** 53
 _TERMINAL_SLURM = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE"}
 
@@ -176,7 +176,8 @@ def stop_line(stop: dict[str, Any]) -> str:
     reason = " ".join(str(stop.get("reason") or "").split())
     if len(reason) > 300:
         reason = reason[:297] + "..."
-    return f"start {stop.get('restart')}: {cause} (exit {stop.get('exit_code')}): {reason}"
+    code = stop.get("exit_code")
+    return f"start {stop.get('restart')}: {cause} (exit {'-' if code is None else code}): {reason}"
 
 
 def run_dir_state(last_event: dict[str, Any] | None, final: dict[str, Any] | None, stale: bool) -> str:
@@ -357,13 +358,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
                 frontier = (ts, rec["frontier"], "repair")
             decision = _decision(rec, "preserve")
         elif kind == "fail_stop":
-            first = fail_stops.setdefault(restart, {
-                "ts": ts, "restart": restart, "reason": rec.get("reason"), "exit_code": rec.get("exit_code"),
-                "phase": rec.get("phase"), "frontier": rec.get("frontier"), "decision": rec.get("decision"),
-                "cause": rec.get("cause") if isinstance(rec.get("cause"), str) else None,
-                "culprit": rec.get("culprit") if isinstance(rec.get("culprit"), int) else None})
-            if first["cause"] is None and isinstance(rec.get("cause"), str):  # the launcher's comes last
-                first["cause"] = rec["cause"]
+            add_stop(fail_stops, rec, ts, restart, frontier)
             decision = _decision(rec, "restart")
         elif kind == "fault":  # every rank that saw it logs it: one fault per (restart, step, phase)
             fkey = (restart, rec.get("step"), rec.get("phase"))
@@ -392,7 +387,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     last_stop = stops[-1] if stops else None
     if job_end is not None and (last_stop is None or (job_end_at[0] or 0) >= (last_stop["ts"] or 0)):
         last_stop = {"ts": job_end_at[0], "restart": job_end_at[1], "cause": "completed", "exit_code":
-                     job_end.get("exit_code"), "reason": f"completed {job_end.get('final_step')} updates",
+                     job_end.get("exit_code"), "reason": "completed" if job_end.get("final_step") is None
+                     else f"completed {job_end.get('final_step')} updates",
                      "culprit": None}
     rate = None
     if len(window) >= 2 and window[-1][1] > window[0][1]:
@@ -408,7 +404,6 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
         "decision": decision, "every_steps": every_steps, "job_end": job_end, "shared_dir": shared,
         "milestone_every": milestone_every,
     }
-
 
 
 def _decision(rec: dict[str, Any], implied: str | None) -> dict[str, Any]:
@@ -439,8 +434,11 @@ def _phases(value: Any) -> dict[str, float]:
 
 def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str, Any]]:
     nodes = []
-    try:  # a daemon that could not start leaves <node>.daemon-failed.json there: word for the ranks, no index
-        names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json") and not n.endswith(DAEMON_FAILED_SUFFIX))
+    try:  # beside each <node>.json: <node>.daemon-failed.json (a daemon that could not start) and the signed
+        # <node>.committed.json (the newest step the node verified), no index either: read as one, each showed its
+        # node a second time, with no snapshots, above its real index
+        names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json")
+                       and not n.endswith((DAEMON_FAILED_SUFFIX, COMMITTED_SUFFIX)))
     except OSError:
         return nodes
     for name in names:
@@ -503,13 +501,6 @@ def _read_json(path: str, bad: list[BadLine]) -> Any:
     except ValueError as exc:  # UnicodeDecodeError is a ValueError
         bad.append(BadLine(path, getattr(exc, "lineno", 1), f"not JSON ({exc.__class__.__name__})"))
         return None
-
-
-def _count(value: Any) -> int | None:
-    """``value`` when it is an integer a float can hold (a step number), else None."""
-    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _MAX_COUNT:
-        return None
-    return value
 
 
 def _count_states(snaps: list[dict[str, Any]]) -> dict[str, int]:

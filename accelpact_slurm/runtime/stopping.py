@@ -19,6 +19,7 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USA
                                          ControlPlaneError, FailStop)
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.rank import RankContext
+from accelpact_slurm.ops.stops import last_committed_step
 from accelpact_slurm.slurm import signals
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
@@ -74,7 +75,7 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
                 **({"culprit": culprit} if isinstance(culprit, int) else {}),
                 **({"exception": exception} if isinstance(exception, dict) else {}),
                 **({"hung_rank_ended": killed} if killed else {}))
-    line = f"fail-stop at F={info.get('frontier')} ({stop.cause}): {stop.reason} (exit {stop.exit_code})"
+    line = f"fail-stop {_where(info.get('frontier'), events)} ({stop.cause}): {stop.reason} (exit {stop.exit_code})"
     if not lead:
         log.warning("%s", line)  # this rank's log says why it stopped, too
     if lead:
@@ -95,6 +96,15 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(stop.exit_code)
+
+
+def _where(frontier: Any, events: EventLog) -> str:
+    """``at F=N`` for the stop's line: its own frontier, else the newest update the event log committed (a stop
+    raised where no update number is at hand: a restore, the control plane), else that none was committed."""
+    if isinstance(frontier, int) and not isinstance(frontier, bool):
+        return f"at F={frontier}"
+    logged = last_committed_step(events.path) if isinstance(getattr(events, "path", None), str) else None
+    return "before any committed update" if logged is None else f"at F={logged} (the log's newest committed update)"
 
 
 def as_fail_stop(exc: BaseException, phase: str | None = None, frontier: int | None = None) -> FailStop:

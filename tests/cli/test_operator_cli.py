@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import stat
@@ -150,12 +151,14 @@ def test_cadence_json_schema_and_numbers(capsys):
 
 def test_cadence_flags_override_measured_costs(capsys):
     args = ["--events", RUN, "--step-time-s", "220", "--checkpoint-cost-s", "25.6", "--restart-cost-s", "600",
-            "--repair-s", "0.77", "--guard-overhead", "0.002", "--age-steps", "5", "--json"]
+            "--repair-s", "0.77", "--guard-overhead", "0.002", "--age-steps", "5", "--observed-s", str(7 * 86400),
+            "--json"]
     assert cad_cli.main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["costs"]["step_time_s"] == {"value": 220.0, "source": "flag", "samples": 0}
     assert doc["delta_t"]["saved_per_event_s"] == pytest.approx(1099.23)
-    assert doc["recommendation"]["use_l1"] is True  # 3 eligible faults in a few minutes of history
+    # 3 eligible faults in a week (the log's own few minutes are too little to recommend anything from)
+    assert doc["recommendation"]["use_l1"] is True
 
 
 def test_cadence_reports_a_missing_cost(tmp_path, capsys):
@@ -168,7 +171,8 @@ def test_cadence_reports_a_missing_cost(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value", [("--checkpoint-cost-s", "-1"), ("--step-time-s", "0"),
-                                         ("--guard-overhead", "nan"), ("--confidence", "1.5")])
+                                         ("--guard-overhead", "nan"), ("--confidence", "1.5"), ("--max-regret", "0"),
+                                         ("--max-regret", "1")])
 def test_cadence_refuses_bad_numbers(flag, value, capsys):
     assert cad_cli.main(["--events", RUN, flag, value]) == 2
     assert flag in capsys.readouterr().err
@@ -337,7 +341,8 @@ def test_status_json_stays_valid_json_with_non_finite_numbers(tmp_path, capsys):
     json.dumps(doc, allow_nan=False)
     (job,) = doc["jobs"]
     assert job["final"]["final_loss"] is None and job["final"]["wall_s"] is None
-    assert job["l2"]["fail_stops"][0]["frontier"] is None
+    # -inf is no frontier: the stop gets the newest update the log committed before it
+    assert (job["l2"]["fail_stops"][0]["frontier"], job["l2"]["fail_stops"][0]["frontier_source"]) == (2, "log")
     assert status_cli.main([d, "--no-slurm"]) == 0  # the table still shows what it can
     assert "loss nan" in capsys.readouterr().out
 
@@ -374,13 +379,14 @@ def test_cadence_skips_a_huge_elapsed_and_an_infinite_ts_as_bad_lines(tmp_path, 
                       '{"ts": 10.0, "event": "step", "job_id": "7", "step": 1, "step_s": 2.0}\n')
     rc = cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5", "--json"])
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
     doc = json.loads(captured.out)
+    # one node failure in an hour is too little to recommend from: the only thing missing
+    assert rc == 2 and [m.split(":")[0] for m in doc["missing"]] == ["observed time"], captured.out
     assert [(os.path.basename(b["path"]), b["lineno"]) for b in doc["bad_lines"]] == [
         ("sacct.txt", 2), ("sacct.txt", 3), ("events.jsonl", 1)]
     assert doc["observed_s"] == 3600.0 and doc["classes"]["node_fail"]["count"] == 1
     assert captured.err.count("skipped") == 3
-    assert cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5"]) == 0
+    assert cad_cli.main(["--sacct", str(sacct), "--events", str(events), "--checkpoint-cost-s", "5"]) == 2
     assert "3 bad line(s) skipped" in capsys.readouterr().out
 
 
@@ -437,3 +443,142 @@ def test_check_dependencies_alone(blocked, ok):
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     else:
         assert proc.returncode == 1 and "ConfigError: dependencies: invalid value 'numpy'" in proc.stderr
+
+
+# --------------------------------------------------------------------------- accelpact-status tells the truth
+
+#: A real run directory (events and node indexes): the vision example under FSDP1 with BatchNorm, a forward fault
+#: at update 10; each relaunch crashed in its restore (``Missing key in checkpoint state_dict``) before deciding
+#: anything, and the launcher of the time wrote its stops with no frontier and no cause.
+RESTORE_CRASH = os.path.join(DATA, "run-restore-crash")
+
+
+def _status_text(run_dir, capsys) -> str:
+    assert status_cli.main([str(run_dir), "--no-slurm"]) == 0
+    return capsys.readouterr().out
+
+
+def test_status_of_a_real_restore_crash_agrees_with_itself(capsys):
+    """Each node's index line once, and every stop with a frontier (no ``None``).
+
+    Negative control: reading ``<node>.committed.json`` as an index (the filter in ``ops/status.py`` without
+    ``COMMITTED_SUFFIX``) prints ``node1: no snapshots`` directly above ``node1: verified 1``; without the log's
+    frontier the relaunches' stops read ``frontier None``.
+    """
+    out = _status_text(RESTORE_CRASH, capsys)
+    index_lines = [line.split()[0] for line in out.splitlines() if "index updated" in line]
+    assert index_lines == ["node1:", "node2:"], out
+    assert "no snapshots;" not in out
+    assert "None" not in out, out
+    assert out.count("frontier 9: the log's newest committed update before it") == 2, out
+    assert "(exit 75, phase forward, frontier 9)" in out
+
+
+def _stop(restart, rank, cause, reason, frontier=None, ts=100.0, **extra):
+    return {"ts": ts, "event": "fail_stop", "restart": restart, "rank": rank, "cause": cause, "reason": reason,
+            "exit_code": 75, "phase": "start", "frontier": frontier, **extra}
+
+
+def test_status_names_each_stops_own_cause_and_reason(tmp_path, capsys):
+    """A restore that fails writes its ``fail_stop`` with its cause ("no snapshot can be restored: ..."): status
+    shows that text, and every other distinct cause and reason of the same start, never the launcher's guess; a
+    stop before any committed update says so.
+
+    Negative control: the old fold (the first ``fail_stop`` of a start, whoever wrote it, and nothing else) shows
+    the launcher's "every rank ended without a decision" for start 1 and drops rank 3's own reason; the old
+    restart line said "run 1 loaded step None" and named no skipped snapshot.
+    """
+    recs = [{"ts": 1.0 + i, "event": "step", "restart": 0, "rank": 0, "step": i} for i in range(1, 14)]
+    recs += [_stop(0, r, "link", "fault in uncommitted compute (forward)", frontier=13, ts=20.0) for r in range(4)]
+    recs += [_stop(1, None, "launcher", "every rank ended without a decision (exit codes [1, 1, 1, 1]): killed, "
+                   "or crashed", ts=30.0, by="launcher")]
+    recs += [_stop(1, r, "checkpoint", "no snapshot can be restored: step 10: missing key model.bn.running_mean",
+                   ts=31.0) for r in range(3)]
+    recs += [_stop(1, 3, "dead-rank", "rank 2 (node 1) died during the restore", ts=31.5)]
+    recs += [{"ts": 30.5, "event": "restart_load", "restart": 1, "rank": 0, "step": None,
+              "reason": "every candidate was rejected", "skipped": [
+                  {"step": 10, "reason": "cannot be restored: missing key model.bn.running_mean"},
+                  {"step": 5, "reason": "cannot be restored: missing key model.bn.running_mean"}]}]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({"job_id": "9", **r}) + "\n" for r in recs))
+    out = _status_text(run_dir, capsys)
+    run1 = next(line for line in out.splitlines() if "run 1: " in line)
+    assert "fail-stop (checkpoint) 'no snapshot can be restored: step 10: missing key model.bn.running_mean'" in run1
+    assert "also (dead-rank) 'rank 2 (node 1) died during the restore'" in run1
+    assert "also (launcher) 'every rank ended without a decision" in run1  # kept, after the ranks' own words
+    assert "frontier 13: the log's newest committed update before it" in run1
+    assert "last stop     start 1: checkpoint (exit 75): no snapshot can be restored" in out
+    run0 = next(line for line in out.splitlines() if "run 0: " in line)
+    assert run0.endswith("run 1 loaded no snapshot: every candidate was rejected, skipped step 10: cannot be "
+                         "restored: missing key model.bn.running_mean, skipped step 5: cannot be restored: missing "
+                         "key model.bn.running_mean"), run0
+
+    (run_dir / "events.jsonl").write_text(json.dumps({"job_id": "9", **_stop(0, 0, "config", "bad key")}) + "\n")
+    out = _status_text(run_dir, capsys)
+    assert "phase start, before any committed update)" in out and "None" not in out
+
+
+def test_status_rounds_every_time_it_shows(tmp_path, capsys):
+    """``wall 20.608336156000405 s`` was the summary's float as written.
+
+    Negative control: the old ``f"wall {f.get('wall_s')} s"`` prints every digit.
+    """
+    run_dir = tmp_path / "run"
+    shutil.copytree(RUN, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(wall_s=20.608336156000405, final_loss=4.09429144859314)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    out = _status_text(run_dir, capsys)
+    final = next(line for line in out.splitlines() if line.strip().startswith("final"))
+    assert "wall 20.6 s" in final and "loss 4.09429," in final, final
+    digits = [n for n in re.findall(r"\d+\.\d+", out.replace("4.09429", "")) if len(n.replace(".", "").lstrip("0")) > 4]
+    assert digits == [], out  # no time anywhere with more than 4 significant digits
+
+
+#: The event log of a real uninterrupted run of the decoder example (25 updates, about 15 s, no fault).
+UNINTERRUPTED = os.path.join(DATA, "run-uninterrupted")
+
+
+def test_cadence_refuses_to_recommend_from_one_short_uninterrupted_run(tmp_path, capsys):
+    """One 15 s run without an interruption: nothing recommended, ``--write`` leaves the job file byte for byte,
+    and the output says how much observed time the bound needs.
+
+    Negative control: without the evidence gate (``cadence_analysis.analyse``) it recommended
+    ``checkpoint.every_steps = 4`` and "L1 off" from this log and ``--write`` wrote it.
+    """
+    job = tmp_path / "job.yaml"
+    shutil.copy(os.path.join(REPO, "examples", "decoder", "job.yaml"), job)
+    before = job.read_bytes()
+    assert cad_cli.main(["--events", UNINTERRUPTED, "--write", str(job), "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert job.read_bytes() == before
+    rec = doc["recommendation"]
+    assert (rec["every_steps"], rec["interval_s"], rec["use_l1"]) == (None, None, None)
+    assert doc["write"] == {"path": str(job), "error": "not enough observed time: nothing written"}
+    proof = rec["evidence"]
+    assert proof["enough"] is False and proof["needed_count"] == 0
+    assert proof["needed_s"] > 60 * doc["observed_s"]  # minutes, against the run's seconds
+    assert cad_cli.main(["--events", UNINTERRUPTED]) == 2
+    out = capsys.readouterr().out
+    assert "Recommendation: none" in out and "checkpoint.every_steps =" not in out and "L1 off" not in out
+    assert "missing: observed time: not enough observed time" in out and "observed without one" in out
+    # The same log with a week of observed time (--observed-s) is enough.
+    assert cad_cli.main(["--events", UNINTERRUPTED, "--observed-s", str(7 * 86400), "--write", str(job)]) == 0
+    assert job.read_bytes() != before
+
+
+def test_status_never_prints_none_for_a_field_the_log_lacks(tmp_path, capsys):
+    """Events that hold only their kind (a log from an older release, a line cut short): every field shows ``-``.
+
+    Negative control: the fields printed as they came (``generation None, frontier None``, ``exit None``,
+    ``requeue 'None'``, ``loss None``) fail it.
+    """
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recs = [{"ts": 1.0, "event": "repair", "restart": 0}, {"ts": 2.0, "event": "fail_stop", "restart": 0},
+            {"ts": 3.0, "event": "requeue", "restart": 0}, {"ts": 4.0, "event": "job_end", "restart": 1}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = _status_text(run_dir, capsys)
+    assert "None" not in out, out
+    assert "generation -, frontier -" in out and "exit -" in out and "requeue '-'" in out and "loss -" in out, out

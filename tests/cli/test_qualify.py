@@ -311,6 +311,11 @@ def ev(kind: str, **fields):
      "fail-stop at F=5 (phase backward): x y (exit 75)"),
     # A relaunch that completed after a fail-stop is still a failed trial: the repair was not in process.
     (0, [ev("fail_stop", frontier=5, phase="committed", reason="r")], "d", False, "fail-stop at F=5"),
+    # A stop with no frontier of its own (the control plane's, a restore's): the newest update committed before it,
+    # else none; never "F=None" (negative control: the old line printed the event's None).
+    (75, [ev("step", step=3), ev("step", step=4), ev("fail_stop", frontier=None, phase=None, reason="r"),
+          ev("step", step=9)], "d", False, "fail-stop at F=4 (phase None): r (exit 75)"),
+    (75, [ev("fail_stop", phase="start", reason="r")], "d", False, "fail-stop before any committed update (phase"),
     (1, [], "d", False, "exited 1 without a fail-stop"),
     (0, [], "d", False, "no repair event"),
     (0, [ev("repair", frontier=4)], "other", False, "final_state_digest differs"),

@@ -277,3 +277,45 @@ def test_terminal_chart_marks_shared_cells_and_skips_nan():
     assert OVERLAP in text
     with pytest.raises(ValueError):
         line_chart([1.0], {"a": [1.0]})
+
+
+# --------------------------------------------------------------------------- how much observed time is enough
+
+
+def test_a_short_run_without_an_interruption_is_not_enough_and_says_how_much_is():
+    """13 s without an interruption: the Garwood upper bound (3.69 / 13 s at 95 %) alone would set the interval.
+
+    Negative control: without the evidence gate the analysis recommended a snapshot every 2 steps from it.
+    """
+    rate = cd.estimate_rate(0, 13.0)
+    assert rate.high == pytest.approx(-math.log(0.025) / 13.0, rel=1e-6)
+    proof = cd.evidence(0.07, 5.0, rate)
+    assert not proof.enough and proof.max_regret > cd.MAX_REGRET and proof.needed_count == 0
+    assert "not enough observed time" in proof.reason and "without one" in proof.reason
+    # What it names is what the bound needs: enough at that time, not at 90 % of it.
+    assert cd.evidence(0.07, 5.0, cd.estimate_rate(0, proof.needed_s)).enough
+    assert not cd.evidence(0.07, 5.0, cd.estimate_rate(0, 0.9 * proof.needed_s)).enough
+    # At rate 0 a snapshot every tau costs d / (tau + d): about sqrt(q d / 2T) at Daly's interval for T / q.
+    q = -math.log(0.025)
+    assert proof.needed_s == pytest.approx(q * 0.07 / (2 * cd.MAX_REGRET ** 2), rel=0.1)
+
+
+def test_a_week_without_an_interruption_is_enough():
+    proof = cd.evidence(2.0, 0.0, cd.estimate_rate(0, 7 * 86400.0))
+    assert proof.enough and proof.needed_s is None and proof.max_regret < cd.MAX_REGRET
+
+
+def test_with_interruptions_what_is_needed_is_counted_at_the_observed_rate():
+    proof = cd.evidence(0.07, 5.0, cd.estimate_rate(1, 17.3))
+    assert not proof.enough and proof.needed_count > 1
+    assert proof.needed_s == pytest.approx(proof.needed_count * 17.3)
+    assert f"about {proof.needed_count} restart-causing interruptions" in proof.reason
+    n = proof.needed_count
+    assert cd.evidence(0.07, 5.0, cd.estimate_rate(n, n * 17.3)).enough
+    assert not cd.evidence(0.07, 5.0, cd.estimate_rate(n - 1, (n - 1) * 17.3)).enough
+
+
+def test_regret_is_zero_at_the_optimum_and_d_over_tau_plus_d_without_failures():
+    assert cd.regret(cd.daly_interval(5.0, 3600.0), 5.0, 0.0, 1 / 3600.0) == pytest.approx(0.0, abs=1e-12)
+    assert cd.regret(95.0, 5.0, 0.0, 0.0) == pytest.approx(0.05)
+    assert cd.regret(10.0, 5.0, 0.0, 1 / 3600.0) > cd.regret(100.0, 5.0, 0.0, 1 / 3600.0)

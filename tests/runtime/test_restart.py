@@ -115,3 +115,39 @@ def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
         if child.is_alive():
             child.kill()
             child.join(timeout=10)
+
+
+_STOP_WITHOUT_FRONTIER = """
+import sys, time
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, FailStop
+from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.runtime.stopping import fail_stop
+log = EventLog(sys.argv[1], rank=0)
+for step in range(1, int(sys.argv[2]) + 1):
+    log.emit("step", step=step)
+fail_stop(FailStop("no snapshot can be restored: step 10: missing key", EXIT_NO_REQUEUE, cause="checkpoint",
+                   phase="start", frontier=None, decided_at=time.monotonic()), log, sys.stdout, lead=True)
+"""
+
+
+@pytest.mark.parametrize("committed, words", [(13, "fail-stop at F=13 (the log's newest committed update) "
+                                                   "(checkpoint): no snapshot can be restored"),
+                                              (0, "fail-stop before any committed update (checkpoint): ")])
+def test_a_stop_without_a_frontier_names_the_logs_newest_committed_update(tmp_path, committed, words):
+    """A stop raised where no update number is at hand (a restore, the control plane) printed ``fail-stop at
+    F=None`` although update 13 was committed.  A real rank process stops (``os._exit`` with the stop's code).
+
+    Negative control: the old line (``F={info.get('frontier')}``) prints ``F=None`` in both cases.
+    """
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "stop.py"
+    script.write_text(_STOP_WITHOUT_FRONTIER)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "events.jsonl"), str(committed)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == EXIT_NO_REQUEUE, proc.stdout + proc.stderr
+    assert words in proc.stdout and "None" not in proc.stdout, proc.stdout + proc.stderr
