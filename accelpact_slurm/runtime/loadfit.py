@@ -44,8 +44,9 @@ SNAPSHOT, ENVIRONMENT = "snapshot", "environment"
 _LINK_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket")
 
 
-def expected(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{"model.<fqn>": (global shape, dtype name)}`` of every tensor the model's state dict asks a load for.
+def expected(model: Any) -> dict[str, tuple[tuple[int, ...], str] | None]:
+    """``{"model.<fqn>": (global shape, dtype name)}`` of every tensor the model's state dict asks a load for
+    (``None``: an object, not a tensor).
 
     Collective on some wrappings (the same call the load makes); every rank calls it at the same point.
     """
@@ -53,12 +54,11 @@ def expected(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
     with quiet_state_dict_calls():
         msd = get_model_state_dict(model)
-        out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for fqn, value in msd.items():
-            shape = getattr(value, "shape", None)
-            dtype = getattr(value, "dtype", None)
-            out[f"{MODEL}.{fqn}"] = (tuple(int(n) for n in shape) if shape is not None else (),
-                                     str(dtype).removeprefix("torch.") if dtype is not None else "")
+        out: dict[str, tuple[tuple[int, ...], str] | None] = {}
+        for fqn, value in msd.items():  # an object (a module's extra state): its presence only
+            shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+            out[f"{MODEL}.{fqn}"] = None if shape is None or dtype is None else \
+                (tuple(int(n) for n in shape), str(dtype).removeprefix("torch."))
     return out
 
 
@@ -77,28 +77,33 @@ def snapshot_tensors(metadata: Any) -> dict[str, tuple[tuple[int, ...], str] | N
     return out
 
 
-def differences(want: Mapping[str, tuple[tuple[int, ...], str]],
+def differences(want: Mapping[str, tuple[tuple[int, ...], str] | None],
                 have: Mapping[str, tuple[tuple[int, ...], str] | None]) -> str:
     """One line naming how the snapshot's model tensors differ from the model's; empty when they agree.  Pure."""
-    missing = sorted(k for k in want if k not in have)
-    unexpected = sorted(k for k in have if k not in want)
+    objects = tuple(k + "." for k in want if want[k] is None)  # DCP flattens an object that is a dict into keys
+
+    def inside(k: str, keys: Any) -> bool:
+        return k in keys or (want[k] is None and any(h.startswith(k + ".") for h in keys))
+
+    missing = sorted(k for k in want if not inside(k, have))
+    unexpected = sorted(k for k in have if k not in want and not k.startswith(objects))
     parts = []
     if missing:
         parts.append(f"missing {_some(missing)} (the model has them, the snapshot does not)")
     if unexpected:
         parts.append(f"unexpected {_some(unexpected)} (the snapshot has them, the model does not)")
-    shapes = [k for k in sorted(want) if k in have and have[k] is not None and have[k][0] != want[k][0]]
+    both = [k for k in sorted(want) if want[k] is not None and have.get(k) is not None]  # tensors on both sides
+    shapes = [k for k in both if have[k][0] != want[k][0]]
     for k in shapes[:NAMED]:
         parts.append(f"shape of {k}: snapshot {list(have[k][0])}, model {list(want[k][0])}")
     if len(shapes) > NAMED:
         parts.append(f"{len(shapes) - NAMED} more shape(s) differ")
-    dtypes = [k for k in sorted(want) if k in have and have[k] is not None and k not in shapes
-              and not widens(have[k][1], want[k][1])]
+    dtypes = [k for k in both if k not in shapes and not widens(have[k][1], want[k][1])]
     for k in dtypes[:NAMED]:
         parts.append(f"dtype of {k}: snapshot {have[k][1]}, model {want[k][1]}")
     if len(dtypes) > NAMED:
         parts.append(f"{len(dtypes) - NAMED} more dtype(s) differ")
-    nontensor = [k for k in sorted(want) if k in have and have[k] is None]
+    nontensor = [k for k in sorted(want) if want[k] is not None and k in have and have[k] is None]
     if nontensor:
         parts.append(f"{_some(nontensor)} saved as an object, the model holds a tensor")
     return "; ".join(parts)
@@ -121,7 +126,7 @@ def widens(saved: str, model: str) -> bool:
     return torch.promote_types(a, b) == b
 
 
-def model_fit(want: Mapping[str, tuple[tuple[int, ...], str]], path: str, key: bytes | None) -> tuple[bool, str]:
+def model_fit(want: Mapping[str, tuple[tuple[int, ...], str] | None], path: str, key: bytes | None) -> tuple[bool, str]:
     """``(ok, reason)``: whether the snapshot at ``path`` holds exactly the model's tensors (:func:`expected`).
 
     The metadata is read as the load reads it: authenticated under ``key`` (``None``: the test-only unchecked

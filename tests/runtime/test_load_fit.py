@@ -80,6 +80,9 @@ def test_differences_name_a_few_keys_and_count_the_rest():
     assert "unexpected model.x" in diff and "shape of model.k0: snapshot [3], model [2]" in diff
     assert "dtype of model.k1: snapshot float64, model float32" in diff
     assert loadfit.differences(want, dict(want)) == ""
+    assert loadfit.differences({"model.extra": None}, {"model.extra": None}) == ""  # an object: its presence only
+    assert loadfit.differences({"model.extra": None}, {}).startswith("missing model.extra")
+    assert loadfit.differences({"model.extra": None}, {"model.extra.a": None, "model.extra.b": ((1,), "int64")}) == ""
 
 
 # --------------------------------------------------------------------------- what a load raised
