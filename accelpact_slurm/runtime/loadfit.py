@@ -186,7 +186,7 @@ def no_snapshot_line(unloadable: Mapping[int, str], model_change: bool) -> str:
 
 
 def load_agreed(rank: int, step: int, path: str, copy_id: str | None, io: Any, control: Any,
-                 hosts: Sequence[str], timeout_s: float | None) -> tuple[str, list[tuple[int, str, str]], bool] | None:
+                hosts: Sequence[str], timeout_s: float | None) -> tuple[str, list[tuple[int, str, str]], bool] | None:
     """Collective: check that the snapshot fits the model, then load it; ``None`` when every rank loaded it, else
     ``(reason, [(rank, copy, why)], the model's keys differ)``.
 

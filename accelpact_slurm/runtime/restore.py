@@ -27,10 +27,9 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
    arrival); pure :func:`agree` combines the answers.  When one copy fails, every rank moves to
    the next older candidate;
 4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.loadfit`): the copy must hold exactly the
-   model's tensors (keys, shapes, dtypes), then every rank loads it (:func:`~accelpact_slurm.runtime.appstate.load`,
-   collective), one round each.  A copy refused moves every rank to the next older one and is rejected once an
-   older one loads; when none loads, the start stops ("no snapshot can be restored: ...", exit 76), nothing
-   rejected (a model changed by mistake finds its snapshots again once it is put back);
+   model's tensors, then every rank loads it (:func:`~accelpact_slurm.runtime.appstate.load`: weights, optimizer
+   and extra state), one round each.  A refused copy moves every rank to the next older one, rejected once an older
+   one loads; none loads: one stop, "no snapshot can be restored: ...", exit 76, nothing rejected (a model change);
 5. the replay check runs later, on the user's own training path: the first update after the load
    must reproduce bitwise what the run recorded for that update when it first ran
    (:mod:`accelpact_slurm.runtime.replay`); a mismatch rejects the snapshot and fails stop, and the

@@ -162,7 +162,7 @@ def test_a_model_no_snapshot_fits_stops_once_with_the_cause_and_is_not_relaunche
                              "model.layers.2.running_mean (+1 more) (the model has them, the snapshot does not) "
                              "(on node1, node2); did the model change")
     assert "--run-dir" in reason and "\n" not in reason
-    assert f"(exit 76)" in proc.stdout and "no snapshot can be restored" in proc.stdout
+    assert "(exit 76)" in proc.stdout and "no snapshot can be restored" in proc.stdout
     (load,) = _events(c, "restart_load")
     assert load["step"] is None and [s["step"] for s in load["skipped"]] == [10, 5]
     assert runs["changed_states"] == {n: [(5, "verified"), (10, "verified")] for n in ("node1", "node2")}
