@@ -15,7 +15,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 #: Fail-stop: "requeue me".  The state on disk is the newest verified checkpoint.
 EXIT_REQUEUE = 75
-#: "Do not requeue": no progress across restarts, or a fatal error.
+#: "Do not requeue": no progress across restarts, no snapshot can be restored, or a fatal error.
 EXIT_NO_REQUEUE = 76
 
 EXIT_CODES = {
@@ -23,7 +23,7 @@ EXIT_CODES = {
     EXIT_USAGE: "usage or configuration error (not requeued)",
     EXIT_REQUEUE: "fail-stop: requeue and reload the newest verified checkpoint",
     EXIT_NO_REQUEUE: "do not requeue: the training code raised (a bug a restart would repeat), no progress across "
-                     "restarts, or a fatal error",
+                     "restarts, no snapshot can be restored, or a fatal error",
     130: "stopped by SIGINT (embedded default: every rank and daemon stopped, not relaunched)",
     143: "stopped by SIGTERM (embedded default: every rank and daemon stopped, not relaunched)",
 }

@@ -267,8 +267,8 @@ def exit_verdict(status: int | None, *, decided: int | None = None, ending: bool
         if code == EXIT_USAGE:
             return Verdict(STOP, EXIT_USAGE, "a usage or configuration error: a restart would repeat it")
         if code == EXIT_NO_REQUEUE:
-            return Verdict(STOP, EXIT_NO_REQUEUE, "do not requeue: a bug in the training code (or no progress); a "
-                                                  "restart would repeat it")
+            return Verdict(STOP, EXIT_NO_REQUEUE, "do not requeue: a bug in the training code, no progress, or no "
+                                                  "snapshot can be restored; a restart would repeat it")
         if code == EXIT_REQUEUE:
             return Verdict(again, EXIT_REQUEUE, f"fail-stop {EXIT_REQUEUE} (requeue me)")
     if ending:

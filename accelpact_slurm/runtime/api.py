@@ -250,8 +250,8 @@ class Run:
                     job.events.emit("warning", step=None, reason=note)
         try:
             out = restore(rt, cfg, job.run_dir, self._load, job.events, check=self._checked,
-                          copy=not job._faults.no_restore_copy)
-        except FailStop as stop:  # a snapshot this job cannot load: the documented "requeue me" path
+                          copy=not job._faults.no_restore_copy, model=self._model)
+        except FailStop as stop:  # no snapshot can be restored (76), or the requeue its exit code asks for
             fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
         self._loaded_step = out.step
         if out.step is not None and self._checked:

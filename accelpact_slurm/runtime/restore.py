@@ -26,8 +26,10 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
    truncation, a missing shard or ``.metadata`` all fail; a copy just made is checked here on
    arrival); pure :func:`agree` combines the answers.  When one copy fails, every rank moves to
    the next older candidate;
-4. **load**: every rank loads its copy (:func:`accelpact_slurm.runtime.appstate.load`, collective):
-   weights, optimizer state, and the extra state (frontier, RNG, every ``Stateful``);
+4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.loadfit`): the copy must hold exactly the
+   model's tensors, then every rank loads it (:func:`~accelpact_slurm.runtime.appstate.load`: weights, optimizer
+   and extra state), one round each.  A refused copy moves every rank to the next older one, rejected once an older
+   one loads; none loads: one stop, "no snapshot can be restored: ...", exit 76, nothing rejected (a model change);
 5. the replay check runs later, on the user's own training path: the first update after the load
    must reproduce bitwise what the run recorded for that update when it first ran
    (:mod:`accelpact_slurm.runtime.replay`); a mismatch rejects the snapshot and fails stop, and the
@@ -48,8 +50,8 @@ writer can leave an index older than the state files.  The daemon's in-memory st
 step stays ``verified`` until its next start; nothing selects from it (selection reads
 ``state.json``), and a new snapshot of the same step replaces the rejected directory.
 
-A load that raises after the checksums passed (an environment error, not the snapshot's) is not
-recorded as a rejection: the exception ends the start and the no-progress rule bounds the retries.
+A load that fails for the environment (a disk, a link, the files replaced after their re-check) is not
+recorded as a rejection: it ends the start on every rank and the no-progress rule bounds the retries.
 
 Test-only: ``TestFaults.skip_reload_check`` skips the re-check and the replay check (the negative
 control of the corruption test).
@@ -65,8 +67,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
-from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, CheckpointError, FailStop
 from accelpact_slurm.core.rank import RankContext
+from accelpact_slurm.runtime import loadfit
 from ckpt_service.index import common_step, dir_size, newest_verified, publish_index, record_state, scan
 from ckpt_service.layout import DEL_PREFIX, MAX_STEP, node_dir, shared_dir, step_dirname
 from ckpt_service import committed
@@ -255,6 +258,9 @@ class ReloadIO(Protocol):
     def load(self, path: str) -> None:
         """Load the copy into the protected state (collective)."""
 
+    def fits(self, path: str) -> tuple[bool, str]:
+        """Whether the copy holds exactly the model's tensors (:func:`loadfit.model_fit`); optional."""
+
     def reject(self, step: int, path: str, reason: str) -> None:
         """Record ``rejected`` for the copy (called by one rank per copy)."""
 
@@ -270,6 +276,7 @@ class ReloadOutcome:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     offered: bool = False  # some rank could reach a verified snapshot
     copied: dict[str, Any] | None = None  # {from, to, hosts, why}: the step was copied for ranks that lacked it
+    stop: str | None = None  # no candidate could be restored: the stop's one line (nothing to resume, no restart)
 
 
 def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, check: bool = True,
@@ -297,6 +304,7 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
     order, lacking, summary = plan(offers)
     reach = [offered(o)[0] for o in offers]
     skipped: dict[int, str] = {}
+    unloadable: dict[int, tuple[str, list[tuple[int, str, str]], bool, str, str | None]] = {}
     for step in order:
         # Which copy each rank would load, by name ("node:<host>" or "shared"): the same view on every rank.
         copies: list[str | None] = [_copy_id(v.get(step), hosts[r]) for r, v in enumerate(reach)]
@@ -356,7 +364,14 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
             if path is None:  # unreachable with an honest control plane: checked above
                 skipped[step] = "this rank's copy does not resolve inside the run's directories"
                 break
-            io.load(path)
+            refused = loadfit.load_agreed(rank, step, path, copies[rank], io, control, hosts, timeout_s)
+            if refused is not None:  # rejected once an older one loads (the model is then not what changed)
+                unloadable[step] = (*refused, copies[rank], path)
+                skipped[step] = f"cannot be restored: {refused[0]}"
+                log.warning("step %d cannot be restored: %s", step, refused[0])
+                break
+            for newer, (_why, failed, _model, mine, at) in unloadable.items():  # this model loads snapshots: reject
+                _reject_once(rank, newer, failed, io, "cannot be restored: ", mine, at)
             where = "verified on every node (or in the shared tier)" if copied is None else \
                 f"verified on {copied['from']}, copied to the shared tier for {', '.join(copied['hosts'])}"
             if failed_check:
@@ -368,7 +383,11 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
             return out
     offered_any = bool(order)
     why = summary if not skipped else f"every candidate was rejected ({summary})"
-    return ReloadOutcome(None, None, why, _skipped(None, skipped), offered_any)
+    out = ReloadOutcome(None, None, why, _skipped(None, skipped), offered_any)
+    if unloadable:  # starting over from update 0 would discard the run's progress for a model that changed
+        out.stop = loadfit.no_snapshot_line({s: u[0] for s, u in unloadable.items()},
+                                            any(u[2] for u in unloadable.values()))
+    return out
 
 
 def _copy_id(where: str | None, host: str) -> str | None:
@@ -412,8 +431,9 @@ class StateIO:
     """
 
     def __init__(self, load_fn: Any, run_dir: str, ndir: str, host: str, milestone_every: int,
-                 events: Any = None, sdir: str | None = None) -> None:
+                 events: Any = None, sdir: str | None = None, model: Any = None, checked: bool = True) -> None:
         self.load_fn = load_fn
+        self.model, self.checked, self._want = model, checked, None  # model None: no fit check before a load
         self.run_dir = run_dir
         self.ndir = ndir
         self.sdir = sdir or shared_dir(run_dir)
@@ -445,6 +465,13 @@ class StateIO:
 
     def load(self, path: str) -> None:
         self.load_fn(path)
+
+    def fits(self, path: str) -> tuple[bool, str]:
+        if self.model is None:
+            return True, "not checked"
+        if self._want is None:  # once per start: every rank reaches the first fit round together
+            self._want = loadfit.expected(self.model)
+        return loadfit.model_fit(self._want, path, load_or_create_key(self.run_dir) if self.checked else None)
 
     def reject(self, step: int, path: str, reason: str) -> None:
         reject_copy(step, path, reason, self.run_dir, self.ndir, self.host, self.milestone_every, self.events)
@@ -540,10 +567,11 @@ def _against_committed(run_dir: str, out: ReloadOutcome, events: Any) -> int | N
 
 
 def restore(rt: RankContext, cfg: Any, run_dir: str, load_fn: Any, events: Any = None, *,
-            check: bool = True, copy: bool = True) -> ReloadOutcome:
+            check: bool = True, copy: bool = True, model: Any = None) -> ReloadOutcome:
     """Collective: load the newest usable snapshot into the protected state (see the module docstring).
 
-    ``load_fn(path)`` loads one snapshot (collective); ``check=False`` and ``copy=False`` are test-only switches.
+    ``load_fn(path)`` loads one snapshot (collective); ``model``: whose tensors a candidate must hold exactly;
+    ``check=False`` and ``copy=False`` are test-only switches.  Raises FailStop (76) when no candidate loads.
     """
     t0 = time.monotonic()
     ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
@@ -554,13 +582,16 @@ def restore(rt: RankContext, cfg: Any, run_dir: str, load_fn: Any, events: Any =
     settle_pending(ndir, timeout)
     steps = getattr(cfg, "steps", None)  # the job's number of updates: its last snapshot is of that step
     offer = make_offer(rt.ctx.hostname, ndir, sdir, steps if isinstance(steps, int) and steps >= 0 else None)
-    io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events, sdir)
+    io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events, sdir, model, check)
     out = reload(rt.rank, offer, rt.control, io, check=check, copy=copy, timeout_s=timeout)
     if rt.rank == 0 and events is not None:
         newest_committed = _against_committed(run_dir, out, events)
         if out.offered:
             events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
                         checked=check, copied=out.copied, load_s=time.monotonic() - t0, committed=newest_committed)
+    if out.stop is not None:  # every rank: the same rounds gave every rank the same line
+        raise FailStop(out.stop, EXIT_NO_REQUEUE, cause="checkpoint", phase="restore", frontier=None,
+                       decided_at=time.monotonic())
     if out.step is None and out.offered:
         log.warning("not resuming: %s", out.reason)
     elif out.step is not None:

@@ -300,7 +300,7 @@ def test_newest_common_step_is_loaded_when_every_copy_checks_out():
     assert ios[2].calls == [("check", N2 + "6"), ("load", N2 + "6")]
     assert ios[1].calls == [("load", N1 + "6")]  # rank 1 shares rank 0's copy: no re-read
     assert ios[3].calls == [("load", N2 + "6")]
-    assert hub.rounds == ["reload-offer", "reload-check"]  # no copy round when every rank reaches the step
+    assert hub.rounds == ["reload-offer", "reload-check", "reload-fit", "reload-load"]  # no copy round when every rank reaches the step
     assert rejects(ios) == []
 
 
@@ -314,7 +314,7 @@ def test_a_step_one_node_lacks_is_copied_once_checked_on_arrival_and_loaded_by_e
     assert [c for io in ios for c in io.calls if c[0] == "share"] == [("share", 9, N1 + "9")]
     assert ios[0].calls == [("share", 9, N1 + "9"), ("check", N1 + "9"), ("load", N1 + "9")]
     assert ios[2].calls == [("check", SH + "9"), ("load", SH + "9")]  # the arrival re-read
-    assert hub.rounds == ["reload-offer", "reload-copy", "reload-check"]
+    assert hub.rounds == ["reload-offer", "reload-copy", "reload-check", "reload-fit", "reload-load"]
     assert out[3].copied == {"from": "node1", "to": SH + "9", "hosts": ["node2"], "why": "copied"}
     assert "verified on node1, copied to the shared tier for node2" in out[0].reason
     ios = [FakeIO() for _ in offers]
@@ -351,7 +351,7 @@ def test_a_corrupt_copy_on_one_node_is_replaced_by_a_copy_of_the_other_nodes():
     assert ios[2].calls == [("check", N2 + "6"), ("share", 6, N2 + "6"), ("load", N2 + "6")]
     assert ios[0].calls == [("check", N1 + "6"), ("reject", 6, N1 + "6", "re-check at restart failed: " + bad[N1 + "6"]),
                             ("check", SH + "6"), ("load", SH + "6")]
-    assert hub.rounds == ["reload-offer", "reload-check", "reload-copy", "reload-check"]
+    assert hub.rounds == ["reload-offer", "reload-check", "reload-copy", "reload-check", "reload-fit", "reload-load"]
     assert out[0].copied["after"] == "re-check at restart failed: node1: " + bad[N1 + "6"]
     assert "copied to the shared tier for node1 (after re-check at restart failed" in out[0].reason
     ios = [FakeIO(bad_check=bad) for _ in offers]
@@ -401,7 +401,7 @@ def test_steps_verified_on_one_node_only_load_the_newest_through_a_copy():
     ios = [FakeIO() for _ in range(4)]
     out, hub = run_ranks(two_nodes({4: N1 + "4"}, {8: N2 + "8"}), ios)
     assert [(o.step, o.path) for o in out] == [(8, SH + "8")] * 2 + [(8, N2 + "8")] * 2
-    assert hub.rounds == ["reload-offer", "reload-copy", "reload-check"] and ios[2].calls[0] == ("share", 8, N2 + "8")
+    assert hub.rounds == ["reload-offer", "reload-copy", "reload-check", "reload-fit", "reload-load"] and ios[2].calls[0] == ("share", 8, N2 + "8")
 
 
 def test_check_disabled_loads_the_newest_common_step_unchecked():
@@ -409,7 +409,7 @@ def test_check_disabled_loads_the_newest_common_step_unchecked():
     ios = [FakeIO(bad_check={N1 + "6": "corrupted"}) for _ in offers]
     out, hub = run_ranks(offers, ios, check=False)
     assert [o.step for o in out] == [6] * 4 and ios[0].calls == [("load", N1 + "6")]
-    assert "without re-check" in out[0].reason and hub.rounds == ["reload-offer"] and rejects(ios) == []
+    assert "without re-check" in out[0].reason and hub.rounds == ["reload-offer", "reload-fit", "reload-load"] and rejects(ios) == []
 
 
 def test_a_load_that_raises_after_the_check_is_not_a_rejection():
