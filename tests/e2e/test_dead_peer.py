@@ -123,9 +123,10 @@ def test_a_node_lost_in_a_collective_phase_is_requeued_named_and_resumes_bitwise
 
 
 def test_the_capture_proofs_collective_failing_on_a_lost_node_is_named_as_such(runs):
-    """The case the check exists for: the survivors' exception is Gloo's, raised in the capture proof."""
+    """The case the check exists for: the survivors' exception is Gloo's (``Connection closed by peer``, or ``Read
+    error ...: Connection reset by peer``), raised in the capture proof."""
     mine = [e for e in of(runs["proof"], "fail_stop", restart=0) if e.get("rank") in (0, 1)]
-    assert all("Connection closed by peer" in e["reason"] and "state_dict_plan" in e["reason"]
+    assert all("by peer" in e["reason"] and "state_dict_plan" in e["reason"]
                and "a dead peer, not a bug" in e["reason"] for e in mine), mine
 
 
