@@ -205,6 +205,7 @@ class SnapshotClient:
                 self._proved = True
             else:
                 staged = plan_fingerprints(plan, self.slots[slot].buf)
+                self.faults.kill_node_at("proof", step, rt.node)
                 live = plan_fingerprints(state_dict_plan(self.model, self.optimizer))  # collective
                 both = rt.control.all_gather("ckpt-proof", {"staged": staged, "live": live})
                 verdicts = [compare([both[r]["staged"] for r in rt.layout.shard_ranks(n)],
@@ -239,6 +240,7 @@ class SnapshotClient:
                              **({"capture_proof": capture["reason"], "capture_ok": capture["ok"]} if capture else {}),
                              **({"resumed": resumed} if resumed else {}))
         faults_mod.kill_after_staged(self, step, self.faults)
+        self.faults.kill_node_at("handoff", step, rt.node)  # its hand-off to the daemon in flight
         return True
 
     def _prepare_slots(self) -> None:

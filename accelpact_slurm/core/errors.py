@@ -33,6 +33,7 @@ EXIT_CODES = {
 CAUSES: dict[str, str] = {
     "link": "a data-plane link or collective failed and L1 may not repair it here",
     "dead-rank": "a rank's process ended",
+    "out-of-memory": "the kernel's OOM killer ended a rank: the same start meets the same limit again",
     "hung-rank": "a rank's heartbeat stopped while its process lived",
     "training-code": "the training code raised (not a collective): a restart would fail the same way",
     "checkpoint": "a snapshot could not be loaded, or the one loaded failed its checks",

@@ -46,6 +46,14 @@ Switches (all off by default):
   heartbeats still run).
 - ``ACCELPACT_TEST_BUG_RESTARTS=1``: an error of the training code restarts the job as a fault would (the
   negative control of "a bug is a bug").
+- ``ACCELPACT_TEST_KILL_NODE=PHASE:STEP:NODE[:RESTART][,...]``: every rank of node NODE SIGKILLs itself as it reaches
+  PHASE (:data:`NODE_KILL_PHASES`) of update or snapshot STEP, in start RESTART (default 0): a whole node lost
+  in one of the phases the project runs collectives in.
+- ``ACCELPACT_TEST_RETRY_REPEATED=1``: the embedded default relaunches a start that ended with the same
+  deterministic failure (an OOM kill) at the same place as the start before it (the negative control of "a
+  deterministic failure stops").
+- ``ACCELPACT_TEST_DEAD_PEER_AS_BUG=1``: an exception that left the entry point is the training code's bug
+  without asking whether a peer is gone (the negative control of "a dead peer is never a bug").
 """
 
 from __future__ import annotations
@@ -81,6 +89,12 @@ SLOW_AT = "ACCELPACT_TEST_SLOW_AT"
 PACE = "ACCELPACT_TEST_PACE"
 NO_DETECTOR = "ACCELPACT_TEST_NO_DETECTOR"
 BUG_RESTARTS = "ACCELPACT_TEST_BUG_RESTARTS"
+KILL_NODE = "ACCELPACT_TEST_KILL_NODE"
+DEAD_PEER_AS_BUG = "ACCELPACT_TEST_DEAD_PEER_AS_BUG"
+RETRY_REPEATED = "ACCELPACT_TEST_RETRY_REPEATED"
+#: Where ``ACCELPACT_TEST_KILL_NODE`` may kill: the capture proof of snapshot STEP, the snapshot's hand-off to the
+#: daemon, the vote of update STEP, the restore of snapshot STEP (after the start's first restore round).
+NODE_KILL_PHASES = ("proof", "handoff", "vote", "restore")
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,9 @@ class TestFaults:
     pace_s: float = 0.0
     no_detector: bool = False
     bug_restarts: bool = False
+    kill_node: tuple[tuple[str, int, int], ...] = ()  # (phase, step, node) of this start
+    dead_peer_as_bug: bool = False
+    retry_repeated: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
@@ -136,6 +153,9 @@ class TestFaults:
         if env.get(PACE) and first_start:
             pace = _float(PACE, env[PACE])
         return cls(
+            kill_node=_kill_node(env),
+            dead_peer_as_bug=env.get(DEAD_PEER_AS_BUG) == "1",
+            retry_repeated=env.get(RETRY_REPEATED) == "1",
             pace_s=pace,
             hang_at=_pair(env, HANG_AT) if first_start else None,
             slow_at=slow_at,
@@ -173,6 +193,12 @@ class TestFaults:
             log.warning("fault injection: rank %d stops itself (SIGSTOP) as update %d begins", rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    def kill_node_at(self, phase: str, step: int | None, node: int) -> None:
+        """Every rank of the node the test named SIGKILLs itself here (``phase`` of ``step``); nothing otherwise."""
+        if (phase, step, node) in self.kill_node:
+            log.warning("fault injection: node %d loses this rank (SIGKILL) in %s of %s", node, phase, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def reported_frontier(self, rank: int, step: int, frontier: int) -> int:
         """The frontier ``rank`` reports in the vote of update ``step`` (one ahead where the test skews it)."""
         return frontier + 1 if self.frontier_skew == (rank, step) else frontier
@@ -202,6 +228,20 @@ def _float(name: str, text: str) -> float:
     if not 0 <= value < float("inf"):  # also refuses nan
         raise ConfigError(name, text, "must be a number of seconds, 0 or more")
     return value
+
+
+def _kill_node(env: Mapping[str, str]) -> tuple[tuple[str, int, int], ...]:
+    """``ACCELPACT_TEST_KILL_NODE``'s (phase, step, node) points of this start."""
+    out = []
+    for item in filter(None, (env.get(KILL_NODE) or "").split(",")):
+        parts = item.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in NODE_KILL_PHASES:
+            raise ConfigError(KILL_NODE, item, f"must be PHASE:STEP:NODE[:RESTART], PHASE one of "
+                                               f"{', '.join(NODE_KILL_PHASES)}")
+        restart = _int(KILL_NODE, parts[3]) if len(parts) == 4 else 0
+        if restart == int(env.get("SLURM_RESTART_COUNT") or 0):
+            out.append((parts[0], _int(KILL_NODE, parts[1]), _int(KILL_NODE, parts[2])))
+    return tuple(out)
 
 
 def _pair(env: Mapping[str, str], name: str) -> tuple[int, int] | None:

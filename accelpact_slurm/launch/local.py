@@ -4,7 +4,8 @@ Outside Slurm, ``accelpact-run`` calls :func:`launch_local`, which starts one
 process per rank (``nodes x ranks_per_node`` of the job file), each seeing the
 variables ``srun --nodes=N --ntasks-per-node=R`` would give it, and supervises
 them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on
-their own, then SIGTERM, then SIGKILL.  Each rank runs the worker entry
+their own (at least long enough to name a rank that died without a witness: :func:`lost_rank_grace`), then
+SIGTERM, then SIGKILL.  Each rank runs the worker entry
 (``python -m accelpact_slurm.cli.worker``, as under the sbatch template).  Rank 0's output goes to the
 terminal, every line labelled ``0: `` as ``srun --label`` writes it; every rank's output is also kept
 under ``RUN_DIR/logs/``.  What a start's exit means (relaunch in place what Slurm would requeue, or
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TextIO
 
 from accelpact_slurm.core.config import JobConfig, relaunch_resumes
-from accelpact_slurm.core.errors import LaunchError
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, LaunchError
+from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.slurm.requeue import repeated_failure
 from accelpact_slurm.core import settings
 from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: also this module's API
     DONE, RELAUNCH, STOP, LabelledWriter, combine_exit_codes, exit_verdict, rank_label, relaunch_in_place)
@@ -41,6 +44,7 @@ from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_da
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.liveness import dump_stacks
+from accelpact_slurm.runtime.peers import SLACK_INTERVALS
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,9 @@ def run_local(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
     job_id = job_id_for(environ)
     zygote = start_zygote(environ)  # one per job: its imports serve every start
     try:
-        return _relaunch(config_path, cfg, run_dir, worker_args, environ, out, job_id, zygote)
+        # the negative control (ACCELPACT_TEST_RETRY_REPEATED) compares no two starts
+        repeated = _never_repeated if TestFaults.from_environ(environ).retry_repeated else repeated_failure
+        return _relaunch(config_path, cfg, run_dir, worker_args, environ, out, job_id, zygote, repeated)
     finally:
         if zygote is not None:
             zygote.close()
@@ -144,8 +150,13 @@ def start_zygote(environ: Mapping[str, str]) -> Any:
         return None
 
 
+def _never_repeated(events: Any, restart: int) -> None:
+    """Test-only (``ACCELPACT_TEST_RETRY_REPEATED``): no failure counts as repeated."""
+    return None
+
+
 def _relaunch(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Sequence[str], environ: dict[str, str],
-              out: TextIO, job_id: str, zygote: Any) -> int:
+              out: TextIO, job_id: str, zygote: Any, repeated: Any = repeated_failure) -> int:
     restart = 0
     while True:
         stopped: list[bool] = []
@@ -153,6 +164,10 @@ def _relaunch(config_path: str, cfg: JobConfig, run_dir: str, worker_args: Seque
                             stopped=stopped)
         verdict = exit_verdict(code, ending=bool(stopped), slurm=False)
         again, reason = relaunch_in_place(verdict, restart, cfg.recovery.max_restarts)
+        why = repeated(read_events(os.path.join(run_dir, EVENTS_FILE)), restart) if again else None
+        if why:  # a deterministic failure (an OOM kill) at the same place twice: a third start meets it too
+            print(f"[accelpact] stop: {why} (exit {EXIT_NO_REQUEUE})", file=out, flush=True)
+            return EXIT_NO_REQUEUE
         if not again:
             if verdict.action not in (STOP, DONE):
                 print(f"[accelpact] {reason}", file=out, flush=True)
@@ -225,7 +240,7 @@ def launch_local(
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
-        code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped)
+        code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts))
         record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks],
                              {rp.rank: rp.log_path for rp in ranks})
         return code
@@ -301,7 +316,16 @@ def _size(path: str) -> int:
         return 0
 
 
-def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None) -> int:
+def lost_rank_grace(timeouts: Any) -> float:
+    """How long the other ranks get once one exited: ``shutdown_s``, and at least what a survivor needs to call a
+    rank gone that nobody saw die (a whole node lost: ``heartbeat_s`` without a heartbeat, and its look's slack),
+    so that the stop it writes names the lost node instead of the launcher's "every rank ended without a
+    decision"."""
+    return max(timeouts.shutdown_s, timeouts.heartbeat_s + (SLACK_INTERVALS + 2) * timeouts.heartbeat_interval_s)
+
+
+def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None,
+               lost_grace_s: float | None = None) -> int:
     stop = {"signal": None}
 
     def on_signal(signum, _frame):  # handlers only set a flag
@@ -332,8 +356,8 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
             if failed and deadline is None:
                 r, c = failed[0]
                 print(f"[accelpact] rank {r} exited with code {c}; stopping the other ranks "
-                      f"(grace {shutdown_s:g} s, log {ranks[r].log_path})", file=out, flush=True)
-                deadline = time.monotonic() + shutdown_s
+                      f"(grace {lost_grace_s or shutdown_s:g} s, log {ranks[r].log_path})", file=out, flush=True)
+                deadline = time.monotonic() + (lost_grace_s or shutdown_s)
             if deadline is not None and time.monotonic() > deadline:
                 _terminate(ranks, grace_s=shutdown_s)
                 break

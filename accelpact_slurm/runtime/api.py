@@ -53,7 +53,7 @@ from accelpact_slurm.runtime.state import state_digests
 from ckpt_service.auth import load_key, load_or_create_key
 from ckpt_service.client import SnapshotClient
 from ckpt_service.index import read_record
-from ckpt_service.layout import node_dir, shared_dir, step_dirname
+from ckpt_service.layout import node_dir, shared_dir, step_dirname, step_of as snapshot_step
 from accelpact_slurm.runtime.saving import refusal, settle
 
 if TYPE_CHECKING:
@@ -392,6 +392,7 @@ class Run:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
 
         verified = self._checked
+        self.job._faults.kill_node_at("restore", snapshot_step(path), self.job._rt.node)
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
                             verified=verified)
         run = doc["run"]

@@ -439,7 +439,8 @@ class Detector:
         log.warning("rank %d gives up collective %d of its %s group after %.2f s: %s", self.rank, ww._seq, g.dim,
                     waited_s, verdict.reason)
         if verdict.fails_stop:
-            cause = {lv.DEAD: "dead-rank", lv.HUNG: "hung-rank"}.get(verdict.kind, verdict.cause or "link")
+            cause = (verdict.cause if verdict.kind == lv.DEAD else None) or \
+                {lv.DEAD: "dead-rank", lv.HUNG: "hung-rank"}.get(verdict.kind, verdict.cause or "link")
             code = verdict.exit_code if verdict.kind == lv.STOPPED and verdict.exit_code else EXIT_REQUEUE
             raise FailStop(verdict.reason, code, cause=cause, phase=self.state.phase, frontier=None,
                            decided_at=time.monotonic(), rank=verdict.rank, verdict=verdict.kind)
@@ -487,7 +488,8 @@ def try_wait(work: Any, timeout: timedelta) -> bool:
 def stop_from_round(stop: dict[str, Any], round_name: str) -> FailStop:
     """The fail-stop of a control-plane round in which a watcher put a stop in a member's place."""
     kind = stop.get("kind")
-    cause = {lv.DEAD: "dead-rank", lv.HUNG: "hung-rank"}.get(kind, stop.get("cause") or "control-plane")
+    cause = (stop.get("cause") if kind == lv.DEAD else None) or \
+        {lv.DEAD: "dead-rank", lv.HUNG: "hung-rank"}.get(kind, stop.get("cause") or "control-plane")
     code = stop.get("exit_code") if kind == lv.STOPPED and stop.get("exit_code") else EXIT_REQUEUE
     return FailStop(f"{stop.get('reason')} (seen while waiting for it in the control plane's {round_name!r} round)",
                     code, cause=cause, frontier=None, decided_at=time.monotonic(), rank=stop.get("rank"),

@@ -225,6 +225,7 @@ class BoundaryGuard:
         # its vote is in flight (the repair then reads the walk's finds back instead of walking: off its path).
         ahead: list[Any] = []
         walk = getattr(self.engine, "walk_ahead", None) if fault == COMMITTED else None
+        self.faults.kill_node_at("vote", step, rt.layout.node_of(rt.rank))
         summary = rt.control.all_reduce("vote", mine, summarize_votes,
                                         **({"meanwhile": lambda: ahead.append(walk())} if walk else {}))
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.

@@ -24,6 +24,7 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, A
                                          ConfigError, FailStop, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.runtime.peers import dead_peer_stop
 from accelpact_slurm.runtime.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
@@ -200,12 +201,18 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     check_progress(cfg, ctx, rt, run_dir, events, out)
     job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ)
+    peer_stop = _no_peer_check if faults.dead_peer_as_bug else _peer_stop
     train_t0 = time.monotonic()
     try:
         entry(job)
     except AccelpactError as exc:  # the detector (a member dead, hung or stopped), the runtime, or bad input
-        fail_stop(as_fail_stop(exc, phase="script"), events, out, lead, rt.control, ctx, environ)
+        fail_stop(peer_stop(exc, rt, "script", job) or as_fail_stop(exc, phase="script"), events, out,
+                  lead, rt.control, ctx, environ)
     except Exception as exc:  # the training code's own error outside an update: a restart would repeat it
+        stop = peer_stop(exc, rt, "script", job)  # unless a peer is gone: a snapshot's or a restore's
+        if stop is not None:  # collective failed with it ("Connection closed by peer"): L2, naming the dead
+            log_exception(log, f"rank {rt.rank} raised {type(exc).__name__} with a peer gone", exc)
+            fail_stop(stop, events, out, lead, rt.control, ctx, environ)
         info = log_exception(log, f"the training code raised {type(exc).__name__} on rank {rt.rank} (outside an "
                                   f"update; the job stops, not to be requeued)", exc)
         fail_stop(FailStop(f"training code raised on rank {rt.rank}: {info['type']}: {info['message']} "
@@ -221,8 +228,32 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     try:  # the job's end is collective too: a rank lost now fails the others stop, with the reason
         return _end(cfg, ctx, rt, run, run_dir, events, out, lead, wall0, time.monotonic() - train_t0)
     except AccelpactError as exc:
-        fail_stop(as_fail_stop(exc, phase="end", frontier=run.step), events, out, lead, rt.control, ctx, environ)
+        fail_stop(peer_stop(exc, rt, "end", job) or as_fail_stop(exc, phase="end", frontier=run.step),
+                  events, out, lead, rt.control, ctx, environ)
         raise AssertionError("unreachable: fail_stop exits") from exc  # pragma: no cover
+    except Exception as exc:  # the final snapshot's or the digests' collective, failed with a peer gone
+        stop = peer_stop(exc, rt, "end", job)
+        if stop is None:
+            raise
+        log_exception(log, f"rank {rt.rank} raised {type(exc).__name__} at the job's end with a peer gone", exc)
+        fail_stop(stop, events, out, lead, rt.control, ctx, environ)
+        raise AssertionError("unreachable: fail_stop exits") from exc  # pragma: no cover
+
+
+def _no_peer_check(exc: BaseException, rt: Runtime, phase: str, job: Any) -> None:
+    """Test-only (``ACCELPACT_TEST_DEAD_PEER_AS_BUG``): nobody asks whether a peer is gone; an exception is a bug."""
+    return None
+
+
+def _peer_stop(exc: BaseException, rt: Runtime, phase: str, job: Any) -> FailStop | None:
+    """The L2 stop naming the dead ranks and their node when ``exc`` was raised with a peer gone (a dead peer is
+    never a bug: :mod:`accelpact_slurm.runtime.peers`); None when every peer lives, or for a decided stop or bad
+    input."""
+    if isinstance(exc, (FailStop, ConfigError, UsageError)):
+        return None
+    run = getattr(job, "run", None)
+    return dead_peer_stop(rt.detector, rt.layout.world_size, rt.layout.ranks_per_node, exc, phase=phase,
+                          frontier=run.step if run is not None else None)
 
 
 def _end(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run: Run, run_dir: str, events: EventLog, out: TextIO,

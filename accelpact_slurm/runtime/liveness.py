@@ -38,25 +38,21 @@ on its own node, dumps its stacks and kills it (:func:`dump_and_kill`).
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
 import select
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from accelpact_slurm.runtime import oom
+from accelpact_slurm.runtime.stacks import (DUMP_GRACE_S, DUMP_SIGNAL, dump_and_kill,  # noqa: F401 - its API too
+                                            dump_stacks, install_dump_handler)
+
 log = logging.getLogger(__name__)
 
-#: The signal on which every rank dumps its Python stacks (faulthandler) into its log.  Not USR1 (NCCL may catch
-#: it), not USR2 (the pre-timeout warning): a real-time signal nothing else uses.
-DUMP_SIGNAL = signal.SIGRTMIN + 4
-#: How long a node peer gives a hung rank, woken by SIGCONT, to write its stacks before it is killed.
-DUMP_GRACE_S = 1.0
 #: A member whose counter moved within this many heartbeat intervals is alive.
 FRESH_INTERVALS = 3.0
 
@@ -94,9 +90,10 @@ class LocalState:
     stop: dict[str, Any] | None = None
 
 
-def encode(n: int, pid: int, state: LocalState) -> str:
+def encode(n: int, pid: int, state: LocalState, mem: dict[str, Any] | None = None) -> str:
+    """``mem``: the rank's memory (:func:`accelpact_slurm.runtime.oom.own_memory`), for its death's witness."""
     return json.dumps({"n": n, "pid": pid, "u": state.update, "ph": state.phase, "w": state.wait,
-                       "d": dict(state.done), "stop": state.stop}, separators=(",", ":"))
+                       "d": dict(state.done), "stop": state.stop, "mem": mem}, separators=(",", ":"))
 
 
 def decode(raw: bytes | str | None) -> dict[str, Any] | None:
@@ -296,7 +293,7 @@ class Publisher:
     def _write(self) -> None:
         with self._written:
             try:
-                self._store.set(record_key(self.rank), encode(self.n + 1, os.getpid(), self.state))
+                self._store.set(record_key(self.rank), encode(self.n + 1, os.getpid(), self.state, oom.own_memory()))
             except Exception as exc:  # noqa: BLE001 - the store's host (rank 0) is gone: the waits find out
                 if self.lost is None:
                     log.warning("heartbeat not published: %s", exc)
@@ -361,64 +358,15 @@ class Publisher:
             if cur is not None and (cur.get("stop") or cur.get("dead")):
                 return  # it left on purpose (a fail-stop, the job's end): not a death
             cur = cur or {}
-            cur.update({"dead": {"by": self.rank, "how": how}, "n": int(cur.get("n") or 0) + 1})
+            ended = oom.after_death(cur)  # the OOM killer's doing: a restart meets the same limit at the same place
+            how = oom.describe(ended) if ended else how
+            cur.update({"dead": {"by": self.rank, "how": how, **({"oom": ended} if ended else {})},
+                        "n": int(cur.get("n") or 0) + 1})
             self._store.set(key, json.dumps(cur, separators=(",", ":")))
         except Exception as exc:  # noqa: BLE001 - the store is gone: nobody is left to tell
             log.warning("could not publish the death of %s: %s", self.describe(rank), exc)
             return
         log.warning("%s died: %s (seen by rank %d)", self.describe(rank), how, self.rank)
-
-
-def dump_stacks(pids: Iterable[int], grace_s: float = DUMP_GRACE_S) -> list[int]:
-    """Make these processes (this node's) write their Python stacks into their logs; returns those signalled.
-
-    ``DUMP_SIGNAL`` (their faulthandler writes every thread's stack, from the signal handler), then SIGCONT (a
-    stopped process takes its pending signals when it resumes, the dump first thing), then up to ``grace_s`` until
-    each runs again and has had a moment for it.
-    """
-    sent = []
-    for pid in pids:
-        try:
-            os.kill(pid, DUMP_SIGNAL)
-            os.kill(pid, signal.SIGCONT)
-            sent.append(pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    end = time.monotonic() + grace_s
-    while time.monotonic() < end and any(_state(p) == "T" for p in sent):  # until they run again
-        threading.Event().wait(0.005)
-    # The pending DUMP_SIGNAL is taken before a process returns to user code: its handler writes the stacks first
-    # (a millisecond); a resumed process is given no more than that, for it is not to run on.
-    threading.Event().wait(max(0.0, min(0.02, end - time.monotonic())))
-    return sent
-
-
-def dump_and_kill(pid: int, grace_s: float = DUMP_GRACE_S) -> str:
-    """Make a hung rank (same node) write its Python stacks into its log (:func:`dump_stacks`), then kill it."""
-    if not dump_stacks([pid], grace_s):
-        return "already gone, or not ours to signal"
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return "stacks dumped; it exited"
-    return "stacks dumped, then killed"
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def install_dump_handler() -> None:
-    """Make this process dump its Python stacks (every thread) to stderr, its log, on :data:`DUMP_SIGNAL`."""
-
-    try:
-        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
-    except (ValueError, RuntimeError, AttributeError, OSError) as exc:  # no stderr fd (an embedding host)
-        log.info("stack dumps on signal %d unavailable: %s", DUMP_SIGNAL, exc)
 
 
 # ------------------------------------------------------------------ what a waiting rank sees
@@ -493,7 +441,8 @@ def _member_gone(r: int, s: Seen, now: float, heartbeat_s: float,
     if rec.get("dead"):
         how = rec["dead"].get("how", "its process ended") if isinstance(rec["dead"], dict) else "its process ended"
         by = rec["dead"].get("by") if isinstance(rec["dead"], dict) else None
-        return Verdict(DEAD, r, f"{describe(r)} died: {how}" + (f" (seen by rank {by})" if by is not None else ""))
+        return Verdict(DEAD, r, f"{describe(r)} died: {how}" + (f" (seen by rank {by})" if by is not None else ""),
+                       cause="out-of-memory" if isinstance(rec["dead"], dict) and rec["dead"].get("oom") else None)
     stop = rec.get("stop")
     if isinstance(stop, dict) and stop.get("cause") == "completed":
         return None  # it finished its loop and is on its way to the job's last rounds: it will come

@@ -20,9 +20,11 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USA
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.rank import RankContext
 from accelpact_slurm.ops.stops import last_committed_step
+from accelpact_slurm.runtime.peers import GONE_CAUSES, name_gone
 from accelpact_slurm.slurm import signals
 from accelpact_slurm.slurm.env import SlurmContext
-from accelpact_slurm.slurm.requeue import SCONTROL_TIMEOUT_S, frontier_history, request_requeue, stalled
+from accelpact_slurm.slurm.requeue import (SCONTROL_TIMEOUT_S, frontier_history, repeated_failure, request_requeue,
+                                           stalled)
 from ckpt_service.client import join_handovers
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     if detector is not None:
         detector.publish_stop({"cause": stop.cause, "reason": stop.reason, "exit_code": stop.exit_code,
                                "rank": culprit})
+        if control is not None:  # a verdict names the first rank seen gone: name every one, and a node lost whole
+            stop = name_gone(stop, detector, control.world_size)
+            info = stop.context
 
     if join_handovers(HANDOVER_JOIN_S):  # the last snapshot's hand-over to the daemon, cut short by os._exit else
         log.warning("a snapshot's hand-over to the checkpoint daemon did not finish within %g s", HANDOVER_JOIN_S)
@@ -61,19 +66,27 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     if stop.cause == "hung-rank" and detector is not None and isinstance(culprit, int):
         killed = detector.end_hung_peer(culprit)
     if control is not None:
-        gone = detector.gone(culprit if stop.cause in ("dead-rank", "hung-rank") else None) \
-            if detector is not None else ()
+        gone = detector.gone(culprit if stop.cause in GONE_CAUSES else None) \
+            if detector is not None else set()
+        gone = set(gone) | set((info.get("gone") or {}).get("ranks") or ())
         try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
             control.leave("fail-stop", 1.0, gone)
         except Exception:  # the store may be gone already: nothing left to protect
             pass
     decision_s = time.monotonic() - decided if isinstance(decided, float) else None
+    # Where the job was when the OOM killer struck (this rank's update and phase): a restart that stops at the same
+    # place again meets the same limit (the launcher's repeated-failure rule compares it).
+    where = {"update": detector.state.update, "phase": detector.state.phase} \
+        if stop.cause == "out-of-memory" and detector is not None else None
     exception = info.get("exception")
     events.emit("fail_stop", reason=stop.reason, exit_code=stop.exit_code, cause=stop.cause, phase=info.get("phase"),
                 frontier=info.get("frontier"), decision_s=decision_s,
                 decision="restart" if stop.exit_code == EXIT_REQUEUE else "stop", key=info.get("key"),
                 **({"culprit": culprit} if isinstance(culprit, int) else {}),
                 **({"exception": exception} if isinstance(exception, dict) else {}),
+                **({"gone_ranks": info["gone"]["ranks"], "lost_nodes": info["gone"]["nodes"]}
+                   if isinstance(info.get("gone"), dict) else {}),
+                **({"oom_at": where} if where else {}),
                 **({"hung_rank_ended": killed} if killed else {}))
     line = f"fail-stop {_where(info.get('frontier'), events)} ({stop.cause}): {stop.reason} (exit {stop.exit_code})"
     if not lead:
@@ -130,10 +143,12 @@ def check_progress(cfg: JobConfig, ctx: SlurmContext, rt: RankContext, run_dir: 
         return
     verdict = None
     if rt.rank == 0:
-        history = [a for a in frontier_history(read_events(os.path.join(run_dir, EVENTS_FILE)))
-                   if a.restart < ctx.restart_count]
+        events_so_far = list(read_events(os.path.join(run_dir, EVENTS_FILE)))
+        history = [a for a in frontier_history(events_so_far) if a.restart < ctx.restart_count]
         stop, why = stalled(history, cfg.recovery.max_stalled_restarts)
-        verdict = {"stop": stop, "why": why}
+        # On Slurm (the embedded default's launcher stops before): the last two starts' same OOM kill recurs here.
+        repeated = repeated_failure(events_so_far, ctx.restart_count - 1)
+        verdict = {"stop": stop or bool(repeated), "why": repeated or why}
     verdict = rt.control.broadcast("progress-check", verdict)
     if verdict["stop"]:
         reason = (f"no progress: {verdict['why']}; not requeueing. Look at the fail_stop and fault events in "

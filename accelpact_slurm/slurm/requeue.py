@@ -153,6 +153,33 @@ def step_outcome(events: Iterable[dict], restart: int) -> int | None:
     return None
 
 
+#: The causes of a stop that a start repeats where it meets them again (the same rank, the same place): the OOM
+#: killer's limit is the same in the next start.
+DETERMINISTIC_CAUSES = ("out-of-memory",)
+
+
+def repeated_failure(events: Iterable[dict], restart: int) -> str | None:
+    """Why start ``restart`` is not to be followed by another, or None (pure): it ended with the same deterministic
+    failure (:data:`DETERMINISTIC_CAUSES`) as the start before it, on the same rank at the same place (the
+    ``oom_at`` of its ``fail_stop`` events: the update and phase the survivors were in; else the frontier).
+    """
+    if restart < 1:
+        return None
+    stops: dict[int, dict[tuple, str]] = {restart: {}, restart - 1: {}}
+    for e in events:
+        if e.get("event") == "fail_stop" and e.get("restart") in stops and e.get("cause") in DETERMINISTIC_CAUSES:
+            at = e.get("oom_at") if isinstance(e.get("oom_at"), dict) else {"update": e.get("frontier")}
+            key = (e["cause"], e.get("culprit"), at.get("update"), at.get("phase"))
+            stops[e["restart"]].setdefault(key, str(e.get("reason")))
+    same = sorted(set(stops[restart]) & set(stops[restart - 1]), key=str)
+    if not same:
+        return None
+    cause, culprit, update, phase = same[0]
+    where = f"update {update}" + (f" ({phase})" if phase else "")
+    return (f"the same failure ({cause}) on rank {culprit} in {where} ended starts {restart - 1} and {restart}: a "
+            f"restart would meet it again; not restarted. {stops[restart][same[0]]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART``: print 75, 76 or ``none``."""
 
