@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.core.errors import AccelpactError, CheckpointError, ConfigError
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
+from ckpt_service.verified import unpickle_metadata, verified_metadata_bytes
 
 #: The snapshot's top-level key of the model's tensors (``runtime.appstate.load`` loads ``{"model": ..., ...}``).
 MODEL = "model"
@@ -133,8 +134,6 @@ def model_fit(want: Mapping[str, tuple[tuple[int, ...], str] | None], path: str,
     path, stock ``FileSystemReader``).  A metadata that cannot be read is the environment's (raised).
     """
     if key is not None:
-        from ckpt_service.verified import unpickle_metadata, verified_metadata_bytes
-
         metadata = unpickle_metadata(verified_metadata_bytes(path, key)[1])
     else:
         from torch.distributed.checkpoint import FileSystemReader
