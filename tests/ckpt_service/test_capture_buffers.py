@@ -12,7 +12,9 @@ non-persistent buffer) is in the plan, the proof passes, the reload restores the
 and the node's first rank's buffers bitwise.
 
 Negative control (in the test): the same plan without its buffers (what ``fsdp1_plan`` captured before) fails the
-capture proof naming a buffer, and its snapshot's reload raises ``Missing key in checkpoint state_dict``.
+capture proof naming a buffer, and its snapshot's reload raises ``Missing key in checkpoint state_dict`` when no
+rank's own copy of them is in it either.  Such a snapshot with every rank's own changed buffers (as the runtime
+saves them: every snapshot taken before the fix) restores each rank's state exactly.
 Negative control (tried by hand): ``fsdp1_plan`` returning ``"model": {}`` again fails this test on the FSDP1
 ``use_orig_params=True`` wirings (the proof names ``plain:model/...running_mean``).
 """
@@ -212,17 +214,28 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             ok, why = compare([b[0] for b in both], [b[1] for b in both])
             assert not ok and "missing ['plain:model/" in why, f"{name}: {why}"
             old_path = _write(old, slot, 3, rank, local, ndir, shard, meta)
+            bare = dict(meta, extra_json=json.dumps({"run": {}, "ranks": {str(r): {} for r in range(world)}}))
+            bare_path = _write(old, slot, 4, rank, local, ndir, shard, bare)  # no rank's own copy either
             # a fresh model with other weights takes the snapshot: the weights, the optimizer state and the node's
             # first rank's buffers come back bitwise
             fresh = _wrap(build(kind, classes=5, width=4, seed=1), flavour, uop, wrap, mesh)
             fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, foreach=False)
             _train(fresh, fresh_opt, rank + 7)
             try:
-                appstate.load(fresh, fresh_opt, old_path, KEY)
+                appstate.load(fresh, fresh_opt, bare_path, KEY)
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 assert "Missing key in checkpoint state_dict: model." in str(exc), f"{name}: {exc}"
             else:
-                raise AssertionError(f"{name}: a snapshot without buffers loaded")
+                raise AssertionError(f"{name}: a snapshot without any copy of its buffers loaded")
+            # a snapshot without the shared copy (as the FSDP1 capture took them before) but with every rank's own
+            # changed buffers restores exactly: each rank its own
+            doc = appstate.load(fresh, fresh_opt, old_path, KEY)
+            assert ForwardState(fresh).load(appstate.decode(doc["ranks"][str(rank)]["buffers"])) == [], name
+            back = plan_fingerprints(state_dict_plan(fresh, fresh_opt))
+            assert back == live, f"{name}: the snapshot without shared buffers did not restore this rank's state"
+            fresh = _wrap(build(kind, classes=5, width=4, seed=1), flavour, uop, wrap, mesh)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, foreach=False)
+            _train(fresh, fresh_opt, rank + 7)
             appstate.load(fresh, fresh_opt, path, KEY)
             back = plan_fingerprints(state_dict_plan(fresh, fresh_opt))
             mine = {k: v for k, v in live.items() if not k.startswith("plain:model/")}
