@@ -223,7 +223,7 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
                     entries.append(_entry(("optim", "state", fqn, k), shape, v.dtype, cuts, v.detach().reshape(-1),
                                           start))
                 elif isinstance(v, torch.Tensor):
-                    per[k] = v.detach().clone()
+                    per[k] = _host_copy(v)
                 else:
                     per[k] = v
             optim_state[fqn] = per
@@ -254,8 +254,14 @@ def module_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             fqn = names.get(full)
             if fqn is None:
                 fqn = names[full] = canonical_fqn(model, full)
-            out[fqn] = buf.detach().clone()
+            out[fqn] = _host_copy(buf)
     return out
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a plain tensor: the descriptor carries it to the daemon, which must not need a GPU to read it
+    (small: buffers and optimizer scalars)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def _fast_path_fits(model: torch.nn.Module) -> bool:
@@ -298,7 +304,7 @@ def _split(key: tuple[str, ...], value: Any, entries: list[Entry]) -> Any:
         entries.append(Entry(key, list(value.shape), value.dtype, boxes))
         return _SKIP
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return _host_copy(value)
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
