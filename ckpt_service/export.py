@@ -176,17 +176,17 @@ def rank0_buffers(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _overlay(model: dict[str, Any], own: dict[str, Any], path: str) -> int:
-    """Put rank 0's buffers in place of the node's copy; returns how many.
+    """Put rank 0's buffers in place of the node's copy; returns how many.  A buffer the model state lacks is
+    added (a snapshot FSDP1's capture took before it saved module buffers holds them in the ranks' parts only).
 
     Raises:
-        CheckpointError: one of them is not in the model's state or differs in shape or dtype.
+        CheckpointError: one of them differs in shape or dtype from the model state's.
     """
     for name, value in own.items():
         have = model.get(name)
-        if have is None or tuple(have.shape) != tuple(value.shape) or have.dtype != value.dtype:
-            what = "not in its model state" if have is None else (
-                f"{tuple(value.shape)} {value.dtype}, the model state's {tuple(have.shape)} {have.dtype}")
-            raise CheckpointError(f"{path}: rank 0's buffer {name!r} is {what}: the snapshot is inconsistent")
+        if have is not None and (tuple(have.shape) != tuple(value.shape) or have.dtype != value.dtype):
+            raise CheckpointError(f"{path}: rank 0's buffer {name!r} is {tuple(value.shape)} {value.dtype}, the model "
+                                  f"state's {tuple(have.shape)} {have.dtype}: the snapshot is inconsistent")
         model[name] = value
     return len(own)
 

@@ -170,11 +170,16 @@ def test_the_export_of_another_nodes_copy_holds_rank_0s_buffers_and_says_so(tmp_
     whole = torch.load(str(tmp_path / "m.pt"))
     assert sorted(whole["model"]) == sorted(got) and all(_same(whole["model"][k], got[k]) for k in got)
     assert whole["export"]["buffers_rank"] == "0" and "optim" in whole and "extra" in whole, sorted(whole)
-    # a buffer of rank 0 the model state lacks: the snapshot is inconsistent, nothing is written
-    bad = json.dumps({"run": {}, "ranks": {"0": {"buffers": appstate.encode({"other.running_mean": torch.ones(2)},
+    # a snapshot whose model state holds no buffer (FSDP1's capture before it saved them): rank 0's own are added
+    path, key = _snapshot(tmp_path / "run", 14, {"norm.weight": weight}, extra=extra)
+    export_snapshot(path, str(tmp_path / "old.safetensors"), "safetensors", key)
+    old = load_file(str(tmp_path / "old.safetensors"))
+    assert sorted(old) == sorted(got) and all(_same(old[k], got[k]) for k in got)
+    # a buffer of rank 0 whose shape differs from the model state's: the snapshot is inconsistent, nothing written
+    bad = json.dumps({"run": {}, "ranks": {"0": {"buffers": appstate.encode({"norm.running_mean": torch.ones(2)},
                                                                             "buffers")}}})
-    path, key = _snapshot(tmp_path / "run", 13, {"norm.weight": weight}, extra=bad)
-    with pytest.raises(CheckpointError, match="rank 0's buffer 'other.running_mean' is not in its model state"):
+    path, key = _snapshot(tmp_path / "run", 13, {"norm.weight": weight, **mine}, extra=bad)
+    with pytest.raises(CheckpointError, match="rank 0's buffer 'norm.running_mean' is \\(2,\\) torch.float32"):
         export_snapshot(path, str(tmp_path / "bad.safetensors"), "safetensors", key)
     assert not (tmp_path / "bad.safetensors").exists()
 
