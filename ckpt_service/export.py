@@ -115,7 +115,7 @@ def export_snapshot(path: str, out: str, fmt: str, key: bytes | None) -> str:
         if fmt == "torch":
             return _export_torch(path, out, key)
         tensors, skipped = model_state_dict(path, key)
-        extra = _extra_doc(path, key)
+        extra = extra_doc(path, key)
     own = rank0_buffers(extra)
     replaced = _overlay(tensors, own, path)
     step = step_of(path)
@@ -191,7 +191,7 @@ def _overlay(model: dict[str, Any], own: dict[str, Any], path: str) -> int:
     return len(own)
 
 
-def _extra_doc(path: str, key: bytes | None) -> dict[str, Any]:
+def extra_doc(path: str, key: bytes | None) -> dict[str, Any]:
     """The snapshot's extra document (``{"run": ..., "ranks": ...}``), read through the verified reader."""
     import torch.distributed.checkpoint as dcp
 

@@ -86,11 +86,11 @@ def _kinds(events, kind):
 def _final_ranks(r: dict) -> dict:
     """Every rank's saved part of the final snapshot (RNG states, own buffers, Stateful states), first node's copy."""
     from ckpt_service.auth import load_key
-    from ckpt_service.export import _extra_doc
+    from ckpt_service.export import extra_doc
 
     final = r["summary"]["final_step"]
     path = r["run_dir"] / "node-local" / "node1" / f"step-{final:010d}"
-    return _extra_doc(str(path), load_key(str(r["run_dir"])))["ranks"]
+    return extra_doc(str(path), load_key(str(r["run_dir"])))["ranks"]
 
 
 def _same_end(base: dict, other: dict, what: str) -> None:
