@@ -34,6 +34,7 @@ import torch
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 #: Byte alignment of every box in a slot: a page, so the daemon's writer hands a large box to the disk from the
 #: slot itself (``O_DIRECT`` wants page-aligned memory: :class:`ckpt_service.writer.Sink`).
@@ -268,8 +269,6 @@ def _fast_path_fits(model: torch.nn.Module) -> bool:
     """Whether the model holds nothing the FSDP1 plan would miss or change: no module with its own extra state
     (``get_extra_state``: not a tensor of ``named_buffers``), no unit casting its buffers for compute
     (``MixedPrecision(buffer_dtype=...)``: the state dict casts them back)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     for mod in model.modules():
         if type(mod).get_extra_state is not torch.nn.Module.get_extra_state:
             return False

@@ -36,6 +36,7 @@ from typing import Any
 
 from accelpact_slurm.core.errors import CheckpointError
 from ckpt_service import safetensors_file
+from ckpt_service.compat import load_everything
 from ckpt_service.index import read_record
 from ckpt_service.layout import step_of
 from ckpt_service.verified import VerifiedReader, unpickle_metadata, verified_metadata_bytes
@@ -130,8 +131,6 @@ def _export_torch(path: str, out: str, key: bytes | None) -> str:
     """The whole snapshot as one ``torch.save`` file (what stock ``dcp_to_torch_save`` writes, read through the
     verified reader), its ``model`` buffers rank 0's, with an ``export`` entry saying so."""
     import torch
-
-    from ckpt_service.compat import load_everything
 
     checked = verified_metadata_bytes(path, key)
     sd: dict[str, Any] = {}
