@@ -4,16 +4,18 @@ A *plan* lists, for every tensor of the rank's application state in the nested l
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (``{"model": {fqn: ...}, "optim":
 {"state": {fqn: {...}}, "param_groups": [...]}}``), its key path, global shape, dtype and the
 rectangular *boxes* (offsets + sizes) this rank holds, each with a live source view (no copy).
-Everything else (AdamW's ``step`` scalars, ``param_groups``) is *plain*: small, the same on every
-rank of a node, taken from the node's first rank.
+Everything else (AdamW's ``step`` scalars, ``param_groups``, the model's persistent buffers) is *plain*: small,
+taken from the node's first rank (a rank's own batch-norm statistics travel in its extra state:
+:mod:`accelpact_slurm.runtime.buffers`).
 
 Two ways to build it:
 
 - **FSDP1** (``use_orig_params=True``, the default wrapping): read FSDP's flat-parameter shard
   info directly. A rank holds a 1-D range of every original parameter's flattened elements (and
   AdamW holds its moments in the same range); :func:`range_boxes` cuts that range into at most
-  ``2 * ndim - 1`` rectangular boxes, which is what DCP stores as chunks. No ``get_state_dict``, no
-  collective, no copy until :meth:`Plan.copy_into`.
+  ``2 * ndim - 1`` rectangular boxes, which is what DCP stores as chunks; the module buffers are copied into
+  the plain part under their state-dict names. No ``get_state_dict``, no collective, no copy of a parameter
+  until :meth:`Plan.copy_into`.
 - **anything else** (FSDP2, a plain module): ``get_state_dict`` and the local chunks of its
   DTensors/ShardedTensors.
 
@@ -32,6 +34,7 @@ import torch
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 #: Byte alignment of every box in a slot: a page, so the daemon's writer hands a large box to the disk from the
 #: slot itself (``O_DIRECT`` wants page-aligned memory: :class:`ckpt_service.writer.Sink`).
@@ -181,13 +184,14 @@ def plan_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
 
 
 _FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
+_BUFFER_FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
 
 
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
 
     flats = fsdp1_flat_params(model)
-    if not flats or any(getattr(fp, "_params", None) is None for fp in flats):
+    if not flats or any(getattr(fp, "_params", None) is None for fp in flats) or not _fast_path_fits(model):
         return None
     names = {id(p): n for n, p in model.named_parameters()}
     fqns = _FQNS.get(model)
@@ -220,7 +224,7 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
                     entries.append(_entry(("optim", "state", fqn, k), shape, v.dtype, cuts, v.detach().reshape(-1),
                                           start))
                 elif isinstance(v, torch.Tensor):
-                    per[k] = v.detach().clone()
+                    per[k] = _host_copy(v)
                 else:
                     per[k] = v
             optim_state[fqn] = per
@@ -229,7 +233,48 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
         d = {k: v for k, v in g.items() if k != "params"}
         d["params"] = [fqn_of[id(p)] for p in g["params"] if id(p) in fqn_of]
         groups.append(d)
-    return Plan(entries, {"model": {}, "optim": {"state": optim_state, "param_groups": groups}}, "fsdp1")
+    # The module buffers (batch-norm statistics and counters): plain, as get_state_dict gives them.  Without them
+    # the snapshot holds no buffer and its reload fails on the first one it asks for.
+    return Plan(entries, {"model": module_buffers(model), "optim": {"state": optim_state, "param_groups": groups}},
+                "fsdp1")
+
+
+def module_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s persistent buffers under ``get_state_dict``'s names (FSDP wrapper prefixes removed),
+    in the model's order; non-persistent ones left out, as ``state_dict()`` leaves them out."""
+    names = _BUFFER_FQNS.get(model)
+    if names is None:  # a buffer's name never changes: resolved once per model
+        names = _BUFFER_FQNS[model] = {}
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):  # every name state_dict() gives
+        skip = getattr(mod, "_non_persistent_buffers_set", ())
+        for attr, buf in mod._buffers.items():
+            if buf is None or attr in skip:
+                continue
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            fqn = names.get(full)
+            if fqn is None:
+                fqn = names[full] = canonical_fqn(model, full)
+            out[fqn] = _host_copy(buf)
+    return out
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a plain tensor: the descriptor carries it to the daemon, which must not need a GPU to read it
+    (small: buffers and optimizer scalars)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def _fast_path_fits(model: torch.nn.Module) -> bool:
+    """Whether the model holds nothing the FSDP1 plan would miss or change: no module with its own extra state
+    (``get_extra_state``: not a tensor of ``named_buffers``), no unit casting its buffers for compute
+    (``MixedPrecision(buffer_dtype=...)``: the state dict casts them back)."""
+    for mod in model.modules():
+        if type(mod).get_extra_state is not torch.nn.Module.get_extra_state:
+            return False
+        if isinstance(mod, FSDP) and getattr(getattr(mod, "mixed_precision", None), "buffer_dtype", None) is not None:
+            return False
+    return True
 
 
 def _entry(key: tuple[str, ...], shape: list[int], dtype: torch.dtype, cuts: list, flat: torch.Tensor,
@@ -258,7 +303,7 @@ def _split(key: tuple[str, ...], value: Any, entries: list[Entry]) -> Any:
         entries.append(Entry(key, list(value.shape), value.dtype, boxes))
         return _SKIP
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return _host_copy(value)
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():

@@ -37,3 +37,16 @@ def canonical_fqn(model, name: str) -> str:
     if len(fqns) != 1:
         raise ValueError(f"parameter {name!r} maps to {len(fqns)} names: {sorted(fqns)}")
     return next(iter(fqns))
+
+
+
+def load_everything(reader) -> dict:
+    """Everything a DCP checkpoint holds, as one nested dict, read through ``reader`` in this process: what stock
+    ``dcp_to_torch_save`` loads (its private ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``; the public
+    ``dcp.load`` fills only the keys its argument already has)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict = {}
+    _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return sd

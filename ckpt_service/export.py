@@ -11,17 +11,24 @@ check's rejection passes the checksums: they compare the snapshot with itself), 
 
 The formats (:data:`FORMATS`):
 
-- ``torch``: stock ``dcp_to_torch_save``: the whole snapshot (``model``, ``optim``, ``extra``) as one nested
-  dict, for ``torch.load``;
+- ``torch``: the whole snapshot (``model``, ``optim``, ``extra``) as one nested dict, as stock
+  ``dcp_to_torch_save`` converts it (read through the verified reader), plus ``export``: the metadata below;
 - ``safetensors``: the model's state dict only (weights and persistent buffers), unsharded, under the names the
   script's model uses (the snapshot stores ``get_state_dict``'s names, with no FSDP wrapper prefix: the names of
   ``torch.save``'s ``["model"]``), each tensor with its own dtype (bf16 as ``BF16``); read through
   :func:`ckpt_service.verified.VerifiedReader`, so every byte comes from a descriptor checked against the
   manifest; written by :mod:`.safetensors_file` (no extra dependency).
+
+Buffers: each rank's batch-norm statistics differ, and a node's snapshot holds one copy of each buffer (its
+first rank's) plus every rank's own changed buffers in its extra state.  Both formats hold rank 0's, as torch's
+full state dict gives, whichever node's copy is exported; the metadata (``buffers``, ``buffers_rank``) says so.
+A fresh model loads either file with ``strict=True`` and computes what rank 0's trained model computes.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import warnings
@@ -29,6 +36,7 @@ from typing import Any
 
 from accelpact_slurm.core.errors import CheckpointError
 from ckpt_service import safetensors_file
+from ckpt_service.compat import load_everything
 from ckpt_service.index import read_record
 from ckpt_service.layout import step_of
 from ckpt_service.verified import VerifiedReader, unpickle_metadata, verified_metadata_bytes
@@ -39,10 +47,11 @@ log = logging.getLogger(__name__)
 #: The formats of ``accelpact-ckpt export --format``: what each file holds.
 FORMATS = {
     "torch": "the whole snapshot (model, optimizer state, the run's extra state) as one torch.save file "
-             "(stock dcp_to_torch_save); torch.load(OUT)['model'] is the model's state dict",
-    "safetensors": "the model's weights and persistent buffers only, unsharded, under the model's own parameter "
-                   "names, each in its dtype (bf16 as BF16); loads with safetensors.torch.load_file(OUT) and "
-                   "model.load_state_dict()",
+             "(as stock dcp_to_torch_save converts it); torch.load(OUT)['model'] is the model's state dict, buffers "
+             "rank 0's; torch.load(OUT)['export'] says so",
+    "safetensors": "the model's weights and persistent buffers only (buffers rank 0's: the metadata says so), "
+                   "unsharded, under the model's own parameter names, each in its dtype (bf16 as BF16); loads "
+                   "with safetensors.torch.load_file(OUT) and model.load_state_dict(strict=True)",
 }
 #: What DCP says when it loads without a process group (as the export does, in one process).
 NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -91,9 +100,13 @@ def export_snapshot(path: str, out: str, fmt: str, key: bytes | None) -> str:
     """Export the verified snapshot at ``path`` to the file ``out`` in format ``fmt``; return one line saying what
     was written.
 
+    Both formats hold every key of the model's ``state_dict()``, persistent buffers included; a buffer whose
+    ranks differ (batch-norm statistics) is rank 0's, whichever node's copy ``path`` is (:func:`rank0_buffers`),
+    and the file says so (the safetensors metadata, the torch file's ``export`` entry: :func:`export_metadata`).
+
     Raises:
         CheckpointError: the snapshot is refused (:func:`check_exportable`), or holds nothing the format can
-            store (no model tensors, a dtype safetensors lacks).
+            store (no model tensors, a dtype safetensors lacks), or rank 0's buffers do not fit its model.
         OSError: ``out`` could not be written.
     """
     fmt = format_for(out, fmt)
@@ -101,16 +114,127 @@ def export_snapshot(path: str, out: str, fmt: str, key: bytes | None) -> str:
     with warnings.catch_warnings():  # one process on purpose: DCP's "assuming ... a single process" is no news
         warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
         if fmt == "torch":
-            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-            dcp_to_torch_save(path, out)
-            return f"exported {path} -> {out} (torch, {os.path.getsize(out)} bytes)"
+            return _export_torch(path, out, key)
         tensors, skipped = model_state_dict(path, key)
+        extra = extra_doc(path, key)
+    own = rank0_buffers(extra)
+    replaced = _overlay(tensors, own, path)
     step = step_of(path)
-    size = safetensors_file.write(out, tensors, {"format": "pt", "step": str(step),
-                                                 "source": os.path.basename(os.path.abspath(path))})
+    meta = export_metadata(path, step, replaced, extra)
+    size = safetensors_file.write(out, tensors, {"format": "pt", **meta})
     note = f"; not tensors, left out: {', '.join(skipped)}" if skipped else ""
-    return f"exported {path} -> {out} (safetensors, {len(tensors)} tensors, {size} bytes{note})"
+    return (f"exported {path} -> {out} (safetensors, {len(tensors)} tensors, {size} bytes, buffers rank 0's "
+            f"({replaced} of its own){note})")
+
+
+def _export_torch(path: str, out: str, key: bytes | None) -> str:
+    """The whole snapshot as one ``torch.save`` file (what stock ``dcp_to_torch_save`` writes, read through the
+    verified reader), its ``model`` buffers rank 0's, with an ``export`` entry saying so."""
+    import torch
+
+    checked = verified_metadata_bytes(path, key)
+    sd: dict[str, Any] = {}
+    _load(lambda: sd.update(load_everything(VerifiedReader(path, key, checked))), path)
+    if not isinstance(sd.get(MODEL), dict) or not sd[MODEL]:
+        raise CheckpointError(f"{path} holds no model tensors (no '{MODEL}' entry in its .metadata)")
+    extra = _parse_extra((sd.get("extra") or {}).get("json"), path)
+    replaced = _overlay(sd[MODEL], rank0_buffers(extra), path)
+    sd["export"] = export_metadata(path, step_of(path), replaced, extra)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        torch.save(sd, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return (f"exported {path} -> {out} (torch, {os.path.getsize(out)} bytes, buffers rank 0's "
+            f"({replaced} of its own))")
+
+
+#: What the metadata says of the buffers (safetensors metadata ``buffers``, the torch file's ``export``).
+BUFFERS_NOTE = ("rank 0's: each rank's batch-norm statistics differ, and this file holds rank 0's (as torch's full "
+                "state dict gives), whichever node's copy it was exported from")
+
+
+def export_metadata(path: str, step: int, replaced: int, extra: dict[str, Any]) -> dict[str, str]:
+    """The file's metadata (strings, as safetensors keeps them): the step, the snapshot, whose buffers."""
+    return {"step": str(step), "source": os.path.basename(os.path.abspath(path)), "buffers": BUFFERS_NOTE,
+            "buffers_rank": "0", "rank_buffers": str(replaced),
+            "world_size": str(len(extra.get("ranks") or {}))}
+
+
+def rank0_buffers(extra: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's own buffers from the snapshot's extra document (``ranks["0"]["buffers"]``: every persistent buffer
+    rank 0's training changed, :mod:`accelpact_slurm.runtime.buffers`), as tensors by the model's names.
+
+    The snapshot's model state holds one copy of each buffer, the node's first rank's: rank 0's on the first
+    node, another rank's on the others.  A buffer rank 0 never changed is the same on every rank and not listed.
+    """
+    saved = ((extra.get("ranks") or {}).get("0") or {}).get("buffers")
+    return _decode(saved) if saved else {}
+
+
+def _overlay(model: dict[str, Any], own: dict[str, Any], path: str) -> int:
+    """Put rank 0's buffers in place of the node's copy; returns how many.  A buffer the model state lacks is
+    added (a snapshot FSDP1's capture took before it saved module buffers holds them in the ranks' parts only).
+
+    Raises:
+        CheckpointError: one of them differs in shape or dtype from the model state's.
+    """
+    for name, value in own.items():
+        have = model.get(name)
+        if have is not None and (tuple(have.shape) != tuple(value.shape) or have.dtype != value.dtype):
+            raise CheckpointError(f"{path}: rank 0's buffer {name!r} is {tuple(value.shape)} {value.dtype}, the model "
+                                  f"state's {tuple(have.shape)} {have.dtype}: the snapshot is inconsistent")
+        model[name] = value
+    return len(own)
+
+
+def extra_doc(path: str, key: bytes | None) -> dict[str, Any]:
+    """The snapshot's extra document (``{"run": ..., "ranks": ...}``), read through the verified reader."""
+    import torch.distributed.checkpoint as dcp
+
+    checked = verified_metadata_bytes(path, key)
+    ex: dict[str, Any] = {"extra": {"json": ""}}
+    _load(lambda: dcp.load(ex, storage_reader=VerifiedReader(path, key, checked), no_dist=True), path)
+    return _parse_extra(ex["extra"]["json"], path)
+
+
+def _parse_extra(text: Any, path: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(text) if isinstance(text, str) and text else {}
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: its extra state is not JSON ({exc})") from exc
+    return doc if isinstance(doc, dict) else {}
+
+
+def _decode(value: Any) -> Any:
+    """The tensors of a per-rank buffer document, as :mod:`accelpact_slurm.runtime.appstate` encodes them
+    (``{"__dict__": {"s:name": {"__tensor__": base64, "dtype", "shape"}}}``)."""
+    import torch
+
+    if isinstance(value, dict) and "__tensor__" in value:
+        raw = bytearray(base64.b64decode(value["__tensor__"]))
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"a saved buffer has the unknown dtype {value['dtype']!r}")
+        flat = torch.frombuffer(raw, dtype=torch.uint8).clone() if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(dtype).reshape(value["shape"])
+    if isinstance(value, dict) and "__dict__" in value:
+        return {k[2:]: _decode(v) for k, v in value["__dict__"].items()}
+    raise CheckpointError(f"a saved buffer is not a tensor ({type(value).__name__})")
+
+
+def _load(call: Any, path: str) -> None:
+    """Run a ``dcp.load``; what the verified reader raised comes out as ours (DCP wraps it in a BaseException)."""
+    try:
+        call()
+    except BaseException as exc:  # DCP wraps what the reader raised: say what failed, as ours
+        inner = [f[0] if isinstance(f, tuple) else f for f in (getattr(exc, "failures", None) or {}).values()]
+        ours = next((e for e in [exc, *inner] if isinstance(e, CheckpointError)), None)
+        if ours is None:
+            raise
+        raise CheckpointError(f"{path}: {ours}") from exc
 
 
 def model_names(metadata: Any) -> tuple[dict[str, str], list[str]]:
@@ -161,12 +285,5 @@ def model_state_dict(path: str, key: bytes | None) -> tuple[dict[str, Any], list
         raise CheckpointError(f"{path} holds no model tensors (no '{MODEL}' entry in its .metadata)")
     items = metadata.state_dict_metadata
     flat = {fqn: torch.empty(tuple(items[fqn].size), dtype=items[fqn].properties.dtype) for fqn in names}
-    try:
-        dcp.load(flat, storage_reader=VerifiedReader(path, key, checked), no_dist=True)
-    except BaseException as exc:  # DCP wraps what the reader raised: say what failed, as ours
-        inner = [f[0] if isinstance(f, tuple) else f for f in (getattr(exc, "failures", None) or {}).values()]
-        ours = next((e for e in [exc, *inner] if isinstance(e, CheckpointError)), None)
-        if ours is None:
-            raise
-        raise CheckpointError(f"{path}: {ours}") from exc
+    _load(lambda: dcp.load(flat, storage_reader=VerifiedReader(path, key, checked), no_dist=True), path)
     return {names[fqn]: t for fqn, t in flat.items()}, skipped

@@ -6,7 +6,9 @@ position-weighted fingerprint of what it staged (read back from the slot) and of
 as ``get_state_dict`` gives it (the framework's own sharded state dict, an independent path to the
 same values).  A node's ranks together hold a complete copy, so per node the sums over its ranks
 must agree, whatever box layout each path uses.  A wrong mapping (a box at the wrong offset, a
-missed rank, a stale buffer) changes a weighted sum far beyond rounding.
+missed rank, a stale buffer) changes a weighted sum far beyond rounding.  The plain part (module buffers such
+as batch-norm statistics, optimizer scalars) is compared too, key by key, as the daemon writes it (the node's
+first rank holding the key): a plan that leaves a buffer out fails with the key named.
 
 Who calls: :class:`ckpt_service.client.SnapshotClient` on every rank, on the first snapshot of a
 start (collective: ``get_state_dict`` and one control-plane exchange).  Reads only state dicts.
@@ -48,7 +50,9 @@ def fingerprint(boxes: Iterable[tuple[Sequence[int], Sequence[int], Sequence[int
 
 
 def plan_fingerprints(plan: Any, buf: torch.Tensor | None = None) -> dict[str, tuple[float, float]]:
-    """Per tensor key: the fingerprint of ``plan``'s boxes, read from the slot ``buf`` when given, else live."""
+    """Per tensor key: the fingerprint of ``plan``'s boxes, read from the slot ``buf`` when given, else live; and
+    of every tensor of its plain part (``PLAIN`` + its path: module buffers, optimizer scalars), which the
+    descriptor carries as it is."""
     out: dict[str, tuple[float, float]] = {}
     if buf is not None:
         by_key: dict[str, list] = {}
@@ -56,10 +60,28 @@ def plan_fingerprints(plan: Any, buf: torch.Tensor | None = None) -> dict[str, t
             by_key.setdefault("/".join(e.key), []).append((e.shape, b.offsets, b.sizes, view))
         for e in plan.entries:
             out["/".join(e.key)] = fingerprint(by_key.get("/".join(e.key), []))
-        return out
-    for e in plan.entries:
-        out["/".join(e.key)] = fingerprint((e.shape, b.offsets, b.sizes, b.src) for b in e.boxes)
+    else:
+        for e in plan.entries:
+            out["/".join(e.key)] = fingerprint((e.shape, b.offsets, b.sizes, b.src) for b in e.boxes)
+    for path, t in plain_tensors(plan.plain):
+        shape = list(t.shape)
+        out[PLAIN + path] = fingerprint([(shape, [0] * len(shape), shape, t)])
     return out
+
+
+#: Key prefix of a plain tensor's fingerprint: the node keeps its first rank's (the daemon's merge), not a sum.
+PLAIN = "plain:"
+
+
+def plain_tensors(value: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``[(path, tensor)]`` of every tensor in a plan's plain part (nested dicts and lists), in order."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in plain_tensors(v, f"{path}/{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [x for i, v in enumerate(value) for x in plain_tensors(v, f"{path}/{i}" if path else str(i))]
+    return []
 
 
 def compare(staged: Sequence[Mapping[str, Sequence[float]]], live: Sequence[Mapping[str, Sequence[float]]],
@@ -73,11 +95,18 @@ def compare(staged: Sequence[Mapping[str, Sequence[float]]], live: Sequence[Mapp
         return False, f"staged tensors differ from the state dict's: missing {missing}, unexpected {extra}"
     worst = 0.0
     for k in sorted(keys):
-        a = sum(s[k][0] for s in staged if k in s)
-        b = sum(s[k][0] for s in live if k in s)
-        scale = max(sum(s[k][1] for s in live if k in s), 1e-30)
+        if k.startswith(PLAIN):  # the value the daemon writes: the node's first rank holding it (not a sum)
+            a = next(s[k][0] for s in staged if k in s)
+            b, scale = next(s[k] for s in live if k in s)
+            scale = max(scale, 1e-30)
+        else:
+            a = sum(s[k][0] for s in staged if k in s)
+            b = sum(s[k][0] for s in live if k in s)
+            scale = max(sum(s[k][1] for s in live if k in s), 1e-30)
         err = abs(a - b) / scale
         worst = max(worst, err)
         if err > rtol:
             return False, f"{k}: staged fingerprint {a!r} differs from the live {b!r} (relative {err:.2e})"
-    return True, f"{len(keys)} tensors match the live state dict (worst relative difference {worst:.1e})"
+    plain = sum(k.startswith(PLAIN) for k in keys)
+    return True, (f"{len(keys) - plain} tensors and {plain} plain tensors (buffers, optimizer scalars) match the live "
+                  f"state dict (worst relative difference {worst:.1e})")

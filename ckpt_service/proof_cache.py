@@ -5,7 +5,7 @@ where) reproduces the framework's own state dict.  It needs ``get_state_dict``, 
 every element: on a 110M-parameter model 16-30 s, on the first snapshot of every start, so after every
 restart.  The mapping is a function of the plan alone: a plan whose description (keys, shapes, dtypes, boxes and
 their places in the slot), torch release and place in the world equal those of one proven earlier in the job
-maps the same way.  So the first snapshot of a start skips the proof when every rank's plan signature is in
+maps the same way (its plain part's tensors by path, shape and dtype included).  So the first snapshot of a start skips the proof when every rank's plan signature is in
 this record; a new model, wrapping, world size or torch release proves again.
 
 The record (``capture-proven.json`` in the run directory) is signed with the run's key
@@ -40,8 +40,14 @@ def signature(plan: Any, rank: int, world_size: int) -> str:
     version)."""
     import torch
 
-    blob = json.dumps({"entries": plan.describe(), "source": plan.source, "rank": rank, "world": world_size,
-                       "torch": torch.__version__}, sort_keys=True, separators=(",", ":")).encode()
+    from ckpt_service.proof import plain_tensors
+
+    # the plain part's tensors by path, shape and dtype (not their values): a plan that gained or lost a buffer
+    # proves again
+    plain = [[path, list(t.shape), str(t.dtype)] for path, t in plain_tensors(getattr(plan, "plain", None))]
+    blob = json.dumps({"entries": plan.describe(), "plain": plain, "source": plan.source, "rank": rank,
+                       "world": world_size, "torch": torch.__version__}, sort_keys=True,
+                      separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
 

@@ -7,8 +7,10 @@
 For each interpreter (one torch release each) and each HSDP wrapping the runtime supports (FSDP1 on
 job.mesh, FSDP1 on job.groups, FSDP2 on job.mesh), this runs ``accelpact-qualify --phase all`` on the
 decoder example shortened to a few updates: one reference run, then the minimum number of real
-fault-and-repair trials for the committed phase and for the backward phase.  The entries it writes are
-the evidence:
+fault-and-repair trials for the committed phase and for the backward phase.  A batch-norm model (the vision
+example's ``mobilenet``: running statistics per rank that every forward changes, and that a discarded update
+must put back) goes through the same trials on the wrapping the README recommends (:data:`BATCHNORM`); a key
+is earned only when its trials pass there too.  The entries it writes are the evidence:
 
 * ``--write``: they replace that release's entries in the shipped envelope
   (``accelpact_slurm/data/envelope.yaml``); nothing in it is written by hand.
@@ -40,21 +42,31 @@ DECODER_JOB = os.path.join(REPO, "examples", "decoder", "job.yaml")
 WRAPPINGS = (("fsdp1", "device_mesh"), ("fsdp1", "group_pair"), ("fsdp2", "device_mesh"))
 STEPS = 6
 TRIALS = env_mod.MIN_TRIALS
+VISION_JOB = os.path.join(REPO, "examples", "vision", "job.yaml")
+#: (model, fsdp, mesh) of the batch-norm trials: the vision example with that model, tiny (4 channels, 8 x 8 images)
+BATCHNORM = (("mobilenet", "fsdp1", "device_mesh"),)
 
 
-def job_file(folder: str, fsdp: str, mesh: str) -> str:
-    """The decoder example for ``(fsdp, mesh)``: a 2 s collective timeout, one start per run, no snapshots."""
-    with open(DECODER_JOB, encoding="utf-8") as fh:
+def job_file(folder: str, fsdp: str, mesh: str, model: str | None = None) -> str:
+    """The decoder example for ``(fsdp, mesh)`` (or the vision example with the batch-norm ``model``): a 2 s
+    collective timeout, one start per run, no snapshots."""
+    source = DECODER_JOB if model is None else VISION_JOB
+    with open(source, encoding="utf-8") as fh:
         text = fh.read()
-    text = re.sub(r"^entry: (\w+):(\w+)", lambda m: f"entry: {os.path.join(os.path.dirname(DECODER_JOB), m[1])}"
+    text = re.sub(r"^entry: (\w+):(\w+)", lambda m: f"entry: {os.path.join(os.path.dirname(source), m[1])}"
                   f".py:{m[2]}", text, count=1, flags=re.M)
-    for old, new in (("collective_s: 5", "collective_s: 2"), ("max_restarts: 20", "max_restarts: 0"),
-                     ("every_steps: 10", "every_steps: 0"), ("fsdp: fsdp1 ", f"fsdp: {fsdp} "),
-                     ("mesh: device_mesh ", f"mesh: {mesh} ")):
+    if model is None:
+        edits = (("every_steps: 10", "every_steps: 0"), ("fsdp: fsdp1 ", f"fsdp: {fsdp} "),
+                 ("mesh: device_mesh ", f"mesh: {mesh} "))
+    else:  # the vision example shards on job.mesh only
+        edits = (("every_steps: 8", "every_steps: 0"), ("fsdp: fsdp2 ", f"fsdp: {fsdp} "),
+                 ("model: vision ", f"model: {model} "), ("norm: group ", "norm: batch "),
+                 ("channels: 16", "channels: 4"), ("image_size: 16", "image_size: 8"), ("accumulate: 2 ", "accumulate: 1 "))
+    for old, new in (("collective_s: 5", "collective_s: 2"), ("max_restarts: 20", "max_restarts: 0"), *edits):
         if old not in text:
-            raise SystemExit(f"earn_envelope: error: {DECODER_JOB} no longer holds {old!r}; update WRAPPINGS/job_file")
+            raise SystemExit(f"earn_envelope: error: {source} no longer holds {old!r}; update WRAPPINGS/job_file")
         text = text.replace(old, new, 1)
-    path = os.path.join(folder, f"job-{fsdp}-{mesh}.yaml")
+    path = os.path.join(folder, f"job-{fsdp}-{mesh}{'-' + model if model else ''}.yaml")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
     return path
@@ -67,20 +79,39 @@ def earn(python: str, work: str, *, out=sys.stdout, timeout_s: float = 900) -> t
     folder = os.path.join(work, env_mod.release_of(release))
     os.makedirs(folder, exist_ok=True)
     earned = os.path.join(folder, "envelope.yaml")
+    batchnorm = os.path.join(folder, "envelope-batchnorm.yaml")
     failures = []
-    for fsdp, mesh in WRAPPINGS:
-        job = job_file(folder, fsdp, mesh)
+    runs = [(fsdp, mesh, None, earned) for fsdp, mesh in WRAPPINGS]
+    runs += [(fsdp, mesh, model, batchnorm) for model, fsdp, mesh in BATCHNORM]
+    for fsdp, mesh, model, envelope in runs:
+        job = job_file(folder, fsdp, mesh, model)
+        name = f"{fsdp}-{mesh}" + (f"-{model}" if model else "")
         cmd = [python, "-m", "accelpact_slurm.cli.qualify", job, "--phase", "all", "--steps", str(STEPS),
-               "--trials", str(TRIALS), "--envelope", earned, "--work-dir", os.path.join(folder, f"{fsdp}-{mesh}")]
-        print(f"[earn] torch {release} {fsdp} {mesh}: {' '.join(cmd[1:3])} ... --phase all", file=out, flush=True)
+               "--trials", str(TRIALS), "--envelope", envelope, "--work-dir", os.path.join(folder, name)]
+        print(f"[earn] torch {release} {name}: {' '.join(cmd[1:3])} ... --phase all", file=out, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env(), cwd=REPO)
         for line in proc.stdout.splitlines():
             if line.startswith("[qualify] trial ") or " qualified: " in line or "NOT qualified" in line:
                 print(f"  {line}", file=out, flush=True)
         if proc.returncode != 0:
-            failures.append(f"torch {release} {fsdp}-{mesh}: accelpact-qualify exited {proc.returncode}: "
+            failures.append(f"torch {release} {name}: accelpact-qualify exited {proc.returncode}: "
                             f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return env_mod.release_of(release), env_mod.load_file(earned), failures
+    got = env_mod.load_file(earned)
+    failures += batchnorm_gaps(release, got, env_mod.load_file(batchnorm) if os.path.exists(batchnorm) else None)
+    return env_mod.release_of(release), got, failures
+
+
+def batchnorm_gaps(release: str, earned: env_mod.Envelope, batchnorm: env_mod.Envelope | None) -> list[str]:
+    """Where the batch-norm model's trials disagree with the decoder's: a key earned only if both earn it."""
+    if batchnorm is None:
+        return [f"torch {release}: the batch-norm model's trials wrote no entry"]
+    gaps = []
+    for b in batchnorm.entries:
+        e = earned.find(b.key)
+        if e is None or tuple(e.actions) != tuple(b.actions):
+            gaps.append(f"torch {release}: the batch-norm model earned {'/'.join(b.actions)} for {b.key}, the "
+                        f"decoder {'/'.join(e.actions) if e else 'nothing'}")
+    return gaps
 
 
 def _env() -> dict[str, str]:

@@ -4,8 +4,8 @@
 - ``verify PATH``: checksums and coverage of one snapshot, or of every snapshot of a node
   directory; records verified/rejected and prints the newest verified;
 - ``export SNAPSHOT OUT [--format torch|safetensors]``: one verified snapshot as one file: the whole snapshot
-  for ``torch.load`` (stock ``dcp_to_torch_save``), or the model's weights for ``safetensors``
-  (:mod:`ckpt_service.export`).
+  for ``torch.load`` (as stock ``dcp_to_torch_save`` converts it), or the model's weights and persistent buffers
+  for ``safetensors``; buffers rank 0's in both, whichever node's copy (:mod:`ckpt_service.export`).
 
 Exit 0 when every verified snapshot passed (or the export was written), 1 when one was rejected (or the
 export refused), 2 on usage errors.

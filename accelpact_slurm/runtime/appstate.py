@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import random
 from typing import Any, Mapping
@@ -25,9 +26,12 @@ import torch
 
 from accelpact_slurm.core.errors import CheckpointError, UsageError
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
-from ckpt_service.verified import VerifiedReader, verified_metadata_bytes
+from accelpact_slurm.runtime.buffers import buffer_items
+from ckpt_service.verified import VerifiedReader, unpickle_metadata, verified_metadata_bytes
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger(__name__)
 
 EXTRA = "extra"
 _TENSOR = "__tensor__"
@@ -225,14 +229,48 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
                 raise
             raise CheckpointError(f"{path}: {ours}") from exc
 
-    with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
-        msd, osd = get_state_dict(model, optimizer)
-        sd = {"model": msd, "optim": osd}
-        run(sd)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     ex = {EXTRA: {"json": ""}}
     run(ex)
-    return json.loads(ex[EXTRA]["json"])
+    doc = json.loads(ex[EXTRA]["json"])
+    with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
+        msd, osd = get_state_dict(model, optimizer)
+        kept = _buffers_from_ranks(model, msd, _saved_keys(path, checked, verified), doc, path)
+        sd = {"model": {k: v for k, v in msd.items() if k not in kept}, "optim": osd}
+        run(sd)
+        sd["model"].update(kept)  # as they are: every rank's own copy is put in place after this load
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return doc
+
+
+def _saved_keys(path: str, checked: Any, verified: bool) -> set[str]:
+    """The flattened keys the snapshot holds (``model.<fqn>``, ...), from its verified ``.metadata``."""
+    if verified:
+        metadata = unpickle_metadata(checked[1])
+    else:  # test-only: the stock reader's own read
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    return set(metadata.state_dict_metadata)
+
+
+def _buffers_from_ranks(model: Any, msd: dict[str, Any], saved: set[str], doc: dict[str, Any],
+                        path: str) -> dict[str, Any]:
+    """The buffers of ``msd`` the snapshot's model state lacks but every saved rank's own part holds, by name:
+    left out of the load (each rank's own copy is put back after it).
+
+    A snapshot taken by FSDP1's capture with ``use_orig_params=True`` before it captured module buffers holds
+    none in its model state; every buffer the training changed is in every rank's part, so such a snapshot
+    still restores exactly.  A missing key that is not such a buffer is left to the load, which names it.
+    """
+    absent = [k for k in msd if f"model.{k}" not in saved]
+    if not absent:
+        return {}
+    persistent = {name for name, _buf in buffer_items(model)}
+    ranks = [(r.get("buffers") or {}).get("__dict__") or {} for r in (doc.get("ranks") or {}).values()]
+    covered = [k for k in absent if k in persistent and ranks and all(f"s:{k}" in own for own in ranks)]
+    if len(covered) != len(absent):
+        return {}  # the load raises, naming a key the snapshot lacks
+    log.warning("snapshot %s holds no shared copy of %d buffer(s) (%s, ...: taken before FSDP1's capture saved "
+                "module buffers); every rank's own copy is in it and is put back", path, len(covered), covered[0])
+    return {k: msd[k] for k in covered}
 
 
 def _checkpoint_error(exc: BaseException) -> BaseException | None:

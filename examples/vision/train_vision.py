@@ -20,6 +20,7 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from accelpact_slurm import Job
+from bn_models import MODELS as BN_MODELS, build as build_bn_model, wrap_unit
 from vision_model import ConvBlock, SyntheticImages, VisionNet
 
 
@@ -66,8 +67,22 @@ class Grouped:
         self.loader.load_state_dict(state)
 
 
+def build_model(p: dict[str, Any], seed: int) -> nn.Module:
+    """``params.model``: ``vision`` (:class:`VisionNet`, the default) or one of the batch-norm models shaped like
+    torchvision's (``mobilenet``, ``resnet``: :mod:`bn_models`), ``params.channels`` wide."""
+    kind = p.get("model", "vision")
+    if kind == "vision":
+        return VisionNet(classes=p["classes"], channels=p["channels"], dropout=p.get("dropout", 0.1), seed=seed,
+                         norm=p.get("norm", "group"))
+    if kind in BN_MODELS:
+        return build_bn_model(kind, classes=p["classes"], width=p["channels"], dropout=p.get("dropout", 0.1),
+                              seed=seed)
+    raise ValueError(f"params.model must be vision, {' or '.join(BN_MODELS)}, got {kind!r}")
+
+
 def shard(model: nn.Module, job: Job, flavour: str) -> nn.Module:
-    """Wrap ``model`` for HSDP on ``job.mesh``: every :class:`ConvBlock` is its own unit.
+    """Wrap ``model`` for HSDP on ``job.mesh``: every wrap unit (:class:`ConvBlock`, or the batch-norm model's
+    block) is its own unit.
 
     Args:
         model: The unwrapped model, already on ``job.device``.
@@ -78,11 +93,12 @@ def shard(model: nn.Module, job: Job, flavour: str) -> nn.Module:
         The wrapped model (the same object for FSDP2).
     """
     bf16 = job.params.get("precision", "fp32") == "bf16"  # compute in bf16, keep fp32 weights, reduce in fp32
+    unit = ConvBlock if isinstance(model, VisionNet) else wrap_unit(model)
     if flavour == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
-        for block in model.blocks:
+        for block in [m for m in model.modules() if isinstance(m, unit)]:
             fully_shard(block, mesh=job.mesh, **mp)
         fully_shard(model, mesh=job.mesh, **mp)
         return model
@@ -92,7 +108,7 @@ def shard(model: nn.Module, job: Job, flavour: str) -> nn.Module:
 
         mp = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
         return FullyShardedDataParallel(
-            model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=ModuleWrapPolicy({ConvBlock}),
+            model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=ModuleWrapPolicy({unit}),
             use_orig_params=True, device_id=job.device, device_mesh=job.mesh, **mp)
     raise ValueError(f"params.fsdp must be fsdp1 or fsdp2, got {flavour!r}")
 
@@ -126,8 +142,7 @@ def main(job: Job) -> None:
     flavour = p.get("fsdp", "fsdp2")
     k = int(p.get("accumulate", 1))
 
-    model = VisionNet(classes=p["classes"], channels=p["channels"], dropout=p.get("dropout", 0.1),
-                      seed=job.seed, norm=p.get("norm", "group")).to(job.device)
+    model = build_model(p, job.seed).to(job.device)
     size = sum(t.numel() for t in model.parameters())
     model = shard(model, job, flavour)
     opt = torch.optim.SGD(model.parameters(), lr=p["lr"], momentum=p["momentum"], foreach=False)
@@ -140,7 +155,7 @@ def main(job: Job) -> None:
     grouped = Grouped(loader, k)
     run = job.protect(model, opt, scheduler=sched, state={"data": grouped})
     clip = clipper(model, flavour, float(p["clip"]))
-    job.log(f"vision: {size} parameters, {flavour}, {job.num_nodes}x{job.ranks_per_node} ranks, "
+    job.log(f"vision: {p.get('model', 'vision')}, {size} parameters, {flavour}, {job.num_nodes}x{job.ranks_per_node} ranks, "
             f"{k} x {p['batch_size']} images per rank per update, {len(grouped)} updates per epoch")
 
     model.train()

@@ -110,16 +110,16 @@ def test_the_format_follows_the_flag_else_the_suffix():
 # --------------------------------------------------------------------------- a snapshot in DCP's format
 
 
-def _snapshot(run, step, model, state="verified"):
+def _snapshot(run, step, model, state="verified", extra="{}", node="node1"):
     """A DCP directory ``{"model", "optim", "extra"}`` of stock ``dcp.save``, its manifest signed by the run."""
     import torch.distributed.checkpoint as dcp
 
     key = load_or_create_key(str(run))
-    path = run / "node-local" / "node1" / f"step-{step:010d}"
+    path = run / "node-local" / node / f"step-{step:010d}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": model, "optim": {"state": {"0": {"exp_avg": torch.ones(3)}}},
-                  "extra": {"json": "{}"}}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+                  "extra": {"json": extra}}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
     files = {}
     for name in sorted(os.listdir(path)):
         data = (path / name).read_bytes()
@@ -140,7 +140,48 @@ def test_a_dcp_snapshot_exports_the_model_only_under_its_own_names(tmp_path):
     assert sorted(got) == sorted(model)  # no "model." prefix, no optimizer state, no extra state
     assert [n for n in model if not _same(got[n], model[n])] == []
     with safe_open(out, framework="pt") as fh:
-        assert fh.metadata() == {"format": "pt", "step": "12", "source": "step-0000000012"}
+        meta = fh.metadata()
+    assert {k: meta[k] for k in ("format", "step", "source", "buffers_rank")} == {
+        "format": "pt", "step": "12", "source": "step-0000000012", "buffers_rank": "0"}, meta
+    assert meta["buffers"].startswith("rank 0's") and meta["rank_buffers"] == "0"
+
+
+def test_the_export_of_another_nodes_copy_holds_rank_0s_buffers_and_says_so(tmp_path):
+    """A second node's snapshot holds its first rank's (rank 2's) batch-norm statistics in the model state and
+    every rank's own in the extra state: both formats export rank 0's, and say so.  Negative control: the
+    node's copy itself (what the export wrote before) differs from rank 0's."""
+    from accelpact_slurm.runtime import appstate
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(4, generator=gen)
+    mine = {"norm.running_mean": torch.randn(4, generator=gen), "norm.num_batches_tracked": torch.tensor(7)}
+    rank0 = {"norm.running_mean": torch.randn(4, generator=gen), "norm.num_batches_tracked": torch.tensor(7)}
+    extra = json.dumps({"run": {}, "ranks": {"0": {"buffers": appstate.encode(rank0, "buffers")},
+                                             "2": {"buffers": appstate.encode(mine, "buffers")}}})
+    path, key = _snapshot(tmp_path / "run", 12, {"norm.weight": weight, **mine}, extra=extra, node="node2")
+    line = export_snapshot(path, str(tmp_path / "m.safetensors"), "safetensors", key)
+    assert "buffers rank 0's (2 of its own)" in line, line
+    got = load_file(str(tmp_path / "m.safetensors"))
+    assert _same(got["norm.weight"], weight) and not _same(mine["norm.running_mean"], rank0["norm.running_mean"])
+    assert all(_same(got[k], rank0[k]) for k in rank0), got
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as fh:
+        assert fh.metadata()["buffers_rank"] == "0" and fh.metadata()["world_size"] == "2"
+    line = export_snapshot(path, str(tmp_path / "m.pt"), "torch", key)
+    whole = torch.load(str(tmp_path / "m.pt"))
+    assert sorted(whole["model"]) == sorted(got) and all(_same(whole["model"][k], got[k]) for k in got)
+    assert whole["export"]["buffers_rank"] == "0" and "optim" in whole and "extra" in whole, sorted(whole)
+    # a snapshot whose model state holds no buffer (FSDP1's capture before it saved them): rank 0's own are added
+    path, key = _snapshot(tmp_path / "run", 14, {"norm.weight": weight}, extra=extra)
+    export_snapshot(path, str(tmp_path / "old.safetensors"), "safetensors", key)
+    old = load_file(str(tmp_path / "old.safetensors"))
+    assert sorted(old) == sorted(got) and all(_same(old[k], got[k]) for k in got)
+    # a buffer of rank 0 whose shape differs from the model state's: the snapshot is inconsistent, nothing written
+    bad = json.dumps({"run": {}, "ranks": {"0": {"buffers": appstate.encode({"norm.running_mean": torch.ones(2)},
+                                                                            "buffers")}}})
+    path, key = _snapshot(tmp_path / "run", 13, {"norm.weight": weight, **mine}, extra=bad)
+    with pytest.raises(CheckpointError, match="rank 0's buffer 'norm.running_mean' is \\(2,\\) torch.float32"):
+        export_snapshot(path, str(tmp_path / "bad.safetensors"), "safetensors", key)
+    assert not (tmp_path / "bad.safetensors").exists()
 
 
 @pytest.mark.parametrize("state", ["committed", "rejected"])

@@ -146,3 +146,34 @@ def test_grouped_next_epoch_follows_set_epoch():
     epoch1 = list(grouped)
     assert len(epoch0) == len(epoch1) == 2
     assert not _same_batches([b for g in epoch0 for b in g], [b for g in epoch1 for b in g])
+
+
+@pytest.mark.parametrize("kind", ["mobilenet", "resnet"])
+def test_batch_norm_models_are_shaped_like_torchvisions_and_built_bit_identical(kind):
+    """The batch-norm models hold what torchvision's do beside their weights: BatchNorm statistics and counters
+    inside ``nn.Sequential`` blocks (``features.0.1.running_mean``) and outside them (``bn1.running_mean``),
+    squeeze-excitation, and (ResNet) non-persistent buffers that ``state_dict()`` leaves out; one seed, one model;
+    ``params.model`` picks them."""
+    import bn_models
+
+    p = {"model": kind, "classes": 5, "channels": 4, "dropout": 0.1}
+    a, b = train_vision.build_model(p, 3), train_vision.build_model(p, 3)
+    c = train_vision.build_model(p, 4)
+    sd = a.state_dict()
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in sd.items())
+    assert any(not torch.equal(v, c.state_dict()[k]) for k, v in sd.items() if v.is_floating_point())
+    first = "features.0.1" if kind == "mobilenet" else "bn1"
+    assert {f"{first}.running_mean", f"{first}.running_var", f"{first}.num_batches_tracked"} <= set(sd)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in a.modules()) >= 8
+    assert any(isinstance(m, bn_models.wrap_unit(a)) for m in a.modules())
+    if kind == "mobilenet":
+        assert any(isinstance(m, bn_models.SqueezeExcitation) for m in a.modules())
+    else:
+        assert "pixel_mean" in dict(a.named_buffers()) and "pixel_mean" not in sd  # non-persistent
+    a.train()
+    before = sd[f"{first}.running_mean"].clone()
+    a(torch.randn(4, 3, 8, 8)).sum().backward()
+    assert not torch.equal(a.state_dict()[f"{first}.running_mean"], before)  # the forward moves the statistics
+    assert int(a.state_dict()[f"{first}.num_batches_tracked"]) == 1
+    with pytest.raises(ValueError, match="params.model must be vision, mobilenet or resnet"):
+        train_vision.build_model(dict(p, model="vgg"), 0)
