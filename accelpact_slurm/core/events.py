@@ -23,7 +23,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ def parse_json(data: bytes | str) -> Any:
         raise TooDeep(f"nested deeper than {MAX_DEPTH} levels") from None
     # Counting brackets is a cheap upper bound of the depth: only a line with many is walked.
     square, curly = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
-    if data.count(square) + data.count(curly) > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH):
+    if data.count(square) + data.count(curly) > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH):  # type: ignore[arg-type]
         raise TooDeep(f"nested deeper than {MAX_DEPTH} levels")
     return obj
 
@@ -298,7 +298,7 @@ def _deeper_than(obj: Any, limit: int) -> bool:
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict):
-            children = node.values()
+            children: Iterable[Any] = node.values()
         elif isinstance(node, list):
             children = node
         else:

@@ -421,7 +421,7 @@ def _phases(value: Any) -> dict[str, float]:
     """Per-phase durations from a dict, a list of ``[name, s]`` or a list of ``{"phase", "s"}``."""
     out: dict[str, float] = {}
     if isinstance(value, dict):
-        items = value.items()
+        items = list(value.items())
     elif isinstance(value, list):
         items = []
         for item in value:
@@ -438,7 +438,7 @@ def _phases(value: Any) -> dict[str, float]:
 
 
 def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str, Any]]:
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     try:  # a daemon that could not start leaves <node>.daemon-failed.json there: word for the ranks, no index
         names = sorted(n for n in os.listdir(index_dir) if n.endswith(".json") and not n.endswith(DAEMON_FAILED_SUFFIX))
     except OSError:
