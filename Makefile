@@ -2,6 +2,13 @@
 #   make demo   run the reference job on the embedded default (2 emulated nodes x 2 ranks, CPU)
 #   make test   run the whole test suite (installs Slurm for the end-to-end tests), then the torch-internals
 #               tests on every other supported torch release (make test-releases)
+#   make check  in minutes: mypy over accelpact_slurm and ckpt_service (pyproject.toml [tool.mypy]), then the
+#               unit lane
+# The lanes of make test, each test in exactly one (pytest markers, pyproject.toml):
+#   make test-unit      no rank spawned, no Slurm, not marked slow
+#   make test-e2e       multiproc or slow (spawned ranks, whole jobs), not slurm
+#   make test-slurm     slurm: jobs on the real Slurm dev cluster
+#   make test-releases  the torch-internals tests on every supported torch release
 #   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b";
 #               the parts are scripts/bench_<part>.py, listed in scripts/bench_all.py: e.g. --parts store,control)
 
@@ -23,8 +30,11 @@ RELEASE_TESTS := tests/repair tests/runtime tests/ckpt_service/test_ckpt_capture
 # The examples' mixed-precision variants and their negative controls run on the pinned release only (the same
 # paths, in bf16; the controls break this project's code, not torch's).
 RELEASE_SKIP := not mixed_precision and not negative_control
+# The lanes' markers: together they select every test of make test's pytest run once.
+UNIT_MARKS := not multiproc and not slurm and not slow
+E2E_MARKS  := (multiproc or slow) and not slurm
 
-.PHONY: demo test test-releases bench venv clean envelope
+.PHONY: demo test test-unit test-e2e test-slurm test-releases check bench venv clean envelope
 
 venv: $(STAMP)
 
@@ -42,6 +52,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests --ignore=$(EARNED_TEST) $(PYTEST_ARGS)
 	$(MAKE) test-releases
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests --ignore=$(EARNED_TEST) -m "$(UNIT_MARKS)" $(PYTEST_ARGS)
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest tests --ignore=$(EARNED_TEST) -m "$(E2E_MARKS)" $(PYTEST_ARGS)
+
+test-slurm: $(STAMP)
+	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests --ignore=$(EARNED_TEST) -m slurm $(PYTEST_ARGS)
+
+check: $(STAMP)
+	$(PY) -m mypy
+	$(PY) -m pytest tests -q --ignore=$(EARNED_TEST) -m "$(UNIT_MARKS)" $(PYTEST_ARGS)
 
 # The envelope's keys earned again on the pinned release; then each other release: its venv (built once, then
 # cached) and RELEASE_TESTS, run from this checkout.

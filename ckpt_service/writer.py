@@ -916,7 +916,7 @@ def _root_reason(exc: BaseException) -> str:
 
 def recover_node_dir(ndir: str) -> list[str]:
     """Start-up cleanup: remove temporary and half-deleted directories; return what was removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(ndir)
     except FileNotFoundError:

@@ -322,6 +322,7 @@ os._exit(0)  # Gloo's and the detector's teardown stay out of the check
 '''
 
 
+@pytest.mark.slow
 def test_a_built_runtime_satisfies_each_protocol():
     """A real runtime, built by init_runtime on a world of one (Gloo, the job's store, the detector)."""
     import json

@@ -18,7 +18,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: str, write: Callable[[IO[bytes]], object]) -> None:
     """``write`` the file's bytes under a temporary name, fsync, rename over ``path``, fsync the directory; a
     failure (a full disk) removes the temporary file and raises."""
     tmp = f"{path}.tmp.{os.getpid()}"

@@ -268,7 +268,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if value is None:
             return hint()
         if not isinstance(value, Mapping):

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from accelpact_slurm.core.safeopen import (  # noqa: F401 - NotRegular, open_regular: also this module's API
     NotRegular, open_regular, open_writable, read_regular)
@@ -240,7 +240,7 @@ def parse_json(data: bytes | str) -> Any:
         raise TooDeep(f"nested deeper than {MAX_DEPTH} levels") from None
     # Counting brackets is a cheap upper bound of the depth: only a line with many is walked.
     square, curly = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
-    if data.count(square) + data.count(curly) > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH):
+    if data.count(square) + data.count(curly) > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH):  # type: ignore[arg-type]
         raise TooDeep(f"nested deeper than {MAX_DEPTH} levels")
     return obj
 
@@ -251,7 +251,7 @@ def _deeper_than(obj: Any, limit: int) -> bool:
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict):
-            children = node.values()
+            children: Iterable[Any] = node.values()
         elif isinstance(node, list):
             children = node
         else:

@@ -416,7 +416,7 @@ def _phases(value: Any) -> dict[str, float]:
     """Per-phase durations from a dict, a list of ``[name, s]`` or a list of ``{"phase", "s"}``."""
     out: dict[str, float] = {}
     if isinstance(value, dict):
-        items = value.items()
+        items = list(value.items())
     elif isinstance(value, list):
         items = []
         for item in value:
@@ -433,7 +433,7 @@ def _phases(value: Any) -> dict[str, float]:
 
 
 def _read_index(index_dir: str, bad: list[BadLine], now: float) -> list[dict[str, Any]]:
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     try:  # beside each <node>.json: <node>.daemon-failed.json (a daemon that could not start) and the signed
         # <node>.committed.json (the newest step the node verified), no index either: read as one, each showed its
         # node a second time, with no snapshots, above its real index

@@ -206,7 +206,7 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
     old: dict[str, dist.ProcessGroup] = {}
     new: dict[str, dist.ProcessGroup] = {}
     in_place: list[str] = []
-    order = [d for d in ("replicate", "shard") if d in dims]  # one fixed order on every rank
+    order: list[str] = [d for d in ("replicate", "shard") if d in dims]  # one fixed order on every rank
     if "shard" in dims and fsdp == "fsdp2":  # FSDP2's own reduce-scatter group(s) over the shard ranks, if set
         for i, pg in enumerate(tc.fsdp2_separate_reduce_scatter_groups(model)):
             current[f"reduce_scatter{i or ''}"] = pg

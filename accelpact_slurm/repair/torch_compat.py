@@ -217,7 +217,7 @@ def fsdp2_param_groups(model: nn.Module) -> list[object]:
     """Every parameter group of every ``fully_shard`` state under ``model`` (a state may hold several, or none)."""
     from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
-    out = []
+    out: list[object] = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()

@@ -175,7 +175,7 @@ class BoundaryGuard:
     def decide(self, step: int, fault: str | None, error: str | None, loss: float | None,
                extra: dict[str, Any] | None = None, *, redoable: bool = True,
                optimizer: Any = None, exception: dict[str, Any] | None = None
-               ) -> tuple[str, float | None, list[dict[str, Any]]]:
+               ) -> tuple[str, float | None, list[str | None]]:
         """Boundary collective, vote, decision for update ``step`` (= F + 1), before any optimizer stepped.
 
         ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None);
@@ -227,7 +227,7 @@ class BoundaryGuard:
         walk = getattr(self.engine, "walk_ahead", None) if fault == COMMITTED else None
         self.faults.kill_node_at("vote", step, rt.layout.node_of(rt.rank))
         summary = rt.control.all_reduce("vote", mine, summarize_votes,
-                                        **({"meanwhile": lambda: ahead.append(walk())} if walk else {}))
+                                        **({"meanwhile": lambda: ahead.append(walk())} if walk else {}))  # type: ignore[arg-type]
         # A pre-timeout signal seen by any rank stops every rank at this same boundary.
         self.stop_requested = bool(summary["stop"])
         votes = [Vote.from_json(r, d) for r, d in summary["votes"]]

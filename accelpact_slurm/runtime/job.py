@@ -187,7 +187,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         fail_stop(FailStop(f"the run's key: {exc}", EXIT_USAGE, cause="config", phase="start", frontier=None,
                            decided_at=time.monotonic()), events, out, ctx.rank == 0, None, ctx, environ)
     rt = init_runtime(ctx, cfg, environ, key=key, detect=not faults.no_detector,
-                      on_warning=lambda msg: events.emit("warning", step=None, reason=msg))
+                      on_warning=lambda msg: events.emit("warning", step=None, reason=msg))  # type: ignore[arg-type]
     lead = rt.rank == 0
     if lead:
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,

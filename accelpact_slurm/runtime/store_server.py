@@ -468,7 +468,7 @@ def listen(host: str, candidates: Iterable[int], *, reached_from_other_hosts: bo
     taken: list[int] = []
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     family, _, _, _, addr = infos[0]
-    if reached_from_other_hosts and _loopback(addr[0]):
+    if reached_from_other_hosts and _loopback(str(addr[0])):
         log.warning("store: the rendezvous host %s resolves to %s, a loopback address, on this node; the ranks of "
                     "the other nodes could not reach it there, so the store listens on every interface (it admits "
                     "only holders of the run's key); fix the host's entry in /etc/hosts to listen on one", host,

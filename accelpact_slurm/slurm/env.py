@@ -21,7 +21,7 @@ import logging
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.core.errors import SlurmEnvError
 from accelpact_slurm.slurm.hostlist import (
@@ -135,7 +135,7 @@ class SlurmContext:
         nodelist = tuple(expand_hostlist(nodelist_value))
         restart_count = _optional_int(environ, "SLURM_RESTART_COUNT") or 0
         array_task_id = _optional_int(environ, "SLURM_ARRAY_TASK_ID")
-        values = dict(
+        values: dict[str, Any] = dict(
             job_id=job_id, rank=rank, local_rank=local_rank, node_index=node_index,
             num_nodes=num_nodes, world_size=world_size, tasks_per_node=tasks_per_node,
             nodelist=nodelist, restart_count=restart_count,

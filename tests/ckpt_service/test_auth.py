@@ -91,6 +91,7 @@ def test_the_reload_check_rejects_a_planted_copy(tmp_path):
     assert not ok and "no HMAC" in why and not marker.exists()
 
 
+@pytest.mark.slow
 def test_accelpact_ckpt_verify_and_export_refuse_it(tmp_path):
     run = tmp_path / "run"
     load_or_create_key(str(run))

@@ -173,6 +173,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         os._exit(0)
 
 
+@pytest.mark.slow
 def test_fsdp1_capture_equals_get_state_dict(tmp_path):
     import torch.multiprocessing as mp
 

@@ -68,6 +68,7 @@ def test_a_slot_restaged_before_the_write_fails_the_snapshot(daemon):
     assert [r.step for r in scan(daemon.ndir)] == []
 
 
+@pytest.mark.slow
 def test_a_slot_rewritten_during_the_write_is_not_committed(daemon, monkeypatch):
     """The rank starts restaging while the daemon writes (the stamp is cleared first): the check after the write,
     before the rename, fails the snapshot."""

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ckpt_service.layout import node_dir, socket_path, staging_root
 from ckpt_service.staging import NOTHING, REMOVED, SERVED, drop_unserved, main
 from tests.conftest import REPO, decoder_text
@@ -24,6 +26,7 @@ def _wait(pred, timeout_s: float, what: str):
         time.sleep(0.05)  # polling interval, not synchronisation
 
 
+@pytest.mark.slow
 def test_a_live_daemons_staging_is_left_alone_and_a_killed_ones_is_dropped(tmp_path):
     """Negative control: while the daemon lives, its slot stays (SERVED); after its kill -9 it goes (REMOVED)."""
     config = tmp_path / "job.yaml"

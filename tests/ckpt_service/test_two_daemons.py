@@ -93,6 +93,7 @@ def _uploads(run_dir):
 # --------------------------------------------------------------------------- the shared tier, once per job
 
 
+@pytest.mark.slow
 def test_every_2nd_snapshot_reaches_the_shared_tier_once_verified_from_the_rotating_node(tmp_path, nodes):
     """Snapshots 1..8 on both nodes, shared_every 2: steps 2, 4, 6, 8 go up once each, by node index
     (n // 2) % 2 (node2, node1, node2, node1), as verified copies; the tier keeps the newest 2.
@@ -163,6 +164,7 @@ def full_disk(tmp_path):
                 os.chmod(os.path.join(root, d), 0o700)
 
 
+@pytest.mark.slow
 def test_newest_common_step_survives_while_one_nodes_writes_keep_failing(tmp_path, nodes, full_disk):
     """Node2's disk is full from step 3 on: its writes of 3..6 fail, it keeps 1 and 2.  Node1 verifies
     every step and keeps its newest 2 (5, 6) plus step 2, the newest step verified on both nodes.

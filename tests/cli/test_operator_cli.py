@@ -212,6 +212,7 @@ def test_cadence_write_changes_only_every_steps(tmp_path, capsys):
     assert yaml.safe_load(job.read_text())["checkpoint"] == {"every_steps": steps, "keep_last": 2, "milestone_every": 0}
 
 
+@pytest.mark.slow
 def test_cadence_plot_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "goodput.png"
@@ -422,6 +423,7 @@ def _task_env():
 
 
 @pytest.mark.parametrize("blocked", ["numpy", "torch", "torch.distributed.checkpoint"])
+@pytest.mark.slow
 def test_run_without_a_runtime_dependency_exits_2_before_joining(tmp_path, blocked):
     # Before: numpy was first needed at the first snapshot, after the training it cost; torch was a traceback.
     job = tmp_path / "job.yaml"
@@ -436,6 +438,7 @@ def test_run_without_a_runtime_dependency_exits_2_before_joining(tmp_path, block
 
 
 @pytest.mark.parametrize("blocked, ok", [("numpy", False), ("no_such_module_anyone_needs", True)])
+@pytest.mark.slow
 def test_check_dependencies_alone(blocked, ok):
     proc = subprocess.run([sys.executable, "-c", _BLOCK_AND_RUN, blocked, "--check"], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))

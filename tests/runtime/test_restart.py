@@ -88,6 +88,7 @@ def _non_lead_fail_stop(port: int, events_path: str) -> None:
     fail_stop(stop, EventLog(events_path, rank=1), sys.stdout, lead=False, control=control)
 
 
+@pytest.mark.slow
 def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
     """srun --kill-on-bad-exit TERMs every task once one exits: a non-lead rank that exited first would have rank 0
     (still on its way into fail_stop) killed before it ran scontrol requeue. Negative control: without the wait in

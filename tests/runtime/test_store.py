@@ -197,6 +197,7 @@ def test_the_store_listens_on_the_rendezvous_address_only():
 
 
 @ROOT_ONLY
+@pytest.mark.slow
 def test_another_user_can_neither_read_nor_change_a_vote(job):
     server, client, warnings, _key = job
     mine = client(0)
@@ -232,6 +233,7 @@ def test_another_user_can_neither_read_nor_change_a_vote(job):
 
 
 @ROOT_ONLY
+@pytest.mark.slow
 def test_a_flood_of_idle_connections_is_bounded_named_and_gone_with_it():
     key = secrets.token_bytes(32)
     bind_to = binding("7", 0)

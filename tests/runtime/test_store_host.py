@@ -77,6 +77,7 @@ RANK0 = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", ["process", "thread"])
+@pytest.mark.slow
 def test_the_store_goes_with_rank_0_when_it_is_killed(how):
     """A client waiting on the store fails at once when rank 0 dies, as it did when a thread of rank 0 served it
     (the control: ``thread``); the server process does not outlive rank 0."""
