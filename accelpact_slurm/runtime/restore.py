@@ -433,7 +433,8 @@ class StateIO:
     def __init__(self, load_fn: Any, run_dir: str, ndir: str, host: str, milestone_every: int,
                  events: Any = None, sdir: str | None = None, model: Any = None, checked: bool = True) -> None:
         self.load_fn = load_fn
-        self.model, self.checked, self._want = model, checked, None  # model None: no fit check before a load
+        self.model, self.checked = model, checked
+        self._want: dict[str, Any] | None = None  # model None: no fit check before a load
         self.run_dir = run_dir
         self.ndir = ndir
         self.sdir = sdir or shared_dir(run_dir)

@@ -68,7 +68,8 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     if control is not None:
         gone = detector.gone(culprit if stop.cause in GONE_CAUSES else None) \
             if detector is not None else set()
-        gone = set(gone) | set((info.get("gone") or {}).get("ranks") or ())
+        named: dict[str, Any] = info.get("gone") or {}  # type: ignore[assignment]  # a dict where set (name_gone)
+        gone = set(gone) | set(named.get("ranks") or ())
         try:  # keep the control store (hosted by rank 0) up until every live rank has read the decision
             control.leave("fail-stop", 1.0, gone)
         except Exception:  # the store may be gone already: nothing left to protect
@@ -84,8 +85,8 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
                 decision="restart" if stop.exit_code == EXIT_REQUEUE else "stop", key=info.get("key"),
                 **({"culprit": culprit} if isinstance(culprit, int) else {}),
                 **({"exception": exception} if isinstance(exception, dict) else {}),
-                **({"gone_ranks": info["gone"]["ranks"], "lost_nodes": info["gone"]["nodes"]}
-                   if isinstance(info.get("gone"), dict) else {}),
+                **({"gone_ranks": named_gone["ranks"], "lost_nodes": named_gone["nodes"]}
+                   if isinstance(named_gone := info.get("gone"), dict) else {}),
                 **({"oom_at": where} if where else {}),
                 **({"hung_rank_ended": killed} if killed else {}))
     line = f"fail-stop {_where(info.get('frontier'), events)} ({stop.cause}): {stop.reason} (exit {stop.exit_code})"
