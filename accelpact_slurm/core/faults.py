@@ -46,6 +46,9 @@ Switches (all off by default):
   heartbeats still run).
 - ``ACCELPACT_TEST_BUG_RESTARTS=1``: an error of the training code restarts the job as a fault would (the
   negative control of "a bug is a bug").
+- ``ACCELPACT_CKPTD_KILL_AT=PHASE:STEP[:NODE]``: the daemon (of node NODE, else every node's) SIGKILLs itself at
+  its point PHASE of snapshot STEP (``renamed``: the snapshot's directory is renamed into place, its state and the
+  node's index not yet updated), on the first start only.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ SLOW_AT = "ACCELPACT_TEST_SLOW_AT"
 PACE = "ACCELPACT_TEST_PACE"
 NO_DETECTOR = "ACCELPACT_TEST_NO_DETECTOR"
 BUG_RESTARTS = "ACCELPACT_TEST_BUG_RESTARTS"
+CKPTD_KILL_AT = "ACCELPACT_CKPTD_KILL_AT"
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class TestFaults:
     pace_s: float = 0.0
     no_detector: bool = False
     bug_restarts: bool = False
+    ckptd_kill_at: tuple[str, int, str | None] | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
@@ -156,6 +161,7 @@ class TestFaults:
             exit_after_verified=exit_after if first_start else None,
             slow_verify=slow,
             crash_at=crash,
+            ckptd_kill_at=_kill_point(env.get(CKPTD_KILL_AT)) if first_start else None,
         )
 
 
@@ -202,6 +208,15 @@ def _float(name: str, text: str) -> float:
     if not 0 <= value < float("inf"):  # also refuses nan
         raise ConfigError(name, text, "must be a number of seconds, 0 or more")
     return value
+
+
+def _kill_point(text: str | None) -> tuple[str, int, str | None] | None:
+    """``PHASE:STEP[:NODE]`` of ``ACCELPACT_CKPTD_KILL_AT``."""
+    if not text:
+        return None
+    phase, _, rest = text.partition(":")
+    step, _, node = rest.partition(":")
+    return phase, _int(CKPTD_KILL_AT, step), node or None
 
 
 def _pair(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
