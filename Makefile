@@ -2,6 +2,8 @@
 #   make demo   run the reference job on the embedded default (2 emulated nodes x 2 ranks, CPU)
 #   make test   run the whole test suite (installs Slurm for the end-to-end tests), then the torch-internals
 #               tests on every other supported torch release (make test-releases)
+#   make campaign  inject one fault per run into the decoder job, every run checked (scripts/campaign.py;
+#               CAMPAIGN_ARGS="--runs 50 --seed 7"); writes benchmarks/results/campaign-<date>.json and its table
 #   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b";
 #               the parts are scripts/bench_<part>.py, listed in scripts/bench_all.py: e.g. --parts store,control)
 
@@ -24,7 +26,7 @@ RELEASE_TESTS := tests/repair tests/runtime tests/ckpt_service/test_ckpt_capture
 # paths, in bf16; the controls break this project's code, not torch's).
 RELEASE_SKIP := not mixed_precision and not negative_control
 
-.PHONY: demo test test-releases bench venv clean envelope
+.PHONY: demo test test-releases bench campaign venv clean envelope
 
 venv: $(STAMP)
 
@@ -61,6 +63,14 @@ envelope: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_all.py $(BENCH_ARGS)
+
+# The fault campaign: CAMPAIGN_RUNS faults (the kinds in turn), each run against the uninterrupted run's digest.
+CAMPAIGN_RUNS ?= 50
+CAMPAIGN_ARGS ?=
+CAMPAIGN_DATE := $(shell date +%Y-%m-%d)
+campaign: $(STAMP)
+	$(PY) scripts/campaign.py --runs $(CAMPAIGN_RUNS) --json benchmarks/results/campaign-$(CAMPAIGN_DATE).json \
+	  --markdown benchmarks/results/campaign-$(CAMPAIGN_DATE).md $(CAMPAIGN_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
