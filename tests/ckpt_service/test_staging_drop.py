@@ -117,3 +117,21 @@ def test_a_killed_daemons_half_written_snapshot_is_dropped_a_live_ones_is_not(tm
     what, why = drop_unserved(str(ndir))
     assert what == REMOVED and ".tmp-step-0000000006-4242" in why, why
     assert sorted(p.name for p in ndir.iterdir()) == ["ckptd.lock", "step-0000000003"]
+
+
+def test_a_dead_daemons_half_made_copy_in_the_shared_tier_is_dropped_a_live_ones_is_not(tmp_path):
+    """A daemon killed during an upload leaves ``<shared>/.tmp-step-N-<node>-<pid>``; the launcher's end removes it
+    when that pid is gone, and leaves a live daemon's copy, another node's and the committed snapshots alone.
+    Negative control: before, nothing removed it (the fault campaign's ``daemon_commit_kill`` at step 9, while
+    step 6 was being uploaded: "temporary directories left")."""
+    from ckpt_service.tiers import drop_dead_copies
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    names = [f".tmp-step-0000000006-node2-{gone.pid}", f".tmp-step-0000000006-node2-{os.getpid()}",
+             f".tmp-step-0000000006-node1-{gone.pid}", "step-0000000003"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    assert drop_dead_copies(str(tmp_path), "node2") == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    assert drop_dead_copies(str(tmp_path / "missing"), "node2") == []
