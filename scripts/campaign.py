@@ -364,11 +364,18 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             for r in kind_rows(res)]
 
 
+def shape_text(shape: dict[str, int] | None) -> str:
+    if not shape:
+        return "shape unknown"
+    return (f"{shape['steps']} updates, a snapshot every {shape['every_steps']}, {shape['nodes']} nodes x "
+            f"{shape['ranks_per_node']} ranks, {shape['layers']} layers of width {shape['width']}")
+
+
 def markdown(res: dict[str, Any]) -> str:
     rows = kind_rows(res)
     runs = res.get("runs", [])
     lines = [MARK, "## Fault campaign: one fault per run, every run checked", "",
-             f"{len(runs)} runs of the tiny decoder job (seed {res.get('seed')}; {res.get('shape')}); "
+             f"{len(runs)} runs of the tiny decoder job (seed {res.get('seed')}; {shape_text(res.get('shape'))}); "
              f"{sum(r['passed'] for r in runs)} passed: the uninterrupted run's digest, no temporary directory "
              f"left, no verified snapshot lost (`scripts/campaign.py`).", "",
              "| fault kind | phases | runs | bitwise | named stop | median time back to training |",
@@ -400,6 +407,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", default=None, help="write the summary table here ('' for none; default: "
                    "printed)")
     p.add_argument("--deadline-s", type=float, default=180.0, help="each run's deadline (default 180 s)")
+    p.add_argument("--render", metavar="JSON", help="only print (or write to --markdown) the table of an earlier "
+                   "--json result")
     p.add_argument("--keep", action="store_true", help="keep the run directories of passed runs")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an extra environment variable for every run's job (e.g. a negative control's switch)")
@@ -425,6 +434,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.render:
+        md = markdown(json.loads(Path(args.render).read_text()))
+        if args.markdown:
+            Path(args.markdown).write_text(md)
+        else:
+            print(md)
+        return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="accelpact-campaign-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env_extra = dict(e.split("=", 1) for e in args.env)

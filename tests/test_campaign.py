@@ -25,9 +25,14 @@ SAMPLE = ["kill_rank:update", "link_boundary:repair", "link_backward:repair", "d
 SEED = 44
 
 
-def _campaign(tmp_path, *args):
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """One output directory for the module's campaigns: the uninterrupted run is made once (its digest cached)."""
+    return tmp_path_factory.mktemp("campaign")
+
+
+def _campaign(out, tmp_path, *args):
     campaign = load_script("campaign")
-    out = tmp_path / "out"
     code = campaign.main(["--out", str(out), "--json", str(tmp_path / "c.json"), "--markdown", "",
                           "--deadline-s", "150", *args])
     return code, json.loads((tmp_path / "c.json").read_text())
@@ -35,7 +40,7 @@ def _campaign(tmp_path, *args):
 
 @pytest.mark.multiproc
 @pytest.mark.campaign
-def test_ten_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost(tmp_path):
+def test_ten_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost(out, tmp_path):
     """Every run ends with the uninterrupted run's digest (or a stop its kind documents), leaves no temporary
     directory or staging and loses no verified snapshot; each run records its time back to training and restarts.
 
@@ -44,7 +49,7 @@ def test_ten_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost(t
     planted directories.  The sample's kinds with a phase that fails today (see ``SAMPLE``) are reported FAIL the
     same way: ``python scripts/campaign.py --kinds kill_rank:snapshot --runs 1`` -> "FAIL: exit 76: ..."."""
     sample = SAMPLE if os.geteuid() == 0 else [k for k in SAMPLE if not k.startswith("disk_full")]  # a mount
-    code, res = _campaign(tmp_path, "--runs", str(len(sample)), "--seed", str(SEED), "--kinds", ",".join(sample))
+    code, res = _campaign(out, tmp_path, "--runs", str(len(sample)), "--seed", str(SEED), "--kinds", ",".join(sample))
     fails = [f"run {r['run']} {r['kind']} ({r['phase']}, update {r['update']}): {r['result']}"
              for r in res["runs"] if not r["passed"]]
     assert code == 0 and not fails and len(res["runs"]) == len(sample), "\n".join(fails)
@@ -63,11 +68,11 @@ def test_ten_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost(t
 
 @pytest.mark.multiproc
 @pytest.mark.campaign
-def test_the_tool_reports_a_broken_restore_as_a_failure(tmp_path):
+def test_the_tool_reports_a_broken_restore_as_a_failure(out, tmp_path):
     """Negative control of the campaign itself: with ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1`` an L2 restart reloads
     the weights but not the RNG, data loader and scheduler state; the job still completes (exit 0), and the tool
     must report the run as FAIL, naming the digest that differs."""
-    code, res = _campaign(tmp_path, "--runs", "1", "--seed", str(SEED), "--kinds", "kill_rank:restore",
+    code, res = _campaign(out, tmp_path, "--runs", "1", "--seed", str(SEED), "--kinds", "kill_rank:restore",
                           "--env", "ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1")
     (r,) = res["runs"]
     assert code == 1 and not r["passed"] and r["restarts"] >= 1, r
