@@ -9,6 +9,8 @@
 #   make test-e2e       multiproc or slow (spawned ranks, whole jobs), not slurm
 #   make test-slurm     slurm: jobs on the real Slurm dev cluster
 #   make test-releases  the torch-internals tests on every supported torch release
+#   make campaign  inject one fault per run into the decoder job, every run checked (scripts/campaign.py;
+#               CAMPAIGN_ARGS="--runs 50 --seed 7"); writes benchmarks/results/campaign-<date>.json and its table
 #   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b";
 #               the parts are scripts/bench_<part>.py, listed in scripts/bench_all.py: e.g. --parts store,control)
 
@@ -34,7 +36,7 @@ RELEASE_SKIP := not mixed_precision and not negative_control
 UNIT_MARKS := not multiproc and not slurm and not slow
 E2E_MARKS  := (multiproc or slow) and not slurm
 
-.PHONY: demo test test-unit test-e2e test-slurm test-releases check bench venv clean envelope
+.PHONY: demo test test-unit test-e2e test-slurm test-releases check bench campaign venv clean envelope
 
 venv: $(STAMP)
 
@@ -84,6 +86,14 @@ envelope: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_all.py $(BENCH_ARGS)
+
+# The fault campaign: CAMPAIGN_RUNS faults (the kinds in turn), each run against the uninterrupted run's digest.
+CAMPAIGN_RUNS ?= 50
+CAMPAIGN_ARGS ?=
+CAMPAIGN_DATE := $(shell date +%Y-%m-%d)
+campaign: $(STAMP)
+	$(PY) scripts/campaign.py --runs $(CAMPAIGN_RUNS) --json benchmarks/results/campaign-$(CAMPAIGN_DATE).json \
+	  --markdown benchmarks/results/campaign-$(CAMPAIGN_DATE).md $(CAMPAIGN_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,6 +36,16 @@ def pause_point(phase: str, ndir: str, step: int | None = None, faults: TestFaul
     threading.Event().wait(PAUSE_LIMIT_S)
 
 
+def kill_point(phase: str, node: str, step: int, faults: TestFaults = NO_FAULTS) -> None:
+    """The daemon SIGKILLs itself here when the test named this phase, step and node (a daemon that dies between
+    two of its writes: after its commit rename, before its state and index say so)."""
+    want = faults.ckptd_kill_at
+    if want is None or want[0] != phase or want[1] != step or want[2] not in (None, node):
+        return
+    log.warning("fault injection: the daemon of %s kills itself at %s of step %d", node, phase, step)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def slow_verify(node: str, faults: TestFaults = NO_FAULTS) -> None:
     """Hold this verification when the test named this node."""
     if faults.slow_verify and faults.slow_verify[0] == node:

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.safeopen import open_regular, open_writable
-from ckpt_service.layout import LOCK, check_private, private_dir, socket_path, staging_root
+from ckpt_service.layout import DEL_PREFIX, LOCK, TMP_PREFIX, check_private, private_dir, socket_path, staging_root
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,10 @@ def drop_unserved(ndir: str) -> tuple[str, str]:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             return SERVED, f"a live daemon (pid {holder}) serves {ndir}: its staging is left alone"
         # The lock is ours: no daemon serves ndir now, and none can start until we close fd.
+        partial = _drop_partial(ndir)
         if not os.path.lexists(root) and not os.path.lexists(sock):
+            if partial:
+                return REMOVED, f"removed {', '.join(partial)} in {ndir}, left by a daemon killed while writing"
             return NOTHING, f"nothing staged for {ndir}"
         try:
             if os.path.lexists(root):
@@ -333,6 +336,19 @@ def drop_unserved(ndir: str) -> tuple[str, str]:
         return REMOVED, f"removed {root}, left by a daemon of {ndir} that did not exit cleanly"
     finally:
         os.close(fd)  # releases the lock
+
+
+def _drop_partial(ndir: str) -> list[str]:
+    """Remove the half-written (``.tmp-step-N-PID``) and half-deleted (``.del-...``) snapshot directories of
+    ``ndir``, whose daemon lock the caller holds: a daemon killed while writing leaves its temporary directory,
+    which only that node directory's next daemon would remove (a job that ends first keeps it for good)."""
+    removed = []
+    for name in sorted(os.listdir(ndir)):
+        path = os.path.join(ndir, name)
+        if name.startswith((TMP_PREFIX, DEL_PREFIX)) and not os.path.islink(path) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

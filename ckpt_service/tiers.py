@@ -26,7 +26,7 @@ import shutil
 import stat
 
 from ckpt_service.index import fsync_dir, scan
-from ckpt_service.layout import DEL_PREFIX, TMP_PREFIX, step_dirname
+from ckpt_service.layout import DEL_PREFIX, STEP_PREFIX, TMP_PREFIX, step_dirname
 from ckpt_service.retention import Snap, is_milestone, plan_shared_retention
 from ckpt_service.safeio import NotRegular, entries, kind, open_regular
 
@@ -118,6 +118,37 @@ def copy_to_shared(src: str, shared: str, node: str) -> tuple[str | None, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, f"copied to {final}"
+
+
+def drop_dead_copies(shared: str, node: str) -> list[str]:
+    """Remove ``node``'s half-made copies (``<shared>/.tmp-step-N-<node>-<pid>``) whose daemon is dead; return them.
+
+    Who calls: the embedded default's launcher at the end of every start
+    (:func:`accelpact_slurm.launch.daemons.drop_leftover_staging`), on the host that ran the daemon (the pid is
+    that host's).  A daemon killed during an
+    upload cannot remove its copy, and nothing else would: a live daemon's copy is left alone."""
+    removed = []
+    prefix = f"{TMP_PREFIX}{STEP_PREFIX}"
+    try:
+        names = os.listdir(shared)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        rest, _, pid = name.rpartition("-")
+        if not name.startswith(prefix) or not rest.endswith(f"-{node}") or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its daemon lives: the copy is in progress
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process: not ours to judge
+        path = os.path.join(shared, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def prune_shared(shared: str, shared_keep: int, milestone_every: int, node: str) -> list[tuple[int, str]]:

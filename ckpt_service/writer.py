@@ -851,6 +851,7 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
         _make_room_for(final)
         os.rename(tmp, final)
         fsync_dir(ndir)
+        fault_points.kill_point("renamed", node, step, faults)  # committed; its state and the index not updated
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (OSError, CheckpointError)) or _is_oserror_inside(exc) or _is_dcp_failure(exc):

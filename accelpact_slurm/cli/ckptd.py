@@ -22,6 +22,7 @@ file's ``checkpoint.every_steps``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -94,15 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config)
         node = args.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         c = cfg.checkpoint
+        restart = args.restart if args.restart is not None else int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         index, nodes = placement(args.node_index, args.num_nodes, cfg.topology.nodes, os.environ)
         opts = DaemonOptions(
             node=node, node_dir=node_dir(args.run_dir, node, c.local_dir), run_dir=os.path.abspath(args.run_dir),
             shared_dir=c.shared_dir, node_index=index, num_nodes=nodes,
             job_id=args.job_id or os.environ.get("SLURM_JOB_ID"),
-            restart=args.restart if args.restart is not None else int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            restart=restart,
             every_steps=args.every_steps if args.every_steps is not None else c.every_steps,
             keep_last=c.keep_last, milestone_every=c.milestone_every, shared_every=c.shared_every,
-            shared_keep=c.shared_keep, compress=c.compress, drain_s=args.drain_s, faults=TestFaults.from_environ(),
+            shared_keep=c.shared_keep, compress=c.compress, drain_s=args.drain_s, faults=_faults(restart),
         )
         imported = preload()  # at the ranks' priority: an idle writer would import torch only once ranks wait
         if c.daemon_nice:  # background writes and verification yield the CPU to training ranks
@@ -197,6 +199,13 @@ def _drop_staging(args: argparse.Namespace) -> int:
         print(f"accelpact-ckptd: --drop-staging on {node}: {why}", file=sys.stderr if what == FAILED else sys.stdout,
               flush=True)
     return 1 if what == FAILED else EXIT_OK
+
+
+def _faults(restart: int) -> TestFaults:
+    """The test's faults; a daemon kill point fires on the job's first start only (the embedded default starts its
+    daemons without ``SLURM_RESTART_COUNT``: the restart comes as ``--restart``)."""
+    faults = TestFaults.from_environ()
+    return dataclasses.replace(faults, ckptd_kill_at=None) if restart else faults
 
 
 def _mark_failed(run_dir: str, node: str, restart: int, why: str) -> None:

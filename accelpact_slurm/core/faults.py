@@ -54,6 +54,9 @@ Switches (all off by default):
   deterministic failure stops").
 - ``ACCELPACT_TEST_DEAD_PEER_AS_BUG=1``: an exception that left the entry point is the training code's bug
   without asking whether a peer is gone (the negative control of "a dead peer is never a bug").
+- ``ACCELPACT_CKPTD_KILL_AT=PHASE:STEP[:NODE]``: the daemon (of node NODE, else every node's) SIGKILLs itself at
+  its point PHASE of snapshot STEP (``renamed``: the snapshot's directory is renamed into place, its state and the
+  node's index not yet updated), on the first start only.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ RETRY_REPEATED = "ACCELPACT_TEST_RETRY_REPEATED"
 #: Where ``ACCELPACT_TEST_KILL_NODE`` may kill: the capture proof of snapshot STEP, the snapshot's hand-off to the
 #: daemon, the vote of update STEP, the restore of snapshot STEP (after the start's first restore round).
 NODE_KILL_PHASES = ("proof", "handoff", "vote", "restore")
+CKPTD_KILL_AT = "ACCELPACT_CKPTD_KILL_AT"
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class TestFaults:
     kill_node: tuple[tuple[str, int, int], ...] = ()  # (phase, step, node) of this start
     dead_peer_as_bug: bool = False
     retry_repeated: bool = False
+    ckptd_kill_at: tuple[str, int, str | None] | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
@@ -176,8 +181,8 @@ class TestFaults:
             exit_after_verified=exit_after if first_start else None,
             slow_verify=slow,
             crash_at=crash,
+            ckptd_kill_at=_kill_point(env.get(CKPTD_KILL_AT)) if first_start else None,
         )
-
 
     # ------------------------------------------------------------------ injection points
 
@@ -242,6 +247,15 @@ def _kill_node(env: Mapping[str, str]) -> tuple[tuple[str, int, int], ...]:
         if restart == int(env.get("SLURM_RESTART_COUNT") or 0):
             out.append((parts[0], _int(KILL_NODE, parts[1]), _int(KILL_NODE, parts[2])))
     return tuple(out)
+
+
+def _kill_point(text: str | None) -> tuple[str, int, str | None] | None:
+    """``PHASE:STEP[:NODE]`` of ``ACCELPACT_CKPTD_KILL_AT``."""
+    if not text:
+        return None
+    phase, _, rest = text.partition(":")
+    step, _, node = rest.partition(":")
+    return phase, _int(CKPTD_KILL_AT, step), node or None
 
 
 def _pair(env: Mapping[str, str], name: str) -> tuple[int, int] | None:

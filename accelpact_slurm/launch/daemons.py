@@ -15,8 +15,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from accelpact_slurm.core.safeopen import open_writable
 from accelpact_slurm.launch.ranks import daemon_command
-from ckpt_service.layout import node_dir
+from ckpt_service.layout import node_dir, shared_dir
 from ckpt_service.staging import FAILED, REMOVED, drop_unserved
+from ckpt_service.tiers import drop_dead_copies
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,15 @@ def stop_daemons(daemons: Sequence[LocalDaemon], drain_s: float = 120.0) -> None
             d.proc.wait(timeout=10)
 
 
-def drop_leftover_staging(daemons: Sequence[LocalDaemon], run_dir: str, local_dir: str | None) -> None:
+def drop_leftover_staging(daemons: Sequence[LocalDaemon], run_dir: str, local_dir: str | None,
+                          shared: str | None = None) -> None:
     """After :func:`stop_daemons`: remove the shared-memory staging of every daemon that did not exit cleanly.
 
     Who calls: the embedded default's launcher at the end of every start, however it ended.  A daemon
     killed by ``kill -9`` leaves its staging slots in ``/dev/shm`` (RAM); a node directory whose daemon
-    still runs is left alone (:func:`ckpt_service.staging.drop_unserved` takes its lock first).
+    still runs is left alone (:func:`ckpt_service.staging.drop_unserved` takes its lock first).  Also the
+    half-made copies a daemon killed during an upload left in the shared tier (``shared``:
+    ``checkpoint.shared_dir``; :func:`ckpt_service.tiers.drop_dead_copies`).
     """
 
     for d in daemons:
@@ -99,3 +103,6 @@ def drop_leftover_staging(daemons: Sequence[LocalDaemon], run_dir: str, local_di
             log.warning("%s", why)
         elif what == REMOVED:
             log.info("%s", why)
+        copies = drop_dead_copies(shared_dir(run_dir, shared), d.node)  # a daemon killed during an upload
+        if copies:
+            log.info("removed %s in the shared tier, left by %s's daemon", ", ".join(copies), d.node)

@@ -237,7 +237,7 @@ def launch_local(
     except OSError as exc:
         _terminate(ranks, grace_s=0)
         stop_daemons(daemons)
-        drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
+        drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir, cfg.checkpoint.shared_dir)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
         code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts))
@@ -247,7 +247,7 @@ def launch_local(
     finally:
         stop_daemons(daemons)  # SIGINT: the daemons finish in-flight snapshots (bounded), then exit
         # A daemon killed by kill -9 could not drop its /dev/shm slots; nothing of this start serves them now.
-        drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir)
+        drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir, cfg.checkpoint.shared_dir)
 
 
 def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, rank_codes: Sequence[int | None],

@@ -97,3 +97,44 @@ def test_the_module_entry_drops_and_reports(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "ckpt_service.staging", "--help"], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0 and "--drop NODE_DIR" in proc.stdout
+
+
+def test_a_killed_daemons_half_written_snapshot_is_dropped_a_live_ones_is_not(tmp_path):
+    """A daemon killed while writing leaves ``.tmp-step-N-PID`` (and a half-deleted ``.del-...``); the job's end
+    removes them once the node directory's lock is free, a live daemon's (its lock held) stay, and so do the
+    committed snapshots.  Negative control: before, only the staging and the socket went; the directory stayed
+    until the node directory's next daemon, which a job that ends never starts (the fault campaign's
+    ``kill_daemon`` run: "temporary directories left")."""
+    import fcntl
+
+    ndir = tmp_path / "node1"
+    for name in (".tmp-step-0000000006-4242", ".del-step-0000000003-4242", "step-0000000003"):
+        (ndir / name).mkdir(parents=True)
+        (ndir / name / "__0_0.distcp").write_bytes(b"x" * 100)
+    fd = os.open(ndir / "ckptd.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a live daemon holds it
+        assert drop_unserved(str(ndir))[0] == SERVED and (ndir / ".tmp-step-0000000006-4242").is_dir()
+    finally:
+        os.close(fd)
+    what, why = drop_unserved(str(ndir))
+    assert what == REMOVED and ".tmp-step-0000000006-4242" in why, why
+    assert sorted(p.name for p in ndir.iterdir()) == ["ckptd.lock", "step-0000000003"]
+
+
+def test_a_dead_daemons_half_made_copy_in_the_shared_tier_is_dropped_a_live_ones_is_not(tmp_path):
+    """A daemon killed during an upload leaves ``<shared>/.tmp-step-N-<node>-<pid>``; the launcher's end removes it
+    when that pid is gone, and leaves a live daemon's copy, another node's and the committed snapshots alone.
+    Negative control: before, nothing removed it (the fault campaign's ``daemon_commit_kill`` at step 9, while
+    step 6 was being uploaded: "temporary directories left")."""
+    from ckpt_service.tiers import drop_dead_copies
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    names = [f".tmp-step-0000000006-node2-{gone.pid}", f".tmp-step-0000000006-node2-{os.getpid()}",
+             f".tmp-step-0000000006-node1-{gone.pid}", "step-0000000003"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    assert drop_dead_copies(str(tmp_path), "node2") == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    assert drop_dead_copies(str(tmp_path / "missing"), "node2") == []
