@@ -127,7 +127,7 @@ def drop_dead_copies(shared: str, node: str) -> list[str]:
     (:func:`accelpact_slurm.launch.daemons.drop_leftover_staging`), on the host that ran the daemon (the pid is
     that host's).  A daemon killed during an
     upload cannot remove its copy, and nothing else would: a live daemon's copy is left alone."""
-    removed = []
+    removed: list[str] = []
     prefix = f"{TMP_PREFIX}{STEP_PREFIX}"
     try:
         names = os.listdir(shared)
