@@ -156,7 +156,7 @@ def test_heading_anchors_follow_githubs_rule():
 
 
 def test_every_docs_reference_in_every_help_exists():
-    """Every ``docs/FILE.md``, ``docs/FILE.md#anchor`` and ``docs/FILE.md, "Section"`` that a ``--help`` of a console
+    """Every ``docs/<name>.md``, ``docs/<name>.md#anchor`` and ``docs/<name>.md, "Section"`` that a ``--help`` of a console
     script (setup.cfg) or of a launcher's entry prints names a file that exists and, with an anchor or a
     section, a heading of that file.
 

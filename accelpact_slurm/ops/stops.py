@@ -8,10 +8,10 @@ ranks' fail-stop line use it.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 from accelpact_slurm.core.events import TooDeep, parse_json
+from accelpact_slurm.core.safeopen import open_regular
 
 #: Larger integers are no step count; a 400-digit one overflows float() in the step rate.
 _MAX_COUNT = 2 ** 53
@@ -91,15 +91,13 @@ def last_committed_step(path: str, tail_bytes: int = _TAIL_BYTES) -> int | None:
 
 def read_tail(path: str, limit: int) -> tuple[bytes, bool]:
     """The last ``limit`` bytes of the regular file at ``path`` and whether its start was left out; ``b""`` for
-    no file, a link or anything not a regular file (a FIFO planted there must not block the reader)."""
+    no file, a link or anything not a regular file (a FIFO planted there must not block the reader): opened by
+    :func:`accelpact_slurm.core.safeopen.open_regular`."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+        fd, st = open_regular(path)
+    except OSError:  # NotRegular included
         return b"", False
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return b"", False
         start = max(0, st.st_size - limit)
         os.lseek(fd, start, os.SEEK_SET)
         chunks, left = [], limit
