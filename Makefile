@@ -19,7 +19,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.accelpact-installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
-# The supported torch releases (accelpact_slurm/runtime/envelope.py SUPPORTED_RELEASES): the pinned one runs the
+# The supported torch releases (accelpact_slurm/runtime/job/envelope.py SUPPORTED_RELEASES): the pinned one runs the
 # whole suite; each other one runs RELEASE_TESTS in a venv of its own (scripts/torch_venv.py, cached).
 TORCH_PINNED := 2.13.0
 TORCH_RELEASES ?= 2.14.1 2.15.0

@@ -18,7 +18,7 @@ __all__ = ["Job", "Run", "Update"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from accelpact_slurm.runtime import api
+        from accelpact_slurm.runtime.job import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'accelpact_slurm' has no attribute {name!r}")

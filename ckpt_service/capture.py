@@ -6,7 +6,7 @@ A *plan* lists, for every tensor of the rank's application state in the nested l
 rectangular *boxes* (offsets + sizes) this rank holds, each with a live source view (no copy).
 Everything else (AdamW's ``step`` scalars, ``param_groups``, the model's persistent buffers) is *plain*: small,
 taken from the node's first rank (a rank's own batch-norm statistics travel in its extra state:
-:mod:`accelpact_slurm.runtime.buffers`).
+:mod:`accelpact_slurm.runtime.state.buffers`).
 
 Two ways to build it:
 

@@ -1,6 +1,6 @@
 """The rank side: every K steps copy this rank's shards into shared memory, hand them over, go on.
 
-Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.api.Run`):
+Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.job.api.Run`):
 
 1. ``SnapshotClient(cfg, rt, run_dir, events, model, optimizer, extra)`` after the user's
    ``job.protect`` (``rt``: the rank as the client reads it, :class:`accelpact_slurm.core.rank.RankContext`);

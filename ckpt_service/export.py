@@ -165,7 +165,7 @@ def export_metadata(path: str, step: int, replaced: int, extra: dict[str, Any]) 
 
 def rank0_buffers(extra: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's own buffers from the snapshot's extra document (``ranks["0"]["buffers"]``: every persistent buffer
-    rank 0's training changed, :mod:`accelpact_slurm.runtime.buffers`), as tensors by the model's names.
+    rank 0's training changed, :mod:`accelpact_slurm.runtime.state.buffers`), as tensors by the model's names.
 
     The snapshot's model state holds one copy of each buffer, the node's first rank's: rank 0's on the first
     node, another rank's on the others.  A buffer rank 0 never changed is the same on every rank and not listed.
@@ -209,7 +209,7 @@ def _parse_extra(text: Any, path: str) -> dict[str, Any]:
 
 
 def _decode(value: Any) -> Any:
-    """The tensors of a per-rank buffer document, as :mod:`accelpact_slurm.runtime.appstate` encodes them
+    """The tensors of a per-rank buffer document, as :mod:`accelpact_slurm.runtime.state.appstate` encodes them
     (``{"__dict__": {"s:name": {"__tensor__": base64, "dtype", "shape"}}}``)."""
     import torch
 

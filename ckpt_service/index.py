@@ -176,7 +176,7 @@ def common_step(available: Sequence[Iterable[int]]) -> tuple[int | None, str]:
 def restart_source(per_source: Mapping[str, Iterable[Any]]) -> tuple[int | None, str | None, str]:
     """The step a restart loads and where from: ``(step, source, reason)``.  Pure.
 
-    The rule of the restore (:mod:`accelpact_slurm.runtime.restore`): the newest step that is
+    The rule of the restore (:mod:`accelpact_slurm.runtime.state.restore`): the newest step that is
     ``verified`` on at least one node's copy or in the shared tier; a node lacking it loads it through the
     shared tier (the restore copies it there first when the tier does not hold it yet).
     ``per_source`` maps each node's name, and :data:`SHARED_SOURCE`, to its records (dicts or

@@ -14,7 +14,7 @@ between its check and its use:
 - :class:`VerifiedReader` is DCP's ``FileSystemReader`` whose ``read_metadata`` unpickles the verified
   bytes held in memory and whose every data stream is a descriptor that passed :func:`open_checked`.
 
-Who calls: the reload (:func:`accelpact_slurm.runtime.appstate.load`) and the verification
+Who calls: the reload (:func:`accelpact_slurm.runtime.state.appstate.load`) and the verification
 (:func:`ckpt_service.verify.verify_snapshot`).
 """
 

@@ -4,7 +4,7 @@
 ``verified`` or ``rejected`` from it.  What else a snapshot must prove happens elsewhere, without
 rebuilding the user's model either: the capture is proven against the live shards on the ranks
 (:mod:`ckpt_service.proof`, once per job and capture plan), and the replay check runs on the user's
-own training path after a restart (:mod:`accelpact_slurm.runtime.replay`).  ``docs/checkpoints.md``
+own training path after a restart (:mod:`accelpact_slurm.runtime.state.replay`).  ``docs/checkpoints.md``
 states what "verified" means.
 """
 

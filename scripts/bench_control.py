@@ -2,7 +2,7 @@
 """The control plane at scale: what one decision (a vote round) costs with 4 to 1,024 members.
 
 Every member is emulated by a thread of this process holding a job-store client of its own
-(``accelpact_slurm.runtime.store.JobStore``: the handshake under the run's key, a MAC on every frame) and a
+(``accelpact_slurm.runtime.transport.store.JobStore``: the handshake under the run's key, a MAC on every frame) and a
 ``ControlPlane`` over it; no data plane, no liveness thread.  The store is served by one other process (as rank 0
 serves every other rank).  Two codes, side by side in the same run, each with its own server in that process:
 
@@ -63,17 +63,17 @@ BEFORE = "37e64d0"
 DEFAULT_BUDGET_S = 300.0
 MEMBERS = (4, 64, 256, 1024)
 #: From this many members on the new code's rounds go through their lead.
-LEAD_FROM = __import__("accelpact_slurm.runtime.control", fromlist=["ControlPlane"]).ControlPlane.LEAD_FROM
+LEAD_FROM = __import__("accelpact_slurm.runtime.transport.control", fromlist=["ControlPlane"]).ControlPlane.LEAD_FROM
 #: The scale the estimate is for.
 TARGET = 16384
-#: A vote as the guard sends it (runtime/guard.py) on an update without a replay fingerprint, about 110 bytes.
+#: A vote as the guard sends it (runtime/job/guard.py) on an update without a replay fingerprint, about 110 bytes.
 VOTE = {"F": 1234, "g": 0, "fault": None, "error": None, "loss": 2.3456789, "stop": False, "redo": True}
 
 # The store host: the old code's server and the new one, in one process (as rank 0's is for every other rank).
 _HOST = """
 import importlib.util, sys, types
-from accelpact_slurm.runtime.store import binding, port_candidates
-from accelpact_slurm.runtime.store_server import StoreServer, listen
+from accelpact_slurm.runtime.transport.store import binding, port_candidates
+from accelpact_slurm.runtime.transport.store_server import StoreServer, listen
 key = bytes.fromhex(sys.stdin.readline().strip())
 old_src = sys.stdin.readline()
 mod = types.ModuleType("_old_store_server")
@@ -92,6 +92,14 @@ def git_show(rev: str, path: str) -> str:
                           text=True).stdout
 
 
+def _today(source: str) -> str:
+    """An earlier commit's source with its imports of the flat ``runtime`` package pointed at today's modules."""
+    for old, new in (("runtime import store_wire", "runtime.transport import store_wire"),
+                     ("runtime.collectives", "runtime.detection.collectives")):
+        source = source.replace(old, new)
+    return source
+
+
 def load_module(name: str, source: str) -> types.ModuleType:
     mod = types.ModuleType(name)
     exec(compile(source, f"{name}.py", "exec"), mod.__dict__)
@@ -102,7 +110,7 @@ class Members:
     """``n`` emulated members of one code: a store client and a control plane each, one thread each."""
 
     def __init__(self, cls: type, port: int, key: bytes, bind_to: str, n: int, host_pid: int) -> None:
-        from accelpact_slurm.runtime.store import JobStore
+        from accelpact_slurm.runtime.transport.store import JobStore
 
         self.clients = [JobStore("127.0.0.1", [port], key, bind_to, r, timedelta(seconds=120)) for r in range(n)]
         self.cls, self.n, self.gen, self.host_pid = cls, n, 0, host_pid
@@ -123,7 +131,7 @@ class Members:
                 barrier.wait()
                 p = planes[r]
                 if hasattr(p, "all_reduce"):  # the vote as the guard takes it now: reduced once, on the lead
-                    from accelpact_slurm.runtime.guard import summarize_votes
+                    from accelpact_slurm.runtime.job.guard import summarize_votes
 
                     for _ in range(rounds):
                         p.all_reduce("vote", VOTE, summarize_votes)
@@ -193,10 +201,10 @@ def fit(points: list[tuple[int, float]]) -> dict[str, Any]:
 
 def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log: Any,
             budget: h.Budget) -> dict[str, Any]:
-    from accelpact_slurm.runtime.control import ControlPlane
-    from accelpact_slurm.runtime.store import binding
+    from accelpact_slurm.runtime.transport.control import ControlPlane
+    from accelpact_slurm.runtime.transport.store import binding
 
-    old_cp = load_module("_old_control", git_show(commit, "accelpact_slurm/runtime/control.py")).ControlPlane
+    old_cp = load_module("_old_control", _today(git_show(commit, "accelpact_slurm/runtime/control.py"))).ControlPlane
     key = secrets.token_bytes(32)
     host = subprocess.Popen([sys.executable, "-c", _HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, cwd=str(h.REPO))
@@ -204,7 +212,7 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
     try:
         assert host.stdin is not None and host.stdout is not None
         host.stdin.write(key.hex() + "\n")
-        host.stdin.write(git_show(commit, "accelpact_slurm/runtime/store_server.py").encode().hex() + "\n")
+        host.stdin.write(_today(git_show(commit, "accelpact_slurm/runtime/store_server.py")).encode().hex() + "\n")
         host.stdin.flush()
         ports = dict(zip(("old", "new"), (int(x) for x in host.stdout.readline().split())))
         codes = {"old": old_cp, "new": ControlPlane}
@@ -289,7 +297,7 @@ def measure(commit: str, members: list[int], samples: int, abba_pairs: int, log:
     return out
 
 
-#: The summary a member reads of a quiet vote (runtime/guard.py summarize_votes), bytes.
+#: The summary a member reads of a quiet vote (runtime/job/guard.py summarize_votes), bytes.
 SUMMARY_BYTES = len(json.dumps({"n": TARGET, "votes": [[0, VOTE]], "stop": False, "redo": True, "mean": 2.3456789,
                                 "agreed": [{"F": 1234, "g": 0}, None], "fps": None}))
 

@@ -2,7 +2,7 @@
 """The job's authenticated store: what it costs an update, against the code before it (default ``2abb175``).
 
 Before ``2abb175``'s successor the ranks' data plane, control plane and heartbeats used torch's ``TCPStore``; now
-they use the job's own store (``accelpact_slurm/runtime/store.py``: a handshake under the run's key, a MAC on
+they use the job's own store (``accelpact_slurm/runtime/transport/store.py``: a handshake under the run's key, a MAC on
 every frame, a Python server in a process of its own beside rank 0).  Four measurements, side by side in this one
 run:
 
@@ -20,8 +20,9 @@ run:
    a ``TCPStore``, both served by one other process (as rank 0 serves every other rank), interleaved in blocks
    (ABBA), many samples: what the ratio of (1) is made of.
 3. **Where the server runs, ABBA**: the job of (1), current code only, its store served by a process of its own
-   (the default) and by a thread of rank 0 (``ACCELPACT_STORE_THREAD=1``, as before ``runtime/store_host.py``);
-   a pair's figure is the thread job's median update over the process job's, with the added milliseconds.
+   (the default) and by a thread of rank 0 (``ACCELPACT_STORE_THREAD=1``, as before
+   ``runtime/transport/store_host.py``); a pair's figure is the thread job's median update over the process job's, with
+   the added milliseconds.
 
 Output: ``--json`` (default ``benchmarks/results/<date>/store.json``) and the block between ``<!-- store-bench -->``
 markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
@@ -57,7 +58,7 @@ _HOST_BOTH = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from accelpact_slurm.runtime.store import binding, host_store, port_candidates
+from accelpact_slurm.runtime.transport.store import binding, host_store, port_candidates
 key = bytes.fromhex(sys.stdin.readline().strip())
 server = host_store("127.0.0.1", port_candidates(key, "bench"), key, binding("bench", 0))
 plain = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
@@ -75,7 +76,7 @@ def round_trips(blocks: int = 20, per_block: int = 200) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from accelpact_slurm.runtime.store import JobStore, binding
+    from accelpact_slurm.runtime.transport.store import JobStore, binding
 
     key = secrets.token_bytes(32)
     host = subprocess.Popen([sys.executable, "-c", _HOST_BOTH], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

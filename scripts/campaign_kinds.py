@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from accelpact_slurm.core import faults as tf
-from accelpact_slurm.runtime.store import CANDIDATES, binding, port_candidates
+from accelpact_slurm.runtime.transport.store import CANDIDATES, binding, port_candidates
 from ckpt_service.auth import load_or_create_key
 
 #: Every kind, in the order of the summary table; ``phases`` the phases it draws from.

@@ -35,7 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from accelpact_slurm.core import settings  # noqa: E402
-from accelpact_slurm.runtime import envelope as env_mod  # noqa: E402
+from accelpact_slurm.runtime.job import envelope as env_mod  # noqa: E402
 
 DECODER_JOB = os.path.join(REPO, "examples", "decoder", "job.yaml")
 #: (fsdp, mesh) of each wrapping qualified: the profile key's ``fsdp1-device_mesh`` and so on.

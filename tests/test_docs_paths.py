@@ -65,10 +65,15 @@ def test_the_readmes_layout_names_modules_that_exist():
     root = Path(REPO)
     block = (root / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
     pkg, seen = None, 0
+    parents: list[Path] = []  # the package of each indentation level: root, accelpact_slurm/, runtime/
     for line in block.splitlines():
-        head = re.match(r"^  (\w+)/\s", line) or re.match(r"^(\w+)/\s", line)
+        head = re.match(r"^( *)(\w+)/(?:\s|$)", line)
         if head:
-            pkg = (root / "accelpact_slurm" / head.group(1)) if line.startswith("  ") else root / head.group(1)
+            depth = len(head.group(1)) // 2
+            parents = parents[:depth] if depth else []
+            base = parents[-1] if parents else (root / "accelpact_slurm" if depth else root)
+            pkg = base / head.group(2)
+            parents.append(pkg)
             assert pkg.is_dir(), f"README layout lists {pkg.relative_to(root)}, which is not in the tree"
         for name in re.findall(r"\((\w+)(?::[^)]*)?\)", line):
             if pkg is not None and pkg.name != "data" and not name.isupper():

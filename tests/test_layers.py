@@ -71,12 +71,12 @@ def copy_tree(tmp_path):
 
 # (file in the copy, line appended, contract that must break, the import it must name)
 BREAKS = [
-    ("ckpt_service/layout.py", "import accelpact_slurm.runtime.guard",
-     "ckpt-service-core-only", "ckpt_service.layout -> accelpact_slurm.runtime.guard"),
+    ("ckpt_service/layout.py", "import accelpact_slurm.runtime.job.guard",
+     "ckpt-service-core-only", "ckpt_service.layout -> accelpact_slurm.runtime.job.guard"),
     ("accelpact_slurm/core/events.py", "import torch",
      "torch-free", "accelpact_slurm.core.events -> torch"),
-    ("accelpact_slurm/runtime/envelope.py", "from accelpact_slurm.cli import run",
-     "layers", "accelpact_slurm.runtime.envelope -> accelpact_slurm.cli.run"),
+    ("accelpact_slurm/runtime/job/envelope.py", "from accelpact_slurm.cli import run",
+     "layers", "accelpact_slurm.runtime.job.envelope -> accelpact_slurm.cli.run"),
 ]
 
 
@@ -153,10 +153,10 @@ def test_negative_control_an_added_example_import_is_found(tmp_path):
 # (file, the protocol through which it sees the rank): every rt.X / self.rt.X it reads must be a member.
 RANK_READERS = [
     ("ckpt_service/client.py", "RankContext"),
-    ("accelpact_slurm/runtime/restore.py", "RankContext"),
-    ("accelpact_slurm/runtime/saving.py", "RankContext"),
-    ("accelpact_slurm/runtime/guard.py", "GuardRank"),
-    ("accelpact_slurm/runtime/recovery.py", "RecoveryRank"),
+    ("accelpact_slurm/runtime/state/restore.py", "RankContext"),
+    ("accelpact_slurm/runtime/state/saving.py", "RankContext"),
+    ("accelpact_slurm/runtime/job/guard.py", "GuardRank"),
+    ("accelpact_slurm/runtime/job/recovery.py", "RecoveryRank"),
     ("accelpact_slurm/repair/engine.py", "RepairRank"),
 ]
 _RANK_NAMES = {"rt"}  # a local name for the rank; self.rt and self._rt are the rank held by an object
@@ -283,9 +283,9 @@ def test_the_runtime_class_has_every_member_of_each_protocol():
     """Checked on the classes (a built runtime: the next test): the runtime, its layout, its control plane, its
     fault detector and its Slurm context each declare what the protocols name."""
     from accelpact_slurm.core import rank
-    from accelpact_slurm.runtime.collectives import Detector
-    from accelpact_slurm.runtime.control import ControlPlane
-    from accelpact_slurm.runtime.topology import Layout, Runtime
+    from accelpact_slurm.runtime.detection.collectives import Detector
+    from accelpact_slurm.runtime.transport.control import ControlPlane
+    from accelpact_slurm.runtime.job.topology import Layout, Runtime
     from accelpact_slurm.slurm.env import SlurmContext
 
     def declared(cls) -> set[str]:
@@ -306,7 +306,7 @@ BUILT_RUNTIME = '''
 import json, os, sys
 from accelpact_slurm.core import rank
 from accelpact_slurm.core.config import load_config
-from accelpact_slurm.runtime.topology import init_runtime
+from accelpact_slurm.runtime.job.topology import init_runtime
 from accelpact_slurm.slurm.env import SlurmContext
 
 ctx = SlurmContext(job_id="4242", rank=0, local_rank=0, node_index=0, num_nodes=1, world_size=1,

@@ -35,7 +35,7 @@ from accelpact_slurm.core.config import load_config
 from accelpact_slurm.core.errors import EXIT_USAGE, AccelpactError
 from accelpact_slurm.launch.qualify import (ALL_PHASES, DEFAULT_PHASE, EXIT_CODES, PHASES, check_envelope_file,
                                             check_job, envelope_target, qualify)
-from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.job import envelope as env_mod
 
 EPILOG = "\n\n".join(__doc__.split("\n\n")[1:]).replace("``", "") + "\n\nexit codes:\n" + "\n".join(
     f"  {code}  {text}" for code, text in sorted(EXIT_CODES.items())) + \

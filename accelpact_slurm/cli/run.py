@@ -24,7 +24,7 @@ from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, 
 from accelpact_slurm.launch.core import (  # noqa: F401 - TRAINING_FILE, check_same_training: also this module's API
     TRAINING_FILE, add_job_flags, check_same_training, job_config, worker_args)
 from accelpact_slurm.launch.run_lock import claim
-from accelpact_slurm.runtime.rundir import check_run_dir
+from accelpact_slurm.runtime.job.rundir import check_run_dir
 from accelpact_slurm.slurm.env import in_slurm
 
 log = logging.getLogger("accelpact_slurm.cli.run")

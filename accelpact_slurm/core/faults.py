@@ -8,7 +8,7 @@ Production code never branches on a switch: a switch that breaks a step is one m
 ``reported_frontier``, ``slow_forward``), or in :mod:`ckpt_service.faults` for the checkpoint service, called
 where the fault belongs and doing nothing on ``NO_FAULTS``; a switch that turns a guarantee off (a negative
 control) picks another collaborator where the object is built (e.g.
-:func:`accelpact_slurm.runtime.buffers.forward_state`).  ``tests/test_layers.py`` holds the tree to that.
+:func:`accelpact_slurm.runtime.state.buffers.forward_state`).  ``tests/test_layers.py`` holds the tree to that.
 
 Switches (all off by default):
 

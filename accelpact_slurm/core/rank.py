@@ -1,18 +1,18 @@
 """What each part reads from a rank: typing protocols of the rank's runtime, one per consumer.
 
-The rank's runtime is :class:`accelpact_slurm.runtime.topology.Runtime` (built by ``init_runtime``); the parts
+The rank's runtime is :class:`accelpact_slurm.runtime.job.topology.Runtime` (built by ``init_runtime``); the parts
 that read it do not import it (the checkpoint client may import only ``core``; the repair engine sits below
 the runtime) and see it through one of these protocols, which names only what that part reads:
 
 - :class:`RankContext`: who this rank is in the job (rank, node, local rank, the HSDP layout, the Slurm
   context) and the control plane's rounds.  Read by the checkpoint client (``ckpt_service.client``) and by
-  the reload (``runtime.restore``).
+  the reload (``runtime.state.restore``).
 - :class:`RepairRank`: what the L1 repair engine (``repair.engine``) reads: the layout, the control plane
   (its generations and its store), the replication group, the mesh, the collective timeout, the device and
   the fault detector.  The engine never assigns to the runtime: it returns the groups it replaced
-  (``repair.engine.Replaced``), and the runtime applies them (``runtime.recovery.adopt``).
-- :class:`GuardRank`: what the boundary guard (``runtime.guard``) reads for its collective and its vote.
-- :class:`RecoveryRank`: what the L1 wiring (``runtime.recovery.build_guard``) reads: the guard's and the
+  (``repair.engine.Replaced``), and the runtime applies them (``runtime.job.recovery.adopt``).
+- :class:`GuardRank`: what the boundary guard (``runtime.job.guard``) reads for its collective and its vote.
+- :class:`RecoveryRank`: what the L1 wiring (``runtime.job.recovery.build_guard``) reads: the guard's and the
   engine's, plus the hardware and the Slurm context; and ``adopt``, the runtime's own method that takes over
   the groups a repair replaced.
 
@@ -49,7 +49,7 @@ class JobIdentity(Protocol):
 
 @runtime_checkable
 class RankLayout(Protocol):
-    """The (replicate x shard) layout (:class:`accelpact_slurm.runtime.topology.Layout`)."""
+    """The (replicate x shard) layout (:class:`accelpact_slurm.runtime.job.topology.Layout`)."""
 
     @property
     def num_nodes(self) -> int: ...
@@ -71,7 +71,7 @@ class RankLayout(Protocol):
 
 @runtime_checkable
 class ControlRounds(Protocol):
-    """The control plane's agreements (:class:`accelpact_slurm.runtime.control.ControlPlane`)."""
+    """The control plane's agreements (:class:`accelpact_slurm.runtime.transport.control.ControlPlane`)."""
 
     def all_gather(self, name: str, value: Any, ranks: Sequence[int] | None = None,
                    timeout_s: float | None = None) -> list[Any]: ...
@@ -102,7 +102,7 @@ class RepairControl(ControlRounds, Protocol):
 
 @runtime_checkable
 class GroupDetector(Protocol):
-    """The fault detector on the data plane (:class:`accelpact_slurm.runtime.collectives.Detector`)."""
+    """The fault detector on the data plane (:class:`accelpact_slurm.runtime.detection.collectives.Detector`)."""
 
     def stall_next(self, dim: str = "replicate") -> None: ...
 

@@ -57,7 +57,7 @@ def repair_rebuild(environ: Mapping[str, str] | None = None) -> bool:
 
 
 #: ``1``: rank 0 serves the job's store from a thread of its own process (as before the store had a process of its
-#: own, :mod:`accelpact_slurm.runtime.store_host`): for comparisons and debugging.
+#: own, :mod:`accelpact_slurm.runtime.transport.store_host`): for comparisons and debugging.
 STORE_THREAD = "ACCELPACT_STORE_THREAD"
 
 

@@ -55,8 +55,8 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog, parse_json, read_
 from accelpact_slurm.core.safeopen import NotRegular, check_dir, open_writable, read_regular
 from accelpact_slurm.launch.ranks import daemon_command
 from accelpact_slurm.launch.run_lock import claim
-from accelpact_slurm.runtime.job import run_rank
-from accelpact_slurm.runtime.rundir import check_run_dir
+from accelpact_slurm.runtime.job.entry import run_rank
+from accelpact_slurm.runtime.job.rundir import check_run_dir
 from accelpact_slurm.slurm import signals
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.slurm.requeue import request_requeue, step_outcome

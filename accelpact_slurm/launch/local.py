@@ -39,12 +39,12 @@ from accelpact_slurm.launch.core import (  # noqa: F401 - combine_exit_codes: al
 from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.safeopen import open_regular, open_writable
-from accelpact_slurm.runtime.job import record_label
+from accelpact_slurm.runtime.job.entry import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.ops.stops import read_tail
-from accelpact_slurm.runtime.liveness import dump_stacks
-from accelpact_slurm.runtime.peers import SLACK_INTERVALS
+from accelpact_slurm.runtime.detection.liveness import dump_stacks
+from accelpact_slurm.runtime.detection.peers import SLACK_INTERVALS
 
 log = logging.getLogger(__name__)
 

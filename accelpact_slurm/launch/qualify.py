@@ -21,7 +21,7 @@ from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, ConfigError
 from accelpact_slurm.core.events import parse_json, read_events, read_file
 from accelpact_slurm.core.safeopen import open_regular, open_writable
-from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.job import envelope as env_mod
 
 #: accelpact-qualify's exit codes (a trial run's own exit code is accelpact-run's and only goes into its line).
 EXIT_QUALIFIED = EXIT_OK

@@ -20,7 +20,7 @@ sits on emulated node ``r // ranks_per_node``, as under ``srun --ntasks-per-node
 
 GPUs (``accelpact-submit --gpus-per-node G``, G equal to the ranks per node): on Slurm the job asks for
 ``--gpus-per-node=G`` and its step for ``--gpu-bind=none``, so every task sees its node's G GPUs and the runtime
-gives each rank ``cuda:LOCAL_RANK`` (:mod:`accelpact_slurm.runtime.hardware`).  On the local executor submitit
+gives each rank ``cuda:LOCAL_RANK`` (:mod:`accelpact_slurm.runtime.job.hardware`).  On the local executor submitit
 sets ``CUDA_VISIBLE_DEVICES`` of every task to ``nodes x G`` GPUs of this machine, and the emulated rank ``r``
 takes ``cuda:r``; with G = 0 it lists none: a CPU job.
 

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 #: as a process of its own imports torch and DCP on its first snapshot, at its lowered priority, and the job's
 #: final snapshot waited seconds for those imports.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "torchdata.stateful_dataloader", "accelpact_slurm.runtime.job",
-           "accelpact_slurm.runtime.api", "accelpact_slurm.runtime.topology", "ckpt_service.client",
+           "torchdata.stateful_dataloader", "accelpact_slurm.runtime.job.entry",
+           "accelpact_slurm.runtime.job.api", "accelpact_slurm.runtime.job.topology", "ckpt_service.client",
            "accelpact_slurm.cli.ckptd", "ckpt_service.writer", "ckpt_service.verify")
 READY_TIMEOUT_S = 120.0
 

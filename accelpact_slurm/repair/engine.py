@@ -30,7 +30,7 @@ L1 never continues on a state it could not validate.
 The engine reads the rank through :class:`accelpact_slurm.core.rank.RepairRank` and never assigns to it: the
 groups a repair puts in place of the rank's own come back as a :class:`Replaced` (in the returned context,
 and handed to ``on_replaced`` as soon as the model is rebound to them, before their validation), and the
-runtime applies them to itself (:func:`accelpact_slurm.runtime.recovery.adopt`).
+runtime applies them to itself (:func:`accelpact_slurm.runtime.job.recovery.adopt`).
 """
 
 from __future__ import annotations

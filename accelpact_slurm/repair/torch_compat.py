@@ -90,7 +90,7 @@ def nccl_backend(pg: dist.ProcessGroup) -> object | None:
     except RuntimeError:
         return None
     # torch 2.15's "nccl" is ProcessGroupNCCL2 unless TORCH_DIST_USE_NCCL2=0 (not a subclass of the legacy one):
-    # either way the group has a communicator to abort, never Gloo's destroy (runtime/hardware.py refuses nccl2).
+    # either way the group has a communicator to abort, never Gloo's destroy (runtime/job/hardware.py refuses nccl2).
     return backend if type(backend).__name__ in NCCL_BACKEND_CLASSES else None
 
 

@@ -56,7 +56,7 @@ def node_descs(model_cfg: dict[str, Any], stage_root: str, step: int, ranks: int
 
     import torch
 
-    from accelpact_slurm.runtime import appstate
+    from accelpact_slurm.runtime.state import appstate
     from bench.workload import model_of
     from ckpt_service import staging
     from ckpt_service.capture import Box, Entry, Plan, range_boxes

@@ -188,7 +188,7 @@ def qualify(work: str, device: str, timeout_s: float = 300, steps: int = 10) -> 
     except OSError:
         res["envelope"] = None
     # The keys this machine's own torch qualified (or failed), as a user's envelope would hold them.
-    from accelpact_slurm.runtime import envelope as env_mod
+    from accelpact_slurm.runtime.job import envelope as env_mod
 
     res["keys"] = [{"key": str(e.key), "actions": list(e.actions), "torch": e.evidence.get("torch")}
                    for e in env_mod.load_file(env_file).entries]

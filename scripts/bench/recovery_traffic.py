@@ -1,7 +1,7 @@
 """Recovery benchmark: the heartbeat path alone, at 4, 64 and 256 emulated ranks (``scripts/bench_recovery.py``).
 
 No training: one process hosts the control plane's ``TCPStore`` (as rank 0 does), and this process runs N of the
-library's own heartbeat publishers (``accelpact_slurm.runtime.liveness.Publisher``, each with its own store
+library's own heartbeat publishers (``accelpact_slurm.runtime.detection.liveness.Publisher``, each with its own store
 connection and thread, at ``timeouts.heartbeat_interval_s``) for ``seconds``.  Measured: the writes and bytes
 that reach the store per second (the publishers' counters and record sizes), and the store host's CPU seconds
 per second (``/proc/<pid>/stat``), per N; the figure is each per rank, which stays flat when the cost grows as N.
@@ -38,7 +38,7 @@ def measure(n: int, seconds: float, interval_s: float) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from accelpact_slurm.runtime import liveness as lv
+    from accelpact_slurm.runtime.detection import liveness as lv
 
     host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -354,7 +354,7 @@ class RepairRank:
         a round."""
         from accelpact_slurm.core.config import with_overrides
         from accelpact_slurm.repair import torch_compat as tc
-        from accelpact_slurm.runtime.recovery import build_guard
+        from accelpact_slurm.runtime.job.recovery import build_guard
         from bench.workload import batches_forever, decoder_parts, update
 
         job, plan = self.job, self.plan

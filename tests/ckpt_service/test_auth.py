@@ -80,7 +80,7 @@ def test_negative_control_without_authentication_the_planted_pickle_runs(tmp_pat
 
 
 def test_the_reload_check_rejects_a_planted_copy(tmp_path):
-    from accelpact_slurm.runtime.restore import StateIO
+    from accelpact_slurm.runtime.state.restore import StateIO
 
     run = tmp_path / "run"
     load_or_create_key(str(run))

@@ -106,7 +106,7 @@ def _full_state(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from accelpact_slurm.runtime.buffers import buffer_items, clean_name
+    from accelpact_slurm.runtime.state.buffers import buffer_items, clean_name
 
     if not isinstance(model, FSDP):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -163,8 +163,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
     sys.path.insert(0, VISION)
     from bn_models import build
-    from accelpact_slurm.runtime import appstate
-    from accelpact_slurm.runtime.buffers import ForwardState
+    from accelpact_slurm.runtime.state import appstate
+    from accelpact_slurm.runtime.state.buffers import ForwardState
     from ckpt_service import staging
     from ckpt_service.capture import Plan, plan_for, state_dict_plan
     from ckpt_service.proof import compare, plan_fingerprints

@@ -179,7 +179,7 @@ def test_shared_tier_copy_is_atomic_and_first_wins(tmp_path):
 
 
 def test_restore_prefers_the_node_copy_over_the_shared_tier(tmp_path):
-    from accelpact_slurm.runtime.restore import reachable_verified
+    from accelpact_slurm.runtime.state.restore import reachable_verified
 
     for d in (tmp_path / "node" / step_dirname(4), tmp_path / "shared" / step_dirname(4),
               tmp_path / "shared" / step_dirname(8)):

@@ -6,7 +6,7 @@ import json
 import secrets
 
 from accelpact_slurm.core.events import EventLog, read_events
-from accelpact_slurm.runtime.restore import ReloadOutcome, _against_committed
+from accelpact_slurm.runtime.state.restore import ReloadOutcome, _against_committed
 from ckpt_service import auth, committed
 
 

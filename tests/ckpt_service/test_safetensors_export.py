@@ -150,7 +150,7 @@ def test_the_export_of_another_nodes_copy_holds_rank_0s_buffers_and_says_so(tmp_
     """A second node's snapshot holds its first rank's (rank 2's) batch-norm statistics in the model state and
     every rank's own in the extra state: both formats export rank 0's, and say so.  Negative control: the
     node's copy itself (what the export wrote before) differs from rank 0's."""
-    from accelpact_slurm.runtime import appstate
+    from accelpact_slurm.runtime.state import appstate
 
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(4, generator=gen)

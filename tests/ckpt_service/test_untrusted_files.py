@@ -30,8 +30,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accelpact_slurm.core.errors import CheckpointError  # noqa: E402
-from accelpact_slurm.runtime import appstate  # noqa: E402
-from accelpact_slurm.runtime.restore import StateIO, make_offer  # noqa: E402
+from accelpact_slurm.runtime.state import appstate  # noqa: E402
+from accelpact_slurm.runtime.state.restore import StateIO, make_offer  # noqa: E402
 from ckpt_service import verified  # noqa: E402
 from ckpt_service.auth import load_or_create_key, sign  # noqa: E402
 from ckpt_service.index import dir_size, read_record, record_state, scan  # noqa: E402

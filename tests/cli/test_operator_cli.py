@@ -404,7 +404,7 @@ _BLOCK_AND_RUN = textwrap.dedent("""
     sys.modules.pop(BLOCKED, None)
     sys.meta_path.insert(0, Block())
     if sys.argv[1] == "--check":
-        from accelpact_slurm.runtime.job import check_dependencies
+        from accelpact_slurm.runtime.job.entry import check_dependencies
         check_dependencies()
         print("ok")
     else:

@@ -21,7 +21,7 @@ from accelpact_slurm.launch import qualify as q
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from accelpact_slurm.core.events import read_events
-from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.job import envelope as env_mod
 from tests.conftest import REPO, decoder_text, run_cli
 
 STEPS = 6
@@ -37,13 +37,13 @@ def shipped_digest() -> str:
 
 def runtime_key() -> env_mod.Key:
     """The key a job of this topology and wrapping looks up, built as the runtime builds it."""
-    from accelpact_slurm.runtime.recovery import key_factory
+    from accelpact_slurm.runtime.job.recovery import key_factory
 
     return key_factory(NODES, RPN, FSDP, MESH)("committed")
 
 
 def runtime_envelope() -> env_mod.Envelope:
-    """The envelope a job's guard gets (runtime.recovery.build_guard): ``load(settings.envelope_path())``."""
+    """The envelope a job's guard gets (runtime.job.recovery.build_guard): ``load(settings.envelope_path())``."""
     return env_mod.load(settings.envelope_path())
 
 

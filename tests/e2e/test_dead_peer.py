@@ -14,9 +14,9 @@ name it too, before the embedded default's launcher ends them: it gives them ``h
 (12 s), not ``shutdown_s`` alone.
 
 Negative controls: the same kill in the capture proof with the dead-peer check off
-(``ACCELPACT_TEST_DEAD_PEER_AS_BUG=1``, which makes :func:`accelpact_slurm.runtime.job.run_rank` classify the
+(``ACCELPACT_TEST_DEAD_PEER_AS_BUG=1``, which makes :func:`accelpact_slurm.runtime.job.entry.run_rank` classify the
 exception without asking the heartbeats) stops the job for good: exit 76, "training code raised", no restart.
-Without :func:`accelpact_slurm.runtime.peers.name_gone` in the fail-stop, the stops of the vote, hand-off and
+Without :func:`accelpact_slurm.runtime.detection.peers.name_gone` in the fail-stop, the stops of the vote, hand-off and
 restore cases name only the first rank a verdict saw (no ``lost_nodes``, no "node 1 lost").  With the launcher's
 grace back at ``shutdown_s`` (``lost_rank_grace`` returning it), the shipped-timers case ends with the launcher's
 "every rank ended without a decision" (the survivors are ended as they reach their verdict).

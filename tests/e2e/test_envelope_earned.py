@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from accelpact_slurm.runtime import envelope as env_mod
+from accelpact_slurm.runtime.job import envelope as env_mod
 from tests.conftest import load_script
 
 pytestmark = pytest.mark.multiproc

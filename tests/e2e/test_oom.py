@@ -27,7 +27,7 @@ import pytest
 
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE
 from accelpact_slurm.core.events import read_events
-from accelpact_slurm.runtime import oom
+from accelpact_slurm.runtime.detection import oom
 from tests.conftest import REPO, decoder_text, run_cli
 
 pytestmark = pytest.mark.multiproc

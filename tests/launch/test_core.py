@@ -209,7 +209,7 @@ def test_rank_label_is_srun_labels_form():
 def test_the_terminal_echo_of_rank_0_says_its_rank_once():
     """A log record in rank 0's own file reads ``[rank 0] ...``; echoed to the terminal it reads ``0: ...``.
     Negative control: without ``drop`` the echo read ``0: [rank 0] ...``."""
-    from accelpact_slurm.runtime.job import record_label
+    from accelpact_slurm.runtime.job.entry import record_label
 
     buf = io.StringIO()
     w = core.LabelledWriter(buf, "0: ", record_label(0))

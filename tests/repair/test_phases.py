@@ -19,11 +19,11 @@ import torch
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, RepairError
 from accelpact_slurm.repair.engine import PHASES, RepairEngine, RepairContext
-from accelpact_slurm.runtime.topology import Layout
+from accelpact_slurm.runtime.job.topology import Layout
 
 
 class FakeControl:
-    """The part of ``runtime.control.ControlPlane`` the engine uses, with prepared answers per agreement."""
+    """The part of ``runtime.transport.control.ControlPlane`` the engine uses, with prepared answers per agreement."""
 
     def __init__(self, answers=None, generation=0, fail=None):
         self.answers = dict(answers or {})

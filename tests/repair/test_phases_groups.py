@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
     from accelpact_slurm.core.errors import FailStop
     from accelpact_slurm.repair.engine import RepairEngine, RepairContext, Replaced
     from accelpact_slurm.repair import torch_compat as tc
-    from accelpact_slurm.runtime.topology import Layout, Runtime
+    from accelpact_slurm.runtime.job.topology import Layout, Runtime
 
     class Control:
         def __init__(self, generation):

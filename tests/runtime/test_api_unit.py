@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from accelpact_slurm.core.config import parse_config
-from accelpact_slurm.runtime.api import Job
-from accelpact_slurm.runtime.phases import Redo
+from accelpact_slurm.runtime.job.api import Job
+from accelpact_slurm.runtime.job.phases import Redo
 
 
 def test_a_scripts_except_exception_cannot_swallow_the_redo_signal():
@@ -37,7 +37,7 @@ def test_job_groups_are_the_live_groups_after_a_repair_replaced_them():
 def _run_at_the_end_of_an_update(decided):
     """A Run and an Update as they stand when the update's block ends (only what _finish reads before it
     decides what the end means)."""
-    from accelpact_slurm.runtime.api import Run, Update
+    from accelpact_slurm.runtime.job.api import Run, Update
 
     run = Run.__new__(Run)
     run.job = SimpleNamespace(_rt=None)
@@ -65,7 +65,7 @@ def test_a_redo_signal_the_script_caught_is_named_not_committed():
 def _run_between_updates(job_file: str, *, step: int = 3, inside: int | None = None, closed: bool = False):
     """A Run as ``run.save()`` sees it before it takes anything: its job's configuration, its frontier, the
     update whose block is open (None between updates), whether it was closed."""
-    from accelpact_slurm.runtime.api import Run, Update
+    from accelpact_slurm.runtime.job.api import Run, Update
 
     run = Run.__new__(Run)
     run.job = SimpleNamespace(config=parse_config(job_file))

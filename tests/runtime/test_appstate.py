@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from accelpact_slurm.runtime import appstate
+from accelpact_slurm.runtime.state import appstate
 
 
 def _saved(world):
@@ -46,7 +46,7 @@ def test_only_rank_0_sends_the_loss_history_in_a_snapshots_extra_state():
     import json
     from types import SimpleNamespace
 
-    from accelpact_slurm.runtime.api import Run
+    from accelpact_slurm.runtime.job.api import Run
 
     losses = [2.5 - 0.001 * i for i in range(5000)] + [None]
 

@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import ControlPlaneTimeout
-from accelpact_slurm.runtime import store_wire as w
-from accelpact_slurm.runtime.control import ControlPlane
-from accelpact_slurm.runtime.store import JobStore, binding, host_store, port_candidates
+from accelpact_slurm.runtime.transport import store_wire as w
+from accelpact_slurm.runtime.transport.control import ControlPlane
+from accelpact_slurm.runtime.transport.store import JobStore, binding, host_store, port_candidates
 
 WORLD = 3
 

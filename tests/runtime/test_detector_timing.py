@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from accelpact_slurm.runtime import liveness as lv
-from accelpact_slurm.runtime.collectives import Detector, WatchedWork, _Group
+from accelpact_slurm.runtime.detection import liveness as lv
+from accelpact_slurm.runtime.detection.collectives import Detector, WatchedWork, _Group
 
 
 class _Completed:

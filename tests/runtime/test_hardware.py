@@ -1,5 +1,5 @@
-"""Device and backend selection (runtime/hardware.py), the NCCL environment, and which errors are communication
-faults (runtime/phases.py): pure functions, tested with the GPU counts an allocation would give."""
+"""Device and backend selection (runtime/job/hardware.py), the NCCL environment, and which errors are communication
+faults (runtime/job/phases.py): pure functions, tested with the GPU counts an allocation would give."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import ConfigError
-from accelpact_slurm.runtime import hardware as hw
-from accelpact_slurm.runtime.phases import TRAINING_CODE, Withheld, communication_fault
+from accelpact_slurm.runtime.job import hardware as hw
+from accelpact_slurm.runtime.job.phases import TRAINING_CODE, Withheld, communication_fault
 
 SLURM = dict(emulated=False, versions={"torch": "2.13.0+cu130", "cuda": "13.0", "nccl": "2.29.7"})
 

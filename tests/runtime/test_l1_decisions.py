@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.runtime.guard import CONTINUE, Vote, affected_ranks, decide_votes
-from accelpact_slurm.runtime.topology import Layout
+from accelpact_slurm.runtime.job import envelope as env_mod
+from accelpact_slurm.runtime.job.guard import CONTINUE, Vote, affected_ranks, decide_votes
+from accelpact_slurm.runtime.job.topology import Layout
 
 KEY = env_mod.Key("torch-x/gloo", "cpu:2x2:fsdp1-device_mesh", "committed")
 
@@ -169,7 +169,7 @@ def test_this_platform_key_is_shipped_when_qualified_here():
     """The key the runtime builds for a job on this torch is the shipped key, where this torch is shipped."""
     import torch
 
-    from accelpact_slurm.runtime.recovery import key_factory
+    from accelpact_slurm.runtime.job.recovery import key_factory
 
     shipped = env_mod.load(env_mod.SHIPPED)
     here = env_mod.platform_key(torch.__version__, "gloo")
@@ -190,7 +190,7 @@ def test_an_update_discarded_three_times_in_a_row_restarts_instead():
     from types import SimpleNamespace
 
     from accelpact_slurm.core.errors import FailStop
-    from accelpact_slurm.runtime.guard import MAX_REDOS, REDO, BoundaryGuard
+    from accelpact_slurm.runtime.job.guard import MAX_REDOS, REDO, BoundaryGuard
 
     layout = Layout(2, 1)
     repairs = []
@@ -275,7 +275,7 @@ def test_the_votes_summary_decides_exactly_as_every_vote_and_does_not_grow_with_
     import json
     import random
 
-    from accelpact_slurm.runtime.guard import Vote, decide_votes, summarize_votes
+    from accelpact_slurm.runtime.job.guard import Vote, decide_votes, summarize_votes
 
     lookup = lambda phase: ("preserve", "qualified") if phase in ("committed", "backward") else ("restart", "no")  # noqa: E731
     rng = random.Random(7)

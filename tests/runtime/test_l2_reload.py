@@ -24,9 +24,9 @@ import types
 
 import pytest
 
-from accelpact_slurm.runtime import replay
-from accelpact_slurm.runtime.restore import (StateIO, agree, checker_ranks, make_offer, plan, reject_copy, reload,
-                                             restore, same_bits, settle_pending, source_rank)
+from accelpact_slurm.runtime.state import replay
+from accelpact_slurm.runtime.state.restore import (StateIO, agree, checker_ranks, make_offer, plan, reject_copy, reload,
+                                                   restore, same_bits, settle_pending, source_rank)
 from ckpt_service.auth import load_or_create_key, sign
 from ckpt_service.index import publish_index, read_record, record_state, scan
 from ckpt_service.layout import step_dirname
@@ -45,8 +45,8 @@ class Hub:
 
 
 class FakeControl:
-    """``all_gather`` like :class:`accelpact_slurm.runtime.control.ControlPlane`: JSON values, n-th call per name
-    matches."""
+    """``all_gather`` like :class:`accelpact_slurm.runtime.transport.control.ControlPlane`: JSON values, n-th call per
+    name matches."""
 
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank, self.seq = hub, rank, {}

@@ -15,9 +15,9 @@ import pytest
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import FailStop
-from accelpact_slurm.runtime import liveness as lv
-from accelpact_slurm.runtime.collectives import LinkBounds, stop_from_round
-from accelpact_slurm.runtime.control import STOP_KEY, ControlPlane, poisoned
+from accelpact_slurm.runtime.detection import liveness as lv
+from accelpact_slurm.runtime.detection.collectives import LinkBounds, stop_from_round
+from accelpact_slurm.runtime.transport.control import STOP_KEY, ControlPlane, poisoned
 
 G = "g-rep"
 HB = 10.0

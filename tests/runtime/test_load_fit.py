@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from accelpact_slurm.core.errors import CheckpointError
-from accelpact_slurm.runtime import loadfit
+from accelpact_slurm.runtime.state import loadfit
 from tests.runtime.test_l2_reload import N1, N2, FakeIO, rejects, run_ranks, two_nodes
 
 # --------------------------------------------------------------------------- the fit, on real DCP files

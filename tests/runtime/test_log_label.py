@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from accelpact_slurm.runtime.job import label_log_records
+from accelpact_slurm.runtime.job.entry import label_log_records
 
 
 @pytest.fixture

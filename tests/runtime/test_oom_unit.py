@@ -3,7 +3,7 @@ launcher's rule for a deterministic failure that recurs (:func:`accelpact_slurm.
 
 from __future__ import annotations
 
-from accelpact_slurm.runtime import oom
+from accelpact_slurm.runtime.detection import oom
 from accelpact_slurm.slurm.requeue import repeated_failure
 
 

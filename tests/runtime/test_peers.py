@@ -1,4 +1,4 @@
-"""The dead-peer check's pure decision (:func:`accelpact_slurm.runtime.peers.judge_peers`) and its naming.
+"""The dead-peer check's pure decision (:func:`accelpact_slurm.runtime.detection.peers.judge_peers`) and its naming.
 
 End to end (a whole node SIGKILLed in each collective phase, with the negative control): tests/e2e/test_dead_peer.py.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from accelpact_slurm.runtime import liveness as lv
-from accelpact_slurm.runtime.peers import gone_names, judge_peers
+from accelpact_slurm.runtime.detection import liveness as lv
+from accelpact_slurm.runtime.detection.peers import gone_names, judge_peers
 
 
 def seen(n, at, **extra):

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from accelpact_slurm.runtime import restore as rs
+from accelpact_slurm.runtime.state import restore as rs
 from ckpt_service import layout
 from ckpt_service.auth import load_or_create_key, sign
 from ckpt_service.index import read_record, record_state
@@ -63,7 +63,7 @@ def test_a_huge_step_in_the_shared_tier_is_skipped_with_one_warning_and_never_lo
     huge = _snapshot(run, run / "shared-ckpt", HUGE)
     rt, cfg = _rt(steps=25)
     loaded, events = [], Events()
-    with caplog.at_level(logging.WARNING, logger="accelpact_slurm.runtime.restore"):
+    with caplog.at_level(logging.WARNING, logger="accelpact_slurm.runtime.state.restore"):
         out = rs.restore(rt, cfg, str(run), loaded.append, events, check=check)
     assert (out.step, loaded) == (20, [str(good)])  # DCP is never given the huge step
     lines = [r.getMessage() for r in caplog.records if str(huge) in r.getMessage()]
@@ -79,7 +79,7 @@ def test_names_the_layout_never_writes_are_skipped_with_one_warning_each(tmp_pat
     eleven = _snapshot(run, sdir, 0, name="step-" + "9" * 11)
     arabic = _snapshot(run, sdir, 0, name="step-" + "\u0660" * 9 + "\u0669")  # int() reads it as 9
     (sdir / step_dirname(21)).write_text("a file, not a snapshot")
-    with caplog.at_level(logging.WARNING, logger="accelpact_slurm.runtime.restore"):
+    with caplog.at_level(logging.WARNING, logger="accelpact_slurm.runtime.state.restore"):
         offer = rs.make_offer("node1", str(ndir), str(sdir), max_step=25)
     assert offer["verified"] == [[20, "node"]] and offer["other"] == []
     assert [r.getMessage() for r in caplog.records] == [

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 
-from accelpact_slurm.runtime.restore import StateIO, offered, plan, reload
+from accelpact_slurm.runtime.state.restore import StateIO, offered, plan, reload
 from ckpt_service.auth import load_or_create_key, sign
 from ckpt_service.index import record_state
 from ckpt_service.layout import step_dirname
@@ -116,7 +116,7 @@ def test_a_forged_replay_ref_line_does_not_reject_a_good_snapshot(tmp_path):
     """Anyone who can append to ``events.jsonl`` added a reference with another loss for snapshot 10: without the
     MAC the replay check takes the newest line and rejects the good snapshot (the negative control)."""
     from accelpact_slurm.core.events import EventLog, read_events
-    from accelpact_slurm.runtime import replay
+    from accelpact_slurm.runtime.state import replay
 
     key = load_or_create_key(str(tmp_path))
     ref = {"snapshot": 10, "step": 11, "loss": 2.5, "fingerprints": [replay.FP_VERSION + "a", replay.FP_VERSION + "b"], "layout": [1, 2]}

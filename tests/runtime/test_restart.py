@@ -77,10 +77,10 @@ def _non_lead_fail_stop(port: int, events_path: str) -> None:
 
     import torch.distributed as dist
 
-    from accelpact_slurm.runtime.control import ControlPlane
+    from accelpact_slurm.runtime.transport.control import ControlPlane
     from accelpact_slurm.core.errors import FailStop
     from accelpact_slurm.core.events import EventLog
-    from accelpact_slurm.runtime.stopping import fail_stop
+    from accelpact_slurm.runtime.job.stopping import fail_stop
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
     control = ControlPlane(store, rank=1, world_size=2, timeout_s=30)
@@ -98,7 +98,7 @@ def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
 
     import torch.distributed as dist
 
-    from accelpact_slurm.runtime.control import ControlPlane
+    from accelpact_slurm.runtime.transport.control import ControlPlane
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
@@ -122,7 +122,7 @@ _STOP_WITHOUT_FRONTIER = """
 import sys, time
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, FailStop
 from accelpact_slurm.core.events import EventLog
-from accelpact_slurm.runtime.stopping import fail_stop
+from accelpact_slurm.runtime.job.stopping import fail_stop
 log = EventLog(sys.argv[1], rank=0)
 for step in range(1, int(sys.argv[2]) + 1):
     log.emit("step", step=step)

@@ -104,7 +104,7 @@ def test_a_read_only_event_log_exits_2_in_one_line():
 
 
 def test_a_safe_run_dir_passes(tmp_path):
-    from accelpact_slurm.runtime.rundir import check_run_dir
+    from accelpact_slurm.runtime.job.rundir import check_run_dir
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o755)

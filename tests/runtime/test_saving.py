@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from accelpact_slurm.runtime.saving import verdict
+from accelpact_slurm.runtime.state.saving import verdict
 
 
 def _answer(node, state, why="", host=None):
@@ -58,7 +58,7 @@ class _Events:
 
 
 def test_a_step_this_start_loaded_is_neither_taken_nor_waited_for():
-    from accelpact_slurm.runtime.saving import settle
+    from accelpact_slurm.runtime.state.saving import settle
 
     class NoClient:  # the reload chose the step verified on every rank: asking the daemon would wait for nothing
         def settle(self, step, timeout_s):
@@ -74,7 +74,7 @@ def test_a_step_this_start_loaded_is_neither_taken_nor_waited_for():
 
 
 def test_a_snapshot_not_verified_is_said_in_one_line_and_the_event():
-    from accelpact_slurm.runtime.saving import settle
+    from accelpact_slurm.runtime.state.saving import settle
 
     class Client:
         def settle(self, step, timeout_s):

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accelpact_slurm.runtime import store_wire as w
-from accelpact_slurm.runtime.store import JobStore, NotOurs, binding, host_store, port_candidates
-from accelpact_slurm.runtime.store_server import StoreServer, listen, peer_uid
+from accelpact_slurm.runtime.transport import store_wire as w
+from accelpact_slurm.runtime.transport.store import JobStore, NotOurs, binding, host_store, port_candidates
+from accelpact_slurm.runtime.transport.store_server import StoreServer, listen, peer_uid
 
 ROOT_ONLY = pytest.mark.skipif(os.getuid() != 0, reason="a second user (nobody) needs root to set up")
 NOBODY = 65534
@@ -323,7 +323,7 @@ def test_a_squatted_port_is_skipped_and_a_squatter_not_believed():
             server.close()
         # Control: a rank that only knew the first port (the job's fixed port of before) talks to her.
         with pytest.raises(NotOurs):
-            from accelpact_slurm.runtime.store import _handshake
+            from accelpact_slurm.runtime.transport.store import _handshake
             _handshake(HOST, ports[0], key, binding("9", 0), 1, 5.0)
     finally:
         squatter.kill()
@@ -483,7 +483,7 @@ def test_pipelined_requests_neither_kill_the_store_nor_shift_its_answers(job):
 def test_a_call_interrupted_before_its_answer_closes_the_connection(job, monkeypatch):
     """An exception between a request and its answer (a signal's, say): the next call must not read the old
     answer as its own; the connection is closed instead."""
-    import accelpact_slurm.runtime.store as st
+    import accelpact_slurm.runtime.transport.store as st
 
     _server, client, _w, _k = job
     c = client(0)

@@ -1,5 +1,5 @@
-"""The job's store in a process of its own (:mod:`accelpact_slurm.runtime.store_host`): it serves as the thread did,
-holds rank 0's interpreter on no request's path, and lives exactly as long as rank 0.
+"""The job's store in a process of its own (:mod:`accelpact_slurm.runtime.transport.store_host`): it serves as the
+thread did, holds rank 0's interpreter on no request's path, and lives exactly as long as rank 0.
 
 "Rank 0" here is a real subprocess that hosts the store the way ``build_runtime`` does, so that it can be killed
 with ``SIGKILL``.
@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 
-from accelpact_slurm.runtime.store import JobStore, binding, host_store, host_store_process, port_candidates
+from accelpact_slurm.runtime.transport.store import JobStore, binding, host_store, host_store_process, port_candidates
 from tests.conftest import REPO
 
 HOST = "127.0.0.1"
@@ -67,7 +67,7 @@ def test_the_store_process_serves_the_job_and_keeps_the_key_off_its_command_line
 
 RANK0 = textwrap.dedent("""
     import secrets, sys, time
-    from accelpact_slurm.runtime.store import binding, host_store, host_store_process, port_candidates
+    from accelpact_slurm.runtime.transport.store import binding, host_store, host_store_process, port_candidates
     key = bytes.fromhex(sys.argv[2])
     serve = host_store_process if sys.argv[1] == "process" else host_store
     server = serve("127.0.0.1", port_candidates(key, "502"), key, binding("502", 0))

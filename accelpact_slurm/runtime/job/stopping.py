@@ -1,7 +1,7 @@
 """How a rank stops: fail-stop (the documented exit codes), the no-progress rule, the requeue stop.
 
-Who calls: :class:`accelpact_slurm.runtime.api.Run` (a Restart decision, a pre-timeout signal, a
-failed replay check) and :func:`accelpact_slurm.runtime.job.run_rank` (the no-progress check at start).
+Who calls: :class:`accelpact_slurm.runtime.job.api.Run` (a Restart decision, a pre-timeout signal, a
+failed replay check) and :func:`accelpact_slurm.runtime.job.entry.run_rank` (the no-progress check at start).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USA
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.rank import RankContext
 from accelpact_slurm.ops.stops import last_committed_step
-from accelpact_slurm.runtime.peers import GONE_CAUSES, name_gone
+from accelpact_slurm.runtime.detection.peers import GONE_CAUSES, name_gone
 from accelpact_slurm.slurm import signals
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.slurm.requeue import (SCONTROL_TIMEOUT_S, frontier_history, repeated_failure, request_requeue,

@@ -13,8 +13,8 @@ on its node has no such witness: its death shows as a heartbeat that stops.
 
 Nobody reads the records while the job trains.  A rank reads them only while it waits: in a data-plane
 collective past a few milliseconds (:mod:`.collectives`), or in a control-plane round past its first slice
-(:mod:`.control`), and then only the members of what it waits in.  What it concludes is a pure function of what
-it saw and when (:func:`judge_collective`, :func:`judge_control`), in the manner of torchft's decisions as pure
+(:mod:`..transport.control`), and then only the members of what it waits in.  What it concludes is a pure function of
+what it saw and when (:func:`judge_collective`, :func:`judge_control`), in the manner of torchft's decisions as pure
 functions returning a reason:
 
 - a member is ``dead``, or ``stopped`` (it fail-stopped, saying why), or its counter has not moved for
@@ -31,7 +31,7 @@ functions returning a reason:
   chain of ``left`` records, one hop per group (a record is published only once its rank waits in the vote);
 - anything else (a member computing: a straggler) keeps the wait going, up to the backend's own timeout.
 
-Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` starts the publisher; the collective tap and
+Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` starts the publisher; the collective tap and
 the control plane judge; a fail-stop publishes its reason (:meth:`Publisher.publish_now`) and, for a hung rank
 on its own node, dumps its stacks and kills it (:func:`dump_and_kill`).
 """
@@ -47,9 +47,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from accelpact_slurm.runtime import oom
-from accelpact_slurm.runtime.stacks import (DUMP_GRACE_S, DUMP_SIGNAL, dump_and_kill,  # noqa: F401 - its API too
-                                            dump_stacks, install_dump_handler)
+from accelpact_slurm.runtime.detection import oom
+from accelpact_slurm.runtime.detection.stacks import (  # noqa: F401 - its API too
+                                                      DUMP_GRACE_S, DUMP_SIGNAL, dump_and_kill, dump_stacks,
+                                                      install_dump_handler)
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,12 @@ def record_key(rank: int) -> str:
 
 #: The job's one notice of a given-up collective: ``{"g": generation, "u": update, "r": rank, "grp", "seq",
 #: "why": the verdict's kind}`` of the last one (written by :meth:`Detector._give_up
-#: <accelpact_slurm.runtime.collectives.Detector._give_up>`), empty until then (rank 0 creates it at the start,
-#: so that a read never waits for it).  Only a notice of the reader's own generation and update counts.
+#: <accelpact_slurm.runtime.detection.collectives.Detector._give_up>`), empty until then (rank 0 creates it at the
+#: start, so that a read never waits for it).  Only a notice of the reader's own generation and update counts.
 NOTICE_KEY = "hb/notice"
+#: The value a watcher puts (:meth:`Publisher._look_round`) in the place of a member that will never join a round:
+#: ``{STOP_KEY: {...}}``.
+STOP_KEY = "__accelpact_stop__"
 
 
 def encode_notice(generation: int, update: int, rank: int, group: str, seq: int, why: str) -> str:
@@ -91,7 +95,8 @@ class LocalState:
 
 
 def encode(n: int, pid: int, state: LocalState, mem: dict[str, Any] | None = None) -> str:
-    """``mem``: the rank's memory (:func:`accelpact_slurm.runtime.oom.own_memory`), for its death's witness."""
+    """``mem``: the rank's memory (:func:`accelpact_slurm.runtime.detection.oom.own_memory`), for its death's
+    witness."""
     return json.dumps({"n": n, "pid": pid, "u": state.update, "ph": state.phase, "w": state.wait,
                        "d": dict(state.done), "stop": state.stop, "mem": mem}, separators=(",", ":"))
 
@@ -305,8 +310,6 @@ class Publisher:
     def _look_round(self, w: RoundWatch, now: float) -> None:
         """Look at the members missing from the round; put a stop in the place of any that will never come."""
         import torch.distributed as dist
-
-        from accelpact_slurm.runtime.control import STOP_KEY
 
         try:
             store = dist.PrefixStore(w.prefix, self._store)

@@ -1,7 +1,7 @@
 """A rank's Python stacks on demand: how a hung rank is made to say where it hangs before it is killed.
 
-Who calls: :mod:`.detection` installs the handler on every rank; a node peer of a hung rank
-(:meth:`accelpact_slurm.runtime.collectives.Detector.end_hung_peer`) and the embedded default's launcher
+Who calls: :mod:`.wiring` installs the handler on every rank; a node peer of a hung rank
+(:meth:`accelpact_slurm.runtime.detection.collectives.Detector.end_hung_peer`) and the embedded default's launcher
 (:mod:`accelpact_slurm.launch.local`) dump the stacks of the ranks they end.  (Re-exported by :mod:`.liveness`.)
 """
 

@@ -18,7 +18,8 @@ replication all-reduce FSDP issues in this update's backward (the fault of an in
 replication peers wait in theirs, and the shard peers behind them), ``backward-all`` its part of
 the whole backward (a shard-group fault first), ``boundary`` its part of the guard's own collective;
 ``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective while its part
-never arrives (a stalled link: every member waits in it, :meth:`~accelpact_slurm.runtime.collectives.Detector.stall_next`).
+never arrives (a stalled link: every member waits in it,
+:meth:`~accelpact_slurm.runtime.detection.collectives.Detector.stall_next`).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class Redo(BaseException):
 
 #: Where the project's and the libraries' frames live: the "user's frame" of a traceback is outside them.
 _NOT_USER = tuple(os.path.dirname(p) + os.sep for p in (os.__file__,)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, os.sep + "site-packages" + os.sep,
-    os.sep + "dist-packages" + os.sep)
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+    os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
 def describe_exception(exc: BaseException, limit: int = 20000) -> dict[str, Any]:
@@ -135,7 +136,8 @@ class PhaseTracker:
                  state: Any = None, detector: Any = None, slow: tuple[int, str] | None = None) -> None:
         self.injector = injector
         self._slow = slow  # test-only: (update, seconds) this rank computes longer in its forward (a straggler)
-        #: This rank's heartbeat record (:class:`~accelpact_slurm.runtime.liveness.LocalState`): update and phase.
+        #: This rank's heartbeat record (:class:`~accelpact_slurm.runtime.detection.liveness.LocalState`): update and
+        #: phase.
         self.state = state
         self.detector = detector
         self.model, self.fsdp = model, fsdp

@@ -1,7 +1,7 @@
 """Wiring of L1 for one rank: the envelope key of this job, the engine and the guard.
 
 The engine returns the groups a repair replaced instead of assigning them to the runtime; the wiring hands them
-to the runtime (``on_replaced=rt.adopt``: :meth:`accelpact_slurm.runtime.topology.Runtime.adopt`).
+to the runtime (``on_replaced=rt.adopt``: :meth:`accelpact_slurm.runtime.job.topology.Runtime.adopt`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.core.rank import RecoveryRank
 from accelpact_slurm.repair.engine import RepairEngine
-from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.runtime.guard import BoundaryGuard
-from accelpact_slurm.runtime.phases import FaultInjector
+from accelpact_slurm.runtime.job import envelope as env_mod
+from accelpact_slurm.runtime.job.guard import BoundaryGuard
+from accelpact_slurm.runtime.job.phases import FaultInjector
 
 
 def key_factory(nodes: int, ranks_per_node: int, fsdp: str, mesh: str, hardware: Any = None):
     """``key_for(phase)``: the envelope key of this job (platform, resource profile) for a fault in ``phase``.
 
     The platform is torch's version and the data plane's backend, with the NCCL and CUDA versions on a GPU
-    (:attr:`accelpact_slurm.runtime.hardware.Hardware.platform`): what was qualified on one platform is
+    (:attr:`accelpact_slurm.runtime.job.hardware.Hardware.platform`): what was qualified on one platform is
     allowed there only.
     """
     if hardware is None:
@@ -46,7 +46,7 @@ def build_guard(cfg: JobConfig, rt: RecoveryRank, model: Any, events: Any, wrapp
     """The guard of one rank, with its envelope and engine.
 
     The envelope: ``ACCELPACT_ENVELOPE`` alone when set, else the user's file (``accelpact-qualify`` writes it)
-    layered over the shipped one (:func:`accelpact_slurm.runtime.envelope.load`).
+    layered over the shipped one (:func:`accelpact_slurm.runtime.job.envelope.load`).
     """
     fsdp, mesh = wrapping
     key_for = key_factory(rt.layout.num_nodes, rt.layout.ranks_per_node, fsdp, mesh, getattr(rt, "hardware", None))

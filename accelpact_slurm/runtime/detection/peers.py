@@ -16,8 +16,8 @@ node was lost.  So before it does, a rank asks the heartbeats (:mod:`.liveness`)
 The look is bounded: ``heartbeat_s`` plus two intervals, after which every rank is decided one way or the other.
 :func:`judge_peers` is the pure decision; :func:`dead_peer_stop` does the looking.
 
-Who calls: :func:`accelpact_slurm.runtime.job.run_rank`, on an exception that left the entry point (or the job's
-end), before it is classified; :func:`accelpact_slurm.runtime.stopping.fail_stop`, on a stop on a dead or hung
+Who calls: :func:`accelpact_slurm.runtime.job.entry.run_rank`, on an exception that left the entry point (or the job's
+end), before it is classified; :func:`accelpact_slurm.runtime.job.stopping.fail_stop`, on a stop on a dead or hung
 rank, to name every rank gone with it (:func:`name_gone`).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop
-from accelpact_slurm.runtime import liveness as lv
+from accelpact_slurm.runtime.detection import liveness as lv
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ id alone; two jobs with different keys never share their sequence), after the la
 one.  Rank 0 binds the first candidate it can, on the rendezvous address only; every other rank tries the candidates
 in order until one answers with the run's key, within ``startup_s``.
 
-Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` (rank 0 hosts, every rank connects: one client for
+Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` (rank 0 hosts, every rank connects: one client for
 the data plane, one for the control plane) and the liveness thread (its own client).  Torch is needed for the
 ``Store`` base class only; the wire is :mod:`.store_wire`.
 """
@@ -33,9 +33,9 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import ControlPlaneError
-from accelpact_slurm.runtime import store_wire as w
-from accelpact_slurm.runtime.store_host import StoreProcess, spawn
-from accelpact_slurm.runtime.store_server import StoreServer, listen
+from accelpact_slurm.runtime.transport import store_wire as w
+from accelpact_slurm.runtime.transport.store_host import StoreProcess, spawn
+from accelpact_slurm.runtime.transport.store_server import StoreServer, listen
 
 log = logging.getLogger(__name__)
 

@@ -24,15 +24,15 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, A
                                          ConfigError, FailStop, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
-from accelpact_slurm.runtime.peers import dead_peer_stop
-from accelpact_slurm.runtime.phases import log_exception
+from accelpact_slurm.runtime.detection.peers import dead_peer_stop
+from accelpact_slurm.runtime.job.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
-from accelpact_slurm.runtime.stopping import as_fail_stop, check_progress, fail_stop
+from accelpact_slurm.runtime.job.stopping import as_fail_stop, check_progress, fail_stop
 from ckpt_service.auth import load_or_create_key
 
 if TYPE_CHECKING:
-    from accelpact_slurm.runtime.api import Run
-    from accelpact_slurm.runtime.topology import Runtime
+    from accelpact_slurm.runtime.job.api import Run
+    from accelpact_slurm.runtime.job.topology import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
 
-    from accelpact_slurm.runtime.api import Job
-    from accelpact_slurm.runtime.topology import init_runtime
+    from accelpact_slurm.runtime.job.api import Job
+    from accelpact_slurm.runtime.job.topology import init_runtime
 
     out = out or sys.stdout
     environ = os.environ if environ is None else environ
@@ -247,8 +247,8 @@ def _no_peer_check(exc: BaseException, rt: Runtime, phase: str, job: Any) -> Non
 
 def _peer_stop(exc: BaseException, rt: Runtime, phase: str, job: Any) -> FailStop | None:
     """The L2 stop naming the dead ranks and their node when ``exc`` was raised with a peer gone (a dead peer is
-    never a bug: :mod:`accelpact_slurm.runtime.peers`); None when every peer lives, or for a decided stop or bad
-    input."""
+    never a bug: :mod:`accelpact_slurm.runtime.detection.peers`); None when every peer lives, or for a decided stop or
+    bad input."""
     if isinstance(exc, (FailStop, ConfigError, UsageError)):
         return None
     run = getattr(job, "run", None)

@@ -25,12 +25,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
-from accelpact_slurm.runtime import appstate
+from accelpact_slurm.runtime.state import appstate
 from ckpt_service.capture import _local_chunks
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from accelpact_slurm.runtime.topology import Runtime
+    from accelpact_slurm.runtime.job.topology import Runtime
 
 
 def _update_tensor(h: "hashlib._Hash", name: str, value: Any) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping
 
 from accelpact_slurm.core.errors import ConfigError
-from accelpact_slurm.runtime.envelope import platform_key, release_of
+from accelpact_slurm.runtime.job.envelope import platform_key, release_of
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_REQUEUE, FailStop
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.core.rank import GuardRank
-from accelpact_slurm.runtime import envelope as env_mod
-from accelpact_slurm.runtime.phases import BACKWARD, COMMITTED, TRAINING_CODE, Withheld
+from accelpact_slurm.runtime.job import envelope as env_mod
+from accelpact_slurm.runtime.job.phases import BACKWARD, COMMITTED, TRAINING_CODE, Withheld
 from accelpact_slurm.slurm import signals
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class Vote:
 def summarize_votes(raw: list[dict[str, Any]]) -> dict[str, Any]:
     """What the decision needs of every rank's vote, in a size that does not grow with the ranks (pure).
 
-    The round's lead computes it once (:meth:`~accelpact_slurm.runtime.control.ControlPlane.all_reduce`); every
-    rank decides from it exactly as from every vote: the votes of the lowest and the highest frontier (the lowest
+    The round's lead computes it once (:meth:`~accelpact_slurm.runtime.transport.control.ControlPlane.all_reduce`);
+    every rank decides from it exactly as from every vote: the votes of the lowest and the highest frontier (the lowest
     rank of each) and of every rank that saw a fault, the any-stop and all-redoable flags, the mean loss (summed in
     rank order), rank 0's (F, generation) and the first rank that differs from it, and the replay fingerprints
     (only in the votes that carry them: the update after a snapshot or a load)."""
@@ -152,7 +152,7 @@ def affected_ranks(votes: list[Vote], replicate_ranks: Callable[[int], list[int]
 class BoundaryGuard:
     """Decides one update on one rank; see the module docstring.
 
-    Who calls: :class:`accelpact_slurm.runtime.api.Run` on every rank, at the decision point of every
+    Who calls: :class:`accelpact_slurm.runtime.job.api.Run` on every rank, at the decision point of every
     update (:meth:`decide`), in the same order.  ``rt``: the rank as the guard reads it
     (:class:`~accelpact_slurm.core.rank.GuardRank`).
     """
@@ -179,8 +179,9 @@ class BoundaryGuard:
         """Boundary collective, vote, decision for update ``step`` (= F + 1), before any optimizer stepped.
 
         ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None);
-        ``exception``: a training-code error's description (:func:`accelpact_slurm.runtime.phases.describe_exception`).
-        ``extra`` rides along in this rank's vote (the replay fingerprint).  Returns ``(outcome, the
+        ``exception``: a training-code error's description
+        (:func:`accelpact_slurm.runtime.job.phases.describe_exception`). ``extra`` rides along in this rank's vote (the
+        replay fingerprint).  Returns ``(outcome, the
         job's mean loss or None, every rank's replay fingerprint or None)``; ``outcome`` is ``continue`` (step and commit)
         or ``redo`` (the update was discarded and every group repaired: run it again).
 

@@ -1,7 +1,8 @@
 """Verified means loadable: whether a snapshot can be restored into this job's model, and why not, on one line.
 
-Who calls: :func:`accelpact_slurm.runtime.restore.reload` (through :class:`~accelpact_slurm.runtime.restore.StateIO`),
-on every rank, for each candidate that passed its checksums, before and around the load.
+Who calls: :func:`accelpact_slurm.runtime.state.restore.reload` (through
+:class:`~accelpact_slurm.runtime.state.restore.StateIO`), on every rank, for each candidate that passed its checksums,
+before and around the load.
 
 A snapshot's checksums prove its bytes are the ones written; they do not prove the job's model can take them.  Two
 checks close the gap:
@@ -30,7 +31,7 @@ from accelpact_slurm.core.errors import AccelpactError, CheckpointError, ConfigE
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from ckpt_service.verified import unpickle_metadata, verified_metadata_bytes
 
-#: The snapshot's top-level key of the model's tensors (``runtime.appstate.load`` loads ``{"model": ..., ...}``).
+#: The snapshot's top-level key of the model's tensors (``runtime.state.appstate.load`` loads ``{"model": ..., ...}``).
 MODEL = "model"
 #: At most this many keys are named per kind of difference (the count of the rest is said).
 NAMED = 3
@@ -189,7 +190,7 @@ def load_agreed(rank: int, step: int, path: str, copy_id: str | None, io: Any, c
     """Collective: check that the snapshot fits the model, then load it; ``None`` when every rank loaded it, else
     ``(reason, [(rank, copy, why)], the model's keys differ)``.
 
-    Two rounds, so that every rank takes the same way: the fit (:mod:`runtime.loadfit`: every rank answers
+    Two rounds, so that every rank takes the same way: the fit (:mod:`runtime.state.loadfit`: every rank answers
     from the same metadata and model, before any rank enters the load's collectives), then the load's outcome.
     A failure that is the environment's (a disk, a link, the files replaced after their re-check) ends the
     start on every rank: the rank that met it raises its exception, the others a :class:`CheckpointError`

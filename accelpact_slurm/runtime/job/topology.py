@@ -24,14 +24,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.runtime.control import ControlPlane
-from accelpact_slurm.runtime.store import JobStore, binding as store_binding, host_store, host_store_process, \
-    port_candidates
-from accelpact_slurm.runtime.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
+from accelpact_slurm.runtime.transport.control import ControlPlane
+from accelpact_slurm.runtime.transport.store import JobStore, binding as store_binding, host_store, \
+    host_store_process, port_candidates
+from accelpact_slurm.runtime.job.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.repair.torch_compat import set_group_timeout
-from accelpact_slurm.runtime.detection import start_detector
+from accelpact_slurm.runtime.detection.wiring import start_detector
 
 if TYPE_CHECKING:
     from accelpact_slurm.repair.engine import Replaced
@@ -85,10 +85,10 @@ class Runtime:
     mesh: DeviceMesh
     collective_timeout_s: float
     hardware: Hardware = CPU
-    #: The fault detector (:mod:`.collectives`): heartbeats, watched collectives and control-plane rounds.
+    #: The fault detector (:mod:`..detection.collectives`): heartbeats, watched collectives and control-plane rounds.
     detector: Any = None
-    #: Rank 0: the job's store it hosts (:class:`.store_host.StoreProcess`, or with ``ACCELPACT_STORE_THREAD=1`` a
-    #: :class:`.store_server.StoreServer` thread).
+    #: Rank 0: the job's store it hosts (:class:`..transport.store_host.StoreProcess`, or with
+    #: ``ACCELPACT_STORE_THREAD=1`` a :class:`..transport.store_server.StoreServer` thread).
     store_server: Any = None
     #: A further client of the job's store, for a thread of its own (``store_client(timeout)``).
     store_client: Any = None
@@ -121,7 +121,7 @@ class Runtime:
 def store_ports(bind_to: str, environ: Mapping[str, str], key: bytes) -> list[int]:
     """The job's store ports, in the order every rank tries them: the launcher's ``ACCELPACT_MASTER_PORT`` when
     it gave one, then ports derived from the run's key and ``bind_to`` (the job, its step and its start:
-    :func:`.store.port_candidates`)."""
+    :func:`..transport.store.port_candidates`)."""
     _addr, explicit, _control = settings.rendezvous(environ)
     first = None
     if explicit:

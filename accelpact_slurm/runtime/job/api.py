@@ -40,24 +40,25 @@ from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, UsageError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
-from accelpact_slurm.runtime import appstate, envelope as env_mod, replay
-from accelpact_slurm.runtime.buffers import forward_state
-from accelpact_slurm.runtime.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
-                                            log_exception)
-from accelpact_slurm.runtime.sampler import ShardedSampler
-from accelpact_slurm.runtime.stopping import as_fail_stop, fail_stop, stop_for_requeue
+from accelpact_slurm.runtime.state import appstate, replay
+from accelpact_slurm.runtime.job import envelope as env_mod
+from accelpact_slurm.runtime.state.buffers import forward_state
+from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
+                                                log_exception)
+from accelpact_slurm.runtime.state.sampler import ShardedSampler
+from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
-from accelpact_slurm.runtime.recovery import build_guard
-from accelpact_slurm.runtime.restore import reject_copy, restore
-from accelpact_slurm.runtime.state import state_digests
+from accelpact_slurm.runtime.job.recovery import build_guard
+from accelpact_slurm.runtime.state.restore import reject_copy, restore
+from accelpact_slurm.runtime.state.digest import state_digests
 from ckpt_service.auth import load_key, load_or_create_key
 from ckpt_service.client import SnapshotClient
 from ckpt_service.index import read_record
 from ckpt_service.layout import node_dir, shared_dir, step_dirname, step_of as snapshot_step
-from accelpact_slurm.runtime.saving import refusal, settle
+from accelpact_slurm.runtime.state.saving import refusal, settle
 
 if TYPE_CHECKING:
-    from accelpact_slurm.runtime.topology import Runtime
+    from accelpact_slurm.runtime.job.topology import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +345,7 @@ class Run:
 
     def _final(self) -> dict[str, Any] | None:
         """Collective, at the job's end (before the digests and ``job_end``): the snapshot of the last committed
-        update, verified (:mod:`.saving`); None when the job takes no snapshots, does not want one at its end
+        update, verified (:mod:`..state.saving`); None when the job takes no snapshots, does not want one at its end
         (``checkpoint.at_end: false``) or committed no update."""
         job = self.job
         c = job.config.checkpoint
@@ -367,7 +368,7 @@ class Run:
             log.warning("%d retired communicator(s) still aborting at the end of the job", left)
 
     def _digests(self) -> tuple[str | None, str | None]:
-        """Collective: ``(final_state_digest, final_model_digest)`` (:mod:`.state`)."""
+        """Collective: ``(final_state_digest, final_model_digest)`` (:mod:`..state.digest`)."""
 
         return state_digests(self.job._rt, self._model, self._optimizer, self._statefuls, self._forward,
                              self.step, self.epoch)
@@ -526,7 +527,7 @@ class Run:
         return True
 
     def _replay_bookkeeping(self, prev: int, step: int, mean: float | None, fps: list[str | None]) -> None:
-        """Record the update after a snapshot; check the first update after a load (see :mod:`.replay`).
+        """Record the update after a snapshot; check the first update after a load (see :mod:`..state.replay`).
 
         At the update's vote, before its optimizer step: ``fps`` fingerprint each rank's weights, optimizer
         state and reduced gradients, which determine the step."""

@@ -6,15 +6,15 @@ replication group (through the tap of :func:`accelpact_slurm.repair.torch_compat
 FSDP's own collectives too) is numbered per group, and its ``wait`` first waits a few milliseconds (the normal
 case, with no other cost); a wait that lasts longer publishes "waiting in collective k of group G" in this
 rank's record and then, every :data:`POLL_S`, reads the records of the group's members (and the job's notice of
-a given-up collective, in the same request) and asks :func:`accelpact_slurm.runtime.liveness.judge_collective`
+a given-up collective, in the same request) and asks :func:`accelpact_slurm.runtime.detection.liveness.judge_collective`
 what it sees:
 
 - a member left (it is in the vote), any rank gave up a collective of the same update's forward or backward
   (the notice), or every member waits in it past the learned bound: the collective is given up with
   :class:`~accelpact_slurm.core.errors.CollectiveAbandoned`, a communication fault, and the vote decides as for
   any failed collective (L1 where the envelope allows it); a rank that gives one up in forward or backward posts
-  the notice (:data:`~accelpact_slurm.runtime.liveness.NOTICE_KEY`), so that every rank hears of it at its next
-  look instead of one group at a time;
+  the notice (:data:`~accelpact_slurm.runtime.detection.liveness.NOTICE_KEY`), so that every rank hears of it at its
+  next look instead of one group at a time;
 - a member is dead, stopped or hung: :class:`~accelpact_slurm.core.errors.FailStop` (L2), naming it;
 - a member still computes (a straggler): the wait goes on, up to the backend's own timeout.
 
@@ -33,7 +33,7 @@ Fault injection for tests goes through the same tap: :meth:`Detector.stall_next`
 collective on the replication group stay in flight forever while the rank waits in it (a stalled link, every
 member inside), where ``withhold`` (:mod:`accelpact_slurm.repair.discard`) makes the rank leave it.
 
-Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime` builds one per rank and installs the tap; the
+Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` builds one per rank and installs the tap; the
 guard and the phase tracker use the injection; the vote reads :meth:`Detector.take_latched`.
 """
 
@@ -47,7 +47,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, CollectiveAbandoned, FailStop
-from accelpact_slurm.runtime import liveness as lv
+from accelpact_slurm.runtime.detection import liveness as lv
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Detector:
         rank: this rank.
         groups: returns the rank's current ``(shard_group, replicate_group)`` (an L1 repair replaces them).
         members: ``dim -> the global ranks`` of this rank's group of that dimension.
-        state: this rank's record (:class:`~accelpact_slurm.runtime.liveness.LocalState`).
+        state: this rank's record (:class:`~accelpact_slurm.runtime.detection.liveness.LocalState`).
         publisher: its heartbeat thread.
         observer: what this rank saw of the members' records (shared with its liveness thread).
         position: this rank's control-plane position (:meth:`ControlPlane.position`).
@@ -244,7 +244,7 @@ class Detector:
 
     def end_hung_peer(self, rank: int) -> str | None:
         """After a hung-rank verdict on ``rank``: if it is on this node and this rank is its lowest peer, dump its
-        stacks into its log and kill it (:func:`~accelpact_slurm.runtime.liveness.dump_and_kill`)."""
+        stacks into its log and kill it (:func:`~accelpact_slurm.runtime.detection.liveness.dump_and_kill`)."""
         peers = self.publisher.node_peers if self.publisher is not None else {}
         pid = peers.get(rank)
         if pid is None or min([r for r in peers if r != rank] + [self.rank]) != self.rank:
@@ -455,8 +455,8 @@ class Detector:
         raise CollectiveAbandoned(text)
 
     def _post_notice(self, g: _Group, seq: int, verdict: lv.Verdict) -> None:
-        """Tell every rank (:data:`~accelpact_slurm.runtime.liveness.NOTICE_KEY`) that this update's collective
-        ``seq`` of ``g`` was given up: the update is discarded at the vote, so each rank gives up whatever
+        """Tell every rank (:data:`~accelpact_slurm.runtime.detection.liveness.NOTICE_KEY`) that this update's
+        collective ``seq`` of ``g`` was given up: the update is discarded at the vote, so each rank gives up whatever
         collective of it it waits in, at its next look, instead of through a chain of ``left`` records.  Not at
         the boundary: a boundary fault repairs only the replication groups of the ranks that report one."""
         if self._store is None:

@@ -1,6 +1,6 @@
 """Wiring of the fault detector for one rank: its heartbeat, its node peers, the collective tap.
 
-Who calls: :func:`accelpact_slurm.runtime.topology.init_runtime`, once per rank, collectively (one control-plane
+Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime`, once per rank, collectively (one control-plane
 round exchanges the ranks' pids, so that each rank watches the processes of its node peers).
 """
 
@@ -12,11 +12,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 
-from accelpact_slurm.runtime import liveness as lv
-from accelpact_slurm.runtime.collectives import Detector
+from accelpact_slurm.runtime.detection import liveness as lv
+from accelpact_slurm.runtime.detection.collectives import Detector
 
 if TYPE_CHECKING:
-    from accelpact_slurm.runtime.topology import Runtime
+    from accelpact_slurm.runtime.job.topology import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ RESTART = "restart"
 ACTIONS = (PRESERVE, RESTART)
 MIN_TRIALS = 3
 DEFAULT_OBJECTIVE = "exact"
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "envelope.yaml")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data",
+                       "envelope.yaml")
 #: The torch releases the project supports and tests (``make test`` runs each; ``setup.cfg``'s range spans their
 #: minors), and for which the shipped envelope holds CPU/Gloo keys earned by accelpact-qualify trials
 #: (``scripts/earn_envelope.py``).
@@ -93,7 +94,7 @@ def platform_key(torch_version: str, backend: str) -> str:
 
     * the build label (``+cpu``, ``+cu130``) names how torch was compiled, not the Python code of FSDP, DeviceMesh
       and c10d that the repair reaches into, so a CPU build and a CUDA build of one release share a CPU/Gloo key
-      (a GPU key names its NCCL and CUDA versions besides: :attr:`..hardware.Hardware.platform`);
+      (a GPU key names its NCCL and CUDA versions besides: :attr:`.hardware.Hardware.platform`);
     * a patch release gets no L1 from its sibling: patch releases do move that private state (2.14.1 deprecated
       the c10d call that sets a group's timeout), and the exactness a key promises was shown on one release.
       Nobody loses it silently either: a job on an unqualified release says so when it starts

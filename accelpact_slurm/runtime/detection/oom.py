@@ -10,8 +10,8 @@ same place.  So the witness of a death (a node peer's liveness thread, :mod:`.li
   (:func:`after_death`); the kernel's own record (``Killed process PID ... anon-rss``, read from ``/dev/kmsg``
   where this user may) adds the RSS the rank held when it was killed.
 
-Who calls: :class:`accelpact_slurm.runtime.liveness.Publisher` (the record, the death); :func:`describe` words it
-for the ``dead`` verdict, so the ``fail_stop`` event, ``accelpact-status`` and the console name it.
+Who calls: :class:`accelpact_slurm.runtime.detection.liveness.Publisher` (the record, the death); :func:`describe` words
+it for the ``dead`` verdict, so the ``fail_stop`` event, ``accelpact-status`` and the console name it.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ address and, for a peer on this node, its user): the first at once, then in one 
 
 The server listens on the rendezvous address only (unless it resolves to loopback where ranks on other hosts must
 reach it: :func:`listen`), on the first port of the job's
-candidates (:func:`accelpact_slurm.runtime.store.port_candidates`) it can bind: a squatted port is skipped.
+candidates (:func:`accelpact_slurm.runtime.transport.store.port_candidates`) it can bind: a squatted port is skipped.
 
-Who calls: :func:`accelpact_slurm.runtime.store.host_store` on rank 0; :meth:`StoreServer.close` at the rank's end
-(the process's exit ends the thread too: it is a daemon thread).
+Who calls: :func:`accelpact_slurm.runtime.transport.store.host_store` on rank 0; :meth:`StoreServer.close` at the rank's
+end (the process's exit ends the thread too: it is a daemon thread).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from accelpact_slurm.runtime import store_wire as w
+from accelpact_slurm.runtime.transport import store_wire as w
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from accelpact_slurm.core.errors import CheckpointError, UsageError
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
-from accelpact_slurm.runtime.buffers import buffer_items
+from accelpact_slurm.runtime.state.buffers import buffer_items
 from ckpt_service.verified import VerifiedReader, unpickle_metadata, verified_metadata_bytes
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 import torch.distributed.checkpoint as dcp

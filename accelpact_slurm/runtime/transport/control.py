@@ -19,8 +19,8 @@ them itself: cheaper than the lead's two extra hops while N is small.  With the 
 the member's own value (``JobStore.set_multi_get``): a round costs a member one round trip, and the round's last
 member is answered before the others it releases.
 
-While a round lasts, the rank's liveness thread looks at the records of those it waits on (:mod:`.liveness`): the
-lead at the members that have not joined yet, every other member at the lead.  A member that is dead, stopped or
+While a round lasts, the rank's liveness thread looks at the records of those it waits on (:mod:`..detection.liveness`):
+the lead at the members that have not joined yet, every other member at the lead.  A member that is dead, stopped or
 hung gets a stop in its place (the lead's watcher puts it there); the lead's read ends at once and the lead posts
 that stop as the round's result, so the round fails with :class:`~accelpact_slurm.core.errors.FailStop` naming
 it on every rank waiting in it, one request later than on the lead.  A lead that is dead, stopped or hung gets a
@@ -43,14 +43,13 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, ControlPlaneTimeout, FailStop
-from accelpact_slurm.runtime.collectives import stop_from_round
+from accelpact_slurm.runtime.detection.collectives import stop_from_round
+from accelpact_slurm.runtime.detection.liveness import STOP_KEY
 
 log = logging.getLogger(__name__)
 
 #: How often the waits at a rank's end (:meth:`ControlPlane.leave`, :meth:`ControlPlane.wait_posted`) look.
 POLL_S = 0.01
-#: The value a watcher puts in the place of a member that will never join a round: ``{STOP_KEY: {...}}``.
-STOP_KEY = "__accelpact_stop__"
 #: What a round's lead posts in place of the result when there is none: ``{ROUND_KEY: {"timeout": why}}`` (it ran
 #: into the deadline) or ``{ROUND_KEY: {"direct": true}}`` (it contributed and left: read every member's value).
 ROUND_KEY = "__accelpact_round__"
@@ -87,7 +86,8 @@ class ControlPlane:
         self.timeout_s = timeout_s
         self._seq: dict[str, int] = {}
         self._stale_full: list[str] = []  # earlier generations' stale keys, deleted with the next batch
-        #: The rank's fault detector (:class:`~accelpact_slurm.runtime.collectives.Detector`): None waits blind.
+        #: The rank's fault detector (:class:`~accelpact_slurm.runtime.detection.collectives.Detector`): None waits
+        #: blind.
         self.watch: Any = None
         self.set_generation(generation)
 
@@ -381,8 +381,9 @@ class ControlPlane:
 
         With the detector, the rank's liveness thread watches the round while it lasts (past its first slice: the
         records of ``ranks`` whose ``keys`` are missing, every slice); one that will never come gets a stop in the
-        place of its key, which ends the read at once (:meth:`accelpact_slurm.runtime.liveness.Publisher._look_round`).
-        A stop among the values is the caller's to raise.
+        place of its key, which ends the read at once
+        (:meth:`accelpact_slurm.runtime.detection.liveness.Publisher._look_round`). A stop among the values is the
+        caller's to raise.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         watch = self.watch

@@ -2,10 +2,11 @@
 
 Who calls, on every rank, in the same order (both are collective):
 
-- :meth:`accelpact_slurm.runtime.api.Run.save`: the script, between two updates (never inside
+- :meth:`accelpact_slurm.runtime.job.api.Run.save`: the script, between two updates (never inside
   ``with run.update()``), on a job that takes snapshots;
-- :meth:`accelpact_slurm.runtime.api.Run._final`: the job's end (:func:`accelpact_slurm.runtime.job.run_rank`),
-  after the entry point returned and before the digests, ``summary.json`` and ``job_end``: no job reports that
+- :meth:`accelpact_slurm.runtime.job.api.Run._final`: the job's end
+  (:func:`accelpact_slurm.runtime.job.entry.run_rank`), after the entry point returned and before the digests,
+  ``summary.json`` and ``job_end``: no job reports that
   it completed before the state of its last update is on disk, verified (or it says that it is not).
 
 Each call snapshots committed update ``step`` unless this start already took a snapshot of it (the cadence's,

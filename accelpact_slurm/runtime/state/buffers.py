@@ -20,7 +20,7 @@ What it does not cover, and a script must not do: change other state inside an u
 Names are the model's own (FSDP's and activation checkpointing's wrapper prefixes removed), so that the saved
 buffers load into the same model however it is wrapped.
 
-Who calls: :class:`~accelpact_slurm.runtime.api.Run` on its own rank (nothing here is collective).
+Who calls: :class:`~accelpact_slurm.runtime.job.api.Run` on its own rank (nothing here is collective).
 """
 
 from __future__ import annotations

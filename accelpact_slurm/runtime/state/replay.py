@@ -28,8 +28,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from accelpact_slurm.runtime.buffers import buffer_items
-from accelpact_slurm.runtime.restore import same_bits
+from accelpact_slurm.runtime.state.buffers import buffer_items
+from accelpact_slurm.runtime.state.restore import same_bits
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """L2 reload: on every start, load the newest snapshot verified on any reachable copy that still checks out.
 
 Who calls: every rank, before the training loop, at the same point (collective):
-``job.protect`` -> :class:`~accelpact_slurm.runtime.api.Run` -> :func:`restore`.
+``job.protect`` -> :class:`~accelpact_slurm.runtime.job.api.Run` -> :func:`restore`.
 
 The steps, in this order on every rank (each round is one control-plane ``all_gather``):
 
@@ -26,13 +26,13 @@ The steps, in this order on every rank (each round is one control-plane ``all_ga
    truncation, a missing shard or ``.metadata`` all fail; a copy just made is checked here on
    arrival); pure :func:`agree` combines the answers.  When one copy fails, every rank moves to
    the next older candidate;
-4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.loadfit`): the copy must hold exactly the
-   model's tensors, then every rank loads it (:func:`~accelpact_slurm.runtime.appstate.load`: weights, optimizer
+4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.state.loadfit`): the copy must hold exactly the
+   model's tensors, then every rank loads it (:func:`~accelpact_slurm.runtime.state.appstate.load`: weights, optimizer
    and extra state), one round each.  A refused copy moves every rank to the next older one, rejected once an older
    one loads; none loads: one stop, "no snapshot can be restored: ...", exit 76, nothing rejected (a model change);
 5. the replay check runs later, on the user's own training path: the first update after the load
    must reproduce bitwise what the run recorded for that update when it first ran
-   (:mod:`accelpact_slurm.runtime.replay`); a mismatch rejects the snapshot and fails stop, and the
+   (:mod:`accelpact_slurm.runtime.state.replay`); a mismatch rejects the snapshot and fails stop, and the
    next start falls back to the next older one;
 6. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
    ``path``, ``copied`` (``{from, to, hosts, why}`` when step 2 ran) and ``skipped``
@@ -69,7 +69,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, CheckpointError, FailStop
 from accelpact_slurm.core.rank import RankContext
-from accelpact_slurm.runtime import loadfit
+from accelpact_slurm.runtime.state import loadfit
 from ckpt_service.index import common_step, dir_size, newest_verified, publish_index, record_state, scan
 from ckpt_service.layout import DEL_PREFIX, MAX_STEP, node_dir, shared_dir, step_dirname
 from ckpt_service import committed

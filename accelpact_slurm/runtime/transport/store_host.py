@@ -20,7 +20,8 @@ The run's key goes over the pipe, never on the command line (``/proc/PID/cmdline
 The server's warnings (refused connections: another user on the node) come back as lines on its standard output,
 and rank 0 reports them as before (``on_warning``).
 
-Who calls: :func:`accelpact_slurm.runtime.store.host_store_process` (rank 0, :func:`.topology.build_runtime`).
+Who calls: :func:`accelpact_slurm.runtime.transport.store.host_store_process` (rank 0,
+:func:`..job.topology.build_runtime`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import threading
 from typing import Callable
 
 from accelpact_slurm.core import settings
-from accelpact_slurm.runtime.store_server import StoreServer
+from accelpact_slurm.runtime.transport.store_server import StoreServer
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +105,13 @@ def spawn(sock: socket.socket, key: bytes, binding: str, on_warning: Callable[[s
     address = sock.getsockname()
     fd = sock.fileno()
     # The server imports the same code as this rank: the package's own root first on its path.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     # PR_SET_PDEATHSIG fires when the *thread* that started the process ends: asked for only from the main thread.
     tie = "tie" if threading.current_thread() is threading.main_thread() else "pipe"
     proc = subprocess.Popen(
-        [python or sys.executable, "-m", "accelpact_slurm.runtime.store_host", str(fd), binding, tie],
+        [python or sys.executable, "-m", "accelpact_slurm.runtime.transport.store_host", str(fd), binding, tie],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), close_fds=True, env=env,
     )
     sock.close()

@@ -1,0 +1,1 @@
+"""Fault detection: heartbeats and verdicts (liveness), the data-plane detector (collectives), its wiring, peers."""

@@ -1,0 +1,1 @@
+"""The training state: extra state, buffers, digest, snapshot reload and its fit, replay check, saving, sampler."""

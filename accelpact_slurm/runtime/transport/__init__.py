@@ -1,0 +1,1 @@
+"""The job's own store (wire, server, host, client) and the control plane built on it."""
