@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torchdata.stateful_dataloader", "accelpact_slurm.runtime.job",
            "accelpact_slurm.runtime.api", "accelpact_slurm.runtime.topology", "ckpt_service.client",
-           "accelpact_slurm.cli.ckptd", "ckpt_service.writer", "ckpt_service.verify")
+           "accelpact_slurm.cli.ckptd", "ckpt_service.dcp_write", "ckpt_service.verify")
 READY_TIMEOUT_S = 120.0
 
 
