@@ -77,6 +77,8 @@ BREAKS = [
      "torch-free", "accelpact_slurm.core.events -> torch"),
     ("accelpact_slurm/runtime/envelope.py", "from accelpact_slurm.cli import run",
      "layers", "accelpact_slurm.runtime.envelope -> accelpact_slurm.cli.run"),
+    ("ckpt_service/sink.py", "import ckpt_service.dcp_write",
+     "ckpt-writer", "ckpt_service.sink -> ckpt_service.dcp_write"),
 ]
 
 
