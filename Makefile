@@ -23,11 +23,12 @@ RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 # whole suite; each other one runs RELEASE_TESTS in a venv of its own (scripts/torch_venv.py, cached).
 TORCH_PINNED := 2.13.0
 TORCH_RELEASES ?= 2.14.1 2.15.0
-# What reaches into torch's internals: the repair shim, the runtime, snapshot capture and restore, both examples
-# end to end (an L1 boundary, an L1 backward and an L2 restart each, digests against the uninterrupted run) and
-# the shipped envelope's keys earned again by accelpact-qualify trials.
+# What reaches into torch's internals: the repair shim, the runtime, snapshot capture and restore, ckpt_service's
+# shim (compat), both examples end to end (an L1 boundary, an L1 backward and an L2 restart each, digests against
+# the uninterrupted run) and the shipped envelope's keys earned again by accelpact-qualify trials.
 EARNED_TEST := tests/e2e/test_envelope_earned.py
-RELEASE_TESTS := tests/repair tests/runtime tests/ckpt_service/test_ckpt_capture.py tests/e2e/test_examples.py \
+RELEASE_TESTS := tests/repair tests/runtime tests/ckpt_service/test_ckpt_capture.py tests/ckpt_service/test_compat.py \
+                 tests/e2e/test_examples.py \
                  $(EARNED_TEST)
 # The examples' mixed-precision variants and their negative controls run on the pinned release only (the same
 # paths, in bf16; the controls break this project's code, not torch's).

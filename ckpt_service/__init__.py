@@ -5,7 +5,10 @@ Modules, one concern each:
 - :mod:`.layout`     where things live (node directory, socket, shared-memory staging, step names)
 - :mod:`.protocol`   JSON-lines messages over the daemon's Unix socket, peer-credential check
 - :mod:`.staging`    the shared-memory format a rank stages its shards in
-- :mod:`.writer`     reassembly of the node's full tensors, DCP write, manifest, atomic commit
+- :mod:`.dcp_write`  the node's staged boxes as DCP chunks (no reassembly), DCP write, manifest, atomic commit
+- :mod:`.sink`       the write fast path: files past the page cache, large boxes from the slot, hashed as written
+- :mod:`.writecheck` what the writer checks before the commit: capture proofs, file sizes, digests from the disk
+- :mod:`.compat`     every private torch and DCP name the package touches
 - :mod:`.verify`     checksums, metadata coverage, replay in a fresh process
 - :mod:`.retention`  pure: which snapshots to delete (node directory, shared tier), the newest common step
 - :mod:`.index`      pure selection + state records + the login-node index

@@ -20,7 +20,7 @@ Two ways to build it:
   DTensors/ShardedTensors.
 
 Who calls: :class:`ckpt_service.client.SnapshotClient` (build + copy into its slot); the daemon
-reads the boxes back through :mod:`.staging` and writes them as DCP chunks (:mod:`.writer`).
+reads the boxes back through :mod:`.staging` and writes them as DCP chunks (:mod:`.dcp_write`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from typing import Any, Iterator
 
 import torch
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
-from ckpt_service.compat import canonical_fqn, fsdp1_flat_params
+from ckpt_service.compat import (canonical_fqn, flat_param_parts, fsdp1_flat_params, persistent_buffers,
+                                 sharded_tensor_type)
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 #: Byte alignment of every box in a slot: a page, so the daemon's writer hands a large box to the disk from the
-#: slot itself (``O_DIRECT`` wants page-aligned memory: :class:`ckpt_service.writer.Sink`).
+#: slot itself (``O_DIRECT`` wants page-aligned memory: :class:`ckpt_service.sink.Sink`).
 ALIGN = 4096
 
 
@@ -190,8 +191,8 @@ _BUFFER_FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = wea
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
 
-    flats = fsdp1_flat_params(model)
-    if not flats or any(getattr(fp, "_params", None) is None for fp in flats) or not _fast_path_fits(model):
+    flats = [flat_param_parts(fp) for fp in fsdp1_flat_params(model)]
+    if not flats or any(parts is None for parts in flats) or not _fast_path_fits(model):
         return None
     names = {id(p): n for n, p in model.named_parameters()}
     fqns = _FQNS.get(model)
@@ -200,8 +201,8 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
     entries: list[Entry] = []
     optim_state: dict[str, Any] = {}
     fqn_of: dict[int, str] = {}
-    for fp in flats:
-        for p, info, shape in zip(fp._params, fp._shard_param_infos, fp._shapes):
+    for parts in flats:
+        for p, info, shape in parts or ():
             name = names[id(p)]
             fqn = fqns.get(name)
             if fqn is None:
@@ -247,10 +248,7 @@ def module_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         names = _BUFFER_FQNS[model] = {}
     out: dict[str, torch.Tensor] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):  # every name state_dict() gives
-        skip = getattr(mod, "_non_persistent_buffers_set", ())
-        for attr, buf in mod._buffers.items():
-            if buf is None or attr in skip:
-                continue
+        for attr, buf in persistent_buffers(mod):
             full = f"{mod_name}.{attr}" if mod_name else attr
             fqn = names.get(full)
             if fqn is None:
@@ -329,8 +327,6 @@ def _local_chunks(value: Any) -> list[tuple[list[int], torch.Tensor]] | None:
     if DTensor and isinstance(value, DTensor):
         chunks = value.__create_chunk_list__()
         return [(list(chunks[0].offsets), value.to_local())] if chunks else []
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
+    if isinstance(value, sharded_tensor_type()):
         return [(list(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
     return None

@@ -1,7 +1,30 @@
-"""The one shim around private torch APIs this package uses (tests/ckpt_service/test_ckpt_unit.py and
-tests/ckpt_service/test_ckpt_capture.py notice if they move)."""
+"""Every private torch and DCP name ``ckpt_service`` touches, in one place.
+
+The snapshot path leans on a few names torch does not promise to keep: DCP's per-item writer and its file
+writing hook, its compression extension, its loader without a planner's key list, the state-dict name
+resolution, FSDP1's flat-parameter layout, a module's own buffer table and the ShardedTensor class.  When torch
+moves one, the entry points here fail loudly (``tests/ckpt_service/test_compat.py`` runs each against the
+installed torch, on every supported release: ``make test-releases``), and this is the only module to change.
+``tests/ckpt_service/test_compat.py`` also scans the package and refuses a private torch name anywhere else.
+
+Entry points (torch 2.13-2.15):
+
+* writing: :func:`zstd_extensions`, :func:`filesystem_writer_class` (``FileSystemWriter``'s ``_extensions`` and
+  ``_write_data``), :func:`write_item` (``filesystem._write_item``), :func:`can_place_items` (that and
+  ``torch.serialization._get_storage_alignment``);
+* capture: :func:`fsdp1_flat_params` (each unit's ``_handle``), :func:`flat_param_parts` (a ``FlatParameter``'s
+  ``_params``, ``_shard_param_infos``, ``_shapes``), :func:`persistent_buffers` (``Module._buffers`` and
+  ``_non_persistent_buffers_set``), :func:`canonical_fqn` (``state_dict._get_fqns``),
+  :func:`sharded_tensor_type` (``torch.distributed._shard``);
+* export: :func:`load_everything` (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``).
+"""
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# ------------------------------------------------------------------ writing
 
 
 def zstd_extensions(compress: bool) -> list:
@@ -11,6 +34,64 @@ def zstd_extensions(compress: bool) -> list:
     from torch.distributed.checkpoint._extension import ZStandard
 
     return [ZStandard()]
+
+
+_FS_WRITER: type | None = None
+
+
+def filesystem_writer_class() -> type:
+    """DCP's ``FileSystemWriter`` with its two private hooks under names of this package's own:
+
+    - ``compress=True`` at construction: the files zstd-compressed by DCP's own extension (``_extensions``);
+    - ``write_files(planner, file_queue)``: returns the future of the files it wrote itself, or None to let DCP
+      write them (its ``_write_data``, which ``write_data`` calls with the plan's items queued by file).
+    """
+    global _FS_WRITER
+    if _FS_WRITER is None:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        class Writer(FileSystemWriter):
+            def __init__(self, path: str, *, compress: bool = False, **kwargs: Any) -> None:
+                super().__init__(path, _extensions=zstd_extensions(compress), **kwargs)
+
+            def write_files(self, planner: Any, file_queue: Any) -> Any:
+                return None  # DCP's own file writing
+
+            def _write_data(self, planner: Any, file_queue: Any) -> Any:  # noqa: D401 - DCP interface
+                fut = self.write_files(planner, file_queue)
+                return super()._write_data(planner, file_queue) if fut is None else fut
+
+        _FS_WRITER = Writer
+    return _FS_WRITER
+
+
+#: The parameters of DCP's ``filesystem._write_item`` that :func:`write_item` passes, in order.
+WRITE_ITEM_PARAMS = ["transforms", "stream", "data", "write_item", "storage_key", "serialization_format"]
+
+
+def write_item(transforms: Any, stream: Any, data: Any, item: Any, storage_key: str,
+               serialization_format: Any) -> Any:
+    """One DCP write item serialised into ``stream`` by DCP itself (``filesystem._write_item``); its ``WriteResult``
+    (the item's offset and length in the file)."""
+    from torch.distributed.checkpoint.filesystem import _write_item
+
+    return _write_item(transforms, stream, data, item, storage_key, serialization_format)
+
+
+def can_place_items() -> bool:
+    """Whether this torch has what :func:`ckpt_service.sink.write_files` uses: DCP's ``_write_item`` with the
+    parameters :func:`write_item` passes, and ``torch.save``'s per-thread storage alignment."""
+    import torch.serialization as ser
+    from torch.distributed.checkpoint import filesystem
+
+    try:
+        params = list(inspect.signature(filesystem._write_item).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return params == WRITE_ITEM_PARAMS and hasattr(ser, "_get_storage_alignment")
+
+
+# ------------------------------------------------------------------ capture
 
 
 def fsdp1_flat_params(model) -> list:
@@ -29,6 +110,24 @@ def fsdp1_flat_params(model) -> list:
     return out
 
 
+def flat_param_parts(fp) -> list[tuple[Any, Any, Any]] | None:
+    """``(original parameter, its shard info, its unflattened shape)`` for every parameter a FSDP1
+    ``FlatParameter`` holds, in its order; None when it keeps no original parameters (``use_orig_params=False``).
+    The shard info's ``in_shard``, ``intra_param_start_idx`` and ``intra_param_end_idx`` say which of the
+    parameter's flattened elements this rank's shard holds."""
+    params = getattr(fp, "_params", None)
+    if params is None:
+        return None
+    return list(zip(params, fp._shard_param_infos, fp._shapes))
+
+
+def persistent_buffers(module) -> list[tuple[str, Any]]:
+    """``(name, buffer)`` of ``module``'s own buffers that its ``state_dict()`` holds (set, not registered
+    ``persistent=False``), in registration order; not its children's."""
+    skip = getattr(module, "_non_persistent_buffers_set", ())
+    return [(name, buf) for name, buf in module._buffers.items() if buf is not None and name not in skip]
+
+
 def canonical_fqn(model, name: str) -> str:
     """The name ``get_state_dict`` gives the parameter ``name`` of ``model`` (wrapper prefixes removed)."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
@@ -38,6 +137,15 @@ def canonical_fqn(model, name: str) -> str:
         raise ValueError(f"parameter {name!r} maps to {len(fqns)} names: {sorted(fqns)}")
     return next(iter(fqns))
 
+
+def sharded_tensor_type() -> Any:
+    """The ``ShardedTensor`` class (FSDP1's ``SHARDED_STATE_DICT`` values), which torch keeps in a private package."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return ShardedTensor
+
+
+# ------------------------------------------------------------------ export
 
 
 def load_everything(reader) -> dict:

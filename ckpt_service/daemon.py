@@ -46,7 +46,7 @@ from ckpt_service.retention import Snap, newest_common, plan_retention
 from ckpt_service.tiers import copy_to_shared, prune_shared, should_upload
 from ckpt_service.auth import load_or_create_key
 from ckpt_service.verify import verify_snapshot
-from ckpt_service.writer import recover_node_dir, write_snapshot
+from ckpt_service.dcp_write import recover_node_dir, write_snapshot
 
 log = logging.getLogger(__name__)
 

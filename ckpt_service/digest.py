@@ -11,7 +11,7 @@ on the cores the ranks train on.  Measured here on one core (``make bench``, par
 a third of SHA-256's CPU per byte; both resist collisions, so a planted snapshot fails either (tests:
 ``tests/ckpt_service/test_digest.py``).  One thread per hash: the daemon's threads stay few and at low priority.
 
-Who calls: the writer (:mod:`.writer`, hashing while it writes), the verification and the reload
+Who calls: the writer (:mod:`.sink`, hashing while it writes; :mod:`.writecheck`), the verification and the reload
 (:mod:`.verified`).
 """
 

@@ -19,8 +19,8 @@ it after the copy; the daemon checks it before it writes the snapshot and again 
 before the commit.  A slot rewritten in between (the same file, so the inode guard passes) fails the snapshot
 instead of committing another step's data under this step's name.
 
-Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` and :mod:`.writer`
-(``read_descriptor``, ``map_slot``), which also remove a step's descriptors once it is settled.
+Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` (``read_descriptor``, ``map_slot``,
+for :mod:`.dcp_write`), which also removes a step's descriptors once it is settled.
 A daemon drops its whole staging root at its start and at a clean exit; what a daemon killed by
 ``kill -9`` left behind, the launchers drop once the job has ended (:func:`drop_unserved`, also
 ``python -m ckpt_service.staging --drop NODE_DIR``).

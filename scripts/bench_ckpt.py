@@ -34,7 +34,7 @@ next ``optimizer.step`` first waits for staging to finish (counted in that step)
 
 Part 2 (write bandwidth).  One node's snapshot (the same model + AdamW, two ranks' shards) staged as
 the client stages it, then the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 +
-``writer.write_snapshot``: boxes as DCP chunks in parallel files, each hashed while written and fsynced,
+``dcp_write.write_snapshot``: boxes as DCP chunks in parallel files, each hashed while written and fsynced,
 manifest, rename) against ``dd if=/dev/zero bs=4M conv=fsync`` of the same size on the same filesystem, paired
 and interleaved; the ratio is also reported per order.  The daemon's CPU seconds per GiB (write path,
 verification) come from the same writes.  After every timed ``ours`` snapshot (outside the timed update) each

@@ -77,6 +77,8 @@ BREAKS = [
      "torch-free", "accelpact_slurm.core.events -> torch"),
     ("accelpact_slurm/runtime/job/envelope.py", "from accelpact_slurm.cli import run",
      "layers", "accelpact_slurm.runtime.job.envelope -> accelpact_slurm.cli.run"),
+    ("ckpt_service/sink.py", "import ckpt_service.dcp_write",
+     "ckpt-writer", "ckpt_service.sink -> ckpt_service.dcp_write"),
 ]
 
 
@@ -143,9 +145,9 @@ def test_no_library_module_imports_an_example():
 def test_negative_control_an_added_example_import_is_found(tmp_path):
     for pkg in PACKAGES:
         shutil.copytree(os.path.join(REPO, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "ckpt_service" / "writer.py", "a", encoding="utf-8") as fh:
+    with open(tmp_path / "ckpt_service" / "dcp_write.py", "a", encoding="utf-8") as fh:
         fh.write("\nfrom decoder_model import build_model  # noqa\n")
-    assert library_imports_of_examples(str(tmp_path), example_modules()) == ["ckpt_service/writer.py: decoder_model"]
+    assert library_imports_of_examples(str(tmp_path), example_modules()) == ["ckpt_service/dcp_write.py: decoder_model"]
 
 
 # --------------------------------------------------------------------------- what each part reads from a rank

@@ -220,7 +220,7 @@ def _mark_failed(run_dir: str, node: str, restart: int, why: str) -> None:
 
 
 #: What a snapshot's write and verification import on first use (torch, DCP's planner, reader and writer).
-WRITE_MODULES = ("torch", "torch.distributed.checkpoint", "ckpt_service.writer", "ckpt_service.verify")
+WRITE_MODULES = ("torch", "torch.distributed.checkpoint", "ckpt_service.dcp_write", "ckpt_service.verify")
 
 
 def preload() -> list[str]:

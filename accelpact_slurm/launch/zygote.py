@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torchdata.stateful_dataloader", "accelpact_slurm.runtime.job.entry",
            "accelpact_slurm.runtime.job.api", "accelpact_slurm.runtime.job.topology", "ckpt_service.client",
-           "accelpact_slurm.cli.ckptd", "ckpt_service.writer", "ckpt_service.verify")
+           "accelpact_slurm.cli.ckptd", "ckpt_service.dcp_write", "ckpt_service.verify")
 READY_TIMEOUT_S = 120.0
 
 

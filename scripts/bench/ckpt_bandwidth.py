@@ -1,8 +1,8 @@
 """Checkpoint benchmark, part 2: the daemon's write bandwidth against ``dd conv=fsync`` (``scripts/bench_ckpt.py``).
 
 One node's snapshot (the same model + AdamW, two ranks' shards) staged once as the client stages it, then, per
-round, three writes in the six orders in turn: the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 + ``writer.write_snapshot``: boxes
-as DCP chunks in ``writer.WRITE_THREADS`` files written in parallel, each hashed while written and fsynced,
+round, three writes in the six orders in turn: the daemon's write path (``staging.read_descriptor`` + ``map_slot`` x2 + ``dcp_write.write_snapshot``: boxes
+as DCP chunks in ``sink.WRITE_THREADS`` files written in parallel, each hashed while written and fsynced,
 manifest, rename); the ceiling of the same shape (:func:`_write_ceiling`: as many files, threads, write-back
 windows and fsyncs, the slots' own bytes, nothing else); and ``dd if=/dev/zero bs=4M conv=fsync`` of the same
 size on the same filesystem (one stream, for reference).  After both writes of a pair the daemon's verification
@@ -119,7 +119,7 @@ def _write_ours(ndir: Path, step: int, paths: list[Any], parts: dict[str, float]
     this process: serialisation, the writes into the page cache, the digest while writing, fsync)."""
     import gc
 
-    from ckpt_service import staging, writer
+    from ckpt_service import dcp_write, staging
 
     parts.clear()
     cpu = time.process_time()
@@ -132,7 +132,7 @@ def _write_ours(ndir: Path, step: int, paths: list[Any], parts: dict[str, float]
     t_map = time.monotonic() - t
     timings: dict[str, float] = {}
     from_slot: dict[str, int] = {}
-    _path, size = writer.write_snapshot(str(ndir), step, descs, node="bench", timings=timings, from_slot=from_slot)
+    _path, size = dcp_write.write_snapshot(str(ndir), step, descs, node="bench", timings=timings, from_slot=from_slot)
     total = time.monotonic() - t
     cpu = time.process_time() - cpu
     del descs
@@ -185,16 +185,16 @@ def _write_dd(ndir: Path, size: int) -> dict[str, Any]:
 
 
 def _write_ceiling(ndir: Path, slots: list[Any], sizes: list[int]) -> dict[str, Any]:
-    """The ceiling of the same shape as the daemon's write: ``writer.WRITE_THREADS`` files written in parallel,
-    one thread each, the staged slots' own bytes in 4 MiB pieces through the writer's own :class:`writer.Sink`
+    """The ceiling of the same shape as the daemon's write: ``sink.WRITE_THREADS`` files written in parallel,
+    one thread each, the staged slots' own bytes in 4 MiB pieces through the writer's own :class:`sink.Sink`
     (direct I/O from the slot, as the writer's large boxes, where the file system allows it, else the page cache with the
-    write-back started every ``writer.WRITEBACK_WINDOW`` bytes), then fsync -- the writer's pattern, without
+    write-back started every ``sink.WRITEBACK_WINDOW`` bytes), then fsync -- the writer's pattern, without
     the serialisation, the digest, the manifest and the rename."""
-    from ckpt_service import writer
+    from ckpt_service import sink as fastpath
 
     bufs = [memoryview(s.buf[:n].numpy()).cast("B") for s, n in zip(slots, sizes)]
     total = sum(len(b) for b in bufs)
-    threads = writer.WRITE_THREADS
+    threads = fastpath.WRITE_THREADS
     # the bytes of every slot, cut into `threads` runs of about the same length (as the writer spreads its boxes),
     # each on a page (as the writer's large boxes are: its sink writes them from the slot, so does the ceiling's)
     runs: list[list[memoryview]] = [[] for _ in range(threads)]
@@ -211,7 +211,7 @@ def _write_ceiling(ndir: Path, slots: list[Any], sizes: list[int]) -> dict[str, 
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        sink = writer.Sink(str(ndir / f"ceiling-{i}.bin"))  # the writer's own sink: direct I/O where it is
+        sink = fastpath.Sink(str(ndir / f"ceiling-{i}.bin"))  # the writer's own sink: direct I/O where it is
         try:
             for run in runs[i]:
                 for j in range(0, len(run), 4 << 20):
@@ -243,7 +243,7 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
     import gc
     import warnings
 
-    from ckpt_service import digest, staging, writer
+    from ckpt_service import dcp_write, digest, sink as fastpath, staging
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -251,8 +251,8 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
     ndir = work / "bw-node"
     ndir.mkdir(parents=True, exist_ok=True)
     parts: dict[str, float] = {}
-    orig = writer.build_state
-    writer.build_state = _timed(writer.build_state, parts, "build_state")
+    orig = dcp_write.build_state
+    dcp_write.build_state = _timed(dcp_write.build_state, parts, "build_state")
     rows = []
     try:
         # staged once (as a rank stages it: the slots and descriptors stay valid), written once per pair
@@ -290,10 +290,10 @@ def bench_bandwidth(model_cfg: dict[str, Any], work: Path, pairs: int) -> dict[s
             print(f"[bench] bandwidth pair {i + 1}/{pairs} ({' > '.join(order)}): ours {res['ours_GBps']:.2f} GB/s, "
                   f"ceiling {res['ceiling_GBps']:.2f} GB/s, dd {res['dd_GBps']:.2f} GB/s", flush=True)
     finally:
-        writer.build_state = orig
+        dcp_write.build_state = orig
         shutil.rmtree(stage_root, ignore_errors=True)
         shutil.rmtree(ndir, ignore_errors=True)
-    out: dict[str, Any] = {"pairs": rows, "filesystem": h.fs_type(str(work)), "write_threads": writer.WRITE_THREADS}
+    out: dict[str, Any] = {"pairs": rows, "filesystem": h.fs_type(str(work)), "write_threads": fastpath.WRITE_THREADS}
     for key in ("ratio_full", "ratio_ceiling", "ours_GBps", "ceiling_GBps", "dd_GBps"):
         out[key] = h.spread([r[key] for r in rows])
     # the share of the state's bytes the writer's sink wrote from the slots as they lay (no copy)

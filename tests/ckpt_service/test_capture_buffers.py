@@ -76,7 +76,7 @@ def _write(plan, slot, step, rank, local, ndir, shard, meta):
     does; returns its path."""
     import torch.distributed as dist
 
-    from ckpt_service import staging, writer
+    from ckpt_service import dcp_write, staging
 
     nbytes = plan.layout()
     slot.ensure(staging.slot_bytes(nbytes))
@@ -89,7 +89,7 @@ def _write(plan, slot, step, rank, local, ndir, shard, meta):
     if local == 0:
         for d in descs:
             d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
-        writer.write_snapshot(ndir, step, descs, key=KEY)
+        dcp_write.write_snapshot(ndir, step, descs, key=KEY)
     dist.barrier()
     return path
 

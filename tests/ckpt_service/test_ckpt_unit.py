@@ -133,7 +133,7 @@ def test_boxes_are_written_as_dcp_chunks_and_a_missing_rank_is_refused(tmp_path)
 
     from accelpact_slurm.core.errors import CheckpointError
     from ckpt_service import staging
-    from ckpt_service.writer import build_state
+    from ckpt_service.dcp_write import build_state
 
     t = torch.arange(35.0).reshape(5, 7)
     descs = [_stage_rows(tmp_path / "shm", t, (0, 17), 0), _stage_rows(tmp_path / "shm", t, (17, 35), 1)]
@@ -141,7 +141,7 @@ def test_boxes_are_written_as_dcp_chunks_and_a_missing_rank_is_refused(tmp_path)
         d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
     state, tensors = build_state(descs)
     assert len(tensors[("model", "w")].chunks) == 4  # 17 = 2 rows + 3: two boxes per rank
-    from ckpt_service.writer import _planner
+    from ckpt_service.dcp_write import _planner
 
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ck")), planner=_planner(), no_dist=True)
     back = {"model": {"w": torch.zeros(5, 7)}, "lr": 0}

@@ -19,11 +19,11 @@ KEY = b"k" * 32
 
 def _written(tmp_path):
     torch = pytest.importorskip("torch")
-    from ckpt_service import writer
+    from ckpt_service import dcp_write
     from tests.ckpt_service.test_write_path import _descs
 
     t, descs = _descs(tmp_path, torch)
-    path, _ = writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", key=KEY)
+    path, _ = dcp_write.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", key=KEY)
     return torch, t, path
 
 

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist DCP save
 
-from ckpt_service import staging, writer  # noqa: E402
+from ckpt_service import dcp_write, staging  # noqa: E402
 from ckpt_service.capture import Box, Entry, Plan  # noqa: E402
 from ckpt_service.daemon import Daemon, DaemonOptions  # noqa: E402
 from ckpt_service.index import scan  # noqa: E402
@@ -75,14 +75,14 @@ def test_a_slot_rewritten_during_the_write_is_not_committed(daemon, monkeypatch)
     slot = staging.Slot(staging.slot_path(daemon.stage_root, 0, 0))
     desc = _stage(daemon, slot, 5)
     at = staging.read_descriptor(desc)["stamp"]["at"]
-    real = writer.fault_points.pause_point
+    real = dcp_write.fault_points.pause_point
 
     def restage_now(phase, ndir, step, faults):  # between the shard files and .metadata
         if phase == "writing":
             staging.clear_stamp(slot.buf, at)
         return real(phase, ndir, step, faults)
 
-    monkeypatch.setattr(writer.fault_points, "pause_point", restage_now)
+    monkeypatch.setattr(dcp_write.fault_points, "pause_point", restage_now)
     state, reason = _hand_over(daemon, 5, desc)
     assert state == "failed" and "no longer holds snapshot 5: its stamp was cleared" in reason, reason
     assert [r.step for r in scan(daemon.ndir)] == [] and not [n for n in os.listdir(daemon.ndir) if "step" in n]

@@ -50,19 +50,19 @@ def test_checksums_taken_while_writing_match_the_disk_and_stock_dcp_loads_it(tmp
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_service import writer
+    from ckpt_service import dcp_write, sink, writecheck
     from ckpt_service.verify import verify_snapshot
 
     t, descs = _descs(tmp_path, torch)
     timings: dict[str, float] = {}
-    path, size = writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", timings=timings, key=b"k" * 32)
+    path, size = dcp_write.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", timings=timings, key=b"k" * 32)
     manifest = json.loads((tmp_path / "node" / "step-0000000007" / "manifest.json").read_text())
     data = [n for n in manifest["files"] if n.endswith(".distcp")]
-    assert len(data) == writer.WRITE_THREADS  # the tensors went to one file per write thread
+    assert len(data) == sink.WRITE_THREADS  # the tensors went to one file per write thread
     for name, want in manifest["files"].items():
         raw = (tmp_path / "node" / "step-0000000007" / name).read_bytes()
         assert want["size"] == len(raw) and want["blake3"] == blake3.blake3(raw).hexdigest()
-        assert writer.hash_file(os.path.join(path, name), drop=True) == want["blake3"]
+        assert writecheck.hash_file(os.path.join(path, name), drop=True) == want["blake3"]
     assert verify_snapshot(path, b"k" * 32)[0]
     back = {"model": {"w": torch.zeros_like(t)}, "lr": 0, "extra": {"json": ""}}
     dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)  # stock load
@@ -82,21 +82,21 @@ def test_a_failed_write_thread_fails_the_snapshot(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
 
     from accelpact_slurm.core.errors import CheckpointError
-    from ckpt_service import writer
+    from ckpt_service import dcp_write, sink
 
-    if writer.WRITE_THREADS < 2:
+    if sink.WRITE_THREADS < 2:
         pytest.skip("one write thread on this machine")
     _t, descs = _descs(tmp_path, torch)
-    real = writer._HashingFile._write
+    real = sink.HashingFile._write
 
     def flaky(self, mv):
         if threading.current_thread() is not threading.main_thread() and self.path.endswith(".distcp"):
             raise OSError(errno.ENOSPC, "No space left on device")  # only DCP's extra write thread fails
         return real(self, mv)
 
-    monkeypatch.setattr(writer._HashingFile, "_write", flaky)
+    monkeypatch.setattr(sink.HashingFile, "_write", flaky)
     with pytest.raises(CheckpointError, match="No space left"):
-        writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n")
+        dcp_write.write_snapshot(str(tmp_path / "node"), 7, descs, node="n")
     assert not [n for n in os.listdir(tmp_path / "node") if "step" in n]  # nothing half-written left
 
 
@@ -127,20 +127,20 @@ def test_no_write_thread_computes_torch_saves_crc(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     from torch.utils.serialization import config
 
-    from ckpt_service import writer
+    from ckpt_service import dcp_write, sink
 
-    if writer.WRITE_THREADS < 2:
+    if sink.WRITE_THREADS < 2:
         pytest.skip("one write thread on this machine")
     seen: dict[str, set[bool]] = {}
-    real = writer._HashingFile.write
+    real = sink.HashingFile.write
 
     def spy(self, b):
         seen.setdefault(threading.current_thread().name, set()).add(config.save.compute_crc32)
         return real(self, b)
 
-    monkeypatch.setattr(writer._HashingFile, "write", spy)
+    monkeypatch.setattr(sink.HashingFile, "write", spy)
     _t, descs = _descs(tmp_path, torch)
-    writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n")
+    dcp_write.write_snapshot(str(tmp_path / "node"), 7, descs, node="n")
     assert len(seen) >= 2, seen  # DCP's own thread wrote too
     assert all(v == {False} for v in seen.values()), seen
     assert config.save.compute_crc32 is True  # and it is back on here afterwards
@@ -152,10 +152,10 @@ def test_a_direct_sink_writes_exactly_the_bytes_given(tmp_path, sizes):
     """The sink writes past the page cache where the file system allows it (the development machine's /tmp:
     ext4) through its page-aligned buffer, the tail's partial page through the page cache: the file holds
     exactly the bytes given, in order, for sizes around the page and the buffer's bounds."""
-    from ckpt_service import writer
+    from ckpt_service import sink as sink_mod
 
     data = os.urandom(sum(sizes))
-    sink = writer.Sink(str(tmp_path / "f"))
+    sink = sink_mod.Sink(str(tmp_path / "f"))
     if not sink.direct:
         sink.close()
         pytest.skip("no direct I/O on this file system")
@@ -174,7 +174,7 @@ def test_direct_writes_refused_after_the_open_go_through_the_page_cache(tmp_path
     """A file system may open a file for direct I/O and refuse its writes (EINVAL): the sink then writes the
     same bytes through the page cache, none lost or doubled.  Control: without the fallback (the buffer
     written as it is) the same writes raise."""
-    from ckpt_service import writer
+    from ckpt_service import sink as sink_mod
 
     real = os.write
     refused = []
@@ -185,9 +185,9 @@ def test_direct_writes_refused_after_the_open_go_through_the_page_cache(tmp_path
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, b)
 
-    monkeypatch.setattr(writer.os, "write", write)
+    monkeypatch.setattr(sink_mod.os, "write", write)
     data = os.urandom((8 << 20) * 2 + 12345)
-    sink = writer.Sink(str(tmp_path / "f"))
+    sink = sink_mod.Sink(str(tmp_path / "f"))
     if not sink.direct:
         sink.close()
         pytest.skip("no direct I/O on this file system")
@@ -198,8 +198,8 @@ def test_direct_writes_refused_after_the_open_go_through_the_page_cache(tmp_path
     assert refused and not sink.direct
     assert (tmp_path / "f").read_bytes() == data
 
-    monkeypatch.setattr(writer.Sink, "_direct_write", lambda self, mv: writer._write_all(self.fd, mv))
-    sink = writer.Sink(str(tmp_path / "g"))
+    monkeypatch.setattr(sink_mod.Sink, "_direct_write", lambda self, mv: sink_mod._write_all(self.fd, mv))
+    sink = sink_mod.Sink(str(tmp_path / "g"))
     with pytest.raises(OSError, match="Invalid argument"):
         sink.put(memoryview(data))
     sink.close()
@@ -209,7 +209,7 @@ def test_a_file_system_that_refuses_direct_io_at_the_open_gets_the_page_cache(tm
     """Where the open with O_DIRECT fails with EINVAL (file systems without direct I/O; every one on this
     machine has it, so the refusal is played), the sink opens the file for the page cache and writes it
     whole; any other error of the open is the caller's."""
-    from ckpt_service import writer
+    from ckpt_service import sink as sink_mod
 
     real = os.open
 
@@ -218,16 +218,16 @@ def test_a_file_system_that_refuses_direct_io_at_the_open_gets_the_page_cache(tm
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(path, flags, *a)
 
-    monkeypatch.setattr(writer.os, "open", refusing)
+    monkeypatch.setattr(sink_mod.os, "open", refusing)
     data = os.urandom(10000)
-    sink = writer.Sink(str(tmp_path / "f"))
+    sink = sink_mod.Sink(str(tmp_path / "f"))
     assert not sink.direct
     sink.put(memoryview(data))
     assert sink.finish() == len(data)
     sink.close()
     assert (tmp_path / "f").read_bytes() == data
     with pytest.raises(FileNotFoundError):
-        writer.Sink(str(tmp_path / "missing" / "f"))
+        sink_mod.Sink(str(tmp_path / "missing" / "f"))
 
 
 def _page_aligned(data: bytes):
@@ -245,7 +245,7 @@ def test_a_large_span_on_a_page_goes_to_the_disk_from_where_it_lies(tmp_path, of
     from where it lies (its whole pages: ``sink.spans``), the buffered bytes before it first, its last partial
     page copied: the file holds exactly the bytes given, hashed once, in order.  Control (offset 64): the same
     bytes off a page are all copied, no span, the same file."""
-    from ckpt_service import writer
+    from ckpt_service import sink as sink_mod
 
     big = os.urandom((3 << 20) + 777)
     other = os.urandom(2 << 20)
@@ -257,7 +257,7 @@ def test_a_large_span_on_a_page_goes_to_the_disk_from_where_it_lies(tmp_path, of
     pieces = [memoryview(head), memoryview(pad), memoryview(m1)[offset:offset + len(big)], memoryview(tail),
               memoryview(pad2), memoryview(m2)[:len(other)], memoryview(tail)]
     data = b"".join(bytes(p) for p in pieces)
-    sink = writer.Sink(str(tmp_path / "f"))
+    sink = sink_mod.Sink(str(tmp_path / "f"))
     if not sink.direct:
         sink.close()
         pytest.skip("no direct I/O on this file system")
@@ -277,7 +277,7 @@ def test_a_large_span_on_a_page_goes_to_the_disk_from_where_it_lies(tmp_path, of
 def test_a_span_refused_direct_io_after_the_open_goes_through_the_page_cache(tmp_path, monkeypatch):
     """A span written with the buffered bytes before it (one vectored write) that the file system refuses
     (EINVAL) goes through the page cache, none of its bytes lost or doubled."""
-    from ckpt_service import writer
+    from ckpt_service import sink as sink_mod
 
     real_write, real_writev = os.write, os.writev
 
@@ -285,12 +285,12 @@ def test_a_span_refused_direct_io_after_the_open_goes_through_the_page_cache(tmp
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(writer.os, "write", lambda fd, b: (refuse(fd), real_write(fd, b))[1])
-    monkeypatch.setattr(writer.os, "writev", lambda fd, bs: (refuse(fd), real_writev(fd, bs))[1])
+    monkeypatch.setattr(sink_mod.os, "write", lambda fd, b: (refuse(fd), real_write(fd, b))[1])
+    monkeypatch.setattr(sink_mod.os, "writev", lambda fd, bs: (refuse(fd), real_writev(fd, bs))[1])
     big = os.urandom(2 << 20)
     m = _page_aligned(big)
     head = os.urandom(4096)
-    sink = writer.Sink(str(tmp_path / "f"))
+    sink = sink_mod.Sink(str(tmp_path / "f"))
     if not sink.direct:
         sink.close()
         pytest.skip("no direct I/O on this file system")
@@ -315,11 +315,11 @@ def test_large_boxes_are_written_from_the_slot_each_on_a_page_of_its_file(tmp_pa
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_service import staging, writer
+    from ckpt_service import dcp_write, sink, staging
     from ckpt_service.verify import verify_snapshot
 
     if not placed:
-        monkeypatch.setattr(writer, "_can_place_items", lambda: False)
+        monkeypatch.setattr(dcp_write, "can_place_items", lambda: False)
     t = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))  # 4 MiB: two boxes of ~2 MiB
     small = torch.arange(300.0)
     descs = [_stage_rows(tmp_path / "shm", t, (0, 500_001), 0, 7), _stage_rows(tmp_path / "shm", t, (500_001, t.numel()), 1, 7)]
@@ -329,10 +329,10 @@ def test_large_boxes_are_written_from_the_slot_each_on_a_page_of_its_file(tmp_pa
         d["meta"] = meta
         d["plain"] = {"model": {}, "lr": 1, "small": small}
         d["buf"] = staging.map_slot(d["slot"], d["slot_ino"], d["nbytes"])
-    large = [s for d in descs for e in d["entries"] for _o, s, _b in e["boxes"] if math.prod(s) * 4 >= writer.PLACE_FROM]
+    large = [s for d in descs for e in d["entries"] for _o, s, _b in e["boxes"] if math.prod(s) * 4 >= sink.PLACE_FROM]
     assert len(large) == 2
     from_slot: dict[str, int] = {}
-    path, _ = writer.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", key=b"k" * 32, from_slot=from_slot)
+    path, _ = dcp_write.write_snapshot(str(tmp_path / "node"), 7, descs, node="n", key=b"k" * 32, from_slot=from_slot)
     assert verify_snapshot(path, b"k" * 32)[0]
     back = {"model": {"w": torch.zeros_like(t)}, "lr": 0, "small": torch.zeros_like(small), "extra": {"json": ""}}
     dcp.load(back, storage_reader=dcp.FileSystemReader(path), no_dist=True)
@@ -340,7 +340,7 @@ def test_large_boxes_are_written_from_the_slot_each_on_a_page_of_its_file(tmp_pa
     md = dcp.FileSystemReader(path).read_metadata()
     on_pages = []
     for index, info in md.storage_data.items():
-        if index.fqn != "model.w" or info.length < writer.PLACE_FROM:  # the two large boxes' items
+        if index.fqn != "model.w" or info.length < sink.PLACE_FROM:  # the two large boxes' items
             continue
         raw = open(os.path.join(path, info.relative_path), "rb").read()[info.offset:info.offset + info.length]
         record = zipfile.ZipFile(io.BytesIO(raw))
