@@ -118,6 +118,20 @@ def _rebuild_fail_stop(cls, reason, exit_code, context):
     return cls(reason, exit_code, **context)
 
 
+class Stopped(BaseException):
+    """Raised into the training script when the job stops this rank (a fail-stop, decided and announced already).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: a script's ``except Exception`` lets it through, so the script's
+    ``finally`` blocks and context managers run on its way out.  The runtime catches it around the entry point, runs
+    the stop hooks (``job.on_stop``) and exits the rank with ``exit_code`` (one of :data:`EXIT_CODES`); ``cause`` is
+    one of :data:`CAUSES`.
+    """
+
+    def __init__(self, reason: str, exit_code: int, cause: str) -> None:
+        super().__init__(reason)
+        self.reason, self.exit_code, self.cause = reason, exit_code, cause
+
+
 class RepairError(AccelpactError, RuntimeError):
     """An L1 repair phase failed; the engine turns it into a fail-stop."""
 
