@@ -1,7 +1,8 @@
 """One exception hierarchy and the documented process exit codes.
 
 Every error the project raises derives from :class:`AccelpactError` and from the
-nearest builtin, so callers may catch either.  Exit codes are the contract with
+nearest builtin, so callers may catch either; :class:`Stopped`, the stop raised into a
+training script, is no error (a ``BaseException``).  Exit codes are the contract with
 the launcher and with Slurm: :data:`EXIT_REQUEUE` asks for a requeue and a reload
 of the newest verified checkpoint; :data:`EXIT_NO_REQUEUE` asks the supervisor to
 stop (no progress across restarts, or an error a restart cannot fix).
@@ -130,6 +131,9 @@ class Stopped(BaseException):
     def __init__(self, reason: str, exit_code: int, cause: str) -> None:
         super().__init__(reason)
         self.reason, self.exit_code, self.cause = reason, exit_code, cause
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.exit_code, self.cause))
 
 
 class RepairError(AccelpactError, RuntimeError):
