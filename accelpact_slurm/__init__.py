@@ -5,7 +5,7 @@ L2 Restart fails stop, requeues and reloads the newest verified checkpoint.
 
 The public API (``docs/api.md``): a training script's entry point receives a :class:`Job`;
 ``job.protect(model, optimizer, scheduler=..., state=...)`` returns a :class:`Run`, whose
-``batches`` and ``update`` drive the user's own loop.
+``batches`` and ``update`` drive the user's own loop; a stop unwinds it as :class:`Stopped`.
 
 Importing this package does not import torch (login-node tools depend on it): the API names
 are loaded on first use.
@@ -13,7 +13,7 @@ are loaded on first use.
 
 __version__ = "0.2.0"
 
-__all__ = ["Job", "Run", "Update"]
+__all__ = ["Job", "Run", "Update", "Stopped"]
 
 
 def __getattr__(name: str):

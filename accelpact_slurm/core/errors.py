@@ -1,7 +1,8 @@
 """One exception hierarchy and the documented process exit codes.
 
 Every error the project raises derives from :class:`AccelpactError` and from the
-nearest builtin, so callers may catch either.  Exit codes are the contract with
+nearest builtin, so callers may catch either; :class:`Stopped`, the stop raised into a
+training script, is no error (a ``BaseException``).  Exit codes are the contract with
 the launcher and with Slurm: :data:`EXIT_REQUEUE` asks for a requeue and a reload
 of the newest verified checkpoint; :data:`EXIT_NO_REQUEUE` asks the supervisor to
 stop (no progress across restarts, or an error a restart cannot fix).
@@ -116,6 +117,23 @@ class FailStop(AccelpactError, RuntimeError):
 
 def _rebuild_fail_stop(cls, reason, exit_code, context):
     return cls(reason, exit_code, **context)
+
+
+class Stopped(BaseException):
+    """Raised into the training script when the job stops this rank (a fail-stop, decided and announced already).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: a script's ``except Exception`` lets it through, so the script's
+    ``finally`` blocks and context managers run on its way out.  The runtime catches it around the entry point, runs
+    the stop hooks (``job.on_stop``) and exits the rank with ``exit_code`` (one of :data:`EXIT_CODES`); ``cause`` is
+    one of :data:`CAUSES`.
+    """
+
+    def __init__(self, reason: str, exit_code: int, cause: str) -> None:
+        super().__init__(reason)
+        self.reason, self.exit_code, self.cause = reason, exit_code, cause
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.exit_code, self.cause))
 
 
 class RepairError(AccelpactError, RuntimeError):

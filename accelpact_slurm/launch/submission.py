@@ -59,8 +59,8 @@ handler, which only logs it and trains on until the SIGKILL; on the local execut
 
 The node's daemon is a child of local rank 0: it ignores USR2, and on Slurm SIGTERM as well
 (``--keep-serving-on-sigterm``): Slurm signals every process of the step, and the daemon must stay up for the
-snapshot the signal asks for.  It gets SIGINT when its parent dies (``os._exit`` on a fail-stop skips every
-``finally``), so a daemon never outlives its task.
+snapshot the signal asks for.  It gets SIGINT when its parent dies (a fail-stop ends the rank with ``os._exit``
+once the script unwound, skipping the launcher's ``finally``), so a daemon never outlives its task.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def test_requeue_failure_is_recorded(tmp_path):
 
 
 def _non_lead_fail_stop(port: int, events_path: str) -> None:
-    """Rank 1 of 2 stopping for a requeue (runs in a spawned process; fail_stop ends it with os._exit)."""
+    """Rank 1 of 2 stopping for a requeue (runs in a spawned process; fail_stop raises the Stopped that
+    exit_stopped ends the process with, as run_rank does)."""
     import datetime
     import sys
     import time
@@ -80,12 +81,16 @@ def _non_lead_fail_stop(port: int, events_path: str) -> None:
     from accelpact_slurm.runtime.transport.control import ControlPlane
     from accelpact_slurm.core.errors import FailStop
     from accelpact_slurm.core.events import EventLog
-    from accelpact_slurm.runtime.job.stopping import fail_stop
+    from accelpact_slurm.core.errors import Stopped
+    from accelpact_slurm.runtime.job.stopping import exit_stopped, fail_stop
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
     control = ControlPlane(store, rank=1, world_size=2, timeout_s=30)
     stop = FailStop("test", EXIT_REQUEUE, phase="committed", frontier=3, decided_at=time.monotonic())
-    fail_stop(stop, EventLog(events_path, rank=1), sys.stdout, lead=False, control=control)
+    try:
+        fail_stop(stop, EventLog(events_path, rank=1), sys.stdout, lead=False, control=control)
+    except Stopped as stopped:
+        exit_stopped(stopped)
 
 
 @pytest.mark.slow
@@ -120,14 +125,17 @@ def test_a_rank_leaves_a_requeue_stop_only_after_rank_0_asked_slurm(tmp_path):
 
 _STOP_WITHOUT_FRONTIER = """
 import sys, time
-from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, FailStop
+from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, FailStop, Stopped
 from accelpact_slurm.core.events import EventLog
-from accelpact_slurm.runtime.job.stopping import fail_stop
+from accelpact_slurm.runtime.job.stopping import exit_stopped, fail_stop
 log = EventLog(sys.argv[1], rank=0)
 for step in range(1, int(sys.argv[2]) + 1):
     log.emit("step", step=step)
-fail_stop(FailStop("no snapshot can be restored: step 10: missing key", EXIT_NO_REQUEUE, cause="checkpoint",
-                   phase="start", frontier=None, decided_at=time.monotonic()), log, sys.stdout, lead=True)
+try:
+    fail_stop(FailStop("no snapshot can be restored: step 10: missing key", EXIT_NO_REQUEUE, cause="checkpoint",
+                       phase="start", frontier=None, decided_at=time.monotonic()), log, sys.stdout, lead=True)
+except Stopped as stop:
+    exit_stopped(stop)
 """
 
 
@@ -136,7 +144,7 @@ fail_stop(FailStop("no snapshot can be restored: step 10: missing key", EXIT_NO_
                                               (0, "fail-stop before any committed update (checkpoint): ")])
 def test_a_stop_without_a_frontier_names_the_logs_newest_committed_update(tmp_path, committed, words):
     """A stop raised where no update number is at hand (a restore, the control plane) printed ``fail-stop at
-    F=None`` although update 13 was committed.  A real rank process stops (``os._exit`` with the stop's code).
+    F=None`` although update 13 was committed.  A real rank process stops (``exit_stopped`` with the stop's code).
 
     Negative control: the old line (``F={info.get('frontier')}``) prints ``F=None`` in both cases.
     """

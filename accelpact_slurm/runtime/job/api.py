@@ -31,13 +31,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import torch
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, UsageError
+from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, Stopped, UsageError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime.state import appstate, replay
@@ -46,7 +46,8 @@ from accelpact_slurm.runtime.state.buffers import forward_state
 from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
                                                 log_exception)
 from accelpact_slurm.runtime.state.sampler import ShardedSampler
-from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, stop_for_requeue
+from accelpact_slurm.runtime.job import stopping
+from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
 from accelpact_slurm.runtime.job.recovery import build_guard
 from accelpact_slurm.runtime.state.restore import reject_copy, restore
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Job", "Run", "Update"]
+__all__ = ["Job", "Run", "Update", "Stopped"]
 
 _END = object()
 #: How torch words the error of an op without a deterministic implementation under use_deterministic_algorithms.
@@ -117,6 +118,14 @@ class Job:
         """Print one progress line on rank 0."""
         if self.is_lead:
             print(f"[accelpact] {message}", file=self._out, flush=True)
+
+    def on_stop(self, hook: Callable[[Stopped], Any]) -> None:
+        """Call ``hook(stop)`` (a :class:`Stopped`) once when the job stops this rank, after the script unwound and
+        before the rank exits, to flush the script's own logs.  Hooks run in order on a thread of their own, within
+        ``STOP_HOOKS_S`` all together; an error in one is logged, never changes the exit code (``docs/api.md``)."""
+        if not callable(hook):
+            raise UsageError("job.on_stop", hook, "pass a function taking one argument, the Stopped")
+        stopping.on_stop(hook)
 
     def sampler(self, dataset: Any, *, shuffle: bool = True, seed: int | None = None,
                 drop_last: bool = True) -> ShardedSampler:
@@ -198,7 +207,6 @@ class Run:
 
     def __init__(self, job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  state: dict[str, Any], *, exact: bool = True) -> None:
-
         self.job = job
         self._model, self._optimizer = model, optimizer
         self._exact = exact
@@ -258,7 +266,6 @@ class Run:
         if out.step is not None and self._checked:
             ref = None
             if job.is_lead:
-
                 ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step,
                                             load_key(job.run_dir))
             self._replay = (out.step, rt.control.broadcast("replay-ref", ref))
@@ -316,6 +323,7 @@ class Run:
 
     def update(self) -> Update:
         """The context of one update: forward, backward and ``optimizer.step`` go inside it."""
+        reraise()  # the script caught its stop and went on: the stop stands
         if self._closed:
             raise UsageError("run.update", "called after run.close()", "close the run after its last update")
         return Update(self)
@@ -391,7 +399,6 @@ class Run:
 
     def _load(self, path: str) -> None:
         """Collective: load one snapshot into the model, the optimizer and the extra state."""
-
         verified = self._checked
         self.job._faults.kill_node_at("restore", snapshot_step(path), self.job._rt.node)
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
@@ -418,7 +425,7 @@ class Run:
 
     def _decide(self, update: Update, fault: str | None, error: str | None) -> str:
         """The update's one vote (collective): at its first ``optimizer.step``, or at its end when it raised or
-        never stepped.  Returns ``continue`` or ``redo``; fails stop (exits) on a Restart decision."""
+        never stepped.  Returns ``continue`` or ``redo``; fails stop (raises ``Stopped``) on a Restart decision."""
         job, rt = self.job, self.job._rt
         detector = getattr(rt, "detector", None)
         latched = detector.take_latched() if detector is not None else None
@@ -453,20 +460,19 @@ class Run:
         self._current = None
         fault = error = None
         phase = tracker.phase
+        tracker.end()
+        reraise()  # the script caught its stop inside the update and went on: the stop stands
         if isinstance(ev, Redo):
-            tracker.end()
             return True  # the vote discarded the update: run.batches yields its batch again
-        if update._decided == "redo" and ev is None:
-            tracker.end()  # the script caught the Redo raised out of optimizer.step() and went on
+        if update._decided == "redo" and ev is None:  # the script caught the Redo raised out of optimizer.step()
             raise UsageError("optimizer.step()", f"its Redo caught by the script in update {update.step}",
                              "let accelpact_slurm's Redo leave the update (it is a BaseException: catch Exception, "
                              "not BaseException, around optimizer.step()); the update is discarded and runs again")
         if ev is not None:
-            tracker.end()
             if isinstance(ev, FailStop):  # the detector: a member is dead, hung or stopped (no vote can complete)
                 fail_stop(ev, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
             if not isinstance(ev, Exception) or isinstance(ev, UsageError):
-                return False  # KeyboardInterrupt, SystemExit, the API's own usage errors: not a fault
+                return False  # KeyboardInterrupt, SystemExit, a Stopped, the API's own usage errors: not a fault
             if isinstance(ev, RuntimeError) and NONDETERMINISTIC in str(ev):
                 op = str(ev).split(NONDETERMINISTIC)[0].strip() or "an op"
                 raise UsageError("model", op, "it has no deterministic implementation, and exact recovery needs "
@@ -505,7 +511,6 @@ class Run:
                         update.step)
             if job.is_lead:
                 job.events.emit("warning", step=update.step, reason="update ended without optimizer.step()")
-        tracker.end()
         if not update._decided:
             if self._decide(update, fault, error) == "redo":
                 return True
@@ -549,7 +554,6 @@ class Run:
                                    frontier=snap, decided_at=time.monotonic()), job.events, job._out, job.is_lead,
                           rt.control, rt.ctx, job._environ)
         if record and job.is_lead:
-
             ref = {"snapshot": prev, "step": step, "loss": mean, "fingerprints": fps, "layout": layout}
             # MAC'd under the run's key: a line another user appends to the log cannot reject the snapshot
             job.events.emit("replay_ref", **ref, mac=replay.ref_mac(load_or_create_key(job.run_dir), ref))

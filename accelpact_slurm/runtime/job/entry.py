@@ -21,13 +21,13 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.core.atomic import write_json_atomic
 from accelpact_slurm.core.config import JobConfig, snapshot_note
 from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, AccelpactError, CheckpointError,
-                                         ConfigError, FailStop, UsageError)
+                                         ConfigError, FailStop, Stopped, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
 from accelpact_slurm.runtime.detection.peers import dead_peer_stop
 from accelpact_slurm.runtime.job.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
-from accelpact_slurm.runtime.job.stopping import as_fail_stop, check_progress, fail_stop
+from accelpact_slurm.runtime.job.stopping import as_fail_stop, check_progress, exit_stopped, fail_stop, reraise
 from ckpt_service.auth import load_or_create_key
 
 if TYPE_CHECKING:
@@ -153,7 +153,19 @@ def warn_at_start(cfg: JobConfig, events: EventLog, out: TextIO) -> None:
 
 def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None = None,
              out: TextIO | None = None, job_file: str | None = None) -> int:
-    """Run the job's entry point on this rank to its end; return the process exit code."""
+    """Run the job's entry point on this rank to its end; return the process exit code (0).
+
+    A stop unwinds the script as :class:`Stopped` (its ``finally`` blocks and context managers run) and ends here:
+    the stop hooks, then the rank exits with the stop's code (75, 76, 2) and never returns.
+    """
+    try:
+        return _run_rank(cfg, ctx, run_dir, environ, out, job_file)
+    except Stopped as stop:
+        exit_stopped(stop)
+
+
+def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None,
+              out: TextIO | None, job_file: str | None) -> int:
     check_dependencies()  # before joining: a node without the train extra fails now, not at the first snapshot
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
@@ -209,6 +221,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
         fail_stop(peer_stop(exc, rt, "script", job) or as_fail_stop(exc, phase="script"), events, out,
                   lead, rt.control, ctx, environ)
     except Exception as exc:  # the training code's own error outside an update: a restart would repeat it
+        reraise()  # raised by the script's finally or hook while its stop unwound it: that stop stands
         stop = peer_stop(exc, rt, "script", job)  # unless a peer is gone: a snapshot's or a restore's
         if stop is not None:  # collective failed with it ("Connection closed by peer"): L2, naming the dead
             log_exception(log, f"rank {rt.rank} raised {type(exc).__name__} with a peer gone", exc)
@@ -220,6 +233,7 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
                            f"resubmit", EXIT_NO_REQUEUE, cause="training-code", phase="script", frontier=None,
                            decided_at=time.monotonic(), rank=rt.rank, exception=info),
                   events, out, lead, rt.control, ctx, environ)
+    reraise()  # the script caught its stop and returned: the stop stands
     run = job.run
     if run is None:
         fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling job.protect(model, "
@@ -230,14 +244,12 @@ def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[s
     except AccelpactError as exc:
         fail_stop(peer_stop(exc, rt, "end", job) or as_fail_stop(exc, phase="end", frontier=run.step),
                   events, out, lead, rt.control, ctx, environ)
-        raise AssertionError("unreachable: fail_stop exits") from exc  # pragma: no cover
     except Exception as exc:  # the final snapshot's or the digests' collective, failed with a peer gone
         stop = peer_stop(exc, rt, "end", job)
         if stop is None:
             raise
         log_exception(log, f"rank {rt.rank} raised {type(exc).__name__} at the job's end with a peer gone", exc)
         fail_stop(stop, events, out, lead, rt.control, ctx, environ)
-        raise AssertionError("unreachable: fail_stop exits") from exc  # pragma: no cover
 
 
 def _no_peer_check(exc: BaseException, rt: Runtime, phase: str, job: Any) -> None:

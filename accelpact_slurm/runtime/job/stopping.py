@@ -1,7 +1,11 @@
 """How a rank stops: fail-stop (the documented exit codes), the no-progress rule, the requeue stop.
 
+A fail-stop decides and announces the stop, then raises :class:`~accelpact_slurm.core.errors.Stopped` into the
+script, whose ``finally`` blocks and context managers run on the way out; :func:`exit_stopped` ends the rank.
+
 Who calls: :class:`accelpact_slurm.runtime.job.api.Run` (a Restart decision, a pre-timeout signal, a
-failed replay check) and :func:`accelpact_slurm.runtime.job.entry.run_rank` (the no-progress check at start).
+failed replay check) and :func:`accelpact_slurm.runtime.job.entry.run_rank` (the no-progress check at start, and
+:func:`exit_stopped` around the entry point).
 """
 
 from __future__ import annotations
@@ -10,13 +14,14 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any, Mapping, TextIO
+from typing import Any, Callable, Mapping, NoReturn, TextIO
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_REQUEUE, EXIT_USAGE, CheckpointError, ConfigError,
-                                         ControlPlaneError, FailStop)
+                                         ControlPlaneError, FailStop, Stopped)
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.rank import RankContext
 from accelpact_slurm.ops.stops import last_committed_step
@@ -31,18 +36,32 @@ log = logging.getLogger(__name__)
 
 #: How long a fail-stop waits for a snapshot's hand-over still running on its thread (normally milliseconds).
 HANDOVER_JOIN_S = 5.0
+#: How long the script may take to unwind once its stop was raised (its ``finally`` blocks and context managers):
+#: past it the rank ends anyway (:func:`exit_stopped` from a timer thread), e.g. a ``finally`` blocked in a
+#: collective whose peers are gone, or a script that caught :class:`Stopped` and went on.
+STOP_GRACE_S = 5.0
+#: How long the stop hooks (``job.on_stop``) may run, all together, before the rank exits without them.
+STOP_HOOKS_S = 5.0
+
+_raised: Stopped | None = None  # this rank's stop, once raised into the script
+_hooks: list[Callable[[Stopped], Any]] = []
+_leaving = threading.Lock()  # the hooks run once: the unwound script or the grace's timer, whichever comes first
 
 
 def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control: Any = None,
-              ctx: SlurmContext | None = None, environ: Mapping[str, str] | None = None) -> None:
-    """Stop this rank now: say why to the other ranks, write the event, flush, exit with the documented code.
+              ctx: SlurmContext | None = None, environ: Mapping[str, str] | None = None) -> NoReturn:
+    """Stop this rank now: say why to the other ranks, write the event, flush, then raise :class:`Stopped` (with
+    the documented exit code) into the script, which unwinds to :func:`exit_stopped`.
 
     First the rank's heartbeat record says it stops, with the cause and the exit code (a peer waiting on it
     stops the same way at once, instead of calling it dead); a hung rank of this node gets its stacks dumped and
-    is killed by its lowest peer (it would otherwise outlive the start).  ``os._exit`` skips interpreter
-    teardown on purpose: destroying a process group whose peers are gone can block, and nothing may be written
-    after the decision.
+    is killed by its lowest peer (it would otherwise outlive the start).  Nothing of the project is written after
+    the decision (the event log is closed).  A second call on this rank (the script's ``finally`` raised, or it
+    caught the stop) raises the first stop again: one decision per rank.
     """
+    global _raised
+    if _raised is not None:
+        raise _raised
     slurm, info = ctx, stop.context
     decided = info.get("decided_at")
     # srun --kill-on-bad-exit TERMs the remaining ranks as soon as one exits: finish the event and, on rank 0,
@@ -50,7 +69,8 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     detector = getattr(control, "watch", None)
     if detector is not None and detector.publisher is not None and detector.publisher.ended_by_peer():
-        # This rank was hung: a peer resumed it only to take its stacks and is killing it; it decides nothing.
+        # This rank was hung: a peer resumed it only to take its stacks and is killing it; it decides nothing
+        # and unwinds nothing (the SIGKILL is on its way).
         os._exit(stop.exit_code)
     culprit = info.get("rank")
     if detector is not None:
@@ -60,7 +80,7 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
             stop = name_gone(stop, detector, control.world_size)
             info = stop.context
 
-    if join_handovers(HANDOVER_JOIN_S):  # the last snapshot's hand-over to the daemon, cut short by os._exit else
+    if join_handovers(HANDOVER_JOIN_S):  # the last snapshot's hand-over to the daemon, cut short by the exit else
         log.warning("a snapshot's hand-over to the checkpoint daemon did not finish within %g s", HANDOVER_JOIN_S)
     killed = None
     if stop.cause == "hung-rank" and detector is not None and isinstance(culprit, int):
@@ -109,7 +129,53 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     events.close()
     sys.stdout.flush()
     sys.stderr.flush()
+    _raised = Stopped(stop.reason, stop.exit_code, stop.cause)
+    grace = threading.Timer(STOP_GRACE_S, exit_stopped,
+                            (_raised, f"the script did not unwind within {STOP_GRACE_S:g} s of its stop"))
+    grace.daemon = True
+    grace.start()
+    raise _raised
+
+
+def reraise() -> None:
+    """Raise this rank's stop again if it was raised already (the script caught it and went on): a stop cannot be
+    cancelled."""
+    if _raised is not None:
+        raise _raised
+
+
+def on_stop(fn: Callable[[Stopped], Any]) -> None:
+    """Register a stop hook (``job.on_stop``): called once with the :class:`Stopped` before the rank exits."""
+    _hooks.append(fn)
+
+
+def exit_stopped(stop: Stopped, why: str | None = None) -> NoReturn:
+    """End the rank on a stop, once the script has unwound (or ``why`` it did not): the stop hooks, in order, on a
+    thread of their own within :data:`STOP_HOOKS_S` (an exception in one is logged, never changes the exit code),
+    then ``os._exit`` with the stop's code.  ``os._exit`` skips interpreter teardown on purpose: destroying a
+    process group whose peers are gone can block."""
+    _leaving.acquire()  # held until the exit: a second caller waits for it
+    if why:
+        log.warning("%s; the rank exits %d", why, stop.exit_code)
+    if _hooks:
+        hooks = threading.Thread(target=_run_hooks, args=(stop,), name="accelpact-stop-hooks", daemon=True)
+        hooks.start()
+        hooks.join(STOP_HOOKS_S)
+        if hooks.is_alive():
+            log.warning("the stop hooks did not return within %g s; the rank exits %d without them", STOP_HOOKS_S,
+                        stop.exit_code)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(stop.exit_code)
+
+
+def _run_hooks(stop: Stopped) -> None:
+    for fn in list(_hooks):
+        try:
+            fn(stop)
+        except BaseException:  # the script's own error: logged, the stop's exit code stays
+            log.exception("the stop hook %s raised; the rank still exits %d", getattr(fn, "__qualname__", fn),
+                          stop.exit_code)
 
 
 def _where(frontier: Any, events: EventLog) -> str:
