@@ -318,6 +318,12 @@ class Daemon:
             step, timeout = int(msg["step"]), float(msg.get("timeout", 60))
             deadline = time.monotonic() + timeout
             with self._changed:
+                if step not in self._states and step not in self._pending and step not in self._inflight:
+                    # a rank waits only after its hand-over was answered: a step this daemon never heard of was
+                    # handed to an earlier daemon of the node, killed since (the launcher started this one)
+                    return {"ok": True, "step": step, "state": None, "unknown": True,
+                            "reason": f"this daemon (pid {os.getpid()}) was never handed snapshot {step}: "
+                                      f"an earlier daemon of this node took it and ended"}
                 while self._states.get(step, ("",))[0] not in FINAL:
                     left = deadline - time.monotonic()
                     if left <= 0:
