@@ -338,9 +338,20 @@ class Daemon:
             pend = self._pending.setdefault(step, _Pending(nranks))
             pend.paths[local_rank] = path
             complete = len(pend.paths) >= pend.nranks
+            stale: list[int] = []
             if complete:
                 del self._pending[step]
                 self._inflight.add(step)
+                # Every rank hands its snapshots over in step order, one at a time: once all have handed this one,
+                # an older step still short of ranks never completes (a rank handed it to a daemon of this node
+                # killed since): dropped now, or the ranks' slots that hold it would stay busy to the end.
+                stale = sorted(s for s in self._pending if s < step)
+                for s in stale:
+                    del self._pending[s]
+        for s in stale:
+            staging.drop_step(self.stage_root, s)
+            self._set_state(s, "failed", f"snapshot {s} was handed to this daemon by some of the node's ranks only "
+                                         f"(the others handed it to an earlier daemon, ended since)", None, None)
         faults.pause_point("staging", self.ndir, step, self.o.faults)
         if complete:
             self.q_write.put((step, dict(pend.paths)))
