@@ -471,6 +471,8 @@ class SnapshotClient:
         except DaemonUnavailable as exc:
             return None, f"no answer from the checkpoint daemon on {self.rt.ctx.hostname}: {exc}"
         state = reply.get("state")
+        if reply.get("unknown"):  # handed to a daemon killed since; the one serving now never had it
+            return None, str(reply.get("reason"))
         if state not in FINAL:
             return None, f"not settled within {timeout_s:g} s (the daemon has it {state or 'not at all'})"
         return state, str(reply.get("reason") or f"the daemon {state} it")

@@ -318,6 +318,12 @@ class Daemon:
             step, timeout = int(msg["step"]), float(msg.get("timeout", 60))
             deadline = time.monotonic() + timeout
             with self._changed:
+                if step not in self._states and step not in self._pending and step not in self._inflight:
+                    # a rank waits only after its hand-over was answered: a step this daemon never heard of was
+                    # handed to an earlier daemon of the node, killed since (the launcher started this one)
+                    return {"ok": True, "step": step, "state": None, "unknown": True,
+                            "reason": f"this daemon (pid {os.getpid()}) was never handed snapshot {step}: "
+                                      f"an earlier daemon of this node took it and ended"}
                 while self._states.get(step, ("",))[0] not in FINAL:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -332,9 +338,20 @@ class Daemon:
             pend = self._pending.setdefault(step, _Pending(nranks))
             pend.paths[local_rank] = path
             complete = len(pend.paths) >= pend.nranks
+            stale: list[int] = []
             if complete:
                 del self._pending[step]
                 self._inflight.add(step)
+                # Every rank hands its snapshots over in step order, one at a time: once all have handed this one,
+                # an older step still short of ranks never completes (a rank handed it to a daemon of this node
+                # killed since): dropped now, or the ranks' slots that hold it would stay busy to the end.
+                stale = sorted(s for s in self._pending if s < step)
+                for s in stale:
+                    del self._pending[s]
+        for s in stale:
+            staging.drop_step(self.stage_root, s)
+            self._set_state(s, "failed", f"snapshot {s} was handed to this daemon by some of the node's ranks only "
+                                         f"(the others handed it to an earlier daemon, ended since)", None, None)
         faults.pause_point("staging", self.ndir, step, self.o.faults)
         if complete:
             self.q_write.put((step, dict(pend.paths)))

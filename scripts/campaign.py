@@ -14,6 +14,8 @@ A run passes when all of these hold:
   there (its directory and manifest) at the end, unless that node's index then lists ``keep_last`` newer verified
   ones (retention's deletions);
 - a straggler is waited for: no repair, no restart;
+- a killed daemon's node still has its last snapshot: the job's final update verified in that node's index (the
+  launcher started a new daemon);
 - the run ends within its deadline (``--deadline-s``).
 
 Per run: kind, update, phase, result (``bitwise`` / ``stop: NAME`` / ``FAIL: reason``), the time back to training
@@ -219,6 +221,20 @@ class Verified:
         return lost
 
 
+def last_snapshot(run_dir: str, node: str, step: int) -> str | None:
+    """Why ``node``'s index does not list the job's last update ``step`` as verified; None when it does.  A node
+    whose daemon was killed mid-job gets a new one from the launcher: its final snapshot is written all the same."""
+    try:
+        with open(os.path.join(run_dir, "ckpt-index", f"{node}.json")) as fh:
+            snaps = {s.get("step"): s.get("state") for s in json.load(fh).get("snapshots") or []}
+    except (OSError, ValueError) as exc:
+        return f"{node} has no readable index ({exc.__class__.__name__})"
+    if snaps.get(step) != "verified":
+        return (f"{node}'s last snapshot (update {step}) is {snaps.get(step) or 'not in its index'} "
+                f"(verified: {sorted(k for k, v in snaps.items() if v == 'verified')})")
+    return None
+
+
 def leftovers(run_dir: str, local_parent: str) -> list[str]:
     """Temporary directories and staging the run left."""
     left = []
@@ -292,6 +308,10 @@ def one_run(i: int, fault: ck.Fault, out: Path, ref: str, deadline_s: float, see
         lost = verified.lost(fault.shape["keep_last"])  # before the fault's clean-up (disk_full's unmount)
         if lost:
             problems.append(f"verified snapshot(s) lost: {', '.join(lost)}")
+        if fault.kind == "kill_daemon" and code == 0:  # the killed daemon's node snapshots to the end
+            why = last_snapshot(str(run_dir), f"node{fault.node + 1}", fault.shape["steps"])
+            if why:
+                problems.append(why)
         left = leftovers(str(run_dir), local or str(run_dir / "node-local"))
         if left:
             problems.append(f"temporary directories left: {', '.join(left)}")
@@ -309,6 +329,10 @@ def one_run(i: int, fault: ck.Fault, out: Path, ref: str, deadline_s: float, see
     rec["notes"] = fault.notes
     if fault.injected_ts is None and fault.fault_ts(events) is None and fault.kind != "squat_ports":
         problems.append("the fault was never injected (its moment did not come)")
+    if fault.kind == "squat_ports":  # the start found its store past the squatted ports, at a derived one
+        ports, wrong = fault.store_ports(events)
+        rec["store_ports"] = {str(k): v for k, v in ports.items()}
+        problems += wrong
     if fault.kind == "straggler":
         repaired = [e["event"] for e in events if e.get("event") in ("repair", "repair_rank", "fault", "fail_stop")]
         if repaired:

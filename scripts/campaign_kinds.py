@@ -72,6 +72,7 @@ class Fault:
         self.mount: str | None = None
         self.filler: str | None = None
         self.socks: list[socket.socket] = []
+        self.derived: dict[int, list[int]] = {}  # squat_ports: start -> its derived store ports, in order
 
     # ------------------------------------------------------------------ description
 
@@ -92,6 +93,8 @@ class Fault:
             env[tf.CKPTD_KILL_AT] = f"renamed:{self.update}:node{self.node + 1}"
         if self.kind == "straggler":
             env[tf.SLOW_AT] = f"{self.update}:{self.rank}:{STRAGGLER_S:g}"
+        if self.kind == "squat_ports":  # as under the sbatch template: no launcher port, the derived ones only
+            env[tf.NO_LAUNCHER_PORT] = "1"
         return env
 
     def args(self) -> list[str]:
@@ -114,7 +117,10 @@ class Fault:
         """Listen on the first half of the store ports every start of this job derives from the run's key."""
         key = load_or_create_key(run_dir)
         for restart in range(3):
-            for port in port_candidates(key, binding(job_id, restart))[:CANDIDATES // 2]:
+            # bound to the job's step as the ranks bind it (runtime/job/topology.py: JOB.STEP; the embedded default's
+            # ranks run as step 0): without the step these are another job's ports, and nothing is squatted
+            self.derived[restart] = port_candidates(key, binding(f"{job_id}.0", restart))
+            for port in self.derived[restart][:CANDIDATES // 2]:
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 try:
                     s.bind(("127.0.0.1", port))
@@ -226,6 +232,24 @@ class Fault:
             self.notes.append("a snapshot failed with the disk full; the filler removed")
 
     # ------------------------------------------------------------------ after it
+
+    def store_ports(self, events: list[dict[str, Any]]) -> tuple[dict[int, int | None], list[str]]:
+        """squat_ports: the store port each start took (its ``job_start`` event's ``store_port``) and what is wrong
+        with it: a squatted port, or one that is not among its derived ports (the fall-back was not exercised)."""
+        ports = {int(e.get("restart") or 0): e.get("store_port") for e in events if e.get("event") == "job_start"}
+        problems = []
+        for restart, port in sorted(ports.items()):
+            derived = self.derived.get(restart, [])
+            if port not in derived:
+                problems.append(f"start {restart} took store port {port}, none of its derived ports {derived[:4]}...")
+            elif derived.index(port) < CANDIDATES // 2:
+                problems.append(f"start {restart} took store port {port}, one of the squatted ones")
+            else:
+                self.notes.append(f"start {restart}: store at port {port}, derived candidate "
+                                  f"{derived.index(port) + 1} of {len(derived)}")
+        if not ports:
+            problems.append("no start recorded its store port (job_start's store_port)")
+        return ports, problems
 
     def fault_ts(self, events: list[dict[str, Any]]) -> float | None:
         """When the fault happened: the campaign's own injection time, else the project's record of it."""

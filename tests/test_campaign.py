@@ -16,12 +16,14 @@ import pytest
 from tests.conftest import load_script
 
 
-#: The sample: one fault of each kind (KIND:PHASE) that passes on this code.  Left out until their fixes land
-#: (issue 44, point 3: a peer dead or stopped during the first snapshot's capture proof is taken for a bug, exit 76):
-#: kill_rank, kill_node, stop_rank and stop_rank0 in the snapshot phase.
-SAMPLE = ["kill_rank:update", "link_boundary:repair", "link_backward:repair", "daemon_commit_kill:snapshot",
-          "straggler:update", "squat_ports:start", "stop_rank0:update", "kill_rank:restore", "kill_daemon:update",
-          "disk_full:snapshot"]
+#: The sample: ten faults (KIND:PHASE), every kind but the straggler (tests/e2e/test_detection.py has it): the
+#: snapshot phase of the rank, node and daemon kills and stops (a peer dead or stopped during the first snapshot's
+#: capture proof, issue 44 point 3; a daemon killed during its first write, restarted by the launcher), the L1
+#: repairs, the daemon's own kill between commit and index, the squatted store ports and the full disk.  The
+#: restore phase runs in the control below.
+SAMPLE = ["kill_rank:snapshot", "kill_node:snapshot", "stop_rank:snapshot", "stop_rank0:snapshot",
+          "kill_daemon:snapshot", "link_boundary:repair", "link_backward:repair", "daemon_commit_kill:snapshot",
+          "squat_ports:start", "disk_full:snapshot"]
 SEED = 44
 
 
@@ -46,8 +48,7 @@ def test_ten_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost(o
 
     Negative control: ``test_the_tool_reports_a_broken_restore_as_a_failure`` (a restore that drops the extra
     state is reported FAIL with the digest named); the leftover and lost-snapshot checks have theirs below, on
-    planted directories.  The sample's kinds with a phase that fails today (see ``SAMPLE``) are reported FAIL the
-    same way: ``python scripts/campaign.py --kinds kill_rank:snapshot --runs 1`` -> "FAIL: exit 76: ..."."""
+    planted directories, as have the killed daemon's last snapshot and the squatted ports' store port."""
     sample = SAMPLE if os.geteuid() == 0 else [k for k in SAMPLE if not k.startswith("disk_full")]  # a mount
     code, res = _campaign(out, tmp_path, "--runs", str(len(sample)), "--seed", str(SEED), "--kinds", ",".join(sample))
     fails = [f"run {r['run']} {r['kind']} ({r['phase']}, update {r['update']}): {r['result']}"
@@ -62,6 +63,8 @@ def test_ten_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost(o
     assert l2 and all(r["restarts"] >= 1 and r["time_back_s"] is not None for r in l2), l2
     repairs = [r for r in res["runs"] if r["kind"].startswith("link_")]
     assert repairs and all(r["restarts"] == 0 for r in repairs), repairs
+    squat = [r for r in res["runs"] if r["kind"] == "squat_ports"]
+    assert squat and all(r["store_ports"] for r in squat), squat  # the derived port each start took
     table = load_script("campaign").markdown(res)
     assert "| kill_rank |" in table and "median time back to training" in table
 
@@ -147,3 +150,41 @@ def test_time_back_to_training_is_taken_at_the_recovery():
           {"event": "repair", "ts": 12.0, "restart": 0}, {"event": "step", "ts": 12.5, "restart": 0}]
     assert campaign.time_back(l1, 10.5) == 2.0
     assert campaign.time_back(l1[:2], 10.5) == 0.5 and campaign.time_back(l1, None) is None
+
+
+def test_a_killed_daemons_node_without_its_last_snapshot_is_named(tmp_path):
+    """Negative control of the kill_daemon check "the node's last snapshot is verified": a node whose index stops
+    before the job's last update (its daemon killed and not started again), or lists it unverified, is named."""
+    campaign = load_script("campaign")
+    _index(tmp_path, "node2", [(3, "verified"), (6, "verified"), (9, "verified"), (12, "verified")])
+    assert campaign.last_snapshot(str(tmp_path), "node2", 12) is None
+    _index(tmp_path, "node2", [(3, "verified")])
+    assert campaign.last_snapshot(str(tmp_path), "node2", 12) == \
+        "node2's last snapshot (update 12) is not in its index (verified: [3])"
+    _index(tmp_path, "node2", [(3, "verified"), (12, "committed")])
+    assert "is committed" in campaign.last_snapshot(str(tmp_path), "node2", 12)
+    assert "no readable index" in campaign.last_snapshot(str(tmp_path), "node1", 12)
+
+
+def test_a_start_on_a_squatted_or_launcher_port_is_named(tmp_path):
+    """Negative control of the squat_ports check: a start whose store took a squatted port, or a port that is none
+    of its derived ones (the launcher's own, as before ``ACCELPACT_TEST_NO_LAUNCHER_PORT``), is named; one past the
+    squatted half is recorded with its place among the candidates."""
+    import random
+
+    kinds = load_script("campaign_kinds")
+    campaign = load_script("campaign")
+    fault = kinds.draw("squat_ports", random.Random(1), campaign.SHAPE)
+    fault.prepare(str(tmp_path), "job-1", None)
+    try:
+        derived = fault.derived[0]
+        start = [{"event": "job_start", "restart": 0, "store_port": derived[kinds.CANDIDATES // 2]}]
+        assert fault.store_ports(start) == ({0: derived[kinds.CANDIDATES // 2]}, [])
+        assert fault.env() == {"ACCELPACT_TEST_NO_LAUNCHER_PORT": "1"}
+        _, wrong = fault.store_ports([dict(start[0], store_port=derived[0])])
+        assert wrong == [f"start 0 took store port {derived[0]}, one of the squatted ones"]
+        _, wrong = fault.store_ports([dict(start[0], store_port=45678)])
+        assert wrong and "none of its derived ports" in wrong[0]
+        assert fault.store_ports([])[1] == ["no start recorded its store port (job_start's store_port)"]
+    finally:
+        fault.cleanup()

@@ -34,7 +34,7 @@ SUMMARY_FILE = "summary.json"
 #: Event kinds and the fields each one carries beyond the common ones: every kind the package emits
 #: (``tests/test_docs_paths.py`` reads the sources for the kinds emitted and fails on one not listed).
 EVENT_KINDS: dict[str, tuple[str, ...]] = {
-    "job_start": ("config", "world_size", "nodes", "ranks_per_node", "hostnames"),
+    "job_start": ("config", "world_size", "nodes", "ranks_per_node", "hostnames", "store_port"),
     "membership": ("local_rank", "hostname", "pid"),
     "step": ("step", "loss", "step_s"),
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
@@ -52,6 +52,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "checkpoint_copy": ("step", "source", "path", "size_bytes", "copy_s", "hostname", "reason"),
     "shared_upload": ("step", "ok", "source", "path", "size_bytes", "copy_s", "reason", "pruned"),
     "snapshot": ("step", "blocking_s", "parts_s", "staging_bytes"),
+    "ckptd_restarted": ("hostname", "old_pid", "exit_status", "pid", "count", "limit", "reason"),
     "saved": ("step", "trigger", "verified", "states", "reason", "wait_s"),
     "job_end": ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code"),
 }

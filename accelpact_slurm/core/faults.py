@@ -52,6 +52,9 @@ Switches (all off by default):
 - ``ACCELPACT_TEST_RETRY_REPEATED=1``: the embedded default relaunches a start that ended with the same
   deterministic failure (an OOM kill) at the same place as the start before it (the negative control of "a
   deterministic failure stops").
+- ``ACCELPACT_TEST_NO_LAUNCHER_PORT=1``: the embedded default hands its ranks no store port of its own
+  (``ACCELPACT_MASTER_PORT``), as the sbatch template does: they use the ports derived from the run's key
+  (``runtime/transport/store.py`` ``port_candidates``; the fault campaign's ``squat_ports``).
 - ``ACCELPACT_TEST_DEAD_PEER_AS_BUG=1``: an exception that left the entry point is the training code's bug
   without asking whether a peer is gone (the negative control of "a dead peer is never a bug").
 - ``ACCELPACT_CKPTD_KILL_AT=PHASE:STEP[:NODE]``: the daemon (of node NODE, else every node's) SIGKILLs itself at
@@ -95,6 +98,7 @@ BUG_RESTARTS = "ACCELPACT_TEST_BUG_RESTARTS"
 KILL_NODE = "ACCELPACT_TEST_KILL_NODE"
 DEAD_PEER_AS_BUG = "ACCELPACT_TEST_DEAD_PEER_AS_BUG"
 RETRY_REPEATED = "ACCELPACT_TEST_RETRY_REPEATED"
+NO_LAUNCHER_PORT = "ACCELPACT_TEST_NO_LAUNCHER_PORT"
 #: Where ``ACCELPACT_TEST_KILL_NODE`` may kill: the capture proof of snapshot STEP, the snapshot's hand-off to the
 #: daemon, the vote of update STEP, the restore of snapshot STEP (after the start's first restore round).
 NODE_KILL_PHASES = ("proof", "handoff", "vote", "restore")
@@ -130,6 +134,7 @@ class TestFaults:
     kill_node: tuple[tuple[str, int, int], ...] = ()  # (phase, step, node) of this start
     dead_peer_as_bug: bool = False
     retry_repeated: bool = False
+    no_launcher_port: bool = False
     ckptd_kill_at: tuple[str, int, str | None] | None = None
 
     @classmethod
@@ -161,6 +166,7 @@ class TestFaults:
             kill_node=_kill_node(env),
             dead_peer_as_bug=env.get(DEAD_PEER_AS_BUG) == "1",
             retry_repeated=env.get(RETRY_REPEATED) == "1",
+            no_launcher_port=env.get(NO_LAUNCHER_PORT) == "1",
             pace_s=pace,
             hang_at=_pair(env, HANG_AT) if first_start else None,
             slow_at=slow_at,

@@ -380,9 +380,13 @@ def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain
 
     The task outlives its daemon: SIGINT (how the batch script stops the daemons), SIGTERM (a preemption's
     notice: the daemon serves on, ``--keep-serving-on-sigterm``) and USR2 reach every process of the step and
-    leave this one waiting; once the daemon has exited, however (``kill -9``, the OOM killer), the shared-memory
-    staging it could not drop is removed -- a live daemon's never (it holds the node directory's lock).
+    leave this one waiting.  A daemon killed before SIGINT came (``kill -9``, the OOM killer) is started again
+    on the same node directory, up to :data:`.daemons.DAEMON_RESTARTS` times (a ``ckptd_restarted`` event each):
+    the node's later snapshots, its final one included, go to the new one.  Once the last daemon has exited the
+    shared-memory staging it could not drop is removed -- a live daemon's never (it holds the node directory's
+    lock).
     """
+    from accelpact_slurm.launch.daemons import DAEMON_RESTARTS, record_restart, worth_restarting
 
     def env_int(name: str) -> int | None:
         try:
@@ -390,15 +394,25 @@ def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain
         except (KeyError, ValueError):
             return None
 
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(s, lambda *_: None)  # a no-op handler: reset to the default in the daemon at exec
+    stopping: list[int] = []
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):  # handlers: reset to the default in the daemon at exec
+        signal.signal(s, (lambda n, _f: stopping.append(n)) if s == signal.SIGINT else (lambda *_: None))
     node = environ.get("SLURMD_NODENAME") or os.uname().nodename
-    cmd = daemon_command(config_path, run_dir, node, env_int("SLURM_NODEID") or 0, environ.get("SLURM_JOB_ID", ""),
-                         restart=env_int("SLURM_RESTART_COUNT") or 0, drain_s=drain_s,
+    node_index, job_id, restart = env_int("SLURM_NODEID") or 0, environ.get("SLURM_JOB_ID", ""), \
+        env_int("SLURM_RESTART_COUNT") or 0
+    cmd = daemon_command(config_path, run_dir, node, node_index, job_id, restart=restart, drain_s=drain_s,
                          num_nodes=env_int("SLURM_JOB_NUM_NODES") or env_int("SLURM_NNODES"),
                          keep_serving_on_sigterm=True)
     proc = subprocess.Popen(cmd, env=dict(environ), stdin=subprocess.DEVNULL)
-    rc = proc.wait()
+    rc, restarts = proc.wait(), 0
+    while worth_restarting(rc) and not stopping:  # killed while the job ran: the node would take no snapshot
+        if restarts >= DAEMON_RESTARTS:
+            record_restart(run_dir, job_id, restart, node, node_index, proc.pid, rc, None, restarts)
+            break
+        old, restarts = proc.pid, restarts + 1
+        proc = subprocess.Popen(cmd, env=dict(environ), stdin=subprocess.DEVNULL)
+        record_restart(run_dir, job_id, restart, node, node_index, old, rc, proc.pid, restarts)
+        rc = proc.wait()
     try:
         local_dir = load_config(config_path).checkpoint.local_dir
     except (OSError, ValueError, ConfigError) as exc:

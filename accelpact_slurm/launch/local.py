@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from accelpact_slurm.core.config import JobConfig, relaunch_resumes
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, LaunchError
@@ -40,7 +40,7 @@ from accelpact_slurm.launch.ranks import WORKER_MODULE, rank_environ
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime.job.entry import record_label
-from accelpact_slurm.launch.daemons import drop_leftover_staging, start_local_daemons, stop_daemons
+from accelpact_slurm.launch.daemons import drop_leftover_staging, restart_exited, start_local_daemons, stop_daemons
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.detection.liveness import dump_stacks
@@ -202,6 +202,7 @@ def launch_local(
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     data_port, control_port = free_port_pair()
+    no_port = TestFaults.from_environ(environ).no_launcher_port
 
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count,
                                   zygote=zygote)  # one per emulated node, forked where the ranks are
@@ -214,6 +215,8 @@ def launch_local(
         for rank in range(nodes * rpn):
             env = rank_environ(environ, job_id, rank, nodes, rpn, restart=restart_count, data_port=data_port,
                                control_port=control_port)
+            if no_port:  # test-only: as under the sbatch template, the ranks find the store at derived ports
+                env.pop(settings.MASTER_PORT, None)
             log_path = os.path.join(logs, f"rank-{rank}.log")
             if zygote is not None and zygote.alive:
                 # Every start appends to the same log: echo only this start's part (from 0, a relaunch printed
@@ -240,7 +243,9 @@ def launch_local(
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir, cfg.checkpoint.shared_dir)
         raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
     try:
-        code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts))
+        # a daemon killed mid-job is started again at once (bounded): else its node takes no snapshot until the end
+        code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts),
+                          tick=lambda: restart_exited(daemons, run_dir, job_id, restart_count))
         record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks],
                              {rp.rank: rp.log_path for rp in ranks})
         return code
@@ -325,7 +330,9 @@ def lost_rank_grace(timeouts: Any) -> float:
 
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None,
-               lost_grace_s: float | None = None) -> int:
+               lost_grace_s: float | None = None, tick: Callable[[], None] | None = None) -> int:
+    """Wait for the ranks; stop the others once one failed or the launcher got a signal.  ``tick``: called at
+    every poll while every rank runs (the daemons' restarts), never once the ranks are being stopped."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):  # handlers only set a flag
@@ -361,6 +368,8 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
             if deadline is not None and time.monotonic() > deadline:
                 _terminate(ranks, grace_s=shutdown_s)
                 break
+            if tick is not None and deadline is None and not failed:
+                tick()
             time.sleep(POLL_S)
     finally:
         for s, h in previous.items():

@@ -206,7 +206,8 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                     nodes=rt.layout.num_nodes, ranks_per_node=rt.layout.ranks_per_node,
                     hostnames=list(ctx.nodelist), run_dir=os.path.abspath(run_dir), entry=cfg.entry,
                     device=rt.hardware.device, backend=rt.hardware.backend, device_reason=rt.hardware.reason,
-                    versions=rt.hardware.versions)
+                    versions=rt.hardware.versions,
+                    store_port=getattr(rt.data_store, "port", None))  # the candidate the job's store took
         warn_at_start(cfg, events, out)
     events.emit("membership", local_rank=rt.local_rank, hostname=ctx.hostname or socket.gethostname(),
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
