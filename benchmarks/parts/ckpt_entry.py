@@ -8,8 +8,8 @@ job's mesh, AdamW, its schedule and data loader) through the public API (``job.p
 file's ``checkpoint.every_steps`` is past the last update, so the per-node daemons run but the run's own
 ``SnapshotClient`` never snapshots by itself; the schedule decides instead.  After the warm-up updates,
 every timed update belongs to one segment of one mode; the first update of each K-update window takes a
-snapshot right after the update (``ours``: the run's client, ``job.run._snapshots.snapshot(step)``, which
-times its own pieces in ``last_parts``; the DCP modes: ``ckpt_dcp.DcpModes``), and after its last update the
+snapshot right after the update (``ours``: the run's client, ``instrument.snapshot_client(run).snapshot(step)``,
+whose pieces rank 0's ``snapshot`` event holds; the DCP modes: ``ckpt_dcp.DcpModes``), and after its last update the
 segment is drained outside the timed updates (async futures, our daemons' write + verification,
 ``malloc_trim``).  Each ``ours`` snapshot is bracketed by the memcpy floor (the rank's same bytes into a
 touched buffer of their size), right before it (left out of the update's time) and right after it; before the
@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[2]),) if p not in sys.path]
 
+from accelpact_slurm.runtime import instrument  # noqa: E402
 from benchmarks.parts.ckpt_dcp import DcpModes  # noqa: E402
 from benchmarks.parts.ckpt_setup import build_schedule, is_snapshot, segment_length  # noqa: E402
 
@@ -50,13 +51,41 @@ def main(job: Any) -> None:
         bench.close()
 
 
+class SnapshotEvents:
+    """Rank 0's ``snapshot`` events, read as the job appends them to ``events.jsonl`` (the client times its own
+    pieces: ``parts_s`` and ``blocking_s``).  Read from where the last read ended, whole lines only."""
+
+    def __init__(self, run_dir: str) -> None:
+        from accelpact_slurm.core.events import EVENTS_FILE
+
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.offset = 0
+        self.seen: dict[int, dict[str, Any]] = {}
+
+    def parts(self, step: int) -> dict[str, Any]:
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        whole = data[:data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "snapshot" and ev.get("rank") == 0 and not ev.get("skipped"):
+                self.seen[int(ev["step"])] = {**(ev.get("parts_s") or {}), "total": ev.get("blocking_s")}
+        return self.seen.pop(step, {})
+
+
 class CkptBench(DcpModes):
     """The schedule of segments on one rank: our snapshots through the run's client, DCP's through ``DcpModes``."""
 
     def __init__(self, job: Any, run: Any, parts: Any) -> None:
         self.job, self.run = job, run
-        self.client = run._snapshots  # the run's SnapshotClient (never due by itself: see the module docstring)
-        self.rt, self.cfg = job._rt, job.config  # the control plane's barriers between segments
+        self.client = instrument.snapshot_client(run)  # never due by itself: see the module docstring
+        self.rt, self.cfg = instrument.runtime(job), job.config  # the control plane's barriers between segments
+        self.snap_events = SnapshotEvents(job.run_dir) if job.rank == 0 else None  # rank 0's records are read
         self.model, self.optimizer = parts.model, parts.optimizer
         self.plan = job.params["bench"]
         self.sched = build_schedule(self.plan)
@@ -89,7 +118,7 @@ class CkptBench(DcpModes):
                     # the steady state
                     client.snapshot(step)
                     self._probe = PageProbe(self.job.rank)
-                    self.extra["ours_first_snapshot"] = dict(client.last_parts)
+                    self.extra["ours_first_snapshot"] = self._snapshot_parts(step)
                     self.extra["ours_first_snapshot"]["state"] = client.wait(step, self.cfg.timeouts.startup_s)
                 self._prepare_next(step)
                 self.rt.control.barrier("bench-start", timeout_s=600)
@@ -127,7 +156,8 @@ class CkptBench(DcpModes):
             "parts": dict(self.parts), **info,
         })
         self.staging_wait = 0.0
-        if snap and mode == "ours":  # outside the timed update: the floor again, right after the snapshot
+        if snap and mode == "ours":  # outside the timed update: the snapshot's pieces, the floor again
+            self.records[-1]["parts"] = {k: v for k, v in self._snapshot_parts(step).items() if k != "total"}
             self.records[-1]["memcpy_floor_after_s"] = self._memcpy_floor()
         if pos == self.length:
             self._drain(rnd, mode, step)
@@ -136,12 +166,13 @@ class CkptBench(DcpModes):
     # -------------------------------------------------------------- our snapshot path
     def _snap_ours(self, step: int, info: dict[str, Any]) -> None:
         client = self.client
-        client.snapshot(step)  # the client times its own pieces (last_parts)
-        self.parts.update({k: v for k, v in client.last_parts.items() if isinstance(v, float) and k != "total"})
-        info["ours_bytes"] = client.last_parts.get("bytes")
-        info["ours_new_slot"] = client.last_parts.get("new_slot")
-        info["ours_source"] = client.last_parts.get("source")
+        client.snapshot(step)  # its pieces: rank 0's snapshot event, read after the timed update
         self.ours_steps.append(step)
+
+    def _snapshot_parts(self, step: int) -> dict[str, Any]:
+        """What the snapshot of update ``step`` blocked for, piece by piece, and in all (``total``), from rank 0's
+        ``snapshot`` event; empty on the other ranks."""
+        return {} if self.snap_events is None else self.snap_events.parts(step)
 
     def _floor_sources(self) -> list[Any] | None:
         """This rank's snapshot bytes as the snapshot copies them (FSDP1's plan: no collective), one uint8

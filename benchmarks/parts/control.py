@@ -149,16 +149,15 @@ class Members:
         return (max(ends) - t0) / rounds * 1e3
 
     def close(self) -> None:
-        import socket
-
-        for c in self.clients:
-            sock = getattr(c, "_sock", None)  # a member still blocked in a request holds the client's lock: its
-            if sock is not None:              # socket is shut down first, so that its request fails and close does
-                try:                          # not wait out the request's own timeout (a stuck size, SIGTERM)
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            c.close()
+        # A member still blocked in a request (a stuck size, SIGTERM) holds its client's lock, and its close would
+        # wait out the request's own timeout: every close runs in a daemon thread, waited for 5 s in all (a client
+        # still stuck then is the process's exit's to end).
+        closers = [threading.Thread(target=c.close, daemon=True) for c in self.clients]
+        for t in closers:
+            t.start()
+        end = time.monotonic() + 5.0
+        for t in closers:
+            t.join(max(0.0, end - time.monotonic()))
 
 
 def cpu_s(pid: int) -> float:

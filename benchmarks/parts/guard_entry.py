@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[2]),) if p not in sys.path]
 
+from accelpact_slurm.runtime import instrument  # noqa: E402
 from benchmarks.harness import common as h  # noqa: E402
 
 
@@ -39,7 +41,7 @@ def main(job: Any) -> None:
     h.guard_rank(plan["deadline_s"])
     parts = decoder_parts(job)
     run = job.protect(parts.model, parts.optimizer, scheduler=parts.scheduler)
-    control = job._rt.control  # the barriers that delimit a segment (the same in both modes)
+    control = instrument.runtime(job).control  # the barriers that delimit a segment (the same in both modes)
     batches = batches_forever(parts.loader)
     fd = os.open(plan["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if job.is_lead else None
 
@@ -97,7 +99,7 @@ def _alternate(job: Any, guarded: Any, plan: dict[str, Any], switch: Any, probe:
     times, the order swapped every other time (ABBA), every rank timing its own updates; every rank decides from
     the update's index alone when to switch (the ranks are in lock step at every update's vote: no round of its
     own).  ``probe()``: a number read before and after (its difference is returned).  Every rank's times."""
-    control = job._rt.control
+    control = instrument.runtime(job).control
     k, n = int(plan.get("k", 2)), int(plan.get("alternations", 60))
     times: dict[str, list[float]] = {"on": [], "off": []}
     control.barrier("bench-toggle")
@@ -127,7 +129,10 @@ def toggle_store(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, Any]
 
     import torch.distributed as dist
 
-    control = job._rt.control
+    from accelpact_slurm.runtime.control import ControlPlane
+
+    rt = instrument.runtime(job)
+    control = rt.control
     ours = control.base_store
     host = getattr(ours, "host", "127.0.0.1")
     server = dist.TCPStore(host, 0, job.world_size, is_master=True, wait_for_workers=False,
@@ -136,10 +141,14 @@ def toggle_store(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, Any]
     tcp = server if server is not None else dist.TCPStore(host, port, job.world_size, is_master=False,
                                                           timeout=timedelta(seconds=60))
 
+    # the guard votes on whichever control plane the runtime holds: the job's, or one on the TCPStore (every
+    # rank switches at the same update, so both planes' rounds stay in step across ranks)
+    planes = {True: control, False: ControlPlane(tcp, job.rank, job.world_size, control.timeout_s,
+                                                 generation=control.generation)}
+    planes[False].watch = control.watch
+
     def switch(on: bool) -> None:
-        base = ours if on else tcp
-        control._base = base
-        control._store = dist.PrefixStore(f"cp/g{control.generation}", base)
+        rt.control = planes[on]
 
     out = _alternate(job, guarded, plan, switch)
     control.barrier("bench-tcpstore-done")  # nobody reads the TCPStore any more: rank 0 may end it
@@ -153,7 +162,7 @@ def toggle_detector(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, A
     apart (``/proc/self/task/<tid>/schedstat``)."""
     from accelpact_slurm.repair import torch_compat as tc
 
-    rt = job._rt
+    rt = instrument.runtime(job)
     det, control = rt.detector, rt.control
 
     def switch(on: bool) -> None:
@@ -165,7 +174,7 @@ def toggle_detector(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, A
             control.watch = None
 
     def thread_cpu_s() -> float | None:  # schedstat: the thread's time on a CPU, in nanoseconds
-        tid = getattr(getattr(det.publisher, "_thread", None), "native_id", None)
+        tid = next((t.native_id for t in threading.enumerate() if t.name == "accelpact-liveness"), None)
         try:
             with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as fh:
                 return int(fh.read().split()[0]) / 1e9

@@ -26,18 +26,19 @@ from typing import Any
 
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[2]),) if p not in sys.path]
 
+from accelpact_slurm.runtime import instrument  # noqa: E402
 from benchmarks.harness import common as h  # noqa: E402
 
 
 def main(job: Any) -> None:
     from benchmarks.parts.workload import batches_forever, decoder_parts, update
-    from peers.common import Records
+    from benchmarks.parts.peers_workers.common import Records
 
     plan = job.params["bench"]
     h.guard_rank(plan["deadline_s"])
     parts = decoder_parts(job)
     run = job.protect(parts.model, parts.optimizer, scheduler=parts.scheduler)
-    control = job._rt.control  # the barriers that delimit a segment (the same in both modes)
+    control = instrument.runtime(job).control  # the barriers that delimit a segment (the same in both modes)
     batches = batches_forever(parts.loader)
     rec = Records(plan["out"], rank=job.rank) if job.is_lead else None
 

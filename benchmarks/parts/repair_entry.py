@@ -14,7 +14,8 @@ the decoder example's model, AdamW, schedule and data (``benchmarks.parts.worklo
    every other rank at once (the others wait that long and are woken one by one, as after the vote);
 2. guard overhead: ABBA pairs of K-update blocks, ``with run.update()`` against the same update body
    without it (``benchmarks.parts.workload.update``); the guard's boundary all-reduce and vote are also timed
-   directly (thin wrappers on ``job.run._guard`` and the control plane, removed afterwards);
+   directly (``accelpact_slurm.runtime.instrument.timed_boundary`` and a thin wrapper on the control plane, removed
+   afterwards);
 3. rebinding vs depth: rounds over the model depths, one injected repair each.  ``job.protect`` guards
    one model per job, so each depth's fresh model gets its own guard from the library's
    ``recovery.build_guard`` (the same call ``Run`` makes) on the job's runtime, with that model's fault.
@@ -37,6 +38,7 @@ from typing import Any
 
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[2]),) if p not in sys.path]
 
+from accelpact_slurm.runtime import instrument  # noqa: E402
 from benchmarks.harness import common as h  # noqa: E402
 from benchmarks.parts.repair_setup import RPN, fault_spec, floor_positions, main_faults, plan_faults, warm_fault  # noqa: E402
 
@@ -163,7 +165,7 @@ class RepairRank:
 
         self.t_start = time.monotonic()
         self.job, self.plan = job, plan
-        self.rt = job._rt  # the floor and the sweep's guards need the runtime's control plane and layout
+        self.rt = instrument.runtime(job)  # the floor and the sweep's guards need the runtime's control plane and layout
         self.rank, self.control = job.rank, self.rt.control
         self.floor_starts: dict[str, float] = {}  # tag -> this rank's start of that floor sample
         self.floor_entries: dict[str, float] = {}  # tag -> when this rank entered that sample's world barrier
@@ -309,13 +311,22 @@ class RepairRank:
 
     # ------------------------------------------------------------------ 2: guard overhead
     def guard_overhead(self, run: Any, parts: Any, batches: Any) -> None:
-        from benchmarks.parts.workload import update
-
-        control, guard = self.control, run._guard  # no faults left: the job file's have all fired
+        control = self.control  # no faults left: the job file's have all fired
         K, P = self.plan["guard_block"], self.plan["guard_pairs"]
         extras = {"boundary": 0.0, "vote": 0.0}
+
+        def add_boundary(s: float) -> None:
+            extras["boundary"] += s
+
         # Direct measure of what the guard adds (its boundary all-reduce and the vote), besides the paired blocks.
-        guard._boundary_collective = _timed_into(extras, "boundary", guard._boundary_collective)
+        with instrument.timed_boundary(run, add_boundary):
+            self._guard_blocks(run, parts, batches, control, extras, K, P)
+
+    def _guard_blocks(self, run: Any, parts: Any, batches: Any, control: Any, extras: dict[str, float], K: int,
+                      P: int) -> None:
+        """``P`` ABBA pairs of ``K``-update blocks, guarded and not, the vote's rounds timed into ``extras``."""
+        from benchmarks.parts.workload import update
+
         control.all_gather = _timed_into(extras, "vote", control.all_gather, only="vote")
 
         def block(kind: str) -> dict[str, float]:
@@ -344,8 +355,7 @@ class RepairRank:
                     rec["boundary_s"], rec["vote_s"] = b["boundary"], b["vote"]
             gblocks.append(rec)
         self.res["guard"] = gblocks
-        del control.all_gather  # the instance wrappers: back to the classes' methods
-        del guard._boundary_collective
+        del control.all_gather  # the instance wrapper: back to the class's method
 
     # ------------------------------------------------------------------ 3: rebinding vs depth
     def sweep(self) -> None:
