@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results"
-DOCS = REPO / "docs" / "benchmarks.md"
 DEADLINE_VAR = "ACCELPACT_BENCH_DEADLINE_S"  # set by bench_all.py: the part's hard deadline
 
 
@@ -69,8 +67,9 @@ def output_args(ap: argparse.ArgumentParser, json_default: str | None, json_help
     """
     ap.add_argument("--json", metavar="PATH", default=json_default,
                     help=json_help or "where the result goes (default: %(default)s)")
-    ap.add_argument("--markdown", metavar="FILE", default="docs/benchmarks.md",
-                    help="file whose block of this part is rewritten ('' = touch no markdown; default: %(default)s)")
+    ap.add_argument("--markdown", metavar="FILE", default="",
+                    help="a file whose block of this part is rewritten (default '': none; docs/benchmarks.md is "
+                         "rendered from the committed summaries by benchmarks/harness/run.py)")
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown block from an earlier result file")
 
 

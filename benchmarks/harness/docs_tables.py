@@ -56,17 +56,6 @@ def generic_block(mark: str, title: str, res: dict[str, Any], why: str = "") -> 
     return "\n".join(lines)
 
 
-def blocks_in(text: str, marks: list[str]) -> dict[str, str]:
-    """Each mark's block (both mark lines included) in ``text``."""
-    out = {}
-    for mark in marks:
-        if text.count(mark) >= 2:
-            a = text.index(mark)
-            b = text.index(mark, a + len(mark)) + len(mark)
-            out[mark] = text[a:b].strip()
-    return out
-
-
 def gpu_block(res: dict[str, Any], mark: str, json_rel: str) -> str:
     """The GPU check's block (its result is written on another machine, by ``scripts/gpu_check.py``)."""
     intro = (f"Written by `scripts/gpu_check.py` (through `scripts/gpu-check.sh`) on {res.get('date', '?')} on a "

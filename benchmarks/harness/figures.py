@@ -1,11 +1,7 @@
-"""The benchmark figures outside each part's own block: which stored result is each part's, the README's
-figures, and one line per goal (pure: results in, text out; ``benchmarks/harness/run.py`` writes the files).
-
-A part's result is the newest one stored under ``benchmarks/results/``: the part's own file
-``<date>/<part>.json`` (what the part wrote; running a part alone rewrites it) or, for the same date and
-without that file, the part in the merged ``<date>.json``.  ``docs/benchmarks.md`` and the README's block
-between ``README_MARK`` lines are written from those results alone, so ``tests/test_bench_figures.py`` can
-check, without running anything, that every figure in either file is the one the committed results give.
+"""The benchmark figures outside each part's own block: the README's bullet and the goals' lines of a part's raw
+result (pure: results in, text out; ``benchmarks/harness/summary.py`` keeps them in the part's summary), which raw
+result on this machine is each part's newest (``runs/bench/<date>/<part>.json``), and the comparison of a rendered
+text with the file (``figure_diff``, for ``tests/test_bench_figures.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
 
 def stored_results(results: Path) -> dict[str, tuple[dict[str, Any], str]]:
-    """Each part's newest stored result and the file it is in (relative to the results' parent's parent,
-    i.e. the repository when ``results`` is ``benchmarks/results``).
+    """Each part's newest raw result under ``results`` (``<date>/<part>.json``, or a part in a merged
+    ``<date>.json``) and the file it is in.
 
     Newest by the date in the file's path; for one date the part's own file wins over the merged one (the
     merged file keeps what the part gave at ``make bench`` time, the part's file what it gave last)."""
@@ -370,18 +366,6 @@ def goal_lines(results: dict[str, tuple[dict[str, Any], str]], results_dir: Path
             line("status", "`accelpact-status` under 500 ms as a command",
                  "met" if int(ms.group(1)) < 500 else "not met", f"{ms.group(1)} ms")
     return out
-
-
-def goals_block(results: dict[str, tuple[dict[str, Any], str]], results_dir: Path | None = None) -> str:
-    lines = [GOALS_MARK, "## Goals", "",
-             "Every goal a stored result states, met or not, decided from the result, with the measured figure "
-             "and its cause where the result names one; a goal its result cannot decide says what it awaits.",
-             "", "| part | goal | verdict | measured |", "|---|---|---|---|", *goal_lines(results, results_dir), "",
-             GOALS_MARK]
-    return "\n".join(lines)
-
-
-# ====================================================================== blocks and figures
 
 
 def replace_block(text: str, mark: str, block: str) -> str:

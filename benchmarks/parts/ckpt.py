@@ -44,15 +44,15 @@ blocking time.
 Every figure is a ratio against a baseline measured in the same run (paired by round), reported as the
 median of the paired ratios with min-max; absolute times are printed beside them for reference only.
 
-Output: ``benchmarks/results/<date>-ckpt.json`` and the block between ``<!-- ckpt-bench -->`` markers in
-``docs/benchmarks.md`` (other blocks are kept).
+Output: ``runs/bench/<date>/ckpt.json`` and the block between ``<!-- ckpt-bench -->`` markers of ``--markdown``
+(default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 The code is in ``benchmarks/parts/``: ``ckpt_setup`` (modes, schedule, job file, launch, machine watch),
 ``ckpt_entry`` (the job's entry point: our snapshot path and the schedule, rank side), ``ckpt_dcp`` (the DCP baselines),
 ``ckpt_bandwidth`` (the dd pair), ``ckpt_analysis`` and ``ckpt_report`` (result and markdown), ``ckpt_main``.
 
 Usage: .venv/bin/python benchmarks/parts/ckpt.py [--rounds 3] [--every 3] [--windows 1] [--bw-pairs 6]
-       .venv/bin/python benchmarks/parts/ckpt.py --render benchmarks/results/<date>-ckpt.json   (markdown only)
+       .venv/bin/python benchmarks/parts/ckpt.py --render runs/bench/<date>/ckpt.json   (markdown only)
 
 About 7 minutes here (110M parameters, 3 rounds, every mode but dcp_stager_shm; longer when the machine
 is busy).

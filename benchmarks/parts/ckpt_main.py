@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--soak-every", type=int, default=2, metavar="K", help="updates between the soak's snapshots")
     ap.add_argument("--work", help="work directory (default: a new one under /tmp, removed afterwards)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    h.output_args(ap, None, "output JSON (default benchmarks/results/<date>-ckpt.json)")
+    h.output_args(ap, None, "output JSON (default runs/bench/<date>/ckpt.json)")
     return ap
 
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     model = dict(MODEL, layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="accelpact-bench-ckpt-"))
     work.mkdir(parents=True, exist_ok=True)
-    json_path = h.out_path(args.json or f"benchmarks/results/{h.today()}-ckpt.json")
+    json_path = h.out_path(args.json or f"runs/bench/{h.today()}/ckpt.json")
     nparams = param_count(model)
     state_bytes = nparams * 4 * 3  # fp32 weights + two AdamW moments
     print(f"[bench] model: {nparams / 1e6:.1f}M parameters ({state_bytes / 2**30:.2f} GiB with AdamW); work {work}",

@@ -25,11 +25,11 @@ Measured:
 2. **Per decision at 4 members, ABBA**: blocks of rounds of the old and the new code at 4 members, in the order old,
    new, new, old, ...; a pair's figure is new / old.
 
-Output: ``--json`` (default ``benchmarks/results/<date>/control.json``) and the block between
-``<!-- control-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/control.json``) and the block between
+``<!-- control-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 Usage: .venv/bin/python benchmarks/parts/control.py [--members 4,64,256,1024] [--samples 5] [--commit 37e64d0]
-       .venv/bin/python benchmarks/parts/control.py --render benchmarks/results/<date>/control.json
+       .venv/bin/python benchmarks/parts/control.py --render runs/bench/<date>/control.json
 
 About 3 minutes here with the defaults.
 """
@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pairs", type=int, default=8, help="ABBA pairs at 4 members (default: %(default)s)")
     ap.add_argument("--commit", default=BEFORE, help="the earlier code's git revision (default: %(default)s)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="time budget (default: %(default)s)")
-    h.output_args(ap, f"benchmarks/results/{h.today()}/control.json")
+    h.output_args(ap, f"runs/bench/{h.today()}/control.json")
     return ap
 
 

@@ -24,11 +24,11 @@ round (round ``r`` of both jobs of a pair) is reported beside it: its spread is 
 
 When the git history (or the commit) is not available the part reports that and measures nothing.
 
-Output: ``--json`` (default ``benchmarks/results/<date>/guard.json``) and the block between
-``<!-- guard-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/guard.json``) and the block between
+``<!-- guard-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 Usage: .venv/bin/python benchmarks/parts/guard.py [--pairs 3] [--rounds 6] [--steps 8] [--commit fb09a04]
-       .venv/bin/python benchmarks/parts/guard.py --render benchmarks/results/<date>/guard.json   (markdown only)
+       .venv/bin/python benchmarks/parts/guard.py --render runs/bench/<date>/guard.json   (markdown only)
 
 About 2 minutes here with the defaults (six jobs of 15-25 s; fewer pairs when the machine is so loaded
 that a third would not fit in the budget).
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     head, _, rest = __doc__.partition("\n\n")
     ap = argparse.ArgumentParser(prog="bench_guard.py", description=head, epilog=rest,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    h.output_args(ap, f"benchmarks/results/{h.today()}/{PART}.json")
+    h.output_args(ap, f"runs/bench/{h.today()}/{PART}.json")
     ap.add_argument("--commit", default=OLD_COMMIT, help="the earlier code (default: %(default)s)")
     ap.add_argument("--pairs", type=int, default=3, help="job pairs, current and earlier (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=6, help="plain/guarded segment pairs per job (default: %(default)s)")

@@ -37,11 +37,12 @@ PHASE:STEP:RANK`` itself (collective timeout 2 s, no relaunch).
 Every figure is a ratio against a baseline measured in the same run (median, min-max); absolute times are
 printed beside them for reference only (this machine is shared and noisy).
 
-Output: ``benchmarks/results/<date>-l1backward.json`` and the block between ``<!-- l1backward-bench -->``
-markers in ``docs/benchmarks.md`` (other blocks are kept).
+Output: ``runs/bench/<date>/l1backward.json`` and the block between ``<!-- l1backward-bench -->``
+markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts'
+summaries).
 
 Usage: .venv/bin/python benchmarks/parts/l1backward.py [--repeats 3] [--draws 10000] [--seed N] [--no-torchft]
-       .venv/bin/python benchmarks/parts/l1backward.py --render benchmarks/results/<date>-l1backward.json
+       .venv/bin/python benchmarks/parts/l1backward.py --render runs/bench/<date>/l1backward.json
 
 About 2-4 minutes here (8 of our jobs, 3 torchft experiments); runs that would not fit the budget (``--budget-s``,
 lowered to ``ACCELPACT_BENCH_DEADLINE_S`` - 45 s from ``bench_all.py``) are left out, except the first round,

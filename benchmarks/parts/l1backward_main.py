@@ -29,7 +29,7 @@ def build_parser(doc: str = "") -> argparse.ArgumentParser:
     head, _, rest = (doc or __doc__).partition("\n\n")
     ap = argparse.ArgumentParser(prog="bench_l1backward.py", description=head, epilog=rest,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    h.output_args(ap, f"benchmarks/results/{h.today()}-l1backward.json")
+    h.output_args(ap, f"runs/bench/{h.today()}/l1backward.json")
     ap.add_argument("--repeats", type=int, default=3,
                     help="rounds of ours (backward fault) beside torchft, ABBA order (default: %(default)s)")
     ap.add_argument("--collective-timeout", type=float, default=2.0, metavar="S",

@@ -17,12 +17,12 @@ are the medians of the paired ratios L2/L1 (min–max).  Pairs stop early when t
 one would not fit ``--budget-s`` (or the deadline ``make bench`` passes in
 ``ACCELPACT_BENCH_DEADLINE_S``).
 
-Output: ``--json`` (default ``benchmarks/results/<date>/paper.json``) and the block
+Output: ``--json`` (default ``runs/bench/<date>/paper.json``) and the block
 between ``<!-- paper-experiment -->`` markers of ``--markdown`` (default
-``docs/benchmarks.md``; ``''`` = skip).
+``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 Usage: .venv/bin/python benchmarks/parts/paper.py [--repeats 5] [--budget-s 270] [--json PATH] [--markdown FILE]
-       .venv/bin/python benchmarks/parts/paper.py --render benchmarks/results/<date>/paper.json   (markdown only)
+       .venv/bin/python benchmarks/parts/paper.py --render runs/bench/<date>/paper.json   (markdown only)
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=270,
                     help="start no pair that would end past this many seconds from the start (default 270)")
     ap.add_argument("--keep-cluster", action="store_true", help="leave a cluster this run started running")
-    bl.output_args(ap, None, "result file (default benchmarks/results/<date>/paper.json)")
+    bl.output_args(ap, None, "result file (default runs/bench/<date>/paper.json)")
     args = ap.parse_args(argv)
     if args.render:
         res = summarize(bl.read_result(args.render))
@@ -298,7 +298,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
     res["wall_s"] = time.monotonic() - t_start
     bl.finish(res)
     summarize(res)
-    out = bl.write_result(res, args.json or f"benchmarks/results/{res['date']}/paper.json")
+    out = bl.write_result(res, args.json or f"runs/bench/{res['date']}/paper.json")
     print(f"[paper] wrote {out} ({res['wall_s']:.0f} s)", flush=True)
     return res
 

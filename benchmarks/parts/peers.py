@@ -64,12 +64,12 @@ The code is in ``benchmarks/parts/``: ``peers_runs`` (starting and timing the ru
 ``peers_entry`` (our ranks' overhead loop, the entry point of its job), ``peers_report`` (analysis and
 markdown), ``peers_main``; the peers' workers, which run in the peers' venvs, are in ``benchmarks/parts/peers_workers/``.
 
-Output: ``--json`` (default ``benchmarks/results/<date>-peers.json``) and the block between
-``<!-- peers-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/peers.json``) and the block between
+``<!-- peers-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 Usage: .venv/bin/python benchmarks/parts/peers.py [--repeats 3] [--short-timeout 1] [--peers torchft,nvrx]
        .venv/bin/python benchmarks/parts/peers.py --setup-only [--recheck-peers]   (make the venvs, run nothing)
-       .venv/bin/python benchmarks/parts/peers.py --render benchmarks/results/<date>-peers.json   (markdown only)
+       .venv/bin/python benchmarks/parts/peers.py --render runs/bench/<date>/peers.json   (markdown only)
 
 About 4 minutes here with 3 repeats once the venvs exist (creating them takes about 2 minutes more; make them
 beforehand with ``--setup-only`` when the part runs under ``bench_all.py``'s deadline).

@@ -30,7 +30,7 @@ DEFAULT_BUDGET_S = 400  # bench_all.py gives the part 480 s; a first run also ma
 def build_parser(doc: str = "") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench_peers.py", description=doc or __doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    h.output_args(ap, f"benchmarks/results/{h.today()}-peers.json")
+    h.output_args(ap, f"runs/bench/{h.today()}/peers.json")
     ap.add_argument("--repeats", type=int, default=3, help="paired repeats (default: %(default)s)")
     ap.add_argument("--short-timeout", type=float, default=1.0,
                     help="second detection timeout, seconds, for both ours and torchft (default: %(default)s)")

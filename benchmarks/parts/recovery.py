@@ -11,11 +11,11 @@ has (``benchmarks/parts/recovery_torchft.py``, ``recovery_nvrx.py``); the first 
 path alone at 4, 64 and 256 emulated ranks (writes and bytes
 per second, the store host's CPU), which must grow as N.
 
-Output: ``--json`` (default ``benchmarks/results/<date>/recovery.json``) and the block between
-``<!-- recovery-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/recovery.json``) and the block between
+``<!-- recovery-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 Usage: .venv/bin/python benchmarks/parts/recovery.py [--trials 5] [--classes kill,stop] [--peers torchft,nvrx]
-       .venv/bin/python benchmarks/parts/recovery.py --render benchmarks/results/<date>/recovery.json
+       .venv/bin/python benchmarks/parts/recovery.py --render runs/bench/<date>/recovery.json
 
 About 20 minutes here with the defaults (30 of our jobs of 12-25 s, 3 trials of each peer's faults, the 110M job,
 six jobs for the cost).

@@ -325,7 +325,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     head, _, rest = doc.partition("\n\n")
     ap = argparse.ArgumentParser(prog="bench_recovery.py", description=head, epilog=rest,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    h.output_args(ap, f"benchmarks/results/{h.today()}/{PART}.json")
+    h.output_args(ap, f"runs/bench/{h.today()}/{PART}.json")
     ap.add_argument("--trials", type=int, default=5, help="trials per fault class (default: %(default)s)")
     ap.add_argument("--classes", default=",".join(rr.CLASSES), type=lambda s: [c for c in s.split(",") if c],
                     help="fault classes (default: all: %(default)s)")

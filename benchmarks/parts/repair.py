@@ -41,11 +41,12 @@ it builds the decoder example's model, AdamW, schedule and data (``examples/deco
 Every figure is a ratio against a baseline measured in the same run (median of paired ratios, min-max);
 absolute times are printed beside them for reference only (this machine is shared and noisy).
 
-Output: ``benchmarks/results/<date>-repair.json`` and the block between ``<!-- repair-bench -->``
-markers in ``docs/benchmarks.md`` (other blocks are kept).
+Output: ``runs/bench/<date>/repair.json`` and the block between ``<!-- repair-bench -->``
+markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts'
+summaries).
 
 Usage: .venv/bin/python benchmarks/parts/repair.py [--repairs 8] [--floor-samples 5] [--guard-pairs 16] [--rebind-reps 4] ...
-       .venv/bin/python benchmarks/parts/repair.py --render benchmarks/results/<date>-repair.json
+       .venv/bin/python benchmarks/parts/repair.py --render runs/bench/<date>/repair.json
 
 About 1.5-3 minutes here with the defaults (28 injected faults, each waiting the 2 s detection timeout);
 the job has a deadline (``--deadline``, capped by ``ACCELPACT_BENCH_DEADLINE_S`` from ``bench_all.py``;

@@ -26,7 +26,7 @@ def build_parser(doc: str = "") -> argparse.ArgumentParser:
     head, _, rest = (doc or __doc__).partition("\n\n")
     p = argparse.ArgumentParser(prog="bench_repair.py", description=head, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    h.output_args(p, f"benchmarks/results/{h.today()}-repair.json")
+    h.output_args(p, f"runs/bench/{h.today()}/repair.json")
     p.add_argument("--repairs", type=int, default=8, help="injected repairs paired with a floor (default: %(default)s)")
     p.add_argument("--floor-samples", type=int, default=5,
                    help="floor samples beside each repair, each timed on every member (default: %(default)s)")

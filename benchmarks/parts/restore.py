@@ -41,10 +41,10 @@ Usage::
     .venv/bin/python benchmarks/parts/restore.py [--rounds 4] [--every 5] [--variants own,peer,shared,mixed]
                                               [--layers L] [--width W] [--json PATH] [--markdown FILE]
     .venv/bin/python benchmarks/parts/restore.py --quick --markdown ''    (one round: a smoke run)
-    .venv/bin/python benchmarks/parts/restore.py --render benchmarks/results/<date>/restore.json
+    .venv/bin/python benchmarks/parts/restore.py --render runs/bench/<date>/restore.json
 
-Output: ``--json`` (default ``benchmarks/results/<date>/restore.json``) and the block between
-``<!-- restore-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/restore.json``) and the block between
+``<!-- restore-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 """
 
 from __future__ import annotations
@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"{', '.join(f'--{k} {v}' for k, v in QUICK.items())}: a smoke run")
     p.add_argument("--keep", action="store_true", help="keep the work directory (and every restart's run directory)")
-    h.output_args(p, None, "result file (default benchmarks/results/<date>/restore.json)")
+    h.output_args(p, None, "result file (default runs/bench/<date>/restore.json)")
     return p
 
 
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             res["error"] = f"{type(exc).__name__}: {exc}"
             res["wall_s"] = time.monotonic() - t0
-            out = h.write_result(h.finish(res), args.json or f"benchmarks/results/{res['date']}/{PART}.json",
+            out = h.write_result(h.finish(res), args.json or f"runs/bench/{res['date']}/{PART}.json",
                                  failed=True)
             log(f"failed; wrote {out}")
             raise
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         res["wall_s"] = time.monotonic() - t0
         h.finish(res)
         summarize(res)
-        out = h.write_result(res, args.json or f"benchmarks/results/{res['date']}/{PART}.json")
+        out = h.write_result(res, args.json or f"runs/bench/{res['date']}/{PART}.json")
         log(f"wrote {out} ({res['wall_s']:.0f} s)")
     block = markdown(res)
     print(block)

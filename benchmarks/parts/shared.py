@@ -22,10 +22,10 @@ Usage::
     .venv/bin/python benchmarks/parts/shared.py [--pairs 3] [--steps 40] [--every 2] [--warmup 6]
                                              [--layers L] [--width W] [--json PATH] [--markdown FILE]
     .venv/bin/python benchmarks/parts/shared.py --quick --markdown ''    (one pair of short jobs: a smoke run)
-    .venv/bin/python benchmarks/parts/shared.py --render benchmarks/results/<date>/shared.json
+    .venv/bin/python benchmarks/parts/shared.py --render runs/bench/<date>/shared.json
 
-Output: ``--json`` (default ``benchmarks/results/<date>/shared.json``) and the block between
-``<!-- shared-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/shared.json``) and the block between
+``<!-- shared-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"one pair of short jobs ({', '.join(f'--{k} {v}' for k, v in QUICK.items())}): a smoke run")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
-    h.output_args(p, None, "result file (default benchmarks/results/<date>/shared.json)")
+    h.output_args(p, None, "result file (default runs/bench/<date>/shared.json)")
     return p
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         res["wall_s"] = time.monotonic() - t0
         h.finish(res)
         summarize(res)
-        out = h.write_result(res, args.json or f"benchmarks/results/{res['date']}/{PART}.json")
+        out = h.write_result(res, args.json or f"runs/bench/{res['date']}/{PART}.json")
         log(f"wrote {out} ({res['wall_s']:.0f} s)")
     block = markdown(res)
     print(block)

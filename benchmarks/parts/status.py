@@ -4,8 +4,8 @@
 Usage::
 
     .venv/bin/python benchmarks/parts/status.py [--events 10000] [--snapshots 100] [--repeat 31] [--cmd-repeat 15]
-                                             [--json PATH] [--markdown docs/benchmarks.md] [--keep DIR]
-    .venv/bin/python benchmarks/parts/status.py --render benchmarks/results/<date>/status.json   (markdown only)
+                                             [--json PATH] [--markdown FILE] [--keep DIR]
+    .venv/bin/python benchmarks/parts/status.py --render runs/bench/<date>/status.json   (markdown only)
 
 Two paired measurements on the same run directory, order alternated within each pair:
 
@@ -19,8 +19,8 @@ Figures are medians of the paired ratios (min–max); absolute times are printed
 The command's own target is under 0.5 s (reported, never compared across runs).  Tests call
 :func:`build_run_dir` but never assert a time: test machines are noisy.
 
-Output: ``--json`` (default ``benchmarks/results/<date>/status.json``) and the block between
-``<!-- status-bench -->`` markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/status.json``) and the block between
+``<!-- status-bench -->`` markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=31, help="in-process pairs (default 31)")
     p.add_argument("--cmd-repeat", type=int, default=15, help="command pairs, fresh interpreters (default 15)")
     p.add_argument("--keep", metavar="DIR", help="build the run directory here and keep it")
-    bl.output_args(p, None, "result file (default benchmarks/results/<date>/status.json)")
+    bl.output_args(p, None, "result file (default runs/bench/<date>/status.json)")
     args = p.parse_args(argv)
     if args.render:
         res = summarize(bl.read_result(args.render))
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         res["wall_s"] = time.monotonic() - t0
         bl.finish(res)
         summarize(res)
-        out = bl.write_result(res, args.json or f"benchmarks/results/{res['date']}/status.json")
+        out = bl.write_result(res, args.json or f"runs/bench/{res['date']}/status.json")
         print(f"[status] wrote {out} ({res['wall_s']:.1f} s)", flush=True)
     block = markdown(res)
     print(block)

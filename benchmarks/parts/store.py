@@ -23,11 +23,11 @@ run:
    (the default) and by a thread of rank 0 (``ACCELPACT_STORE_THREAD=1``, as before ``runtime/store_host.py``);
    a pair's figure is the thread job's median update over the process job's, with the added milliseconds.
 
-Output: ``--json`` (default ``benchmarks/results/<date>/store.json``) and the block between ``<!-- store-bench -->``
-markers of ``--markdown`` (default ``docs/benchmarks.md``; ``''`` = skip).
+Output: ``--json`` (default ``runs/bench/<date>/store.json``) and the block between ``<!-- store-bench -->``
+markers of ``--markdown`` (default ``''``: none; ``make bench`` renders the docs from the parts' summaries).
 
 Usage: .venv/bin/python benchmarks/parts/store.py [--pairs 9] [--commit 2abb175]
-       .venv/bin/python benchmarks/parts/store.py --render benchmarks/results/<date>/store.json
+       .venv/bin/python benchmarks/parts/store.py --render runs/bench/<date>/store.json
 
 About 4 minutes here with the defaults (one job of about 50 s, then 18 jobs of about 10 s).
 """
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--where-pairs", type=int, default=3,
                     help="ABBA pairs of measurement 3, the store's server in a process vs a thread (default: %(default)s)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="time budget (default: %(default)s)")
-    h.output_args(ap, f"benchmarks/results/{h.today()}/store.json")
+    h.output_args(ap, f"runs/bench/{h.today()}/store.json")
     return ap
 
 
