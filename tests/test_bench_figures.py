@@ -111,6 +111,22 @@ def test_make_bench_parts_campaign_runs_only_the_campaign():
         bench_run.selected("campain")
 
 
+def test_a_part_reads_what_the_job_emits_from_its_event_log(tmp_path):
+    """The checkpoint part times our snapshots by rank 0's ``snapshot`` events (no private field of the client):
+    whole lines only, rank 0's, each snapshot's pieces and its blocking time once."""
+    from benchmarks.parts.ckpt_entry import SnapshotEvents
+
+    log = tmp_path / "events.jsonl"
+    ev = {"event": "snapshot", "rank": 0, "step": 4, "blocking_s": 0.5, "parts_s": {"copy": 0.3, "proof": 0.1}}
+    log.write_text(json.dumps(dict(ev, rank=1)) + "\n" + json.dumps(ev) + "\n" + '{"event": "snapsh')
+    snaps = SnapshotEvents(str(tmp_path))
+    assert snaps.parts(4) == {"copy": 0.3, "proof": 0.1, "total": 0.5}
+    assert snaps.parts(4) == {}  # read once
+    with open(log, "a") as fh:  # the half-written line ends: read now, not before
+        fh.write('ot", "rank": 0, "step": 8, "blocking_s": 0.2, "parts_s": {}}\n')
+    assert snaps.parts(8) == {"total": 0.2}
+
+
 def test_the_detector_toggle_pairs_each_alternation_on_its_slowest_rank():
     """The detector's own cost (``recovery_cost.toggle_analysis``): each alternation's ratio is the slowest rank's
     mean of its ``on`` updates over the slowest rank's mean of its adjacent ``off`` ones, and the headline is

@@ -273,6 +273,33 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+class EventTail:
+    """One rank's new records in a job's event log (``events.jsonl``), read from where the last read ended, whole
+    lines only: what the product emits (``repair_rank``, ``fault``, ``snapshot``, ...) is what a part times."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path, self.rank, self.offset = path, rank, 0
+
+    def skip(self) -> None:
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def new(self) -> list[dict[str, Any]]:
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("rank") == self.rank:
+                out.append(rec)
+        return out
+
+
 def tail(path: Path, n: int = 40, sep: str = "\n", limit: int | None = None) -> str:
     try:
         text = sep.join(path.read_text(errors="replace").strip().splitlines()[-n:])

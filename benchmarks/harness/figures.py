@@ -404,29 +404,6 @@ def figure_diff(expected: str, actual: str) -> list[str]:
     return out
 
 
-CONTROL_UPDATE_MARK = "<!-- control-update -->"
-
-
-def control_update_block(res: dict[str, Any], rel: str) -> str:
-    """The control part's companion: the per-update cost at 4 ranks, ABBA, of the same job run by the current
-    code and by the commit before the control plane's change (``benchmarks/parts/store.py --commit C``, its result
-    ``<date>/control-update.json``)."""
-    c = res["cost"]
-    g, gp, pl = c["guarded_ms"], c["guarded_ms_added"], c["plain_ms"]
-    met = g["median"] <= 1.0 or g["min"] <= 1.0 <= g["max"]
-    return "\n".join([
-        CONTROL_UPDATE_MARK,
-        f"**Per update at 4 ranks, ABBA** (`benchmarks/parts/store.py --commit {c['commit']} --pairs {g['n']} --json "
-        f"{rel} --markdown ''`: the same job, the decoder example's model on 2 x 2, run by the current code and by "
-        f"`{c['commit']}` in the order current, earlier, earlier, current, ...): a guarded update (its vote a "
-        f"control-plane round) costs {g['median']:.3f}x ({g['min']:.3f}–{g['max']:.3f}) the earlier code's, "
-        f"{gp['median']:+.2f} ms ({gp['min']:+.2f} to {gp['max']:+.2f}) per update; a plain update "
-        f"{pl['median']:.3f}x. Goal: no more than today's at 4 ranks: {'met' if met else 'not met'}"
-        + (" (the spread over pairs is larger than the difference)." if met and g["median"] > 1.0 or met and
-           g["max"] > 1.0 else "."),
-        CONTROL_UPDATE_MARK])
-
-
 def recovery_goals(res: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """The recovery part's goals, each decided from its summary (the slowest rank's seconds per class, the
     first detection, the first snapshot's and the detector's ratios)."""

@@ -32,6 +32,7 @@ from typing import Any
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[2]),) if p not in sys.path]
 
 from accelpact_slurm.runtime import instrument  # noqa: E402
+from benchmarks.harness import common as h  # noqa: E402
 from benchmarks.parts.ckpt_dcp import DcpModes  # noqa: E402
 from benchmarks.parts.ckpt_setup import build_schedule, is_snapshot, segment_length  # noqa: E402
 
@@ -52,28 +53,18 @@ def main(job: Any) -> None:
 
 
 class SnapshotEvents:
-    """Rank 0's ``snapshot`` events, read as the job appends them to ``events.jsonl`` (the client times its own
-    pieces: ``parts_s`` and ``blocking_s``).  Read from where the last read ended, whole lines only."""
+    """Rank 0's ``snapshot`` events as the job appends them (the client times its own pieces: ``parts_s`` and
+    ``blocking_s``)."""
 
     def __init__(self, run_dir: str) -> None:
         from accelpact_slurm.core.events import EVENTS_FILE
 
-        self.path = Path(run_dir) / EVENTS_FILE
-        self.offset = 0
+        self.tail = h.EventTail(Path(run_dir) / EVENTS_FILE, 0)
         self.seen: dict[int, dict[str, Any]] = {}
 
     def parts(self, step: int) -> dict[str, Any]:
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            data = fh.read()
-        whole = data[:data.rfind(b"\n") + 1]
-        self.offset += len(whole)
-        for line in whole.splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if ev.get("event") == "snapshot" and ev.get("rank") == 0 and not ev.get("skipped"):
+        for ev in self.tail.new():
+            if ev.get("event") == "snapshot" and not ev.get("skipped"):
                 self.seen[int(ev["step"])] = {**(ev.get("parts_s") or {}), "total": ev.get("blocking_s")}
         return self.seen.pop(step, {})
 

@@ -118,32 +118,6 @@ class _Probes:
         return out
 
 
-class _EventTail:
-    """This rank's new records in the job's event log (the engine's ``repair_rank``/``repair``, the guard's ``fault``)."""
-
-    def __init__(self, path: Path, rank: int) -> None:
-        self.path, self.rank, self.offset = path, rank, 0
-
-    def skip(self) -> None:
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
-
-    def new(self) -> list[dict[str, Any]]:
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            data = fh.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("rank") == self.rank:
-                out.append(rec)
-        return out
-
-
 def _timed_into(extras: dict[str, float], key: str, fn, only: str | None = None):
     """``fn`` adding its duration to ``extras[key]`` (only calls whose first argument is ``only``, if given)."""
 
@@ -173,7 +147,7 @@ class RepairRank:
         #: time): a repair's detecting members enter its floor samples' barrier as late (the repair's position).
         self.detect_late_s = 0.0
         self.out_dir = Path(job.run_dir)
-        self.events = _EventTail(self.out_dir / EVENTS_FILE, self.rank)
+        self.events = h.EventTail(self.out_dir / EVENTS_FILE, self.rank)
         self.probes = _Probes()
         self.res: dict[str, Any] = {"rank": self.rank}
 
