@@ -141,8 +141,8 @@ def run_part(part: Part, raw: Path, deadline_s: float, t0: float) -> tuple[dict[
     """Run one part; returns (its raw result or None, the run record: status, wall_s, rc, error, tail)."""
     run: dict[str, Any] = {"deadline_s": round(deadline_s), "commit": measured_commit(), "args": list(part.args)}
     raw.parent.mkdir(parents=True, exist_ok=True)
-    envv = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO),
-                **{h.DEADLINE_VAR: str(int(deadline_s))})
+    path = os.pathsep.join([str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+    envv = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **{h.DEADLINE_VAR: str(int(deadline_s))})
     argv = [sys.executable, "-m", f"benchmarks.parts.{part.name}", "--json", str(raw), "--markdown", "", *part.args]
     start_wall, start = time.time(), time.monotonic()
     proc = subprocess.Popen(argv, cwd=REPO, env=envv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -391,7 +391,7 @@ def summarize_gpu(path: Path) -> Path:
     res = json.loads(path.read_text())
     from benchmarks.harness.docs_tables import gpu_block
 
-    block = gpu_block(res, GPU_MARK, str(path))
+    block = gpu_block(res, GPU_MARK, h.json_field(path))
     return S.write(GPU_SUMMARY, S.summarize("gpu-check", res, res.get("rows") or [], block, GPU_MARK))
 
 
