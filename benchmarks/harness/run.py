@@ -237,13 +237,29 @@ def part_block(part: Part, res: dict[str, Any], related: dict[str, Any] | None) 
         return generic_block(part.mark, f"{part.title} ({part.name})", res, why)
 
 
+def for_related(res: dict[str, Any]) -> dict[str, Any]:
+    """What another part's block reads of the recovery part's result (:data:`RELATED`), kept in its summary so
+    that a part run alone finds it without the raw result: its date and file, the per-class summary, and the
+    peers' trials (class, handled, seconds, why not)."""
+    keep = ("cls", "handled", "recover_s", "not_handled_because")
+    return {"date": res.get("date"), "json": res.get("json"), "summary": res.get("summary"),
+            "peers": {name: [{k: t.get(k) for k in keep} for t in trials]
+                      for name, trials in (res.get("peers") or {}).items() if isinstance(trials, list)}}
+
+
 def summarize_part(part: Part, res: dict[str, Any], raw_root: Path) -> dict[str, Any]:
     names = RELATED.get(part.name)
-    stored = figures.stored_results(raw_root) if names else {}
-    related = None if not names else {n: stored[n][0] for n in names if n in stored}
+    related = None
+    if names:  # the newest raw result on this machine, else the committed summary's extract
+        stored, committed = figures.stored_results(raw_root), S.newest()
+        related = {n: stored[n][0] if n in stored else committed[n][0]["related"]
+                   for n in names if n in stored or "related" in committed.get(n, ({}, ""))[0]}
     rows = part_rows(part.name, res)
-    return S.summarize(part.name, res, rows, part_block(part, res, related), part.mark, raw_root,
+    summ = S.summarize(part.name, res, rows, part_block(part, res, related), part.mark, raw_root,
                        rows if part.name == "peers" else None)
+    if any(part.name in ns for ns in RELATED.values()):
+        summ["related"] = for_related(res)
+    return summ
 
 
 def run_all(names: list[str], budget_s: float) -> dict[str, Any]:
