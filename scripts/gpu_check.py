@@ -19,8 +19,9 @@ Three questions the CPU machines cannot answer:
    second process on the same GPU is tried and its outcome recorded (NCCL refuses duplicate devices).
 
 Output: JSON (``--json``, default ``$OUT/gpu-check.json`` or ``runs/gpu-check.json``, outside git) with
-``"rows"`` in the format of ``benchmarks/harness/common.py`` and the raw medians; back on the project's machine,
-``python -m benchmarks.harness.run --gpu-check FILE`` commits its summary (``benchmarks/summaries/gpu-check.json``). Runs in well under 5 minutes.
+``"rows"`` in the format of ``benchmarks/harness/stats.py`` and the raw medians; back on the project's machine,
+``python -m benchmarks.harness.run --gpu-check FILE`` writes its summary (``benchmarks/summaries/gpu-check.json``).
+Runs in well under 5 minutes.
 Runs on the device machine's own torch (not the project's pin).
 """
 
@@ -41,8 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.parts.harness import row as _row  # noqa: E402  (stdlib only: the device machine has just torch)
-from benchmarks.parts.harness import spread as _spread  # noqa: E402
+from benchmarks.harness.stats import row as _row  # noqa: E402  (stdlib only: the device machine has just torch)
+from benchmarks.harness.stats import spread as _spread  # noqa: E402
 from benchmarks.parts import gpu_project as gp  # noqa: E402  (the project's own checks: runs accelpact-run etc.)
 
 MiB = 1 << 20
