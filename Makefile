@@ -10,9 +10,12 @@
 #   make test-slurm     slurm: jobs on the real Slurm dev cluster
 #   make test-releases  the torch-internals tests on every supported torch release
 #   make campaign  inject one fault per run into the decoder job, every run checked (scripts/campaign.py;
-#               CAMPAIGN_ARGS="--runs 50 --seed 7"); writes benchmarks/results/campaign-<date>.json and its table
-#   make bench  run every benchmark here (under 30 min) and regenerate docs/benchmarks.md (BENCH_ARGS="--parts a,b";
-#               the parts are scripts/bench_<part>.py, listed in scripts/bench_all.py: e.g. --parts store,control)
+#               CAMPAIGN_ARGS="--seed 7"); writes runs/campaign-<date>.json and its table (outside git)
+#   make bench  run every benchmark here (about 50 min: the parts ~28, the fault campaign's 50 runs ~20), commit-
+#               ready summaries in benchmarks/summaries/<date>/, raw results in runs/bench/ (outside git), and
+#               regenerate docs/benchmarks.md and the README's figures from the summaries (BENCH_ARGS="--parts a,b";
+#               the parts are benchmarks/parts/<part>.py, listed in benchmarks/harness/run.py: e.g. --parts
+#               store,control; --parts campaign runs only the campaign; --render only regenerates the docs)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -86,15 +89,15 @@ envelope: $(STAMP)
 	  $(foreach v,$(TORCH_RELEASES),--python $$($(PYTHON) scripts/torch_venv.py $(v) | tail -n 1))
 
 bench: $(STAMP)
-	$(PY) scripts/bench_all.py $(BENCH_ARGS)
+	$(PY) -m benchmarks.harness.run $(BENCH_ARGS)
 
 # The fault campaign: CAMPAIGN_RUNS faults (the kinds in turn), each run against the uninterrupted run's digest.
 CAMPAIGN_RUNS ?= 50
 CAMPAIGN_ARGS ?=
 CAMPAIGN_DATE := $(shell date +%Y-%m-%d)
 campaign: $(STAMP)
-	$(PY) scripts/campaign.py --runs $(CAMPAIGN_RUNS) --json benchmarks/results/campaign-$(CAMPAIGN_DATE).json \
-	  --markdown benchmarks/results/campaign-$(CAMPAIGN_DATE).md $(CAMPAIGN_ARGS)
+	$(PY) scripts/campaign.py --runs $(CAMPAIGN_RUNS) --json runs/campaign-$(CAMPAIGN_DATE).json \
+	  --markdown runs/campaign-$(CAMPAIGN_DATE).md $(CAMPAIGN_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

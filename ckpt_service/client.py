@@ -106,7 +106,6 @@ class SnapshotClient:
         self._failed_marker = daemon_failed_marker(run_dir, self.rt.ctx.hostname)
         self.taken: set[int] = set()  # steps snapshotted (not skipped) in this start
         self.last_error: str | None = None
-        self.last_parts: dict[str, Any] = {}
         # the hand-over worker: one thread per client, started with the first snapshot; _idle is clear while a
         # snapshot waits on it to be handed over
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -232,7 +231,6 @@ class SnapshotClient:
         self._jobs.put((step, desc, plan, extras, capture))
         parts["hand_over"] = time.monotonic() - t  # queuing it; the hand-over itself runs beside the next update
         blocking = time.monotonic() - t0
-        self.last_parts = dict(parts, total=blocking, bytes=nbytes, new_slot=created, source=plan.source)
         log.debug("snapshot %d staged in %.3f s (%s)", step, blocking, parts)
         if rt.rank == 0 and self.events is not None:  # what a snapshot costs training (accelpact-cadence reads it)
             self.events.emit("snapshot", step=step, blocking_s=blocking, parts_s={k: round(v, 6) for k, v in parts.items()},

@@ -189,7 +189,7 @@ class Slot:
         """Page-lock the mapping for the CUDA driver (``cudaHostRegister``), once per mapping.
 
         A device-to-host copy into pageable memory goes through the driver's bounce buffer at a
-        fraction of the link's speed (1.7 against 55 GB/s on an H200, ``benchmarks/results/gpu-check.json``);
+        fraction of the link's speed (1.7 against 55 GB/s on an H200, ``benchmarks/summaries/gpu-check.json``);
         into registered memory it is one DMA and may be asynchronous.  Returns whether the slot is
         pinned: False without CUDA, or when the driver refuses (the copy then still works, pageable).
         """

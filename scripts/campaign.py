@@ -380,7 +380,7 @@ def kind_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The benchmark overview's rows (``scripts/bench/harness.py``'s shape): one per kind, no ratio."""
+    """The benchmark overview's rows (``benchmarks/harness/``'s shape): one per kind, no ratio."""
     return [{"what": f"fault campaign: {r['kind']}", "baseline": "the uninterrupted run's final_state_digest",
              "ratio": None, "spread": None, "n": r["runs"],
              "note": f"{r['passed']}/{r['runs']} passed ({r['bitwise']} bitwise); median back to training "

@@ -7,8 +7,8 @@
 #   multigpu  pytest -m multigpu: L1 on NCCL with a real fault between two GPUs (skipped on one GPU)
 #   staging, slot, comm   D2H staging bandwidth, the client's pinned slot, NCCL create/destroy/abort/split
 # Runs in under 8 minutes with the machine's own python3 + torch (CUDA build) and the project's dependencies
-# importable (PYTHONPATH); writes JSON to $OUT/gpu-check.json when OUT is set, else
-# benchmarks/results/gpu-check.json. Extra arguments go to scripts/gpu_check.py. GPU_CHECK_TIMEOUT_S: the
+# importable (PYTHONPATH); writes JSON to $OUT/gpu-check.json when OUT is set, else runs/gpu-check.json
+# (summarized into benchmarks/summaries/ by python -m benchmarks.harness.run --gpu-check FILE). Extra arguments go to scripts/gpu_check.py. GPU_CHECK_TIMEOUT_S: the
 # wall-clock limit (default 540).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -18,8 +18,10 @@ Three questions the CPU machines cannot answer:
    size (the floor the repair engine is measured against on CPU). One GPU allows world size 1; a
    second process on the same GPU is tried and its outcome recorded (NCCL refuses duplicate devices).
 
-Output: JSON (``--json``, default ``$OUT/gpu-check.json`` or ``benchmarks/results/gpu-check.json``) with
-``"rows"`` in the format of ``scripts/bench/harness.py`` and the raw medians. Runs in well under 5 minutes.
+Output: JSON (``--json``, default ``$OUT/gpu-check.json`` or ``runs/gpu-check.json``, outside git) with
+``"rows"`` in the format of ``benchmarks/harness/stats.py`` and the raw medians; back on the project's machine,
+``python -m benchmarks.harness.run --gpu-check FILE`` writes its summary (``benchmarks/summaries/gpu-check.json``).
+Runs in well under 5 minutes.
 Runs on the device machine's own torch (not the project's pin).
 """
 
@@ -39,10 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench.harness import row as _row  # noqa: E402  (stdlib only: the device machine has just torch)
-from bench.harness import spread as _spread  # noqa: E402
-from bench import gpu_project as gp  # noqa: E402  (the project's own checks: runs accelpact-run etc.)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness.stats import row as _row  # noqa: E402  (stdlib only: the device machine has just torch)
+from benchmarks.harness.stats import spread as _spread  # noqa: E402
+from benchmarks.parts import gpu_project as gp  # noqa: E402  (the project's own checks: runs accelpact-run etc.)
 
 MiB = 1 << 20
 
@@ -439,7 +441,7 @@ def reading(res: dict[str, Any]) -> list[str]:
 
 
 def project_checks(parts: set[str], work: str, device: str) -> dict[str, Any]:
-    """The project's own checks (``scripts/bench/gpu_project.py``) that ``parts`` names, each guarded."""
+    """The project's own checks (``benchmarks/parts/gpu_project.py``) that ``parts`` names, each guarded."""
     res: dict[str, Any] = {}
     for name, fn in (("examples", lambda: gp.examples(work, device)), ("qualify", lambda: gp.qualify(work, device)),
                      ("floor", lambda: gp.floor(work, device)), ("multigpu", lambda: gp.multigpu(work))):
@@ -467,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_json = (os.path.join(os.environ["OUT"], "gpu-check.json") if os.environ.get("OUT")
                     else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                      "benchmarks", "results", "gpu-check.json"))
+                                      "runs", "gpu-check.json"))
     ap.add_argument("--json", default=default_json)
     ap.add_argument("--sizes-mib", default="256,1024,4096", help="staging sizes (MiB)")
     ap.add_argument("--pairs", type=int, default=7)
@@ -477,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slot-mib", type=int, default=1024, help="size of the client slot copy (MiB)")
     ap.add_argument("--parts", default="examples,qualify,floor,multigpu,staging,slot,comm",
                     help="comma-separated sections to run (default: %(default)s); the project's own checks "
-                         "(examples, qualify, floor, multigpu) are in scripts/bench/gpu_project.py")
+                         "(examples, qualify, floor, multigpu) are in benchmarks/parts/gpu_project.py")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="device of the project's checks (cpu: a rehearsal of them on a machine without a GPU)")
     ap.add_argument("--merge", action="store_true",

@@ -19,9 +19,9 @@ END_TS = 1700000488.2  # job_end of the sample run
 
 
 def _bench():
-    from tests.conftest import load_script
+    from benchmarks.parts import status
 
-    return load_script("bench_status")
+    return status
 
 
 def _write_events(path, recs):
