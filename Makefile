@@ -56,7 +56,7 @@ demo: $(STAMP)
 	$(VENV)/bin/accelpact-run examples/decoder/job.yaml --run-dir $(RUN_DIR) --inject-fault boundary:15:1
 
 test: $(STAMP)
-	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests --ignore=$(EARNED_TEST) $(PYTEST_ARGS)
+	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests --ignore=$(EARNED_TEST) --durations=30 $(PYTEST_ARGS)
 	$(MAKE) test-releases
 
 test-unit: $(STAMP)

@@ -53,6 +53,7 @@ from accelpact_slurm.core.atomic import write_json_atomic
 from accelpact_slurm.core.config import load_config, training_diff, training_part, with_overrides
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, parse_json, read_events
 from accelpact_slurm.core.safeopen import NotRegular, check_dir, open_writable, read_regular
+from accelpact_slurm.launch.daemons import DAEMON_RESTARTS, record_restart, worth_restarting
 from accelpact_slurm.launch.ranks import daemon_command
 from accelpact_slurm.launch.run_lock import claim
 from accelpact_slurm.runtime.job.entry import run_rank
@@ -386,8 +387,6 @@ def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain
     shared-memory staging it could not drop is removed -- a live daemon's never (it holds the node directory's
     lock).
     """
-    from accelpact_slurm.launch.daemons import DAEMON_RESTARTS, record_restart, worth_restarting
-
     def env_int(name: str) -> int | None:
         try:
             return int(environ[name])
