@@ -38,6 +38,7 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "membership": ("local_rank", "hostname", "pid"),
     "step": ("step", "loss", "step_s"),
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
+    "footprint": ("rank0", "groups", "tightest", "shortfalls"),
     "replay_ref": ("snapshot", "step", "loss", "fingerprints", "layout", "mac"),
     "replay_check": ("snapshot", "step", "verdict", "reason"),
     "warning": ("step", "reason"),

@@ -69,22 +69,33 @@ def job(tmp: Path) -> str:
     return str(path)
 
 
+def big_job(tmp: Path) -> str:
+    """The same job with a 20.4M-parameter model and no big state: rank 3's own shards outgrow its cgroup."""
+    text = Path(job(tmp)).read_text()
+    for old, new in (("width: 32", "width: 640"), ("vocab: 256", "vocab: 8192")):
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp / "big.yaml"
+    path.write_text(text)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("oom")
-    config = job(tmp)
-    cgroups = {name: memory_cgroup(LIMIT) for name in ("oom", "retry")}
-    env = {"oom": {}, "retry": {"ACCELPACT_TEST_RETRY_REPEATED": "1"}}
+    configs = {"oom": job(tmp), "retry": job(tmp), "footprint": big_job(tmp)}
+    cgroups = {name: memory_cgroup(LIMIT) for name in configs}
+    env = {"oom": {}, "retry": {"ACCELPACT_TEST_RETRY_REPEATED": "1"}, "footprint": {"OOM_MB": "0"}}
 
     def run(name):
         run_dir = tmp / name
-        proc = run_cli(["accelpact_slurm.cli.run", config, "--run-dir", str(run_dir)],
-                       env={**env[name], "OOM_CGROUP": cgroups[name], "OOM_RANK": "3", "OOM_MB": "1024"}, timeout=420)
+        proc = run_cli(["accelpact_slurm.cli.run", configs[name], "--run-dir", str(run_dir)],
+                       env={"OOM_CGROUP": cgroups[name], "OOM_RANK": "3", "OOM_MB": "1024", **env[name]}, timeout=420)
         return {"proc": proc, "events": list(read_events(run_dir / "events.jsonl")), "dir": run_dir,
-                "ooms": oom.oom_kills(cgroups[name])}
+                "ooms": oom.oom_kills(cgroups[name]), "cgroup": cgroups[name]}
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
             futures = {name: pool.submit(run, name) for name in cgroups}
             yield {name: f.result(timeout=900) for name, f in futures.items()}
     finally:
@@ -133,3 +144,23 @@ def test_negative_control_without_the_launchers_comparison_a_third_start_happens
     assert third and all(e["cause"] == "no-progress" and e["exit_code"] == EXIT_NO_REQUEUE for e in third), third
     assert all("the same failure (out-of-memory) on rank 3 in update 5" in e["reason"] for e in third), third
     assert not of(r, "step", restart=2) and r["ooms"] == 2  # stopped before any update: no third OOM kill
+
+
+def test_a_job_that_will_not_fit_its_memory_is_told_so_before_the_oom_kill(runs):
+    """The footprint predicted at ``job.protect`` (runtime/job/footprint.py): rank 3's gradients, optimizer state,
+    staging slot and first capture proof (9 x its 20 MB of weights) against what its cgroup has left.  The warning
+    names the rank, the cgroup and the fix, on the console and as an event, before the kernel ends the rank.
+    Negative control: without the check (no ``footprint.check`` in ``Run.__init__``) no warning precedes the kill."""
+    r = runs["footprint"]
+    out = r["proc"].stdout
+    assert r["ooms"] and r["ooms"] >= 1, out[-3000:]
+    warned = [i for i, e in enumerate(r["events"]) if e["event"] == "warning" and "OOM killer" in e.get("reason", "")]
+    assert warned, [e for e in r["events"] if e["event"] in ("footprint", "warning")]
+    first = r["events"][warned[0]]
+    assert "ranks [3] will add about" in first["reason"] and r["cgroup"] in first["reason"], first
+    stops = [i for i, e in enumerate(r["events"]) if e["event"] == "fail_stop"]
+    assert stops and warned[0] < stops[0]
+    assert any(e.get("cause") == "out-of-memory" for e in of(r, "fail_stop")), of(r, "fail_stop")
+    fp = of(r, "footprint", restart=0)[0]
+    assert fp["shortfalls"][0]["ranks"] == [3] and fp["rank0"]["optimizer_states"] == 2
+    assert "[accelpact] warning: " in out and "ranks [3] will add about" in out

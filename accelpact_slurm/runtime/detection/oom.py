@@ -68,7 +68,7 @@ def oom_kills(cgroup: str) -> int | None:
     return None
 
 
-def _read_int(cgroup: str, *names: str) -> int | None:
+def read_int(cgroup: str, *names: str) -> int | None:
     for name in names:
         try:
             with open(os.path.join(cgroup, name), encoding="utf-8") as fh:
@@ -135,8 +135,8 @@ def after_death(record: dict[str, Any] | None) -> dict[str, Any] | None:
     info: dict[str, Any] = {"cgroup": mem["cg"], "oom_kill": [mem["ooms"], now],
                             "update": record.get("u"), "phase": record.get("ph"),  # its last record's
                             "peak_rss_kib": mem.get("rss"),
-                            "limit_bytes": _read_int(mem["cg"], "memory.max", "memory.limit_in_bytes"),
-                            "cgroup_peak_bytes": _read_int(mem["cg"], "memory.peak", "memory.max_usage_in_bytes")}
+                            "limit_bytes": read_int(mem["cg"], "memory.max", "memory.limit_in_bytes"),
+                            "cgroup_peak_bytes": read_int(mem["cg"], "memory.peak", "memory.max_usage_in_bytes")}
     pid = (record or {}).get("pid")
     if isinstance(pid, int):
         info["kernel"] = kernel_record(pid)

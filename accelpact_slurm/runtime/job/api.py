@@ -22,8 +22,7 @@ the :class:`Job` and calls the entry point; the entry point calls :meth:`Job.pro
 collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and, for every
 update, :meth:`Run.update`; between two updates it may call :meth:`Run.save` (collective).  When the
 entry point returns, the runtime snapshots the last update and waits until it is verified, writes the
-summary and calls :meth:`Run.close`.
-``docs/api.md`` documents every public name.
+summary and calls :meth:`Run.close`.  ``docs/api.md`` documents every public name.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailSto
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime.state import appstate, replay
-from accelpact_slurm.runtime.job import envelope as env_mod
+from accelpact_slurm.runtime.job import envelope as env_mod, footprint
 from accelpact_slurm.runtime.state.buffers import forward_state
 from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
                                                 log_exception)
@@ -239,6 +238,7 @@ class Run:
         self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
+        footprint.check(model, optimizer, job, snapshots=cfg.checkpoint.every_steps > 0)  # a warning before an OOM
         self._replay: tuple[int, dict[str, Any] | None] | None = None
         self._warned_no_step = False
         self._warned_late_loss = False
