@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: How long one blocking wait on the assignment key lasts before it is re-armed (and a stop signal looked at).
 PARK_WAIT_S = 1.0
+#: How long one try to reach the job's store lasts (they are repeated until ``timeouts.startup_s``).
+JOIN_TRY_S = 2.0
 
 
 def run_spare(cfg: JobConfig, run_dir: str, *, job_id: str, step: str, restart: int, node: int, local_rank: int,
@@ -99,11 +101,17 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
         return EXIT_USAGE, f"no rendezvous address ({settings.MASTER_ADDR}): the launcher gives it"
     bind_to = binding(f"{job_id}.{step}" if step else job_id, restart)
     world = cfg.topology.nodes * cfg.topology.ranks_per_node
-    try:
-        store = JobStore(host, store_ports(bind_to, environ, key), key, bind_to, world + sid,
-                         timedelta(seconds=cfg.timeouts.startup_s))
-    except dist.DistNetworkError as exc:  # the job never got its store up (its ranks stopped first)
-        return EXIT_OK, f"could not join the job's store: {exc}"
+    ports, deadline = store_ports(bind_to, environ, key), time.monotonic() + cfg.timeouts.startup_s
+    while True:  # short tries until startup_s: a stop signal is seen between two (rank 0 may not host it yet)
+        try:
+            store = JobStore(host, ports, key, bind_to, world + sid,
+                             timedelta(seconds=max(0.1, min(JOIN_TRY_S, deadline - time.monotonic()))))
+            break
+        except dist.DistNetworkError as exc:  # not up yet; past startup_s, the job never got its store up
+            if stop:
+                return EXIT_OK, f"stopped by {signal.Signals(stop[0]).name} before it joined the job's store"
+            if time.monotonic() >= deadline:
+                return EXIT_OK, f"could not join the job's store: {exc}"
     try:
         store.set(ready_key(node, local_rank), json.dumps({
             "spare": sid, "node": node, "local_rank": local_rank, "pid": os.getpid(), "hostname": hostname,
