@@ -1,4 +1,4 @@
-"""``python -m accelpact_slurm.cli.spare CONFIG --run-dir DIR --job-id J --node N --local-rank L ...``: one spare process.
+"""``python -m accelpact_slurm.cli.spare CONFIG --run-dir DIR --node N --local-rank L ...``: one spare process.
 
 Not a user command: the embedded default's launcher starts ``topology.spare_nodes x ranks_per_node`` of these per
 start (:mod:`accelpact_slurm.launch.spares`).  It takes the job-level flags of ``accelpact-run``

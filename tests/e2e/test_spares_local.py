@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from accelpact_slurm.core.events import read_events
-from tests.conftest import run_cli
-from tests.node_procs import alive, node_pids, processes
+from tests.conftest import REPO, run_cli, wait_for
+from tests.node_procs import alive, kill_node, node_pids, processes
 
 pytestmark = pytest.mark.multiproc
 
@@ -77,10 +79,11 @@ def test_the_spares_park_warm_and_are_all_gone_at_the_end(runs):
 
 
 def test_status_shows_the_pool(runs):
-    """While the spares are parked (the log as it stood at the last spare's ready event) the pool is free; at the
-    end it has ended.  Negative control: the run without spares shows no pool."""
+    """While the spares are parked (the log as it stood once both were ready and the job started) the pool is free;
+    at the end it has ended.  Negative control: the run without spares shows no pool."""
     _, _, events = runs["one"]
-    last_ready = max(i for i, e in enumerate(events) if e["event"] == "spare_ready")
+    # a spare may be ready before rank 0 wrote job_start (it joins the store as soon as rank 0 hosts it)
+    last_ready = max(i for i, e in enumerate(events) if e["event"] in ("spare_ready", "job_start"))
     parked = runs["dir"] / "parked"
     parked.mkdir()
     with open(parked / "events.jsonl", "w") as fh:
@@ -94,3 +97,37 @@ def test_status_shows_the_pool(runs):
     assert (pool["configured"], pool["free"], pool["used"], pool["ended"]) == (1, 0, 0, 1)
     plain = run_cli(["accelpact_slurm.cli.status", str(runs["dir"] / "none")], timeout=60)
     assert "spare pool" not in plain.stdout
+
+
+def test_a_spare_node_killed_whole_is_no_failure_of_the_job(runs, tmp_path):
+    """SIGKILL every process of the spare node (found in the events, as a node loss test will) while the ranks
+    train: the job completes without a stop or a relaunch, in the reference state.  Negative control: a launcher
+    that counted a spare's exit as a rank's (its supervision over ranks and spares alike) relaunches this job
+    (a ``fail_stop`` by the launcher, ``restart`` 1) and the test fails; the same helper aimed at node 1 finds that
+    node's ranks and daemon, not the spares."""
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.run", TINY, "--run-dir", str(run_dir),
+                             "--steps", str(STEPS), "--spare-nodes", "1"], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def ready():
+            events = list(read_events(run_dir / "events.jsonl"))
+            return events if len([e for e in events if e["event"] == "spare_ready"]) == 2 else None
+
+        events = wait_for(ready, 300, "both spare processes ready")
+        assert not [e for e in events if e["event"] == "job_end"]  # the ranks still train
+        killed = kill_node(str(run_dir), 2)
+        assert sorted(killed.values()) == ["spare", "spare"]
+        assert sorted(node_pids(events, 1).values()) == ["daemon", "rank", "rank"]  # the control: another node
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_state_digest"] == runs["none"][1]["final_state_digest"]
+    events = list(read_events(run_dir / "events.jsonl"))
+    assert not [e for e in events if e["event"] == "fail_stop"] and {e["restart"] for e in events} == {0}
+    assert not any(alive(pid) for pid in killed)
