@@ -131,3 +131,20 @@ def test_a_spare_node_killed_whole_is_no_failure_of_the_job(runs, tmp_path):
     events = list(read_events(run_dir / "events.jsonl"))
     assert not [e for e in events if e["event"] == "fail_stop"] and {e["restart"] for e in events} == {0}
     assert not any(alive(pid) for pid in killed)
+
+
+def test_a_relaunch_stops_the_spares_of_its_start_and_starts_new_ones(runs, tmp_path):
+    """A fault L1 may not repair (forward: L2) ends start 0; the launcher stops that start's spares (bounded, never
+    waiting on them), relaunches, and start 1 has spares of its own; the job ends in the reference state.
+    Negative control: start 0's spares did not see the job's end (their reasons say how they were stopped)."""
+    run_dir = tmp_path / "relaunched"
+    _proc, summary, events = _run(run_dir, "--spare-nodes", "1", "--inject-fault", "forward:3:1")
+    assert summary["final_state_digest"] == runs["none"][1]["final_state_digest"]
+    assert summary["restart_count"] == 1
+    ends = {(e["restart"], e["local_rank"]): e["reason"] for e in events if e["event"] == "spare_end"}
+    assert set(ends) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert all(ends[(1, l)] == "the job ended" for l in (0, 1))
+    assert all(ends[(0, l)] != "the job ended" for l in (0, 1)), ends  # the control
+    assert [e for e in processes(events, 1) if e["role"] == "spare"] and \
+        not [e for e in processes(events) if alive(e["pid"]) and e["role"] != "launcher"]
+    assert not [e for e in processes(events, 0) if alive(e["pid"]) and e["role"] != "launcher"]
