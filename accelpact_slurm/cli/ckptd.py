@@ -124,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "opts" in locals():  # the node's ranks stop waiting for a daemon that will never answer
             _mark_failed(opts.run_dir, opts.node, opts.restart, why)
         return EXIT_USAGE
+    d.events.emit("process", role="daemon", pid=os.getpid(), hostname=node)  # every process of the job, named
     print(f"accelpact-ckptd: serving {opts.node_dir} for node {node} (pid {os.getpid()}; "
           f"{'imported torch and DCP at start' if imported else 'torch and DCP were imported already'})", flush=True)
     told = False

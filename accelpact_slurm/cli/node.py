@@ -26,6 +26,7 @@ from typing import Sequence
 
 from accelpact_slurm.core.config import load_config
 from accelpact_slurm.core.errors import EXIT_USAGE, AccelpactError
+from accelpact_slurm.core.spares import check_spares_started
 from accelpact_slurm.launch import core
 
 PROG = "accelpact_slurm.cli.node"
@@ -62,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     restart = _int_env("SLURM_RESTART_COUNT", 0)
     if args.what == "gpus":
         try:
-            if args.job_file:
-                load_config(args.job_file)
+            if args.job_file:  # spares: not started under the template yet (core.spares)
+                check_spares_started(load_config(args.job_file).topology.spare_nodes, "the sbatch template")
             print(core.gpus_per_node(os.environ))
         except (ValueError, AccelpactError) as exc:
             print(f"hsdp.sbatch: error: {exc}", file=sys.stderr)

@@ -173,6 +173,8 @@ def render_job(j: dict[str, Any]) -> str:
         line("L1 repairs", f"{l1['count']}{when}: generation {_v(last['generation'])}, frontier {_v(last['frontier'])}{total}")
         for name, p in l1["phases"].items():
             line("", f"  {name:<18} last {p['last']:.3g} s  median {p['median']:.3g} s  max {p['max']:.3g} s")
+    if j.get("spares"):
+        line("spare pool", pool_line(j["spares"]))
     l2 = j["l2"]
     line("L2 restarts", str(l2["count"]))
     for text in _l2_lines(l2)[-_L2_SHOWN:]:
@@ -215,6 +217,17 @@ def render_job(j: dict[str, Any]) -> str:
     if len(j["bad_lines"]) > 10:
         line("skipped", f"... and {len(j['bad_lines']) - 10} more")
     return "\n".join(out)
+
+
+def pool_line(pool: dict[str, Any]) -> str:
+    """The spare pool in one line (pure): ``1 spare node(s) x 2: free 1, used 0 (start 0: node index 2 free)``."""
+    nodes = pool.get("nodes") or {}
+    count = pool.get("configured") or len(nodes)
+    per = f" x {pool['per_node']}" if pool.get("per_node") else ""
+    counts = ", ".join(f"{k} {pool.get(k, 0)}" for k in ("free", "used", "starting", "ended")
+                       if k in ("free", "used") or pool.get(k))
+    each = ", ".join(f"node index {n} {state}" for n, state in nodes.items()) or "none reported yet"
+    return f"{count} spare node(s){per}: {counts} (start {_v(pool.get('restart'))}: {each})"
 
 
 def _snapshot_rows(snapshots: list[dict[str, Any]]) -> list[tuple[str, ...]]:

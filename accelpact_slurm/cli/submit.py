@@ -24,6 +24,7 @@ from accelpact_slurm.core.config import JobConfig, with_overrides
 from accelpact_slurm.launch.core import add_job_flags, check_same_training, job_config, worker_args
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
 from accelpact_slurm.core.events import SUMMARY_FILE, parse_json, read_file
+from accelpact_slurm.core.spares import check_spares_started
 from accelpact_slurm.launch.local import free_port_pair
 
 log = logging.getLogger("accelpact_slurm.cli.submit")
@@ -134,7 +135,9 @@ def effective_config(args: argparse.Namespace) -> JobConfig:
         overrides["topology.nodes"] = args.nodes
     if args.ranks_per_node is not None:
         overrides["topology.ranks_per_node"] = args.ranks_per_node
-    return with_overrides(cfg, overrides) if overrides else cfg
+    cfg = with_overrides(cfg, overrides) if overrides else cfg
+    check_spares_started(cfg.topology.spare_nodes, "accelpact-submit")  # refused before submitting
+    return cfg
 
 
 def make_executor(backend: str, folder: str, cfg: JobConfig, args: argparse.Namespace):

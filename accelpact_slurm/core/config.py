@@ -42,6 +42,9 @@ class TopologyConfig:
     ranks_per_node: int = 2
     threads_per_rank: int = 1  # torch.set_num_threads on every rank (the embedded default shares one machine)
     device: str = "auto"  # auto (a GPU per rank when the allocation gives one, else the CPU) | cpu | cuda
+    #: Warm spare nodes beside the training nodes, each with ``ranks_per_node`` parked processes (0: none, the
+    #: default, costs nothing); ``core.spares`` documents what a spare does.
+    spare_nodes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,6 +366,9 @@ def validate(cfg: JobConfig) -> None:
     positive("topology.ranks_per_node", cfg.topology.ranks_per_node, "must be >= 1")
     positive("log_every", cfg.log_every, "must be >= 1 (updates between progress lines)")
     positive("topology.threads_per_rank", cfg.topology.threads_per_rank, "must be >= 1")
+    if cfg.topology.spare_nodes < 0:
+        raise ConfigError("topology.spare_nodes", cfg.topology.spare_nodes,
+                          "must be >= 0 (warm spare nodes beside the training nodes; 0: none)")
     if cfg.topology.device not in DEVICES:
         raise ConfigError("topology.device", cfg.topology.device,
                           f"must be one of {', '.join(DEVICES)} (auto: a GPU per rank when the allocation has one)")

@@ -36,6 +36,15 @@ SUMMARY_FILE = "summary.json"
 EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "job_start": ("config", "world_size", "nodes", "ranks_per_node", "hostnames", "store_port"),
     "membership": ("local_rank", "hostname", "pid"),
+    # Every process of the job, once at its start (per start of the job): ``role`` is ``rank`` (``rank`` set),
+    # ``store`` (the job's store, beside rank 0), ``daemon`` (a node's checkpoint daemon), ``spare`` (a spare
+    # process, ``local_rank`` set), ``launcher`` or ``zygote`` (the embedded default's own, on no emulated node:
+    # ``node`` null); ``node`` is the node index, ``hostname`` its name.  ``tests/node_procs.py`` finds every pid
+    # of one node from these (to SIGKILL exactly one node).
+    "process": ("role", "pid", "hostname"),
+    "spare_ready": ("spare", "local_rank", "pid", "warm_s"),
+    "spare_assigned": ("spare", "local_rank", "generation", "dead_node", "ranks", "frontier", "takes_rank"),
+    "spare_end": ("spare", "local_rank", "reason", "exit_code"),
     "step": ("step", "loss", "step_s"),
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
     "footprint": ("rank0", "groups", "tightest", "shortfalls"),

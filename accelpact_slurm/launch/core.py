@@ -91,6 +91,8 @@ def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the training function to call on every rank (overrides the file's entry)")
     p.add_argument("--steps", type=int, metavar="N", help="number of optimizer updates (overrides the file)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (overrides the file)")
+    p.add_argument("--spare-nodes", type=int, metavar="K",
+                   help="warm spare nodes beside the training nodes (overrides the file's topology.spare_nodes)")
     p.add_argument("--allow-config-change", action="store_true",
                    help="run in a run directory whose first start had another entry, seed, steps or params "
                         "(its snapshots then continue a deliberately changed training)")
@@ -112,6 +114,8 @@ def job_config(args: argparse.Namespace):
         overrides["seed"] = args.seed
     if args.entry is not None:
         overrides["entry"] = args.entry
+    if args.spare_nodes is not None:
+        overrides["topology.spare_nodes"] = args.spare_nodes
     cfg = with_overrides(cfg, overrides) if overrides else cfg
     if args.inject_fault:
         cfg = with_overrides(cfg, {"faults": list(dict.fromkeys([*map(str, cfg.faults), *args.inject_fault]))})
@@ -127,6 +131,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         out += ["--seed", str(args.seed)]
     if args.entry is not None:
         out += ["--entry", args.entry]
+    if args.spare_nodes is not None:
+        out += ["--spare-nodes", str(args.spare_nodes)]
     for f in args.inject_fault:
         out += ["--inject-fault", f]
     if args.allow_config_change:

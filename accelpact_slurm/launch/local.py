@@ -41,6 +41,7 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime.job.entry import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, restart_exited, start_local_daemons, stop_daemons
+from accelpact_slurm.launch.spares import SpareProcess, start_local_spares, stop_spares
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.detection.liveness import dump_stacks
@@ -204,8 +205,10 @@ def launch_local(
     data_port, control_port = free_port_pair()
     no_port = TestFaults.from_environ(environ).no_launcher_port
 
+    record_launcher(run_dir, job_id, restart_count, zygote)
     daemons = start_local_daemons(config_path, cfg, run_dir, job_id, environ, restart=restart_count,
                                   zygote=zygote)  # one per emulated node, forked where the ranks are
+    spares: list[SpareProcess] = []
     ranks: list[RankProcess] = []
     args = [config_path, "--run-dir", run_dir, *worker_args]
     cmd = [sys.executable, "-m", WORKER_MODULE, *args]
@@ -237,11 +240,16 @@ def launch_local(
                                            args=(proc.stdout, log_path, out if rank == 0 else None, label, drop))
                 rp.pump.start()
             ranks.append(rp)
+        # warm spare nodes (topology.spare_nodes): parked in the job's store, no rank waits on them
+        spares = start_local_spares(config_path, cfg, run_dir, worker_args, environ, job_id=job_id,
+                                    restart=restart_count, data_port=data_port, control_port=control_port,
+                                    zygote=zygote, no_port=no_port)
     except OSError as exc:
         _terminate(ranks, grace_s=0)
         stop_daemons(daemons)
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir, cfg.checkpoint.shared_dir)
-        raise LaunchError(f"could not start rank {len(ranks)}: {exc}") from exc
+        what = f"rank {len(ranks)}" if len(ranks) < nodes * rpn else "a spare process"
+        raise LaunchError(f"could not start {what}: {exc}") from exc
     try:
         # a daemon killed mid-job is started again at once (bounded): else its node takes no snapshot until the end
         code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts),
@@ -250,9 +258,21 @@ def launch_local(
                              {rp.rank: rp.log_path for rp in ranks})
         return code
     finally:
+        stop_spares(spares)  # the ranks are gone: a spare still parked has nothing left to wait for
         stop_daemons(daemons)  # SIGINT: the daemons finish in-flight snapshots (bounded), then exit
         # A daemon killed by kill -9 could not drop its /dev/shm slots; nothing of this start serves them now.
         drop_leftover_staging(daemons, run_dir, cfg.checkpoint.local_dir, cfg.checkpoint.shared_dir)
+
+
+def record_launcher(run_dir: str, job_id: str, restart: int, zygote: Any) -> None:
+    """The ``process`` events of the launcher and its zygote at a start (on no emulated node: ``node`` null)."""
+    events = EventLog(os.path.join(run_dir, EVENTS_FILE), job_id=job_id, restart=restart, rank=None, node=None)
+    try:
+        events.emit("process", role="launcher", pid=os.getpid(), hostname=socket.gethostname())
+        if zygote is not None and zygote.alive:
+            events.emit("process", role="zygote", pid=zygote.pid, hostname=socket.gethostname())
+    finally:
+        events.close()
 
 
 def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, rank_codes: Sequence[int | None],

@@ -7,7 +7,7 @@ daemons' start (:mod:`.daemons`); the benchmarks reach them through :func:`.loca
 from __future__ import annotations
 
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.slurm.env import emulated_environ
@@ -23,8 +23,16 @@ def rank_environ(base: Mapping[str, str], job_id: str, rank: int, nodes: int, ra
     The launcher, not Slurm, relaunches such a job (``ACCELPACT_EMULATED``): a fail-stop leaves the
     requeue to it instead of calling ``scontrol``.
     """
-    env = {k: v for k, v in base.items() if not k.startswith("SLURM_")}
+    env = spare_environ(base, data_port=data_port, control_port=control_port)
     env.update(emulated_environ(job_id, rank, nodes, ranks_per_node, restart_count=restart))
+    return env
+
+
+def spare_environ(base: Mapping[str, str], *, data_port: int, control_port: int) -> dict[str, str]:
+    """``base`` without an enclosing allocation's ``SLURM_*``, plus the emulated job's rendezvous (pure): what a
+    spare process of the embedded default sees (no task of the training step: its place comes as arguments,
+    :func:`spare_args`), and what :func:`rank_environ` adds a rank's emulated step to."""
+    env = {k: v for k, v in base.items() if not k.startswith("SLURM_")}
     env.update({
         settings.EMULATED: "1",
         settings.MASTER_ADDR: "127.0.0.1",
@@ -33,6 +41,19 @@ def rank_environ(base: Mapping[str, str], job_id: str, rank: int, nodes: int, ra
         "PYTHONUNBUFFERED": "1",
     })
     return env
+
+
+#: The entry every spare process runs (``python -m``): :mod:`accelpact_slurm.cli.spare`.
+SPARE_MODULE = "accelpact_slurm.cli.spare"
+
+
+def spare_args(config_path: str, run_dir: str, job_args: Sequence[str], *, job_id: str, step: str, restart: int,
+               node: int, local_rank: int, hostname: str) -> list[str]:
+    """The arguments of one spare process (after ``python -m`` :data:`SPARE_MODULE`): the job's own flags, and
+    where it sits (pure).  ``step``: the training step's id (the job's store is bound to the job, its step and its
+    start: :func:`accelpact_slurm.runtime.transport.store.binding`)."""
+    return [config_path, "--run-dir", run_dir, *job_args, "--job-id", job_id, "--step", step, "--restart",
+            str(restart), "--node", str(node), "--local-rank", str(local_rank), "--hostname", hostname]
 
 
 def daemon_command(config_path: str, run_dir: str, node: str, node_index: int, job_id: str, *, restart: int,

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torchdata.stateful_dataloader", "accelpact_slurm.runtime.job.entry",
            "accelpact_slurm.runtime.job.api", "accelpact_slurm.runtime.job.topology", "ckpt_service.client",
+           "accelpact_slurm.runtime.job.spare",
            "accelpact_slurm.cli.ckptd", "ckpt_service.dcp_write", "ckpt_service.verify")
 READY_TIMEOUT_S = 120.0
 
@@ -179,6 +180,10 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: str, cwd: str | None = None,
               module: str = WORKER_MODULE) -> "Forked":

@@ -28,6 +28,7 @@ from accelpact_slurm.core.events import (
     EVENTS_FILE, JSON_FILE_LIMIT, SUMMARY_FILE, BadLine, NotRegular, TooDeep, finite_number, parse_json, read_events,
     read_file,
 )
+from accelpact_slurm.core.spares import SparePool
 from accelpact_slurm.ops.stops import add_stop, count as _count
 from ckpt_service.committed import SUFFIX as COMMITTED_SUFFIX
 from ckpt_service.index import SHARED_SOURCE, restart_source, scan
@@ -47,7 +48,8 @@ SLURM_TIMEOUT_S = 1.5
 RECENT = 20
 _RATE_WINDOW = 64
 #: Events that may follow a fail-stop without meaning the run is alive again.
-_BOOKKEEPING = {"requeue", "checkpoint", "membership", "shared_upload"}
+_BOOKKEEPING = {"requeue", "checkpoint", "membership", "shared_upload", "process", "spare_ready", "spare_assigned",
+                "spare_end"}
 _END_FIELDS = ("final_step", "final_loss", "wall_s", "final_state_digest", "exit_code")
 _TERMINAL_SLURM = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE"}
@@ -263,6 +265,7 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
                       "restart": {"step": restart_step, "source": restart_from, "reason": restart_why},
                       "newest_common": {"step": common, "reason": common_why}},
         "envelope": ev["decision"],
+        "spares": ev["spares"],
         "final": final,
         "last_event_ts": ev["last_ts"],
         "last_change_ts": last_change,
@@ -318,8 +321,10 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
     milestone_every = 0
     job_end = None
     job_end_at: tuple[Any, Any] = (None, None)
+    spares = SparePool()
     for rec in read_events(path, bad):
         count += 1
+        spares.feed(rec)
         kind = rec["event"]
         ts = finite_number(rec.get("ts"))
         restart = rec.get("restart") if isinstance(rec.get("restart"), int) else 0
@@ -402,7 +407,7 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
         "fail_stops": stops, "last_stop": last_stop, "requeues": requeues,
         "restart_loads": sorted(restart_loads.values(), key=_by_ts), "faults": faults,
         "decision": decision, "every_steps": every_steps, "job_end": job_end, "shared_dir": shared,
-        "milestone_every": milestone_every,
+        "milestone_every": milestone_every, "spares": spares.result(),
     }
 
 

@@ -28,7 +28,7 @@ ALL_LOGS = ["--sacct", SACCT, "--jobcomp", JOBCOMP, "--events", RUN]
 STATUS_JOB_KEYS = {
     "job_id", "run_dir", "state", "state_source", "run_dir_state", "restarts", "frontier", "step_rate",
     "checkpoint_every_steps", "l1", "l2", "snapshots", "envelope", "final", "last_event_ts", "last_change_ts",
-    "stale", "stale_reason", "warnings", "bad_lines", "events", "last_stop"}
+    "stale", "stale_reason", "warnings", "bad_lines", "events", "last_stop", "spares"}
 CADENCE_KEYS = {
     "schema", "inputs", "bad_lines", "observed_s", "runs", "classes", "restart_rate", "costs", "intervals",
     "goodput", "delta_t", "recommendation", "interruptions", "notes", "missing", "write"}
@@ -71,6 +71,7 @@ def test_status_json_schema_is_stable(capsys):
     assert (snaps["restart"]["step"], snaps["restart"]["source"]) == (80, "node2") and snaps["restart"]["reason"]
     assert snaps["newest_common"]["step"] == 60 and set(snaps["shared"]) == {"dir", "snapshots", "counts"}
     assert set(job["frontier"]) == {"step", "ts", "age_s", "source"}
+    assert job["spares"] is None  # a job without spare nodes has no pool
 
 
 def test_status_without_arguments_lists_recent_jobs(runs_root, capsys):

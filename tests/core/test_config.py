@@ -75,6 +75,8 @@ def test_digest_is_stable_and_sensitive():
         ("checkpoint:\n  shared_every: -1\n", "checkpoint.shared_every", "must be >= 0"),
         ("checkpoint:\n  shared_keep: 0\n", "checkpoint.shared_keep", "keeps at least its newest verified copy"),
         ("topology:\n  nodes: 0\n", "topology.nodes", ">= 1"),
+        ("topology:\n  spare_nodes: -1\n", "topology.spare_nodes", "must be >= 0"),
+        ("topology:\n  spare_nodes: one\n", "topology.spare_nodes", "must be an integer"),
         ("faults: [sideways:3:0]\n", "faults[0]", "PHASE must be one of"),
         ("steps: 5\nfaults: [boundary:6:0]\n", "faults[0]", "STEP must be <= steps (5)"),
         ("faults: [boundary:3:4]\n", "faults[0]", "RANK must be < the world size (4)"),

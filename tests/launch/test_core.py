@@ -158,8 +158,8 @@ def test_the_same_job_flags_on_both_launchers():
     --allow-config-change."""
     from accelpact_slurm.cli import run, submit, worker
 
-    flags = ["job.yaml", "--run-dir", "d", "--steps", "3", "--seed", "5", "--entry", "m:f", "--inject-fault",
-             "boundary:1:1", "--allow-config-change"]
+    flags = ["job.yaml", "--run-dir", "d", "--steps", "3", "--seed", "5", "--entry", "m:f", "--spare-nodes", "1",
+             "--inject-fault", "boundary:1:1", "--allow-config-change"]
     parsed = [p.parse_args(flags) for p in (run.build_parser(), submit.build_parser(), worker.build_parser())]
     assert len({tuple(core.worker_args(a)) for a in parsed}) == 1
     assert core.worker_args(parsed[0]) == flags[3:]

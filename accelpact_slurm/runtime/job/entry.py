@@ -24,6 +24,7 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, A
                                          ConfigError, FailStop, Stopped, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.core.spares import announce_end
 from accelpact_slurm.runtime.detection.peers import dead_peer_stop
 from accelpact_slurm.runtime.job.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
@@ -185,6 +186,8 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     wall0 = time.monotonic()
     events = EventLog(os.path.join(run_dir, EVENTS_FILE), job_id=ctx.job_id, restart=ctx.restart_count,
                       rank=ctx.rank, node=ctx.node_index)
+    hostname = ctx.hostname or socket.gethostname()
+    events.emit("process", role="rank", pid=os.getpid(), hostname=hostname)  # before joining: findable at once
     try:
         entry = resolve_entry(cfg.entry, job_file)  # before joining: a bad entry fails fast on every rank
     except FailStop as stop:  # every rank imports the same module and stops the same way: nobody to tell
@@ -201,6 +204,9 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     rt = init_runtime(ctx, cfg, environ, key=key, detect=not faults.no_detector,
                       on_warning=lambda msg: events.emit("warning", step=None, reason=msg))  # type: ignore[arg-type]
     lead = rt.rank == 0
+    if lead and rt.store_server is not None:  # the job's store: a process beside rank 0 (a thread of it: its pid)
+        events.emit("process", role="store", pid=getattr(rt.store_server, "pid", os.getpid()), hostname=hostname,
+                    thread=not hasattr(rt.store_server, "pid"))
     if lead:
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,
                     nodes=rt.layout.num_nodes, ranks_per_node=rt.layout.ranks_per_node,
@@ -209,7 +215,7 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                     versions=rt.hardware.versions,
                     store_port=getattr(rt.data_store, "port", None))  # the candidate the job's store took
         warn_at_start(cfg, events, out)
-    events.emit("membership", local_rank=rt.local_rank, hostname=ctx.hostname or socket.gethostname(),
+    events.emit("membership", local_rank=rt.local_rank, hostname=hostname,
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     check_progress(cfg, ctx, rt, run_dir, events, out)
@@ -296,6 +302,8 @@ def _end(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run: Run, run_dir: str,
               f"[accelpact] final_state_digest {digest}\n"
               f"[accelpact] summary: {os.path.join(run_dir, SUMMARY_FILE)}", file=out, flush=True)
     run.close()
+    if lead and cfg.topology.spare_nodes > 0:  # every parked spare exits 0 (core.spares)
+        announce_end(rt.data_store, nodes=rt.layout.num_nodes, spare_count=cfg.topology.spare_nodes)
     if rt.detector is not None:  # a peer that sees this rank's process end now knows it finished, not died
         rt.detector.publish_stop({"cause": "completed", "reason": "the job finished", "exit_code": EXIT_OK})
     rt.control.barrier("job-end")
