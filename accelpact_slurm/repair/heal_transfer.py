@@ -277,10 +277,11 @@ def recv_shards(pg: dist.ProcessGroup, peer: int, model: torch.nn.Module, optimi
     this rank has been written."""
     t0 = time.monotonic()
     blob = wire.recv_frame(pg, peer, limit)
+    mine: list[Shard] = []
     try:
         doc = json.loads(blob)
     except ValueError as exc:
-        doc, problems, mine = None, [f"the manifest is not JSON: {exc}"], []
+        doc, problems = None, [f"the manifest is not JSON: {exc}"]
     else:
         mine, problems = check_manifest(model, optimizer, doc, key=key, frontier=frontier, generation=generation,
                                         rank=rank)

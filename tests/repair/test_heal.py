@@ -33,6 +33,8 @@ import traceback
 from datetime import timedelta
 
 import pytest
+import torch
+from torch import nn
 
 from tests.conftest import wait_for
 
@@ -48,51 +50,53 @@ DEADLINE_S = 120.0
 pytestmark = pytest.mark.multiproc
 
 
-def _net():
-    import torch
-    from torch import nn
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.drop = nn.Dropout(0.25)
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(WIDTH, WIDTH)
-            self.drop = nn.Dropout(0.25)
+    def forward(self, x):
+        return self.drop(torch.relu(self.fc(x)))
 
-        def forward(self, x):
-            return self.drop(torch.relu(self.fc(x)))
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(WIDTH, WIDTH)
-            self.norm = nn.BatchNorm1d(WIDTH)  # per-rank running statistics: only the packet carries them
-            self.blocks = nn.ModuleList([Block(), Block()])
-            self.out = nn.Linear(WIDTH, 1)
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH)  # per-rank running statistics: only the packet carries them
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(WIDTH, 1)
 
-        def forward(self, x):
-            x = torch.relu(self.norm(self.inp(x)))
-            for b in self.blocks:
-                x = b(x)
-            return self.out(x)
+    def forward(self, x):
+        x = torch.relu(self.norm(self.inp(x)))
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
 
+
+def _build(wrapping, mesh):
+    """The model on ``mesh`` (its groups: the job's on a survivor, the heal's on a spare), and its optimizer."""
     torch.manual_seed(0)
-    return Net()
+    net = Net()
+    if wrapping == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
 
+        for b in net.blocks:
+            fully_shard(b, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-def _build(mesh):
-    import torch
-    from torch.distributed.fsdp import fully_shard
-
-    net = _net()
-    for b in net.blocks:
-        fully_shard(b, mesh=mesh)
-    model = fully_shard(net, mesh=mesh)
+        where = (dict(device_mesh=mesh) if wrapping == "fsdp1_mesh"
+                 else dict(process_group=(mesh.get_group("shard"), mesh.get_group("replicate"))))
+        model = FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     use_orig_params=True, device_id=torch.device("cpu"), **where)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 def _update(model, opt, rank, step):
-    import torch
-
     import numpy as np
 
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -121,7 +125,6 @@ def _buddy_swap(mesh, rank, step, model, buddies):
 def _final(model, opt):
     """Per part, the sha256 of this rank's final state: local shards, optimizer state, RNG states, buffers."""
     import numpy as np
-    import torch
 
     from accelpact_slurm.repair.heal_transfer import shards
     from accelpact_slurm.runtime.state.buffers import buffer_items
@@ -147,13 +150,13 @@ def _final(model, opt):
     return out
 
 
-def _rank_main(rank, role, mode, port, run_dir, out_dir):
+def _rank_main(rank, role, wrapping, mode, port, run_dir, out_dir):
     """One process: an original rank (``role`` "rank") or a spare (``role`` "spare") taking ``rank``."""
     log = open(os.path.join(out_dir, f"{role}-{rank}.log"), "w")
     sys.stdout = sys.stderr = log
     result = {"rank": rank, "role": role}
     try:
-        result.update(_run(rank, role, mode, port, run_dir))
+        result.update(_run(rank, role, wrapping, mode, port, run_dir))
     except Exception as exc:
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -163,10 +166,9 @@ def _rank_main(rank, role, mode, port, run_dir, out_dir):
     os._exit(0)
 
 
-def _run(rank, role, mode, port, run_dir):
+def _run(rank, role, wrapping, mode, port, run_dir):
     import time
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -184,7 +186,7 @@ def _run(rank, role, mode, port, run_dir):
         dist.init_process_group("gloo", store=dist.PrefixStore("world", base), rank=rank, world_size=WORLD,
                                 timeout=wait)
         mesh = init_device_mesh("cpu", (NODES, RPN), mesh_dim_names=heal.MESH_DIM_NAMES)
-        model, opt = _build(mesh)
+        model, opt = _build(wrapping, mesh)
         import numpy as np
 
         torch.manual_seed(100 + rank)  # dropout and augmentation: a stream per rank, the same in every run
@@ -203,7 +205,7 @@ def _run(rank, role, mode, port, run_dir):
         base.wait(["heal/assign"], wait)
         plan = heal.HealPlan(**json.loads(base.get("heal/assign")))
         groups = heal.build_heal_groups(plan, rank, base, TIMEOUT_S)
-        out["adopt"] = heal.adopt_replication(model, "fsdp2", mesh, mesh.get_group("replicate"), groups.replicate)
+        out["adopt"] = heal.adopt_replication(model, wrapping[:5], mesh, mesh.get_group("replicate"), groups.replicate)
         spare = plan.dead_node * RPN + plan.local_of(rank)
         assert plan.source_of(spare) == rank
         pg, me, peer = groups.replicate, plan.node_of(rank), plan.dead_node
@@ -236,7 +238,7 @@ def _run(rank, role, mode, port, run_dir):
         plan = heal.HealPlan(**json.loads(base.get("heal/assign")))
         groups = heal.build_heal_groups(plan, rank, base, TIMEOUT_S)
         mesh = heal.spare_mesh(plan, groups)
-        model, opt = _build(mesh)
+        model, opt = _build(wrapping, mesh)
         out["mesh_local"] = [mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")]
         pg, me, peer = groups.replicate, plan.node_of(rank), plan.node_of(plan.source_of(rank))
         before = ht.shard_digests(model, opt)
@@ -268,8 +270,9 @@ def _run(rank, role, mode, port, run_dir):
     return out
 
 
-def _spawn(ctx, rank, role, mode, port, run_dir, out_dir):
-    p = ctx.Process(target=_rank_main, args=(rank, role, mode, port, run_dir, out_dir), name=f"{role}-{rank}")
+def _spawn(ctx, rank, role, wrapping, mode, port, run_dir, out_dir):
+    p = ctx.Process(target=_rank_main, args=(rank, role, wrapping, mode, port, run_dir, out_dir),
+                    name=f"{role}-{rank}")
     p.start()
     return p
 
@@ -296,7 +299,7 @@ def _join(procs, out_dir):
                         + _log(out_dir, *p.name.split("-")))
 
 
-def _job(mode, tmp_path):
+def _job(mode, tmp_path, wrapping="fsdp2"):
     """Run one scenario; ``{(role, rank): result}``."""
     import torch.distributed as dist
 
@@ -308,7 +311,7 @@ def _job(mode, tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=TIMEOUT_S))  # the job's store: it outlives any node
     ctx = multiprocessing.get_context("spawn")
-    ranks = [_spawn(ctx, r, "rank", mode, store.port, run_dir, out_dir) for r in range(WORLD)]
+    ranks = [_spawn(ctx, r, "rank", wrapping, mode, store.port, run_dir, out_dir) for r in range(WORLD)]
     if mode == "reference":
         _join(ranks, out_dir)
         return {("rank", r): _result(out_dir, "rank", r) for r in range(WORLD)}
@@ -322,7 +325,7 @@ def _job(mode, tmp_path):
         for p in dead:
             p.join(TIMEOUT_S)
             assert p.exitcode == -signal.SIGKILL, f"{p.name} ended with {p.exitcode}, not by SIGKILL"
-        spares = [_spawn(ctx, r, "spare", mode, store.port, run_dir, out_dir)
+        spares = [_spawn(ctx, r, "spare", wrapping, mode, store.port, run_dir, out_dir)
                   for r in range(DEAD_NODE * RPN, (DEAD_NODE + 1) * RPN)]
         store.set("heal/assign", json.dumps({"nodes": NODES, "ranks_per_node": RPN, "dead_node": DEAD_NODE,
                                              "generation": 1, "frontier": HEAL_AT}))
@@ -336,14 +339,22 @@ def _job(mode, tmp_path):
             **{("spare", r): _result(out_dir, "spare", r) for r in range(DEAD_NODE * RPN, (DEAD_NODE + 1) * RPN)}}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    got = _job("reference", tmp_path_factory.mktemp("reference"))
-    return {r: doc["final"] for (_, r), doc in got.items()}
+WRAPPINGS = ("fsdp2", "fsdp1_pair", "fsdp1_mesh")
+_references: dict[str, dict[int, dict]] = {}
 
 
-def test_spare_heals_a_killed_node_bitwise(reference, tmp_path):
-    got = _job("heal", tmp_path)
+def _reference(wrapping, tmp_path_factory):
+    """Every rank's final state after the uninterrupted 6 updates (one run per wrapping per session)."""
+    if wrapping not in _references:
+        got = _job("reference", tmp_path_factory.mktemp(f"reference-{wrapping}"), wrapping)
+        _references[wrapping] = {r: doc["final"] for (_, r), doc in got.items()}
+    return _references[wrapping]
+
+
+@pytest.mark.parametrize("wrapping", WRAPPINGS)
+def test_spare_heals_a_killed_node_bitwise(wrapping, tmp_path, tmp_path_factory):
+    reference = _reference(wrapping, tmp_path_factory)
+    got = _job("heal", tmp_path, wrapping)
     for (role, r), doc in sorted(got.items()):
         assert doc["certificate"]["ok"], f"{role} {r}: {doc['certificate']['mismatches']}"
         assert doc["final"] == reference[r], f"{role} {r}'s final state differs from the uninterrupted run's"
@@ -354,13 +365,13 @@ def test_spare_heals_a_killed_node_bitwise(reference, tmp_path):
         assert spare["transfer"]["tensor_bytes"] == source["transfer"]["tensor_bytes"] > 0
         t = source["transfer"]
         plain = t["tensor_bytes"] / 1e6 / source["plain_seconds"]
-        print(f"\nheal transfer rank {r - RPN} -> {r}: {t['tensor_bytes']} bytes in {t['tensors']} tensors, "
-              f"{t['tensor_seconds'] * 1e3:.1f} ms ({t['rate_mb_s']:.1f} MB/s); manifest {t['manifest_bytes']} "
-              f"bytes and the spare's answer {t['manifest_seconds'] * 1e3:.1f} ms (waiting for the spare "
-              f"included); a plain send/recv of the same bytes: {source['plain_seconds'] * 1e3:.1f} ms "
-              f"({plain:.1f} MB/s)")
+        print(f"\n{wrapping} heal transfer rank {r - RPN} -> {r}: {t['tensor_bytes']} bytes in {t['tensors']} "
+              f"tensors, {t['tensor_seconds'] * 1e3:.1f} ms ({t['rate_mb_s']:.1f} MB/s); manifest "
+              f"{t['manifest_bytes']} bytes and the spare's answer {t['manifest_seconds'] * 1e3:.1f} ms (waiting "
+              f"for the spare included); a plain send/recv of the same bytes: {source['plain_seconds'] * 1e3:.1f} "
+              f"ms ({plain:.1f} MB/s)")
     for r in (0, 1):
-        assert got[("rank", r)]["adopt"]["rebound"]["fsdp2"] > 0
+        assert got[("rank", r)]["adopt"]["rebound"][wrapping[:5]] > 0
 
 
 def test_certificate_names_the_tensors_when_the_transfer_is_skipped(tmp_path):
