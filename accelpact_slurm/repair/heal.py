@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from accelpact_slurm.core.errors import HealError
 from accelpact_slurm.repair import heal_wire as wire, rebind as rb, torch_compat as tc
@@ -139,8 +140,6 @@ def spare_mesh(plan: HealPlan, groups: HealGroups, device_type: str = "cpu",
                mesh_dim_names: tuple[str, str] = MESH_DIM_NAMES) -> Any:
     """The spare's 2-D (replicate, shard) ``DeviceMesh`` over its heal groups, the job's global ranks as its
     layout: what it wraps its model on (``fully_shard(module, mesh=...)``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if groups.shard is None:
         raise HealError("only a spare builds its mesh from the heal's groups (a survivor keeps its own)")
     return DeviceMesh.from_group([groups.replicate, groups.shard], device_type, mesh=plan.mesh_tensor(),

@@ -13,7 +13,7 @@ rank on the other node) at every committed update.
   4..6.  Every rank's final parameters, optimizer state, RNG states and buffers equal the reference's, bitwise.
 - Negative controls: ``skip_transfer`` (the spare keeps its fresh weights): the certificate fails naming the
   tensors; ``skip_packet`` (the spare never applies the dead rank's packet): the certificate fails on the
-  packet; ``tamper`` (the manifest changed after it was signed): the spare refuses it before accepting any
+  packet; ``tamper_manifest`` (the manifest changed after it was signed): the spare refuses it before accepting any
   tensor, its tensors untouched, and the survivor learns of the refusal.
 
 The transfer's rate is printed (``pytest -s``) beside a plain send/recv of the same number of bytes between the
@@ -110,7 +110,8 @@ def _update(model, opt, rank, step):
 
 
 def _buddy_swap(mesh, rank, step, model, buddies):
-    """The buddy ring of a 2-node job: rank i of each node keeps the other node's rank i's packet."""
+    """The buddy ring of a 2-node job: rank i of each node keeps the other node's rank i's packet (over the
+    replication group: rank i of each node)."""
     from accelpact_slurm.repair import heal_wire as wire
     from accelpact_slurm.runtime.state.rank_packet import pack_rank_state
 
@@ -173,25 +174,30 @@ def _run(rank, role, wrapping, mode, port, run_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     from accelpact_slurm.core.errors import HealRefused
+    from accelpact_slurm.core.faults import HEAL_FAULT, TestFaults
     from accelpact_slurm.repair import heal, heal_transfer as ht, heal_wire as wire
-    from accelpact_slurm.runtime.state.rank_packet import BuddyCopies, apply_rank_state, pack_rank_state
+    from accelpact_slurm.runtime.job.healing import heal_parts, heal_spare, heal_survivor
+    from accelpact_slurm.runtime.state.rank_packet import BuddyCopies
     from ckpt_service.auth import load_key
 
+    if mode in ("skip_transfer", "skip_packet", "tamper_manifest"):
+        os.environ[HEAL_FAULT] = mode  # as a test's job would set it for every rank
+    parts = heal_parts(TestFaults.from_environ())
     key = load_key(run_dir)
     base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
     wait = timedelta(seconds=TIMEOUT_S)
-    buddies = BuddyCopies()
     out = {}
     if role == "rank":
+        import numpy as np
+
         dist.init_process_group("gloo", store=dist.PrefixStore("world", base), rank=rank, world_size=WORLD,
                                 timeout=wait)
         mesh = init_device_mesh("cpu", (NODES, RPN), mesh_dim_names=heal.MESH_DIM_NAMES)
         model, opt = _build(wrapping, mesh)
-        import numpy as np
-
         torch.manual_seed(100 + rank)  # dropout and augmentation: a stream per rank, the same in every run
         random.seed(200 + rank)
         np.random.seed(300 + rank)
+        buddies = BuddyCopies()
         last = STEPS if mode == "reference" else HEAL_AT
         for step in range(1, last + 1):
             _update(model, opt, rank, step)
@@ -204,63 +210,45 @@ def _run(rank, role, wrapping, mode, port, run_dir):
             raise AssertionError("a rank of the dead node was not killed")
         base.wait(["heal/assign"], wait)
         plan = heal.HealPlan(**json.loads(base.get("heal/assign")))
-        groups = heal.build_heal_groups(plan, rank, base, TIMEOUT_S)
-        out["adopt"] = heal.adopt_replication(model, wrapping[:5], mesh, mesh.get_group("replicate"), groups.replicate)
-        spare = plan.dead_node * RPN + plan.local_of(rank)
-        assert plan.source_of(spare) == rank
-        pg, me, peer = groups.replicate, plan.node_of(rank), plan.dead_node
-        if mode != "skip_transfer":
-            manifest = None
-            if mode == "tamper":  # signed, then changed: the MAC no longer matches
-                manifest = ht.signed_manifest(model, opt, key=key, frontier=plan.frontier,
-                                              generation=plan.generation, source_rank=rank, target_rank=spare)
-                manifest["tensors"][0]["shape"] = [1]
-            try:
-                stats = ht.send_shards(pg, peer, model, opt, key=key, frontier=plan.frontier,
-                                       generation=plan.generation, source_rank=rank, target_rank=spare,
-                                       manifest=manifest)
-            except HealRefused as exc:
-                return {"refused": str(exc)}
-            out["transfer"] = stats.as_dict()
-            plain = torch.zeros(stats.tensor_bytes, dtype=torch.uint8)
+        try:
+            outcome = heal_survivor(plan, rank, model=model, optimizer=opt, fsdp=wrapping[:5], mesh=mesh,
+                                    replicate_group=mesh.get_group("replicate"), base_store=base, key=key,
+                                    buddies=buddies, timeout_s=TIMEOUT_S, parts=parts)
+        except HealRefused as exc:
+            return {"refused": str(exc)}
+        assert outcome.role == "source" and plan.source_of(plan.dead_node * RPN + rank % RPN) == rank
+        if outcome.transfer is not None:  # the same bytes, plainly, between the same two processes
+            pg, peer = outcome.groups.replicate, plan.dead_node
             t0 = time.monotonic()
-            wire.send_tensor(pg, peer, plain)
+            wire.send_tensor(pg, peer, torch.zeros(outcome.transfer.tensor_bytes, dtype=torch.uint8))
             wire.recv_tensor(pg, peer, torch.zeros(1))  # the spare's receipt: the same end point as the transfer
             out["plain_seconds"] = time.monotonic() - t0
-        packet = buddies.latest(spare)
-        wire.send_json(pg, peer, {"digest": packet.digest})
-        wire.send_frame(pg, peer, packet.blob)
-        cert = heal.certify(pg, me, peer, model, opt, role="source", frontier=plan.frontier,
-                            generation=plan.generation, packet_digest=packet.digest)
     else:
-        heal.init_spare_world(rank, WORLD)
+        held = {}
+
+        def build(mesh):
+            held["model"], held["opt"] = _build(wrapping, mesh)
+            held["before"] = ht.shard_digests(held["model"], held["opt"])
+            held["mesh_local"] = [mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")]
+            return held["model"], held["opt"]
+
         base.wait(["heal/assign"], wait)
         plan = heal.HealPlan(**json.loads(base.get("heal/assign")))
-        groups = heal.build_heal_groups(plan, rank, base, TIMEOUT_S)
-        mesh = heal.spare_mesh(plan, groups)
-        model, opt = _build(wrapping, mesh)
-        out["mesh_local"] = [mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")]
-        pg, me, peer = groups.replicate, plan.node_of(rank), plan.node_of(plan.source_of(rank))
-        before = ht.shard_digests(model, opt)
-        if mode != "skip_transfer":
-            try:
-                stats = ht.recv_shards(pg, peer, model, opt, key=key, frontier=plan.frontier,
-                                       generation=plan.generation, rank=rank)
-            except HealRefused as exc:
-                return {"refused": str(exc), "untouched": ht.shard_digests(model, opt) == before}
-            out["transfer"] = stats.as_dict()
-            plain = torch.empty(stats.tensor_bytes, dtype=torch.uint8)
-            wire.recv_tensor(pg, peer, plain)
+        try:
+            model, opt, outcome = heal_spare(plan, rank, build=build, base_store=base, key=key,
+                                             timeout_s=TIMEOUT_S, parts=parts)
+        except HealRefused as exc:
+            return {"refused": str(exc), "untouched": ht.shard_digests(held["model"], held["opt"]) == held["before"]}
+        out["mesh_local"] = held["mesh_local"]
+        if outcome.transfer is not None:
+            pg, peer = outcome.groups.replicate, plan.node_of(plan.source_of(rank))
+            wire.recv_tensor(pg, peer, torch.empty(outcome.transfer.tensor_bytes, dtype=torch.uint8))
             wire.send_tensor(pg, peer, torch.zeros(1))
-        meta = wire.recv_json(pg, peer)
-        blob = wire.recv_frame(pg, peer)
-        position = 0
-        if mode != "skip_packet":
-            data = apply_rank_state(model, blob, rank=rank, frontier=plan.frontier, expect_digest=meta["digest"])
-            position = data["position"]
-        now = pack_rank_state(model, rank=rank, frontier=plan.frontier, data_state={"position": position})
-        cert = heal.certify(pg, me, peer, model, opt, role="spare", frontier=plan.frontier,
-                            generation=plan.generation, packet_digest=now.digest)
+        assert outcome.data_state is None or outcome.data_state == {"position": plan.frontier}
+    out["heal"] = outcome.event()
+    if outcome.transfer is not None:
+        out["transfer"] = outcome.transfer.as_dict()
+    cert = outcome.certificate
     out["certificate"] = {"ok": cert.ok, "mismatches": cert.mismatches, "tensors": cert.tensors}
     if not cert.ok:
         return out
@@ -371,7 +359,8 @@ def test_spare_heals_a_killed_node_bitwise(wrapping, tmp_path, tmp_path_factory)
               f"for the spare included); a plain send/recv of the same bytes: {source['plain_seconds'] * 1e3:.1f} "
               f"ms ({plain:.1f} MB/s)")
     for r in (0, 1):
-        assert got[("rank", r)]["adopt"]["rebound"][wrapping[:5]] > 0
+        assert got[("rank", r)]["heal"]["rebound"][wrapping[:5]] > 0
+        print(f"rank {r} heal: {got[('rank', r)]['heal']['seconds']}")
 
 
 def test_certificate_names_the_tensors_when_the_transfer_is_skipped(tmp_path):
@@ -393,7 +382,7 @@ def test_certificate_fails_when_the_packet_is_skipped(tmp_path):
 
 
 def test_a_tampered_manifest_is_refused_before_any_tensor(tmp_path):
-    got = _job("tamper", tmp_path)
+    got = _job("tamper_manifest", tmp_path)
     for r in (2, 3):
         spare = got[("spare", r)]
         assert "HMAC does not match" in spare["refused"] and spare["untouched"], spare
