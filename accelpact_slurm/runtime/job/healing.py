@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from accelpact_slurm.core.errors import HealError
 from accelpact_slurm.core.faults import TestFaults
 from accelpact_slurm.repair import heal, heal_transfer as ht, heal_wire as wire
 from accelpact_slurm.repair.heal import Certificate, HealGroups, HealPlan
@@ -186,6 +187,11 @@ def heal_spare(plan: HealPlan, rank: int, *, build: Callable[[Any], tuple[torch.
     t0 = time.monotonic()
     if not dist.is_initialized():
         heal.init_spare_world(rank, plan.world_size)
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, plan.world_size):
+        # c10d, DeviceMesh and FSDP read the global rank from the default group: a spare parked on a world of
+        # its own would wrap its model as another rank's shard
+        raise HealError(f"this spare's default group makes it rank {dist.get_rank()} of {dist.get_world_size()}, "
+                        f"not rank {rank} of {plan.world_size}: take a stand-in world at the assignment")
     groups = heal.build_heal_groups(plan, rank, base_store, timeout_s)
     mesh = heal.spare_mesh(plan, groups, device_type)
     t1 = time.monotonic()
