@@ -7,7 +7,8 @@ members: the source and the spare), the source sends
 1. a manifest: JSON naming every tensor (its name, local shape, dtype, number of elements), the optimizer's
    non-tensor state and hyper-parameters, the frontier (the committed update), the generation and both ranks,
    with an HMAC-SHA256 under the run's key (:func:`ckpt_service.auth.sign`);
-2. after the spare's acknowledgement, every tensor's local bytes, one ``send`` each, in the manifest's order.
+2. after the spare's acknowledgement, every tensor's local bytes, one ``send`` each, in the manifest's order
+   (a window of them in flight at once: :func:`accelpact_slurm.repair.heal_wire.send_tensors`).
 
 The spare checks the manifest before it accepts any tensor: the MAC first (nothing of an unauthenticated
 manifest is looked at), then the generation, the frontier, its own rank, and every name, shape and dtype against
@@ -174,15 +175,11 @@ def send_shards(pg: dist.ProcessGroup, peer: int, model: torch.nn.Module, optimi
     if not isinstance(answer, dict) or answer.get("accept") is not True:
         reason = answer.get("reason") if isinstance(answer, dict) else answer
         raise HealRefused(f"the spare (rank {target_rank}) refused the manifest: {reason}")
-    moved = count = 0
     with torch.no_grad():
-        for s in shards(model, optimizer):
-            t = s.tensor
-            assert t is not None
-            wire.send_tensor(pg, peer, t.contiguous())
-            moved += t.numel() * t.element_size()
-            count += 1
-    return TransferStats(moved, count, len(blob), t1 - t0, time.monotonic() - t1)
+        tensors = [s.tensor.contiguous() for s in shards(model, optimizer) if s.tensor is not None]
+        wire.send_tensors(pg, peer, tensors)
+    moved = sum(t.numel() * t.element_size() for t in tensors)
+    return TransferStats(moved, len(tensors), len(blob), t1 - t0, time.monotonic() - t1)
 
 
 def _receivers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, manifest: dict[str, Any]) -> list[Shard]:
@@ -293,11 +290,9 @@ def recv_shards(pg: dist.ProcessGroup, peer: int, model: torch.nn.Module, optimi
     targets = _allocate(model, optimizer, mine, doc)
     wire.send_json(pg, peer, {"accept": True})
     t1 = time.monotonic()
-    moved = 0
     with torch.no_grad():
-        for t in targets:
-            wire.recv_tensor(pg, peer, t)
-            moved += t.numel() * t.element_size()
+        wire.recv_tensors(pg, peer, targets)
+    moved = sum(t.numel() * t.element_size() for t in targets)
     _apply_scalars(model, optimizer, doc)
     return TransferStats(moved, len(targets), len(blob), t1 - t0, time.monotonic() - t1)
 

@@ -33,6 +33,36 @@ def recv_tensor(pg: dist.ProcessGroup, peer: int, t: torch.Tensor, tag: int = 0)
     dist.recv(t, group=pg, group_src=peer, tag=tag)
 
 
+#: How many tensors of a stream are in flight at once (posted, not yet waited on): one ``send``/``recv`` round trip
+#: per tensor is what a stream of small tensors costs otherwise.
+WINDOW = 32
+
+
+def _stream(post, pg: dist.ProcessGroup, peer: int, tensors: list[torch.Tensor], window: int) -> None:
+    """Post one operation per tensor, at most ``window`` in flight, each under its own tag (1, 2, ...: frames use
+    tag 0), and wait for all of them."""
+    pending: list[dist.Work] = []
+    for i, t in enumerate(tensors):
+        if len(pending) >= window:
+            pending.pop(0).wait()
+        work = post(t, group=pg, **{"group_dst" if post is dist.isend else "group_src": peer}, tag=i + 1)
+        assert work is not None
+        pending.append(work)
+    for work in pending:
+        work.wait()
+
+
+def send_tensors(pg: dist.ProcessGroup, peer: int, tensors: list[torch.Tensor], window: int = WINDOW) -> None:
+    """Send every tensor of ``tensors`` (contiguous) to group rank ``peer``, in order, ``window`` in flight."""
+    _stream(dist.isend, pg, peer, tensors, window)
+
+
+def recv_tensors(pg: dist.ProcessGroup, peer: int, tensors: list[torch.Tensor], window: int = WINDOW) -> None:
+    """Receive into every tensor of ``tensors`` itself (in place), from group rank ``peer``: the counterpart of
+    :func:`send_tensors`."""
+    _stream(dist.irecv, pg, peer, tensors, window)
+
+
 def send_frame(pg: dist.ProcessGroup, peer: int, blob: bytes) -> None:
     """One frame: the length, then the bytes (nothing for an empty frame)."""
     send_tensor(pg, peer, torch.tensor([len(blob)], dtype=torch.int64))

@@ -1,8 +1,9 @@
 """Lose a node, lose nothing: a spare takes a SIGKILLed node's place from the live replica, bitwise.
 
-2 nodes x 2 ranks, FSDP2 ``fully_shard`` HSDP on a (replicate, shard) mesh over Gloo, a small model (Linear
-layers with dropout and a BatchNorm, whose running statistics differ per rank), AdamW, deterministic per-rank
-data.  Every rank hands its per-rank packet (RNG states, buffers, data position) to its buddy (the same local
+2 nodes x 2 ranks over Gloo, HSDP three ways (FSDP2 ``fully_shard`` on the (replicate, shard) mesh, FSDP1
+``HYBRID_SHARD`` on the (shard, replicate) group pair and on the mesh), a small model (Linear layers with dropout
+and a BatchNorm, whose running statistics differ per rank), AdamW, deterministic per-rank data with Python and
+NumPy draws.  Every rank hands its per-rank packet (RNG states, buffers, data position) to its buddy (the same local
 rank on the other node) at every committed update.
 
 - ``reference``: 6 updates, uninterrupted.
@@ -11,7 +12,7 @@ rank on the other node) at every committed update.
   of generation 1 are built, the survivors rebind their replication group, each survivor sends its shard and
   the dead rank's packet to the spare of its local rank, the certificate passes, and all four train updates
   4..6.  Every rank's final parameters, optimizer state, RNG states and buffers equal the reference's, bitwise.
-- Negative controls: ``skip_transfer`` (the spare keeps its fresh weights): the certificate fails naming the
+- Negative controls (FSDP2; ``ACCELPACT_TEST_HEAL_FAULT``): ``skip_transfer`` (the spare keeps its fresh weights): the certificate fails naming the
   tensors; ``skip_packet`` (the spare never applies the dead rank's packet): the certificate fails on the
   packet; ``tamper_manifest`` (the manifest changed after it was signed): the spare refuses it before accepting any
   tensor, its tensors untouched, and the survivor learns of the refusal.
@@ -299,6 +300,7 @@ def _job(mode, tmp_path, wrapping="fsdp2"):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=TIMEOUT_S))  # the job's store: it outlives any node
     ctx = multiprocessing.get_context("spawn")
+    spares: list = []
     ranks = [_spawn(ctx, r, "rank", wrapping, mode, store.port, run_dir, out_dir) for r in range(WORLD)]
     if mode == "reference":
         _join(ranks, out_dir)
@@ -319,7 +321,7 @@ def _job(mode, tmp_path, wrapping="fsdp2"):
                                              "generation": 1, "frontier": HEAL_AT}))
         _join([p for p in ranks if p not in dead] + spares, out_dir)
     finally:
-        for p in ranks + locals().get("spares", []):
+        for p in ranks + spares:
             if p.is_alive():
                 p.kill()
     survivors = [r for r in range(WORLD) if r // RPN != DEAD_NODE]

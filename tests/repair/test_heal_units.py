@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from accelpact_slurm.core.errors import HealError
+from accelpact_slurm.core.faults import HEAL_FAULT, TestFaults
 from accelpact_slurm.repair import heal_transfer as ht
-from accelpact_slurm.repair.heal import Certificate, HealPlan, compare_certificates
+from accelpact_slurm.repair.heal import Certificate, HealGroups, HealPlan, compare_certificates
+from accelpact_slurm.runtime.job import healing
 from accelpact_slurm.runtime.state.rank_packet import (BuddyCopies, apply_rank_state, digest_of, pack_rank_state,
                                                        read_packet)
 from ckpt_service.auth import sign
@@ -75,6 +77,30 @@ def test_a_failed_certificate_raises_with_its_mismatches():
     Certificate(True).raise_if_failed()
     with pytest.raises(HealError, match="a: the spare's bytes differ"):
         Certificate(False, ["a: the spare's bytes differ from the source's"]).raise_if_failed()
+
+
+def test_a_test_fault_picks_a_broken_part_where_it_is_built():
+    assert type(healing.heal_parts(None)) is healing.HealParts
+    assert type(healing.heal_parts(TestFaults.from_environ({}))) is healing.HealParts
+    for fault in ("skip_transfer", "skip_packet", "tamper_manifest"):
+        part = healing.heal_parts(TestFaults.from_environ({HEAL_FAULT: fault}))
+        assert isinstance(part, healing.HealParts) and type(part) is not healing.HealParts
+    with pytest.raises(ValueError, match="skip_transfer, skip_packet, tamper_manifest"):
+        TestFaults.from_environ({HEAL_FAULT: "skip_everything"})
+
+
+def test_the_heal_event_names_each_part():
+    plan = HealPlan(nodes=2, ranks_per_node=2, dead_node=1, generation=1, frontier=3)
+    out = healing.HealOutcome(plan, 0, "source", HealGroups(None, None, 0.5),  # type: ignore[arg-type]
+                              certificate=Certificate(False, ["packet: x"]),
+                              transfer=ht.TransferStats(100, 2, 50, 0.25, 0.5), rebound={"fsdp2": 3},
+                              packet_bytes=7, seconds={"groups": 0.5})
+    assert out.event() == {"rank": 0, "role": "source", "dead_node": 1, "generation": 1, "frontier": 3,
+                           "seconds": {"groups": 0.5}, "packet_bytes": 7, "rebound": {"fsdp2": 3},
+                           "certified": False, "mismatches": ["packet: x"],
+                           "transfer": {"tensor_bytes": 100, "tensors": 2, "manifest_bytes": 50,
+                                        "manifest_seconds": 0.25, "tensor_seconds": 0.5, "seconds": 0.75,
+                                        "rate_mb_s": 100 / 1e6 / 0.5}}
 
 
 # ------------------------------------------------------------------ the manifest
