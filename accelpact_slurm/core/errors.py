@@ -144,6 +144,16 @@ class RepairTimeout(RepairError, TimeoutError):
     """An L1 repair phase passed its deadline."""
 
 
+class HealError(RepairError):
+    """A heal of a lost node by a spare failed (a group, the transfer, the per-rank packet or the certificate);
+    the caller fails stop."""
+
+
+class HealRefused(HealError):
+    """The receiving side of a heal refused what it was sent (a manifest not under the run's key, or one that
+    does not describe its own tensors) before it accepted any tensor of it."""
+
+
 class CheckpointError(AccelpactError, RuntimeError):
     """A checkpoint could not be written, verified or loaded."""
 

@@ -103,6 +103,11 @@ NO_LAUNCHER_PORT = "ACCELPACT_TEST_NO_LAUNCHER_PORT"
 #: daemon, the vote of update STEP, the restore of snapshot STEP (after the start's first restore round).
 NODE_KILL_PHASES = ("proof", "handoff", "vote", "restore")
 CKPTD_KILL_AT = "ACCELPACT_CKPTD_KILL_AT"
+#: One part a heal leaves out or breaks (the heal's negative controls): see :data:`HEAL_FAULTS`.
+HEAL_FAULT = "ACCELPACT_TEST_HEAL_FAULT"
+#: ``skip_transfer``: no shard is sent (the spare keeps its fresh weights); ``skip_packet``: the spare never applies
+#: the dead rank's per-rank packet; ``tamper_manifest``: the source changes its manifest after signing it.
+HEAL_FAULTS = ("skip_transfer", "skip_packet", "tamper_manifest")
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,7 @@ class TestFaults:
     retry_repeated: bool = False
     no_launcher_port: bool = False
     ckptd_kill_at: tuple[str, int, str | None] | None = None
+    heal_fault: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "TestFaults":
@@ -162,7 +168,11 @@ class TestFaults:
         pace = 0.0
         if env.get(PACE) and first_start:
             pace = _float(PACE, env[PACE])
+        heal = env.get(HEAL_FAULT) or None
+        if heal is not None and heal not in HEAL_FAULTS:
+            raise ValueError(f"{HEAL_FAULT}={heal!r}: one of {', '.join(HEAL_FAULTS)}")
         return cls(
+            heal_fault=heal,
             kill_node=_kill_node(env),
             dead_peer_as_bug=env.get(DEAD_PEER_AS_BUG) == "1",
             retry_repeated=env.get(RETRY_REPEATED) == "1",

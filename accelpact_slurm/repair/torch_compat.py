@@ -22,6 +22,7 @@ Discarding a failed iteration (:func:`fsdp1_discard_iteration`, :func:`fsdp2_dis
 the fault injection's patch point (:func:`replication_all_reduce_sites`) live here for the same reason.
 On torch 2.14.1+ a Gloo group is given a new transport in place instead (:func:`can_reconfigure`,
 :func:`reconfigure_group`, from :mod:`accelpact_slurm.repair.group_reconfigure`): then no slot is rebound.
+A spare's stand-in default group (:func:`init_standin_world`) comes from :mod:`accelpact_slurm.repair.standin_world`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from accelpact_slurm.repair.collective_tap import (  # noqa: F401 - re-exported:
     TAPPED_METHODS, install_collective_tap, remove_collective_tap)
 from accelpact_slurm.repair.group_reconfigure import (  # noqa: F401 - re-exported: the one shim
     can_reconfigure, reconfigure_group, reconfigured_uuid)
+from accelpact_slurm.repair.standin_world import (  # noqa: F401 - re-exported: the one shim
+    init_standin_world, is_standin_world)
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, _runtime_utils
 
