@@ -142,7 +142,13 @@ class WatchedWork:
         self._nbytes = nbytes
 
     def wait(self, timeout: Any = None) -> bool:
-        return self._detector._wait(self)
+        try:
+            return self._detector._wait(self)
+        except FailStop as stop:  # waited on by the training code (FSDP's hooks, its own collectives): see stop_hook
+            hook = self._detector.stop_hook
+            if hook is not None and threading.get_ident() == hook[0]:
+                hook[1](stop)
+            raise
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -222,6 +228,10 @@ class Detector:
         #: clears it (the moment of detection, before the error unwinds the training code).
         self.given_up_at: float | None = None
         self.longest_wait_s = 0.0  # the longest of them that completed (a straggler's peers wait that long)
+        #: ``(thread ident, stop)`` while the training code runs on that thread (set by the run): a
+        #: :class:`FailStop` found in a collective it waits on goes to ``stop``, which raises the ``Stopped``
+        #: (a ``BaseException``) in its place, so that no ``except Exception`` of the script can swallow it.
+        self.stop_hook: tuple[int, Callable[[FailStop], Any]] | None = None
 
     def summary(self) -> dict[str, Any]:
         """What the detector saw in this start (the ``detector`` event at the job's end)."""

@@ -1,35 +1,20 @@
 """The public API: what a training script written against the project sees.
 
-``accelpact-run JOB.yaml`` calls the job file's ``entry: module:function`` on every rank with a
-:class:`Job`.  The script builds and wraps its own model on the mesh the job provides, makes its own
-optimizer, scheduler and data loader, and hands them to :meth:`Job.protect`, which returns a
-:class:`Run`; the loop stays the script's own::
-
-    def main(job):
-        model = fully_shard(MyModel(), mesh=job.mesh)                  # or FSDP1 HYBRID_SHARD
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        loader = StatefulDataLoader(data, batch_size=8, sampler=job.sampler(data))
-        run = job.protect(model, opt, scheduler=sched, state={"data": loader})
-        for batch in run.batches(loader):
-            with run.update() as update:
-                loss = my_loss(model(batch.x), batch.y)
-                loss.backward()
-                update.loss = loss          # before the step: it travels in the vote taken there
-                opt.step(); sched.step(); opt.zero_grad()
-
-Who calls what, in which order (every rank, the same calls in the same order): the runtime builds
-the :class:`Job` and calls the entry point; the entry point calls :meth:`Job.protect` once (a
-collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and, for every
-update, :meth:`Run.update`; between two updates it may call :meth:`Run.save` (collective).  When the
-entry point returns, the runtime snapshots the last update and waits until it is verified, writes the
-summary and calls :meth:`Run.close`.
-``docs/api.md`` documents every public name.
+``accelpact-run JOB.yaml`` calls the job file's ``entry: module:function`` on every rank with a :class:`Job`; the
+script wraps its own model on ``job.mesh`` and hands model, optimizer, scheduler and data loader to
+:meth:`Job.protect`, which returns a :class:`Run`; the loop stays the script's own (``for batch in
+run.batches(loader): with run.update() as update: ...``).  Every rank makes the same calls in the same order:
+:meth:`Job.protect` once (collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and
+:meth:`Run.update` per update, :meth:`Run.save` (collective) between updates; when the entry point returns, the
+runtime snapshots the last update, writes the summary and calls :meth:`Run.close`.  ``docs/api.md`` documents
+every public name, with an example.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TextIO
 
@@ -87,8 +72,11 @@ class Job:
     """
 
     def __init__(self, cfg: JobConfig, rt: Runtime, run_dir: str, events: EventLog, *, out: TextIO,
-                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None) -> None:
+                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None,
+                 stop: Callable[[BaseException], Any] = lambda exc: None) -> None:
         self.config = cfg
+        #: Fails the rank stop on a stop or a lost control plane (the entry's rule), raising ``Stopped``.
+        self._stop = stop
         self._rt = rt
         self._out = out
         self._faults = faults
@@ -146,7 +134,11 @@ class Job:
             raise UsageError("job.protect", "a second call", "call job.protect once per job, after wrapping")
         if exact:
             torch.use_deterministic_algorithms(True)
-        self.run = Run(self, model, optimizer, scheduler, dict(state or {}), exact=exact)
+        try:
+            self.run = Run(self, model, optimizer, scheduler, dict(state or {}), exact=exact)
+        except (FailStop, ControlPlaneError) as exc:  # reaches the script as Stopped, never as an Exception
+            self._stop(exc)
+            raise
         return self.run
 
 
@@ -193,7 +185,11 @@ class Update:
         return self
 
     def __exit__(self, et: Any, ev: BaseException | None, tb: Any) -> bool:
-        return self._run._finish(self, ev)
+        try:
+            return self._run._finish(self, ev)
+        except (FailStop, ControlPlaneError) as exc:  # the commit's snapshot, the requeue stop
+            self._run._stopped(exc)
+            raise
 
 
 class Run:
@@ -245,9 +241,9 @@ class Run:
         self._yielded = False  # run.batches yielded an item the next update may run again
         self._redo = False  # the last update was discarded: run.batches yields its batch again
         self._current: Update | None = None
-        self._loaded: str | None = None
         self._loaded_step: int | None = None  # the step this start reloaded (verified by the reload's rule)
         self._closed = False
+        self._voting = False
         key = self._guard.key_for("committed")
         if job.is_lead:
             job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self._wrapping[0],
@@ -275,6 +271,8 @@ class Run:
             print(f"[accelpact] job {rt.ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
                   f"{self._wrapping[0]} {self._wrapping[1]}, {job.steps} updates{start}, run dir {job.run_dir}",
                   file=job._out, flush=True)
+        if detector is not None:  # a stop found in a collective the training code waits on: raised as Stopped
+            detector.stop_hook = (threading.get_ident(), self._stopped)
 
     # ------------------------------------------------------------------ the loop
 
@@ -348,8 +346,12 @@ class Run:
         if refused is not None:
             raise UsageError("run.save()", *refused)
         job = self.job
-        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "run.save",
-                      loaded=self.step == self._loaded_step)["verified"]
+        try:
+            return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "run.save",
+                          loaded=self.step == self._loaded_step)["verified"]
+        except (FailStop, ControlPlaneError) as exc:
+            self._stopped(exc)
+            raise
 
     def _final(self) -> dict[str, Any] | None:
         """Collective, at the job's end (before the digests and ``job_end``): the snapshot of the last committed
@@ -369,6 +371,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if getattr(self.job._rt, "detector", None) is not None:
+            self.job._rt.detector.stop_hook = None
         self._snapshots.close()
         self._tracker.close()
         left = self._guard.engine.close(self.job.config.timeouts.shutdown_s)  # retired NCCL communicators
@@ -406,7 +410,6 @@ class Run:
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]
-        self._loaded = path
         mine, rng = appstate.rank_state(doc["ranks"], self.job.rank, self.job.seed, self.step)
         self._extra_restore(path, mine, rng)
 
@@ -422,6 +425,22 @@ class Run:
                 log.warning("snapshot %s holds buffers this model does not have: %s", path, ", ".join(missing[:5]))
 
     # ------------------------------------------------------------------ the end of an update
+
+    def _stopped(self, exc: BaseException) -> None:
+        """A stop on its way into the script (the detector's, the control plane's): the update ends and the rank
+        fails stop, raising ``Stopped`` (a ``BaseException``: a script's ``except Exception`` cannot swallow it).
+        Not in the vote: the guard and the repair take a stop found in their own collectives."""
+        if not self._voting:
+            self._current = None
+            self._tracker.end()
+            self.job._stop(exc)
+
+    def _vote(self, *args: Any, **kwargs: Any) -> tuple[str, float | None, list[str | None]]:
+        self._voting = True
+        try:
+            return self._guard.decide(*args, **kwargs)
+        finally:
+            self._voting = False
 
     def _decide(self, update: Update, fault: str | None, error: str | None) -> str:
         """The update's one vote (collective): at its first ``optimizer.step``, or at its end when it raised or
@@ -440,7 +459,7 @@ class Run:
         update._need_fp = not fault and (self.step in self._snapshots.taken or self._replay is not None)
         extra = {"fp": replay.fingerprint(self._model, self._optimizer)} if update._need_fp else None
         try:
-            outcome, mean, fps = self._guard.decide(update.step, fault, error, loss, extra,
+            outcome, mean, fps = self._vote(update.step, fault, error, loss, extra,
                                                     redoable=update._redoable, optimizer=self._optimizer,
                                                     exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
@@ -498,7 +517,7 @@ class Run:
                 # Vote again with the old frontier: the others' next vote reports the new one, and the
                 # frontier mismatch fails every rank stop (no rank can repair a state it does not share).
                 try:
-                    self._guard.decide(update.step, fault, error, None, None, redoable=False,
+                    self._vote(update.step, fault, error, None, None, redoable=False,
                                        exception=update._exception)
                 except FailStop as stop:
                     fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
