@@ -112,7 +112,6 @@ class SnapshotClient:
         self._worker: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
-        self.last_handover_s: float | None = None  # how long the last hand-over took on the worker
         self._prefault: threading.Thread | None = None  # makes the slots' pages ready beside training
         _CLIENTS.add(self)
 
@@ -282,7 +281,6 @@ class SnapshotClient:
             if item is None:  # close()
                 return
             step, desc, plan, extras, capture = item
-            t = time.monotonic()
             try:
                 desc["meta"] = self._meta(extras, capture)
                 desc["entries"] = plan.describe()
@@ -297,7 +295,6 @@ class SnapshotClient:
                 # drop the plan (views of the live tensors) here, not when the thread ends: a tensor freed by a
                 # daemon thread while the interpreter shuts down aborts the process
                 item = desc = plan = extras = capture = None
-                self.last_handover_s = time.monotonic() - t
                 self._idle.set()
 
     def _meta(self, extras: list[dict[str, Any]], capture: dict[str, Any] | None) -> dict[str, Any]:

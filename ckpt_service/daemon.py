@@ -163,7 +163,6 @@ class Daemon:
                                node=opts.node_index, source="ckptd")
         self._lock_fd: int | None = None
         self._server: socket.socket | None = None
-        self._stop = threading.Event()
         self._accepting = threading.Event()
         self._mu = threading.Lock()
         self._changed = threading.Condition(self._mu)
@@ -223,12 +222,6 @@ class Daemon:
         t.start()
         self._accept_thread = t
         log.info("serving %s at %s", self.ndir, self.sock_path)
-
-    def request_stop(self) -> None:
-        self._stop.set()
-
-    def wait_stopped(self, timeout_s: float | None = None) -> bool:
-        return self._stop.wait(timeout_s)
 
     def drain_and_close(self) -> bool:
         """Stop accepting, finish queued work up to ``drain_s``; True when everything finished."""

@@ -140,10 +140,6 @@ class RepairError(AccelpactError, RuntimeError):
     """An L1 repair phase failed; the engine turns it into a fail-stop."""
 
 
-class RepairTimeout(RepairError, TimeoutError):
-    """An L1 repair phase passed its deadline."""
-
-
 class CheckpointError(AccelpactError, RuntimeError):
     """A checkpoint could not be written, verified or loaded."""
 

@@ -75,9 +75,6 @@ class EventLog:
         # of this user (accelpact_slurm.core.safeopen)
         self._fd, _st = open_writable(self.path, append=True, mode=0o644)
 
-    def update_static(self, **fields: Any) -> None:
-        self._static.update(fields)
-
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event and return the record written."""
         record: dict[str, Any] = {"ts": time.time(), "event": event}

@@ -61,7 +61,6 @@ TRANSITIONS: dict[str, str] = {
     "rebind": "validate",
     "validate": "done",
 }
-UPDATE_PHASES = ("observe", "control_barrier", "discard", "guard_sync", "replace_all", "validate_all")
 UPDATE_TRANSITIONS: dict[str, str] = {
     "observe": "control_barrier",
     "control_barrier": "discard",

@@ -143,10 +143,6 @@ def _kind(t: type) -> tuple[int, tuple[str, ...], bool, int]:
     return kind
 
 
-def _is_leaf(t: type) -> bool:
-    return _kind(t)[0] == _LEAF
-
-
 _SPELL = {"[]": "[{!r}]", "key": "[key]", ".": ".{}", "root": "root{}"}
 
 

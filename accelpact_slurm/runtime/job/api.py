@@ -13,10 +13,9 @@ every public name, with an example.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn, TextIO
 
 import torch
 
@@ -35,12 +34,11 @@ from accelpact_slurm.runtime.job import stopping
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
 from accelpact_slurm.runtime.job.recovery import build_guard
-from accelpact_slurm.runtime.state.restore import reject_copy, restore
+from accelpact_slurm.runtime.state.restore import restore
 from accelpact_slurm.runtime.state.digest import state_digests
 from ckpt_service.auth import load_key, load_or_create_key
 from ckpt_service.client import SnapshotClient
-from ckpt_service.index import read_record
-from ckpt_service.layout import node_dir, shared_dir, step_dirname, step_of as snapshot_step
+from ckpt_service.layout import step_of as snapshot_step
 from accelpact_slurm.runtime.state.saving import refusal, settle
 
 if TYPE_CHECKING:
@@ -96,6 +94,9 @@ class Job:
     def groups(self) -> tuple[Any, Any]:
         """``(shard_group, replicate_group)`` as they are now: an L1 repair may have replaced the ones of the start."""
         return self._rt.shard_group, self._rt.replicate_group
+
+    def _fail_stop(self, stop: FailStop) -> NoReturn:
+        fail_stop(stop, self.events, self._out, self.is_lead, self._rt.control, self._rt.ctx, self._environ)
 
     @property
     def is_lead(self) -> bool:
@@ -220,7 +221,7 @@ class Run:
         self._forward = forward_state(model, job._faults)
         #: What a test's negative controls turn off, picked here, not branched on where it runs.
         self._checked = not job._faults.skip_reload_check  # restore re-checks checksums; the replay check runs
-        self._rng_restore = appstate.rng_restore if not job._faults.skip_redo_rng else _keep_rng
+        self._rng_restore = appstate.rng_restore if not job._faults.skip_redo_rng else appstate.keep_rng
         self._extra_restore = self._restore_extra if not job._faults.skip_extra_restore else _skip_extra
         self.step, self.epoch = 0, 0
         self.losses: list[float | None] = []
@@ -257,7 +258,7 @@ class Run:
             out = restore(rt, cfg, job.run_dir, self._load, job.events, check=self._checked,
                           copy=not job._faults.no_restore_copy, model=self._model)
         except FailStop as stop:  # no snapshot can be restored (76), or the requeue its exit code asks for
-            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+            job._fail_stop(stop)
         self._loaded_step = out.step
         if out.step is not None and self._checked:
             ref = None
@@ -339,16 +340,13 @@ class Run:
                 :meth:`close`, before the first update, or on a job without snapshots
                 (``checkpoint.every_steps`` 0).
         """
-
         inside = self._current.step if self._current is not None else None
         refused = refusal(closed=self._closed, inside=inside, every_steps=self.job.config.checkpoint.every_steps,
                           step=self.step)
         if refused is not None:
             raise UsageError("run.save()", *refused)
-        job = self.job
         try:
-            return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "run.save",
-                          loaded=self.step == self._loaded_step)["verified"]
+            return self._settle("run.save")["verified"]
         except (FailStop, ControlPlaneError) as exc:
             self._stopped(exc)
             raise
@@ -357,21 +355,23 @@ class Run:
         """Collective, at the job's end (before the digests and ``job_end``): the snapshot of the last committed
         update, verified (:mod:`..state.saving`); None when the job takes no snapshots, does not want one at its end
         (``checkpoint.at_end: false``) or committed no update."""
-        job = self.job
-        c = job.config.checkpoint
+        c = self.job.config.checkpoint
         if c.every_steps <= 0 or not c.at_end or self.step <= 0:
             return None
-        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "final",
+        return self._settle("final")
+
+    def _settle(self, trigger: str) -> dict[str, Any]:
+        job = self.job
+        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, trigger,
                       loaded=self.step == self._loaded_step)
 
     def close(self) -> None:
-        """Release what the run holds: the snapshot client (its staging slots), the phase hooks and the repair
-        engine's background aborts.  The runtime calls it after the entry point returns; calling it again does
-        nothing.  No update may run after it."""
+        """Release the snapshot client (its staging slots), the phase hooks and the repair engine's background
+        aborts.  The runtime calls it after the entry point returns (again: nothing); no update may run after it."""
         if self._closed:
             return
         self._closed = True
-        if getattr(self.job._rt, "detector", None) is not None:
+        if getattr(self.job._rt, "detector", None) is not None:  # the rank's end: the project's own collectives
             self.job._rt.detector.stop_hook = None
         self._snapshots.close()
         self._tracker.close()
@@ -381,7 +381,6 @@ class Run:
 
     def _digests(self) -> tuple[str | None, str | None]:
         """Collective: ``(final_state_digest, final_model_digest)`` (:mod:`..state.digest`)."""
-
         return state_digests(self.job._rt, self._model, self._optimizer, self._statefuls, self._forward,
                              self.step, self.epoch)
 
@@ -427,9 +426,9 @@ class Run:
     # ------------------------------------------------------------------ the end of an update
 
     def _stopped(self, exc: BaseException) -> None:
-        """A stop on its way into the script (the detector's, the control plane's): the update ends and the rank
-        fails stop, raising ``Stopped`` (a ``BaseException``: a script's ``except Exception`` cannot swallow it).
-        Not in the vote: the guard and the repair take a stop found in their own collectives."""
+        """A stop on its way into the script (the detector's, the control plane's): the rank fails stop, raising
+        ``Stopped`` (a script's ``except Exception`` cannot swallow it); not in the vote, whose guard and repair take
+        a stop found in their own collectives."""
         if not self._voting:
             self._current = None
             self._tracker.end()
@@ -450,7 +449,7 @@ class Run:
         latched = detector.take_latched() if detector is not None else None
         if latched and not fault:  # a collective given up whose error the training code swallowed
             fault, error = latched
-        loss = None if fault else _as_float(update._loss)
+        loss = None if fault else appstate.loss_value(update._loss)
         if update._loss is None and not fault and self.losses and self.losses[-1] is not None \
                 and not self._warned_late_loss:
             self._warned_late_loss = True
@@ -463,8 +462,7 @@ class Run:
                                                     redoable=update._redoable, optimizer=self._optimizer,
                                                     exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
-            fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step), job.events, job._out,
-                      job.is_lead, rt.control, rt.ctx, job._environ)
+            job._fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step))
         update._decided, update._mean = outcome, mean
         if outcome == "redo":
             self._rng_restore(update._rng)
@@ -489,7 +487,7 @@ class Run:
                              "not BaseException, around optimizer.step()); the update is discarded and runs again")
         if ev is not None:
             if isinstance(ev, FailStop):  # the detector: a member is dead, hung or stopped (no vote can complete)
-                fail_stop(ev, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+                job._fail_stop(ev)
             if not isinstance(ev, Exception) or isinstance(ev, UsageError):
                 return False  # KeyboardInterrupt, SystemExit, a Stopped, the API's own usage errors: not a fault
             if isinstance(ev, RuntimeError) and NONDETERMINISTIC in str(ev):
@@ -520,7 +518,7 @@ class Run:
                     self._vote(update.step, fault, error, None, None, redoable=False,
                                        exception=update._exception)
                 except FailStop as stop:
-                    fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+                    job._fail_stop(stop)
                 raise AssertionError("unreachable: a fault after the vote always fails stop")  # pragma: no cover
         elif not tracker.stepped and not self._warned_no_step:
             # A gradient scaler skips the step when it finds inf/NaN gradients; anything else is a loop that
@@ -568,52 +566,15 @@ class Run:
                 job.events.emit("replay_check", snapshot=snap, step=step, verdict=verdict, reason=why)
                 print(f"[accelpact] replay check of snapshot {snap}: {verdict}: {why}", file=job._out, flush=True)
             if verdict == "mismatch":
-                self._reject_loaded(snap, why)
-                fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, cause="checkpoint", phase="replay",
-                                   frontier=snap, decided_at=time.monotonic()), job.events, job._out, job.is_lead,
-                          rt.control, rt.ctx, job._environ)
+                replay.reject_loaded(rt, job.config, job.run_dir, snap, why, job.events)
+                job._fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, cause="checkpoint",
+                                        phase="replay", frontier=snap, decided_at=time.monotonic()))
         if record and job.is_lead:
             ref = {"snapshot": prev, "step": step, "loss": mean, "fingerprints": fps, "layout": layout}
             # MAC'd under the run's key: a line another user appends to the log cannot reject the snapshot
             job.events.emit("replay_ref", **ref, mac=replay.ref_mac(load_or_create_key(job.run_dir), ref))
 
-    def _reject_loaded(self, snap: int, why: str) -> None:
-        """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the
-        wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
-        copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
-        the shared tier's."""
-
-        rt, cfg = self.job._rt, self.job.config
-        ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
-        shared = os.path.join(shared_dir(self.job.run_dir, cfg.checkpoint.shared_dir), step_dirname(snap))
-        mine = [os.path.join(ndir, step_dirname(snap))] if rt.local_rank == 0 else []
-        if rt.rank == 0:
-            mine.append(shared)
-        for path in mine:
-            rec = read_record(path) if os.path.isdir(path) else None
-            if rec is None or rec.state == "rejected":
-                continue
-            try:
-                reject_copy(snap, path, f"replay check failed: {why}", self.job.run_dir, ndir,
-                            rt.ctx.hostname, cfg.checkpoint.milestone_every, self.job.events, source="replay")
-            except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
-                log.warning("could not record the rejection of %s: %s", path, exc)
-
-
-def _keep_rng(snap: Any) -> None:
-    """Test-only (``ACCELPACT_TEST_SKIP_REDO_RNG``): a redo draws on from where the discarded attempt left the RNG."""
-
 
 def _skip_extra(path: str, mine: Any, rng: Any) -> None:
     """Test-only (``ACCELPACT_TEST_SKIP_EXTRA_RESTORE``): the extra state of a snapshot is not restored."""
     log.warning("extra state not restored (test-only fault injection)")
-
-
-def _as_float(loss: Any) -> float | None:
-    if loss is None:
-        return None
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise UsageError("update.loss", f"a tensor of shape {tuple(loss.shape)}", "report one number (a 0-d tensor)")
-        return float(loss.detach())
-    return float(loss)

@@ -145,7 +145,6 @@ class PhaseTracker:
         self.step = 0
         self.phase = COMMITTED
         self.stepped = False
-        self.forwards = 0
         self.decided = False
         #: Called at the first optimizer.step of an update (set by the run): the vote; returns the outcome.
         self.decide: Any = None
@@ -158,8 +157,7 @@ class PhaseTracker:
         ]
 
     def begin(self, step: int) -> None:
-        self.active, self.step, self.phase, self.stepped, self.forwards = True, step, FORWARD, False, 0
-        self.decided = False
+        self.active, self.step, self.phase, self.stepped, self.decided = True, step, FORWARD, False, False
         self._show(FORWARD)
 
     def end(self) -> None:
@@ -187,7 +185,6 @@ class PhaseTracker:
             return
         self.phase = FORWARD
         self._show(FORWARD)
-        self.forwards += 1
         if self._slow is not None and self._slow[0] == self.step:
             step, text = self._slow
             self._slow = None

@@ -156,6 +156,19 @@ def rng_snapshot() -> tuple[Any, ...]:
     return (torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None, cuda)
 
 
+def keep_rng(snap: Any) -> None:
+    """Test-only (``ACCELPACT_TEST_SKIP_REDO_RNG``): a redo draws on from where the discarded attempt left the RNG."""
+
+
+def loss_value(loss: Any) -> float | None:
+    """``update.loss`` as one number (None when not set)."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise UsageError("update.loss", f"a tensor of shape {tuple(loss.shape)}", "report one number (a 0-d tensor)")
+        return float(loss.detach())
+    return None if loss is None else float(loss)
+
+
 def rng_restore(snap: tuple[Any, ...]) -> None:
     """Inverse of :func:`rng_snapshot`."""
     cpu, py, npy, cuda = snap

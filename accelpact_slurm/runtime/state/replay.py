@@ -24,12 +24,18 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.core.rank import RankContext
 from accelpact_slurm.runtime.state.buffers import buffer_items
-from accelpact_slurm.runtime.state.restore import same_bits
+from accelpact_slurm.runtime.state.restore import reject_copy, same_bits
+from ckpt_service.index import read_record
+from ckpt_service.layout import node_dir, shared_dir, step_dirname
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +156,24 @@ def judge(reference: Mapping[str, Any] | None, loss: float | None, fingerprints:
     if not checked:
         return "unconfirmed", "the recorded update reported no loss and ran on another layout"
     return "match", f"update {reference.get('step')} reproduced bitwise: " + ", ".join(checked)
+
+
+def reject_loaded(rt: RankContext, cfg: JobConfig, run_dir: str, snap: int, why: str, events: EventLog) -> None:
+    """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the
+    wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
+    copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
+    the shared tier's."""
+    ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
+    shared = os.path.join(shared_dir(run_dir, cfg.checkpoint.shared_dir), step_dirname(snap))
+    mine = [os.path.join(ndir, step_dirname(snap))] if rt.local_rank == 0 else []
+    if rt.rank == 0:
+        mine.append(shared)
+    for path in mine:
+        rec = read_record(path) if os.path.isdir(path) else None
+        if rec is None or rec.state == "rejected":
+            continue
+        try:
+            reject_copy(snap, path, f"replay check failed: {why}", run_dir, ndir, rt.ctx.hostname,
+                        cfg.checkpoint.milestone_every, events, source="replay")
+        except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
+            log.warning("could not record the rejection of %s: %s", path, exc)
