@@ -94,7 +94,6 @@ def load_key(run_dir: str) -> bytes:
 def _snapshot_names(run_dir: str) -> str | None:
     """The first folder of the run directory's default layout that holds a snapshot (``step-N`` with a
     ``manifest.json``), if any."""
-
     candidates = [os.path.join(run_dir, "shared-ckpt")]
     try:
         local = os.path.join(run_dir, "node-local")

@@ -190,7 +190,6 @@ _BUFFER_FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = wea
 
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
-
     flats = [flat_param_parts(fp) for fp in fsdp1_flat_params(model)]
     if not flats or any(parts is None for parts in flats) or not _fast_path_fits(model):
         return None
@@ -286,7 +285,6 @@ _SKIP = object()  # a sharded value moved into the entries
 
 def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
     """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
-
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
         entries: list[Entry] = []

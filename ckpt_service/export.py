@@ -82,7 +82,6 @@ def check_exportable(path: str, key: bytes | None) -> str:
         CheckpointError: naming why: not a snapshot, not recorded verified, not authenticated, a file that
             fails its checksum, a tensor not covered.
     """
-
     rec = read_record(path)
     if rec is None:
         raise CheckpointError(f"{path} is not a step-NNNNNNNNNN snapshot directory")

@@ -187,7 +187,6 @@ def placement(node_index: int | None, num_nodes: int | None, file_nodes: int,
 
 def _drop_staging(args: argparse.Namespace) -> int:
     """``--drop-staging``: this node's leftovers of a killed daemon, found as the daemon finds its node directory."""
-
     try:
         local_dir = load_config(args.config).checkpoint.local_dir
     except (AccelpactError, OSError) as exc:

@@ -103,7 +103,6 @@ def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def job_config(args: argparse.Namespace):
     """The job file with the job-level flags applied (:func:`add_job_flags`)."""
-
     cfg = load_config(args.config)
     overrides: dict[str, Any] = {}
     if args.steps is not None:
@@ -140,7 +139,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 def check_same_training(cfg, run_dir: str, allow: bool) -> None:
     """Refuse a run directory whose first start trained something else (its snapshots would all fail the
     replay check); record the training part at the first start.  ``allow``: a deliberate change."""
-
     path = os.path.join(run_dir, TRAINING_FILE)
     mine = training_part(cfg)
     check_dir(run_dir)  # a directory others may write could hold their FIFO or link at the name
@@ -185,7 +183,6 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
     Raises:
         ConfigError: A changed training or an unsafe run directory (exit 2: a requeue would not help).
     """
-
     ctx = SlurmContext.from_environ(environ)
     cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
     run_dir = run_dir or os.path.join(runs_root or settings.runs_root(), ctx.job_id)
@@ -200,7 +197,6 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
 def install_signals(emulated: bool) -> None:
     """First thing in a rank: an unhandled USR2 would kill the task.  In a real Slurm task SIGTERM (a preemption's
     notice) asks for the same snapshot-then-requeue; emulated, it still stops the rank."""
-
     signals.install(signals.stop_signals(emulated))
 
 
@@ -212,7 +208,6 @@ def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, s
 
     Returns the rank's exit code (a fail-stop never returns: it exits 75/76 via ``os._exit``).
     """
-
     start = start_rank(cfg, run_dir, environ, allow_config_change=allow_config_change, runs_root=runs_root)
     daemon = node_daemon(start) if node_daemon is not None else None
     try:
@@ -294,7 +289,6 @@ def combine_exit_codes(codes: Sequence[int | None]) -> int:
 
 def decided_code(events: Iterable[dict], restart: int) -> int | None:
     """What the ranks of start ``restart`` decided in the event log: 76 wins over 75; None when none did (pure)."""
-
     return step_outcome(events, restart)
 
 
@@ -323,7 +317,6 @@ def settle_step(run_dir: str, restart: int, status: int, *, ending: bool, job_id
     exit 75 when Slurm took it.  After the batch shell's own SIGTERM (``ending``) nothing undecided is requeued:
     Slurm is ending the job, and a requeue now would bring a cancelled job back or requeue one twice.
     """
-
     out = out or sys.stderr
     path = os.path.join(run_dir, EVENTS_FILE)
     decided = decided_code(read_events(path), restart) if os.path.exists(path) else None
@@ -355,7 +348,6 @@ def forward_usr2(run_dir: str, restart: int, ntasks: int, step_pid: int | None, 
     that becomes ready later reads the request file after writing its marker
     (:func:`~accelpact_slurm.slurm.signals.mark_ready`): the request reaches the start either way.
     """
-
     out = out or sys.stderr
     os.makedirs(run_dir, exist_ok=True)
     try:  # an empty marker: created new, or left as it is (never opened through a link: core.safeopen)

@@ -262,7 +262,6 @@ def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, ran
     Its frontier is the newest update the log committed (None: none yet); a rank that crashed (exit 1: an
     exception no handler took) is named with the exception its log (``logs``: rank -> path) ends with.
     """
-
     path = os.path.join(run_dir, EVENTS_FILE)
     decided, frontier = False, None
     for e in (read_events(path) if os.path.exists(path) else ()):
@@ -391,7 +390,6 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
 def _terminate(ranks: list[RankProcess], grace_s: float) -> None:
     """Stop the ranks still running: their stacks into their logs first (a rank left over is usually stuck; a
     stopped one is woken for it), then SIGTERM, then SIGKILL after ``grace_s``."""
-
     dump_stacks([rp.proc.pid for rp in ranks if rp.proc.poll() is None])
     for rp in ranks:
         if rp.proc.poll() is None:

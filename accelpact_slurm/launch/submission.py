@@ -228,7 +228,6 @@ class RankTask(submitit.helpers.Checkpointable):
         Returns the same task with the same arguments: the state to resume from lives in the run directory's
         snapshots, not in the pickle.
         """
-
         signals.request()
         return super().checkpoint(*args, **kwargs)
 
@@ -302,7 +301,6 @@ def relaunch_decision(events: Iterable[dict], restart: int, max_restarts: int) -
     :func:`.core.relaunch_in_place`, as on the embedded default: a fail-stop or a crash is relaunched in place
     (Slurm would requeue it), a bug (76) never.
     """
-
     decided = decided_code(events, restart)
     verdict = exit_verdict(decided if decided is not None else -1, slurm=False)
     return relaunch_in_place(verdict, restart, max_restarts)

@@ -490,7 +490,6 @@ class RepairEngine:
 
     def discard(self, ctx: RepairContext) -> None:
         """Every rank drops the update: FSDP back to idle and resharded, every gradient gone."""
-
         if self.skip_discard:
             log.warning("discarding the update skipped (test-only fault injection)")
             return
@@ -498,7 +497,6 @@ class RepairEngine:
 
     def replace_all(self, ctx: RepairContext) -> None:
         """Both HSDP groups of this rank replaced (identical membership, fresh prefix) and rebound."""
-
         rt = self.rt
 
         def rebound(new: dict[str, Any]) -> None:

@@ -227,7 +227,6 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
         CheckpointError: the snapshot does not pass on the handles it was read from (e.g. replaced after the
             re-check): the start ends and the next one re-checks it.
     """
-
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
 
     def reader() -> Any:

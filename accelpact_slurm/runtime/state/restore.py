@@ -128,7 +128,6 @@ def offered(offer: Mapping[str, Any]) -> tuple[dict[int, str], list[str]]:
     An offer arrives through the control plane: an entry that is not a step (an integer from 0 to
     :data:`~ckpt_service.layout.MAX_STEP`) with a place in :data:`WHERE` (a path, say) is dropped.
     """
-
     out: dict[int, str] = {}
     dropped: list[str] = []
     entries = offer.get("verified") if isinstance(offer, Mapping) else None
@@ -415,7 +414,6 @@ class StateIO:
 
         The step directory must be a real directory right inside that base: not a link, and resolving
         (``realpath``) to the same place, so nothing outside the run's snapshot directories is opened."""
-
         base = {"node": self.ndir, "shared": self.sdir}.get(where)
         if base is None:
             return None, f"{where!r} is no place of a snapshot"
@@ -454,7 +452,6 @@ class StateIO:
         verified snapshot replaces it, as a new snapshot of the same step does in a node directory).
         The copy is re-read against the signed manifest by the check round that follows.
         """
-
         t0 = time.monotonic()
         final = os.path.join(self.sdir, os.path.basename(path.rstrip("/")))
         try:
@@ -519,7 +516,6 @@ def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int
 def _against_committed(run_dir: str, out: ReloadOutcome, events: Any) -> int | None:
     """Rank 0: the newest step the job committed (signed, :mod:`ckpt_service.committed`); one ``warning`` when this
     start loads an older one."""
-
     try:
         key = load_key(run_dir)
     except CheckpointError:  # no key yet: a first start, nothing was ever committed
