@@ -1,38 +1,25 @@
 """The one launch core: what every path does to start a job's ranks and daemons, and what a rank's exit means.
 
-Three paths start a job, and all of them go through this module:
+Three paths start a job, all through this module: the embedded default (``accelpact-run``, :mod:`.local`),
+submitit (``accelpact-submit``, :mod:`.submission`: one task per rank, on Slurm or its local executor), and the
+sbatch template (``sbatch_templates/hsdp.sbatch``: ``srun`` over ``python -m accelpact_slurm.cli.worker`` per rank
+and ``python -m accelpact_slurm.cli.node`` per node and for the batch script's hooks).
 
-* the embedded default (``accelpact-run``, :mod:`.local`): one launcher on this machine emulates the nodes;
-* submitit (``accelpact-submit``, :mod:`.submission`): one submitit task per rank, on Slurm or on submitit's
-  local executor;
-* the sbatch template (``sbatch_templates/hsdp.sbatch``): a thin ``srun`` wrapper over the worker entries
-  (``python -m accelpact_slurm.cli.worker`` per rank, ``python -m accelpact_slurm.cli.node`` per node and for
-  the batch script's hooks).
-
-What lives here, and who calls it:
-
-* :func:`start_rank` -- one rank's start-up in a (real or emulated) Slurm task: the run directory's lock,
-  :func:`check_same_training`, ``check_run_dir``, then :func:`~accelpact_slurm.slurm.signals.mark_ready`.  Called by
-  the worker entry (:mod:`accelpact_slurm.cli.worker`: the template's ranks and the embedded default's) and by
-  submitit's ``RankTask``.  :func:`run_task` is the whole rank (start-up, the node's daemon where it is the
-  rank's child, training).
-* :func:`check_same_training` -- also run by both launchers before anything starts.
-* :func:`exit_verdict` -- THE mapping from an exit status (a rank's, or the training step's) to what happens
-  next: ``done``, ``requeue``, ``relaunch`` in place, or ``stop`` (do not requeue: a bug in the training code,
-  a usage error, no progress, or a job someone is ending).  :func:`combine_exit_codes` folds the ranks' codes
-  with it; :func:`relaunch_in_place` and :func:`settle_step` act on it.
-* :func:`relaunch_in_place` -- **Slurm requeues; the embedded default and submitit's local executor have no
-  Slurm, so they relaunch in place what Slurm would requeue** (the next start gets the next
-  ``SLURM_RESTART_COUNT``), up to ``recovery.max_restarts``.  This is the one place that says so.
-* :func:`settle_step` -- the batch script's end: the training step's status through :func:`exit_verdict`; a crash
-  nobody decided on is requeued here (``scontrol requeue``; exit 75), as the embedded default relaunches it.
-* :func:`forward_usr2` -- the batch script's pre-timeout USR2: recorded in the run directory, forwarded to the
-  training step once every task is ready (:func:`~accelpact_slurm.slurm.signals.mark_ready`).
-* :func:`gpus_per_node` -- the template's check before anything starts: one GPU per rank.
-* :func:`serve_node` -- one node's checkpoint daemon under the template (``srun --ntasks-per-node=1``): the
-  daemon command (:func:`~accelpact_slurm.launch.ranks.daemon_command`), then the staging a killed daemon left.
-* :func:`rank_label` / :class:`LabelledWriter` -- the ``R: `` prefix (``srun --label``'s form) every path puts
-  on the lines a rank writes to the shared output.
+* :func:`start_rank`: one rank's start-up in a (real or emulated) Slurm task: the run directory's lock,
+  :func:`check_same_training` (also run by both launchers first), ``check_run_dir``, then
+  :func:`~accelpact_slurm.slurm.signals.mark_ready`; :func:`run_task` is the whole rank (start-up, the node's daemon
+  where it is the rank's child, training).  Called by the worker entry and by submitit's ``RankTask``.
+* :func:`exit_verdict`: THE mapping from an exit status (a rank's, or the training step's) to what happens next:
+  ``done``, ``requeue``, ``relaunch`` in place, or ``stop`` (a bug, a usage error, no progress, or a job someone is
+  ending); :func:`combine_exit_codes` folds the ranks' codes with it.
+* :func:`relaunch_in_place`: **Slurm requeues; the embedded default and submitit's local executor have no Slurm,
+  so they relaunch in place what Slurm would requeue** (with the next ``SLURM_RESTART_COUNT``), up to
+  ``recovery.max_restarts``.  This is the one place that says so.
+* :func:`settle_step`: the batch script's end: a crash nobody decided on is requeued here (exit 75).
+* :func:`forward_usr2`: the pre-timeout USR2, recorded in the run directory and forwarded to the training step
+  once every task is ready.  :func:`gpus_per_node`: the template's check, one GPU per rank.
+* :func:`serve_node`: one node's checkpoint daemon under the template, then the staging a killed daemon left.
+* :func:`rank_label` / :class:`LabelledWriter`: the ``R: `` prefix (``srun --label``'s form) on a rank's lines.
 """
 
 from __future__ import annotations

@@ -29,23 +29,13 @@ MAX_SCAN_NODES = 200_000
 _MISSING = object()
 
 
-def rebind_fsdp1(model: nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
+def _rebind_slots(slots: Any, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
+    """Point each ``(object, attribute)`` slot that holds ``old`` at ``new``; how many did."""
     count = 0
-    for unit in tc.fsdp1_units(model):
-        for obj, attr in tc.fsdp1_slots(unit):
-            if getattr(obj, attr) is old:
-                setattr(obj, attr, new)
-                count += 1
-    return count
-
-
-def rebind_fsdp2(model: nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
-    count = 0
-    for info in tc.fsdp2_mesh_infos(model):
-        for obj, attr in tc.fsdp2_slots(info):
-            if getattr(obj, attr) is old:
-                setattr(obj, attr, new)
-                count += 1
+    for obj, attr in slots:
+        if getattr(obj, attr) is old:
+            setattr(obj, attr, new)
+            count += 1
     return count
 
 
@@ -58,9 +48,9 @@ def rebind_all(model: nn.Module, fsdp: str, mesh: Any, replicate_dim: int,
     """Rebind every framework reference; returns counts per kind."""
     counts = {"mesh": rebind_mesh(mesh, replicate_dim, new)}
     if fsdp == "fsdp2":
-        counts["fsdp2"] = rebind_fsdp2(model, old, new)
+        counts["fsdp2"] = _rebind_slots((s for i in tc.fsdp2_mesh_infos(model) for s in tc.fsdp2_slots(i)), old, new)
     else:
-        counts["fsdp1"] = rebind_fsdp1(model, old, new)
+        counts["fsdp1"] = _rebind_slots((s for u in tc.fsdp1_units(model) for s in tc.fsdp1_slots(u)), old, new)
     return counts
 
 
