@@ -10,14 +10,12 @@ taken from the node's first rank (a rank's own batch-norm statistics travel in i
 
 Two ways to build it:
 
-- **FSDP1** (``use_orig_params=True``, the default wrapping): read FSDP's flat-parameter shard
-  info directly. A rank holds a 1-D range of every original parameter's flattened elements (and
-  AdamW holds its moments in the same range); :func:`range_boxes` cuts that range into at most
-  ``2 * ndim - 1`` rectangular boxes, which is what DCP stores as chunks; the module buffers are copied into
-  the plain part under their state-dict names. No ``get_state_dict``, no collective, no copy of a parameter
-  until :meth:`Plan.copy_into`.
-- **anything else** (FSDP2, a plain module): ``get_state_dict`` and the local chunks of its
-  DTensors/ShardedTensors.
+- **FSDP1** (``use_orig_params=True``, the default wrapping): read FSDP's flat-parameter shard info directly. A rank
+  holds a 1-D range of every original parameter's flattened elements (and AdamW holds its moments in the same range);
+  :func:`range_boxes` cuts that range into at most ``2 * ndim - 1`` rectangular boxes, which is what DCP stores as
+  chunks; the module buffers are copied into the plain part under their state-dict names. No ``get_state_dict``, no
+  collective, no copy of a parameter until :meth:`Plan.copy_into`.
+- **anything else** (FSDP2, a plain module): ``get_state_dict`` and the local chunks of its DTensors/ShardedTensors.
 
 Who calls: :class:`ckpt_service.client.SnapshotClient` (build + copy into its slot); the daemon
 reads the boxes back through :mod:`.staging` and writes them as DCP chunks (:mod:`.dcp_write`).

@@ -13,10 +13,9 @@ Threads (all named, each fed by a queue with a sentinel, joined with a deadline)
   every ``shared_every``-th snapshot by a rotating node, every milestone by every node), then the tier's
   retention; one ``shared_upload`` event per copy.
 
-A training rank that dies after staging does not stop its snapshot: the staged
-slots and descriptors belong to the daemon once every rank of the node has staged.
-A rank reuses a slot only after ``released`` says the step that used it has left the writer.  On SIGTERM
-the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
+A training rank that dies after staging does not stop its snapshot: the staged slots and descriptors belong to the
+daemon once every rank of the node has staged.  A rank reuses a slot only after ``released`` says the step that used
+it has left the writer.  On SIGTERM the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
 """
 
 from __future__ import annotations

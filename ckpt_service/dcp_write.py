@@ -274,13 +274,12 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
                    from_slot: dict[str, int] | None = None) -> tuple[str, int]:
     """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
 
-    The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose
-    descriptors say the proof failed is refused.  ``timings`` (if given) receives the seconds spent in
-    ``dcp_save`` and ``fsync_hash``; ``from_slot`` (if given), by file, the bytes written to the disk straight
-    from the slots (no copy: :func:`.sink.write_files`).  ``key``: the run's key, which signs the manifest
-    (:mod:`.auth`).
-    ``before_commit``: called once every byte is written and hashed, before the manifest and the rename; what it
-    raises fails the snapshot (the daemon checks there that the slots still hold this step).
+    The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose descriptors say the
+    proof failed is refused.  ``timings`` (if given) receives the seconds spent in ``dcp_save`` and ``fsync_hash``;
+    ``from_slot`` (if given), by file, the bytes written to the disk straight from the slots (no copy:
+    :func:`.sink.write_files`).  ``key``: the run's key, which signs the manifest (:mod:`.auth`). ``before_commit``:
+    called once every byte is written and hashed, before the manifest and the rename; what it raises fails the
+    snapshot (the daemon checks there that the slots still hold this step).
     """
     timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp

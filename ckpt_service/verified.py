@@ -1,9 +1,8 @@
 """Verify what is loaded on the handle it is loaded from: the manifest, the files, and DCP's reader over them.
 
-Authenticating ``.metadata`` on one ``open()`` and letting DCP unpickle it on a second one leaves a
-window: whoever can rename entries of the directory (anyone who can write the shared tier) puts her
-pickle in its place between the two, and it runs as the job's user.  So nothing here re-opens a file
-between its check and its use:
+Authenticating ``.metadata`` on one ``open()`` and letting DCP unpickle it on a second one leaves a window: whoever
+can rename entries of the directory (anyone who can write the shared tier) puts her pickle in its place between the
+two, and it runs as the job's user.  So nothing here re-opens a file between its check and its use:
 
 - :func:`read_manifest` reads ``manifest.json`` once (a regular file of bounded size, :mod:`.safeio`),
   authenticates it under the run's key and checks that the step it was signed for is the step the

@@ -5,11 +5,10 @@ This is the one module that reads the test-only ``ACCELPACT_TEST_*`` / ``ACCELPA
 they receive a :class:`TestFaults` (``TestFaults()`` injects nothing) from their ``main``.
 
 Production code never branches on a switch: a switch that breaks a step is one method here (``at_update_start``,
-``reported_frontier``, ``slow_forward``), or in :mod:`ckpt_service.faults` for the checkpoint service, called
-where the fault belongs and doing nothing on ``NO_FAULTS``; a switch that turns a guarantee off (a negative
-control) picks another collaborator where the object is built (e.g.
-:func:`accelpact_slurm.runtime.state.buffers.forward_state`).  ``tests/test_layers.py`` holds the tree to that.
-``docs/fault-injection.md`` lists every switch and what it does.
+``reported_frontier``, ``slow_forward``), or in :mod:`ckpt_service.faults` for the checkpoint service, called where
+the fault belongs and doing nothing on ``NO_FAULTS``; a switch that turns a guarantee off (a negative control) picks
+another collaborator where the object is built (e.g. :func:`accelpact_slurm.runtime.state.buffers.forward_state`).
+``tests/test_layers.py`` holds the tree to that. ``docs/fault-injection.md`` lists every switch and what it does.
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ the runtime) and see it through one of these protocols, which names only what th
   engine's, plus the hardware and the Slurm context; and ``adopt``, the runtime's own method that takes over
   the groups a repair replaced.
 
-Every member is read-only here (a property): a consumer that assigns to the runtime does not type-check; the
-one change a consumer makes to a rank goes through ``RecoveryRank.adopt``.
-This module imports neither torch nor anything above ``core``: process groups, the mesh, the device and
-stores are typed ``Any``.
+Every member is read-only here (a property): a consumer that assigns to the runtime does not type-check; the one
+change a consumer makes to a rank goes through ``RecoveryRank.adopt``.  This module imports neither torch nor anything
+above ``core``: process groups, the mesh, the device and stores are typed ``Any``.
 """
 
 from __future__ import annotations

@@ -358,13 +358,12 @@ def forward_usr2(run_dir: str, restart: int, ntasks: int, step_pid: int | None, 
 def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain_s: float = 120.0) -> int:
     """One node's checkpoint daemon under the template (one task per node), output to the job's output.
 
-    The task outlives its daemon: SIGINT (how the batch script stops the daemons), SIGTERM (a preemption's
-    notice: the daemon serves on, ``--keep-serving-on-sigterm``) and USR2 reach every process of the step and
-    leave this one waiting.  A daemon killed before SIGINT came (``kill -9``, the OOM killer) is started again
-    on the same node directory, up to :data:`.daemons.DAEMON_RESTARTS` times (a ``ckptd_restarted`` event each):
-    the node's later snapshots, its final one included, go to the new one.  Once the last daemon has exited the
-    shared-memory staging it could not drop is removed -- a live daemon's never (it holds the node directory's
-    lock).
+    The task outlives its daemon: SIGINT (how the batch script stops the daemons), SIGTERM (a preemption's notice: the
+    daemon serves on, ``--keep-serving-on-sigterm``) and USR2 reach every process of the step and leave this one
+    waiting.  A daemon killed before SIGINT came (``kill -9``, the OOM killer) is started again on the same node
+    directory, up to :data:`.daemons.DAEMON_RESTARTS` times (a ``ckptd_restarted`` event each): the node's later
+    snapshots, its final one included, go to the new one.  Once the last daemon has exited the shared-memory staging
+    it could not drop is removed -- a live daemon's never (it holds the node directory's lock).
     """
     def env_int(name: str) -> int | None:
         try:

@@ -122,13 +122,12 @@ def rss_bytes() -> int:
 class RepairEngine:
     """Owns the repair of one rank.
 
-    ``model`` is the user's wrapped model (FSDP1 or FSDP2; the flavour is read from it), ``rt`` the
-    rank's runtime as the engine reads it (:class:`~accelpact_slurm.core.rank.RepairRank`: a small stand-in
-    in the phase tests; ``device`` and ``detector`` may be missing there), ``events`` the event log.
-    ``on_replaced(replaced)``: the caller takes over the groups the repair replaced (:class:`Replaced`), as soon as
-    the model is rebound to them and before they are validated (the rank's fault detector watches the rank's
-    current groups: the validation's collectives included).  ``skip_rebind`` is the negative control of the
-    rebinding tests (never set in production).
+    ``model`` is the user's wrapped model (FSDP1 or FSDP2; the flavour is read from it), ``rt`` the rank's runtime as
+    the engine reads it (:class:`~accelpact_slurm.core.rank.RepairRank`: a small stand-in in the phase tests;
+    ``device`` and ``detector`` may be missing there), ``events`` the event log. ``on_replaced(replaced)``: the caller
+    takes over the groups the repair replaced (:class:`Replaced`), as soon as the model is rebound to them and before
+    they are validated (the rank's fault detector watches the rank's current groups: the validation's collectives
+    included).  ``skip_rebind`` is the negative control of the rebinding tests (never set in production).
     """
 
     def __init__(self, model, rt: RepairRank, events, *, fsdp: str, skip_rebind: bool = False,
@@ -171,10 +170,9 @@ class RepairEngine:
         the vote in flight may decide on (the guard runs it while its vote's request waits for the others).
 
         It finds where the group is referenced now; after the rebinding, :meth:`rebind` reads those places back
-        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`); it also takes the guard
-        check's look at the FSDP units (``idle``), which :meth:`guard_sync` then uses.  None where no walk is
-        needed (a group reconfigured in place keeps its references) or where it failed (the rebinding then walks
-        as before).
+        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`); it also takes the guard check's
+        look at the FSDP units (``idle``), which :meth:`guard_sync` then uses.  None where no walk is needed (a group
+        reconfigured in place keeps its references) or where it failed (the rebinding then walks as before).
         """
         old = self.rt.replicate_group
         try:

@@ -1,10 +1,9 @@
 """Reference rebinding: point every cached reference to the retired group at its replacement.
 
-One rebinder per framework wrapping; each returns how many references it changed.
-:func:`find_references` then scans the framework's object graph for anything still
-naming the retired group (by object or by registered name); the engine fails stop
-when it finds one.  The scan is a bounded walk of plain Python containers and
-object ``__dict__``s, skipping tensors, so it is cheap enough to run on every repair.
+One rebinder per framework wrapping; each returns how many references it changed. :func:`find_references` then scans
+the framework's object graph for anything still naming the retired group (by object or by registered name); the engine
+fails stop when it finds one.  The scan is a bounded walk of plain Python containers and object ``__dict__``s,
+skipping tensors, so it is cheap enough to run on every repair.
 """
 
 from __future__ import annotations
@@ -149,9 +148,8 @@ def _path(parents: list[int], hows: list[str], keys: list[Any], at: int, how: st
 def find_references(roots: Iterable[Any], old: Any, mesh: Any = None) -> list[str]:
     """Paths from ``roots`` to any reference to ``old``, plus any mesh dimension still resolving to it by name.
 
-    (Group names are short strings such as ``"3"``; only the mesh's own name slots
-    are compared, since the same string is a legitimate module key elsewhere.)
-    :func:`find_references_to` does the same for several groups in one walk.
+    (Group names are short strings such as ``"3"``; only the mesh's own name slots are compared, since the same string
+    is a legitimate module key elsewhere.) :func:`find_references_to` does the same for several groups in one walk.
     """
     return find_references_to(roots, {"old": old}, mesh)["old"]
 
@@ -160,13 +158,12 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
                        locations: list[tuple[Any, str, Any]] | None = None) -> dict[str, list[str]]:
     """:func:`find_references` for every group in ``olds`` (by label) in one walk; the paths per label.
 
-    Every object reachable from ``roots`` is entered once, except those that cannot hold anything: a
-    value whose type is a leaf (tensors, strings, numbers, functions, types, process groups: one
-    dictionary lookup per type decides) and an empty built-in container.  A mapping's keys and values,
-    a collection's items, an object's ``__dict__`` (a module's parameters and buffers excepted: tensors)
-    and every slot along its class's MRO are followed.  The path is spelt only for a find, from parent
-    links kept per entered object.  ``locations``, if given, gets each find's place: ``(the object holding it
-    (None: a root), how it is held there, the key)``, as :func:`holds` reads it back.
+    Every object reachable from ``roots`` is entered once, except those that cannot hold anything: a value whose type
+    is a leaf (tensors, strings, numbers, functions, types, process groups: one dictionary lookup per type decides)
+    and an empty built-in container.  A mapping's keys and values, a collection's items, an object's ``__dict__`` (a
+    module's parameters and buffers excepted: tensors) and every slot along its class's MRO are followed.  The path is
+    spelt only for a find, from parent links kept per entered object.  ``locations``, if given, gets each find's
+    place: ``(the object holding it (None: a root), how it is held there, the key)``, as :func:`holds` reads it back.
     """
     targets = {id(pg): label for label, pg in olds.items()}
     target_types = {type(pg) for pg in olds.values()}

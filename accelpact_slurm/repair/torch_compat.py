@@ -1,9 +1,8 @@
 """Every private torch attribute the repair engine touches, in one place.
 
-FSDP and DeviceMesh cache the replication process group in attributes that
-are not public API.  When torch moves one of them, the probe functions here
-fail loudly (``tests/repair/test_torch_compat.py`` runs them against a live model), and
-this is the only module to change.
+FSDP and DeviceMesh cache the replication process group in attributes that are not public API.  When torch moves one
+of them, the probe functions here fail loudly (``tests/repair/test_torch_compat.py`` runs them against a live model),
+and this is the only module to change.
 
 Slots rebound (torch 2.13):
 
@@ -323,9 +322,8 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
 def fsdp1_group_slots(unit: nn.Module) -> list[tuple[object, str]]:
     """Every (object, attribute) slot of one FSDP1 unit that holds its shard or its replication group.
 
-    Shard group: the state's ``process_group``, its handle's ``process_group`` and the execution-order
-    data's ``process_group`` (one object shared by every unit of the tree).  Replication group:
-    :func:`fsdp1_slots`.
+    Shard group: the state's ``process_group``, its handle's ``process_group`` and the execution-order data's
+    ``process_group`` (one object shared by every unit of the tree).  Replication group: :func:`fsdp1_slots`.
     """
     slots: list[tuple[object, str]] = [(unit, "process_group")]
     handle = getattr(unit, "_handle", None)

@@ -68,9 +68,8 @@ def expand_hostlist(hostlist: str) -> list[str]:
 def compress_hostlist(hosts: Iterable[str]) -> str:
     """Compresses hostnames into a Slurm node list, keeping their order.
 
-    Consecutive names that differ only in their last run of digits share one
-    bracket group; ascending runs with the same zero padding become ``lo-hi``.
-    Unlike ``scontrol show hostlist`` nothing is sorted, so the result expands
+    Consecutive names that differ only in their last run of digits share one bracket group; ascending runs with the
+    same zero padding become ``lo-hi``.  Unlike ``scontrol show hostlist`` nothing is sorted, so the result expands
     back to exactly ``hosts``.
 
     Args:
@@ -80,8 +79,7 @@ def compress_hostlist(hosts: Iterable[str]) -> str:
         A string such as ``"node[1-3]"``; ``""`` for no hosts.
 
     Raises:
-        SlurmEnvError: If a name is empty or holds characters outside
-            letters, digits, ``-``, ``.`` and ``_``.
+        SlurmEnvError: If a name is empty or holds characters outside letters, digits, ``-``, ``.`` and ``_``.
     """
     items: list[str] = []
     # Current bracket group: (prefix, suffix, ranges), each range [lo_str, hi_int, hi_str].

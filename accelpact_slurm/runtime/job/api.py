@@ -337,8 +337,7 @@ class Run:
 
         Raises:
             UsageError: ``run.save()`` called inside an update (its ``with run.update()`` block open), after
-                :meth:`close`, before the first update, or on a job without snapshots
-                (``checkpoint.every_steps`` 0).
+                :meth:`close`, before the first update, or on a job without snapshots (``checkpoint.every_steps`` 0).
         """
         inside = self._current.step if self._current is not None else None
         refused = refusal(closed=self._closed, inside=inside, every_steps=self.job.config.checkpoint.every_steps,

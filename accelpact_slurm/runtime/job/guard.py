@@ -1,18 +1,16 @@
 """The guard: phases, the committed frontier F and the per-update vote.
 
-Every update runs forward -> backward -> (decision) -> optimizer -> committed.  The decision is
-taken once per update, before any optimizer steps: at the first ``optimizer.step`` of the update
-(its pre-hook), or at the end of the update when it raised or never stepped.  There the guard runs
-one small collective on the replication group (every replica must be at the same frontier; it also
-proves the group alive after backward), then every rank of the world votes over the control plane:
-its frontier, how many repairs it has made (its generation), whether it saw a fault and in which
-phase, its loss.  All ranks decide from the same votes (:func:`decide_votes`, pure), so all take the
-same branch, in the manner of a two-phase commit:
+Every update runs forward -> backward -> (decision) -> optimizer -> committed.  The decision is taken once per update,
+before any optimizer steps: at the first ``optimizer.step`` of the update (its pre-hook), or at the end of the update
+when it raised or never stepped.  There the guard runs one small collective on the replication group (every replica
+must be at the same frontier; it also proves the group alive after backward), then every rank of the world votes over
+the control plane: its frontier, how many repairs it has made (its generation), whether it saw a fault and in which
+phase, its loss.  All ranks decide from the same votes (:func:`decide_votes`, pure), so all take the same branch, in
+the manner of a two-phase commit:
 
 - no fault: every rank steps, and the update commits (F advances);
-- a fault at the guard's own collective (``committed``: backward completed on every rank, its
-  gradients reduced) and the envelope allows Preserve: the replication group is repaired, then
-  every rank steps on the gradients it has;
+- a fault at the guard's own collective (``committed``: backward completed on every rank, its gradients reduced) and
+  the envelope allows Preserve: the replication group is repaired, then every rank steps on the gradients it has;
 - a fault in ``backward`` (FSDP's replication all-reduce, and every group a stuck rank drags down)
   and the envelope allows Preserve: every rank discards the update, every group is replaced and
   rebound, and the update runs again from its batch and the RNG states it began with;
@@ -178,12 +176,11 @@ class BoundaryGuard:
                ) -> tuple[str, float | None, list[str | None]]:
         """Boundary collective, vote, decision for update ``step`` (= F + 1), before any optimizer stepped.
 
-        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None);
-        ``exception``: a training-code error's description
-        (:func:`accelpact_slurm.runtime.job.phases.describe_exception`). ``extra`` rides along in this rank's vote (the
-        replay fingerprint).  Returns ``(outcome, the
-        job's mean loss or None, every rank's replay fingerprint or None)``; ``outcome`` is ``continue`` (step and commit)
-        or ``redo`` (the update was discarded and every group repaired: run it again).
+        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None); ``exception``: a
+        training-code error's description (:func:`accelpact_slurm.runtime.job.phases.describe_exception`). ``extra``
+        rides along in this rank's vote (the replay fingerprint).  Returns
+        ``(outcome, the job's mean loss or None, every rank's replay fingerprint or None)``; ``outcome`` is
+        ``continue`` (step and commit) or ``redo`` (the update was discarded and every group repaired: run it again).
 
         Raises:
             FailStop: the decision is Restart.  After a Preserve decision the engine has repaired

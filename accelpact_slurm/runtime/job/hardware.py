@@ -11,8 +11,7 @@
   * it sees at least as many GPUs as the ranks that share them: ``cuda:LOCAL_RANK`` (``--gpus-per-node=R``
     with every task seeing its node's GPUs).  On the embedded default, where every emulated node is
     this one machine, the ranks that share the GPUs are the whole world and the index is the rank;
-  * anything else is a :class:`ConfigError` naming the counts and the fix (NCCL refuses two ranks on
-    one GPU).
+  * anything else is a :class:`ConfigError` naming the counts and the fix (NCCL refuses two ranks on one GPU).
 - ``auto``: ``cuda`` when those rules give this rank a GPU of its own, else ``cpu`` (with the reason logged).
 
 :func:`nccl_environment` is the environment the NCCL process groups are created under, so that a failed or

@@ -12,13 +12,12 @@ holds the committed state.  A decision to run the update again raises :class:`Re
 ``optimizer.step`` (the update context swallows it and ``run.batches`` yields the same batch again); it
 derives from ``BaseException``, so a script's ``except Exception`` around the step cannot swallow it.
 
-Injected faults for tests (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds
-this rank's part of the whole forward (a shard-group fault: FSDP's all-gathers), ``backward`` every
-replication all-reduce FSDP issues in this update's backward (the fault of an inter-node link: its
-replication peers wait in theirs, and the shard peers behind them), ``backward-all`` its part of
-the whole backward (a shard-group fault first), ``boundary`` its part of the guard's own collective;
-``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective while its part
-never arrives (a stalled link: every member waits in it,
+Injected faults for tests (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds this rank's part of
+the whole forward (a shard-group fault: FSDP's all-gathers), ``backward`` every replication all-reduce FSDP issues in
+this update's backward (the fault of an inter-node link: its replication peers wait in theirs, and the shard peers
+behind them), ``backward-all`` its part of the whole backward (a shard-group fault first), ``boundary`` its part of
+the guard's own collective; ``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective
+while its part never arrives (a stalled link: every member waits in it,
 :meth:`~accelpact_slurm.runtime.detection.collectives.Detector.stall_next`).
 """
 
@@ -89,10 +88,9 @@ _NOT_USER = tuple(os.path.dirname(p) + os.sep for p in (os.__file__,)) + (
 def describe_exception(exc: BaseException, limit: int = 20000) -> dict[str, Any]:
     """What a ``fail_stop`` says of a training-code error: type, message, the user's frame, the traceback.
 
-    The user's frame is the innermost one outside the standard library, the installed packages and this
-    project (where the script's own line is; an error raised deep inside torch names the line that called it),
-    else the innermost one.  The traceback is the full text, chained exceptions included (at most ``limit``
-    characters, its end kept).
+    The user's frame is the innermost one outside the standard library, the installed packages and this project (where
+    the script's own line is; an error raised deep inside torch names the line that called it), else the innermost
+    one.  The traceback is the full text, chained exceptions included (at most ``limit`` characters, its end kept).
     """
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     user = [f for f in frames if not any(part in os.path.abspath(f.filename) for part in _NOT_USER)]

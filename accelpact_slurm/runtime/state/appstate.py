@@ -7,10 +7,9 @@ else travels as one JSON document per snapshot (``{"run": ..., "ranks": {rank: .
 - ``ranks[r]``: rank r's RNG states (CPU and, where present, CUDA) and the ``state_dict()`` of every
   ``Stateful`` the user passed to ``job.protect`` (scheduler, data loader, own counters).
 
-:func:`encode` turns a state dict into JSON-able data (tensors as base64 with dtype and shape) and
-names the offending object and key when something cannot be saved (:class:`UsageError`).
-:func:`load` (collective) restores model and optimizer with stock ``dcp.load`` into the sharded
-state dict and ``set_state_dict``, then returns the JSON document.
+:func:`encode` turns a state dict into JSON-able data (tensors as base64 with dtype and shape) and names the offending
+object and key when something cannot be saved (:class:`UsageError`). :func:`load` (collective) restores model and
+optimizer with stock ``dcp.load`` into the sharded state dict and ``set_state_dict``, then returns the JSON document.
 """
 
 from __future__ import annotations

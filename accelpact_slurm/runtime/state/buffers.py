@@ -7,12 +7,11 @@ Two guarantees rest on it:
   copies every buffer of the model as the update begins (into copies made once and reused);
   :meth:`ForwardState.restore` puts them back when the update is discarded, so that the update runs again over
   the buffers it first saw.  A buffer the forward replaced (``self.buf = new``, not in place) is put back too.
-- **Per-rank buffers survive a restart.**  Each rank's batch-norm statistics differ (each sees its own batches),
-  while the sharded state dict holds one copy of a buffer (it is not a parameter: DCP writes it once).
-  :meth:`ForwardState.per_rank` returns this rank's persistent buffers that the training changed (their value
-  moved since the first update), saved in the rank's part of the snapshot and put back by
-  :meth:`ForwardState.load` after the shared copy is loaded.  Buffers that never change (a rotary table) are not
-  saved per rank.
+- **Per-rank buffers survive a restart.**  Each rank's batch-norm statistics differ (each sees its own batches), while
+  the sharded state dict holds one copy of a buffer (it is not a parameter: DCP writes it once).
+  :meth:`ForwardState.per_rank` returns this rank's persistent buffers that the training changed (their value moved
+  since the first update), saved in the rank's part of the snapshot and put back by :meth:`ForwardState.load` after
+  the shared copy is loaded.  Buffers that never change (a rotary table) are not saved per rank.
 
 What it does not cover, and a script must not do: change other state inside an update outside ``state=``
 (a Python attribute of a module, a global counter, a cache on disk); ``docs/api.md`` (What "exact" covers).

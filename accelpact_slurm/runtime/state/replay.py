@@ -1,20 +1,18 @@
 """The replay check of a resumed snapshot, on the user's own training path.
 
-When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a
-``replay_ref`` event with the job's mean loss of that update and every rank's fingerprint of its
-parameter, reduced-gradient and optimizer-state shards at the update's vote, right before
-``optimizer.step`` (:func:`fingerprint`; they determine the step).  When a later start loads S,
-its first update is the same update S + 1, from the same weights, optimizer state, data loader
-position and RNG: it must reproduce both bitwise.  A mismatch means the snapshot (or its extra
-state) does not hold the training state it claims: it is rejected and the start fails stop; the
-next start falls back to the next older snapshot.
+When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a ``replay_ref`` event with
+the job's mean loss of that update and every rank's fingerprint of its parameter, reduced-gradient and optimizer-state
+shards at the update's vote, right before ``optimizer.step`` (:func:`fingerprint`; they determine the step).  When a
+later start loads S, its first update is the same update S + 1, from the same weights, optimizer state, data loader
+position and RNG: it must reproduce both bitwise.  A mismatch means the snapshot (or its extra state) does not hold
+the training state it claims: it is rejected and the start fails stop; the next start falls back to the next older
+snapshot.
 
-Nothing here knows the model's class: the fingerprint reads whatever local shards the wrapped
-model's parameters are.  The fingerprints are compared only when the layout (nodes x ranks per
-node) is the one that recorded them; the loss is compared whenever both runs reported one and the
-world size is the same (with another number of ranks the update itself is another computation:
-the check is ``unconfirmed``, and the resume's equality is the loaded state's, see docs/checkpoints.md).
-When no reference was recorded (S was the last thing the run did), the check is ``unconfirmed``
+Nothing here knows the model's class: the fingerprint reads whatever local shards the wrapped model's parameters are.
+The fingerprints are compared only when the layout (nodes x ranks per node) is the one that recorded them; the loss is
+compared whenever both runs reported one and the world size is the same (with another number of ranks the update
+itself is another computation: the check is ``unconfirmed``, and the resume's equality is the loaded state's, see
+docs/checkpoints.md).  When no reference was recorded (S was the last thing the run did), the check is ``unconfirmed``
 and says so in the event log.
 """
 
@@ -159,10 +157,9 @@ def judge(reference: Mapping[str, Any] | None, loss: float | None, fingerprints:
 
 
 def reject_loaded(rt: RankContext, cfg: JobConfig, run_dir: str, snap: int, why: str, events: EventLog) -> None:
-    """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the
-    wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
-    copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
-    the shared tier's."""
+    """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the wrong
+    state, so none of them may be loaded again (a later start would otherwise take the shared tier's copy of the same
+    step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for the shared tier's."""
     ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
     shared = os.path.join(shared_dir(run_dir, cfg.checkpoint.shared_dir), step_dirname(snap))
     mine = [os.path.join(ndir, step_dirname(snap))] if rt.local_rank == 0 else []

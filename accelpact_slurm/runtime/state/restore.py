@@ -250,10 +250,9 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
            copy: bool = True, timeout_s: float | None = None) -> ReloadOutcome:
     """Collective (every rank, same order): agree on, copy where lacking, check and load the newest usable snapshot.
 
-    ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``);
-    ``timeout_s`` bounds each round (copying, re-reading or loading a large snapshot takes a while).
-    The loop is bounded by the candidates of the offer round: each is tried at most once.
-    ``copy=False`` (test-only) takes only steps every rank reaches.
+    ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``); ``timeout_s`` bounds each round
+    (copying, re-reading or loading a large snapshot takes a while).  The loop is bounded by the candidates of the
+    offer round: each is tried at most once. ``copy=False`` (test-only) takes only steps every rank reaches.
     """
     mine, dropped = offered(offer)
     for step, where in list(mine.items()):  # this rank's own copies: derived from its own layout, here
@@ -496,10 +495,9 @@ def reject_copy(step: int, path: str, reason: str, run_dir: str, ndir: str, host
 def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int]:
     """Wait (bounded) until the node's daemon has verified or rejected every snapshot newer than the newest verified.
 
-    A snapshot committed just before a requeue is verified by the node's daemon when
-    it starts again; without this wait the ranks of a faster node would see it
-    verified and the others not, and an older step would be chosen.  Returns the
-    steps still unsettled at the deadline (then they are simply not candidates).
+    A snapshot committed just before a requeue is verified by the node's daemon when it starts again; without this
+    wait the ranks of a faster node would see it verified and the others not, and an older step would be chosen.
+    Returns the steps still unsettled at the deadline (then they are simply not candidates).
     """
     deadline = time.monotonic() + timeout_s
     while True:

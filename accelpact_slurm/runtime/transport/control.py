@@ -119,11 +119,10 @@ class ControlPlane:
                    timeout_s: float | None = None) -> list[Any]:
         """Every rank in ``ranks`` (default: the world) contributes ``value``; all get the list in rank order.
 
-        ``name`` must be used once per round; a sequence number is appended so a
-        name may be reused (the n-th call with a name on every rank matches).
-        This rank's value (no answer awaited), then one blocking read bounded by the deadline: of every other
-        member's value on the round's lead (which then posts the combined result), of that result on every other
-        member (see the module docstring).
+        ``name`` must be used once per round; a sequence number is appended so a name may be reused (the n-th call
+        with a name on every rank matches).  This rank's value (no answer awaited), then one blocking read bounded by
+        the deadline: of every other member's value on the round's lead (which then posts the combined result), of
+        that result on every other member (see the module docstring).
         """
         return self._round(name, value, ranks, timeout_s, None)
 
@@ -327,9 +326,8 @@ class ControlPlane:
         """Announce that this rank is leaving; the store's host (rank 0) waits, up to ``timeout_s``, for the others
         (all but ``gone``: ranks known dead or hung).
 
-        Rank 0's process hosts the store: if it exited first, a peer still reading
-        the last agreement would fail.  Returns the ranks that did not announce
-        themselves in time (rank 0 only; they are probably dead).
+        Rank 0's process hosts the store: if it exited first, a peer still reading the last agreement would fail.
+        Returns the ranks that did not announce themselves in time (rank 0 only; they are probably dead).
         """
         self._store.set(f"leave/{name}/{self.rank}", "1")
         if self.rank != 0:
