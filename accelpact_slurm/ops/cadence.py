@@ -107,42 +107,6 @@ def goodput_with_l1(
     return base * (1.0 - repair_loss) / (1.0 + max(0.0, guard_overhead))
 
 
-def optimal_interval_numeric(checkpoint_cost_s: float, restart_cost_s: float, mtbf_s: float) -> float:
-    """The interval that maximises :func:`expected_goodput`, by golden-section search on log tau.
-
-    Used to check Daly's closed form and by tests; ``inf`` when nothing fails.
-    """
-    if math.isinf(mtbf_s):
-        return math.inf
-    lo, hi = math.log(max(checkpoint_cost_s, 1e-6) * 1e-3), math.log(mtbf_s * 50.0)
-    phi = (math.sqrt(5.0) - 1.0) / 2.0
-
-    def f(x: float) -> float:
-        return -expected_goodput(math.exp(x), checkpoint_cost_s, restart_cost_s, mtbf_s)
-
-    a, b = lo, hi
-    c, d = b - phi * (b - a), a + phi * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(200):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - phi * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + phi * (b - a)
-            fd = f(d)
-    return math.exp((a + b) / 2.0)
-
-
-def interval_grid(center_s: float, points: int = 61, span: float = 10.0) -> list[float]:
-    """Log-spaced intervals from ``center / span`` to ``center * span`` (for curves and charts)."""
-    if not center_s > 0 or math.isinf(center_s):
-        raise ValueError(f"grid centre must be a positive finite interval, got {center_s!r}")
-    lo, hi = math.log(center_s / span), math.log(center_s * span)
-    return [math.exp(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
-
-
 # --------------------------------------------------------------------------- rates
 
 
