@@ -278,11 +278,9 @@ def drop_unserved(ndir: str) -> tuple[str, str]:
     Returns ``(REMOVED | NOTHING | SERVED | FAILED, why)``.
 
     Who calls: the embedded default's launcher once a start's ranks and daemons are gone
-    (:mod:`accelpact_slurm.launch.local`), and on Slurm the template's daemon step after its daemon exited,
-    however it exited (``accelpact-ckptd --drop-staging``).  A daemon drops its staging root itself at its
-    start and at a clean exit; one killed by ``kill -9`` (or the OOM killer) cannot, and its slots -- each as
-    large as a rank's share of the state, in RAM-backed ``/dev/shm`` -- would stay until that node
-    directory's next daemon, which may never come to this node.
+    (:mod:`accelpact_slurm.launch.local`); on Slurm the template's daemon step after its daemon exited
+    (``accelpact-ckptd --drop-staging``).  A daemon killed by ``kill -9`` (or the OOM killer) cannot drop its own
+    slots (each as large as a rank's share of the state, in RAM-backed ``/dev/shm``), and no daemon may come again.
 
     The node directory's daemon lock (``ckptd.lock``, flock) is taken non-blocking first and held while removing:
     while a live daemon holds it, nothing is touched (``SERVED``).  The kernel releases a dead daemon's lock,

@@ -1,20 +1,15 @@
 """L1 repair of a replication-group fault during forward/backward: discard the update, replace the groups.
 
-A fault before ``optimizer.step`` of update F+1 leaves every rank's weights and optimizer state at
-S_F; only FSDP's per-iteration bookkeeping is left mid-flight (different on each rank) and some of
-the HSDP groups are dead (a dead Gloo group stays dead).  The repair, after the vote told every rank
-that update F+1 failed, in this order on **every** rank (those whose backward finished too):
+A fault before ``optimizer.step`` of update F+1 leaves every rank's weights and optimizer state at S_F; only FSDP's
+per-iteration bookkeeping is mid-flight (different on each rank) and some HSDP groups are dead (a dead Gloo group
+stays dead).  After the vote, on **every** rank: :func:`discard_update` drops the update (FSDP idle and sharded,
+every gradient gone); :func:`replace_broken_groups` builds new shard and replication groups (same members, fresh
+store prefix), rebinds every cached reference, checks none is left and retires the old ones; the caller restores
+the update's RNG states and redoes it on the same batch, bitwise as an uninterrupted run.
 
-1. :func:`discard_update` drops the update: FSDP back to idle and sharded, every gradient gone.
-2. :func:`replace_broken_groups` builds a new shard group and a new replication group (identical membership, fresh
-   store prefix), rebinds every cached reference, checks none is left, retires the old ones.
-3. The caller restores the RNG states saved at the start of the update and redoes it on the same
-   batch: the result is bitwise that of an uninterrupted run.
-
-:func:`withhold_replication` is the fault injection used by tests and by ``--inject``: on the faulting
-rank it withholds every replication all-reduce FSDP issues, so its peers time out in their backward.
-
-Every private torch attribute touched here is reached through :mod:`accelpact_slurm.repair.torch_compat`.
+:func:`withhold_replication` is the fault injection of tests and ``--inject``: the faulting rank withholds every
+replication all-reduce FSDP issues, so its peers time out in their backward.  Every private torch attribute is
+reached through :mod:`accelpact_slurm.repair.torch_compat`.
 """
 
 from __future__ import annotations
@@ -161,29 +156,24 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
                           reconfigure_uuid: int | None = None) -> GroupReplacement:
     """Replace this rank's HSDP groups named in ``dims`` by new ones and rebind every reference to them.
 
-    Called on every rank, in the same order relative to other group constructions, after :func:`discard_update`.
-    Replacing both dimensions on every rank replaces all the mesh's groups (both shard groups and both replication
-    groups of a 2 x 2 world): the simplest rule that is always right, since which groups a fault broke depends on
-    timing (a shard group dies when a rank stuck in a replication all-reduce leaves its shard peer waiting).
+    Called on every rank after :func:`discard_update`, in the same order relative to other group constructions.
+    Replacing both dimensions on every rank replaces all the mesh's groups: the simplest rule that is always right,
+    since which groups a fault broke depends on timing (a rank stuck in a replication all-reduce leaves its shard peer
+    waiting).  Each new group has its old group's members, is built over ``store`` under the fresh prefix
+    ``{tag}/{dim}/{lowest member}`` (``tag`` new for each repair) with ``timeout_s``, registered as
+    ``accelpact-{dim}-{lowest member}-{tag}``, by the members only (``new_group`` over the world would reuse a prefix
+    where the retired group's keys live); the replication group first, then the shard group, so the builds pair up.
 
-    Each new group has its old group's membership, is built over ``store`` under the fresh prefix
-    ``{tag}/{dim}/{lowest member}`` (``tag`` must be new for each repair, e.g. the generation) with ``timeout_s`` as
-    its collective timeout, and is registered as ``accelpact-{dim}-{lowest member}-{tag}``.  Only the members take
-    part (no ``new_group`` over the world, which would reuse a store prefix where the retired group's keys live).  The
-    replication group is built first, then the shard group, on every rank: the constructions pair up.
-
-    The old groups are read from the model (what FSDP uses); ``mesh`` (the job's 2-D mesh, ``None`` for an FSDP1 group
-    pair without one) is rebound too.  ``on_rebound(new)`` (``new`` by dimension) then lets the caller point its own
-    holders at the new groups (the runtime's ``shard_group`` and ``replicate_group``), before the reference scan over
-    the framework's objects plus ``extra_roots`` must find no reference to an old group left, else
-    :class:`RepairError` is raised and nothing is retired.  ``retire`` unregisters the old groups from c10d (on Gloo
-    that does not touch peers, dead or not; an NCCL communicator is aborted in the background).  ``device``: on a GPU
+    The old groups are read from the model; ``mesh`` (None for an FSDP1 group pair) is rebound too.  ``on_rebound(new)``
+    lets the caller point its own holders at the new groups before the reference scan over the framework's objects plus
+    ``extra_roots``, which must find no old group left (else :class:`RepairError`, nothing retired).  ``retire``
+    unregisters the old groups from c10d (Gloo: no peer touched; NCCL: aborted in the background).  ``device``: on a GPU
     the new groups get an NCCL communicator there (:func:`torch_compat.build_group`).
 
-    ``reconfigure_uuid`` given (never the same twice for one group): a group torch can reconfigure in place
-    (2.14.1+, Gloo: :func:`torch_compat.can_reconfigure`) gets a new transport over the same members instead,
-    its key under ``{tag}/reconfigure/{dim}/{lowest member}``; it stays the same object (in ``new`` too,
-    listed in ``in_place``), so nothing of it is rebound, scanned for or retired.
+    ``reconfigure_uuid`` given (never the same twice for one group): a group torch can reconfigure in place (2.14.1+,
+    Gloo: :func:`torch_compat.can_reconfigure`) gets a new transport over the same members instead, keyed under
+    ``{tag}/reconfigure/{dim}/{lowest member}``; it stays the same object (in ``new``, listed in ``in_place``): nothing
+    of it is rebound, scanned for or retired.
     """
     t0 = time.monotonic()
     shard, replicate = tc.hsdp_groups(model, fsdp)

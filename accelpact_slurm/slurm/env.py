@@ -180,25 +180,13 @@ def emulated_environ(
     restart_count: int = 0,
     hostnames: Sequence[str] | None = None,
 ) -> dict[str, str]:
-    """Builds the environment ``rank`` would see under ``srun --nodes=N --ntasks-per-node=R``.
+    """The Slurm variables ``rank`` would see under ``srun --nodes=N --ntasks-per-node=R`` (to merge over the
+    launcher's environment): how the local launchers emulate Slurm on one machine.
 
-    Used by the local launcher to emulate Slurm on one machine.  Tasks are placed in blocks, as srun's default
-    distribution does: rank ``r`` runs on node ``r // ranks_per_node`` with local rank ``r % ranks_per_node``.
-    ``SLURM_RESTART_COUNT`` is set only when ``restart_count > 0``, as Slurm sets it only after a requeue.
-
-    Args:
-        job_id: The emulated ``SLURM_JOB_ID``.
-        rank: Global rank of the task.
-        nodes: Number of emulated nodes.
-        ranks_per_node: Tasks on each node.
-        restart_count: Requeues so far.
-        hostnames: Node names; ``node1`` .. ``nodeN`` by default.
-
-    Returns:
-        Only the Slurm variables, to be merged over the launcher's environment.
-
-    Raises:
-        SlurmEnvError: If the arguments cannot describe a step.
+    Tasks are placed in blocks, as srun's default distribution does: rank ``r`` runs on node ``r // ranks_per_node``
+    with local rank ``r % ranks_per_node``; ``hostnames`` default to ``node1`` .. ``nodeN``.  ``SLURM_RESTART_COUNT``
+    is set only when ``restart_count > 0``, as Slurm sets it only after a requeue.  Raises ``SlurmEnvError`` when the
+    arguments cannot describe a step.
     """
     if nodes < 1 or ranks_per_node < 1:
         raise SlurmEnvError(
