@@ -1,21 +1,16 @@
 """``accelpact-ckptd``: one per node per job; writes, verifies, retains and publishes the node's snapshots.
 
-Threads (all named, each fed by a queue with a sentinel, joined with a deadline):
+Threads (all named, each fed by a queue with a sentinel, joined with a deadline): ``ckptd-accept`` (the Unix socket;
+one short ``ckptd-conn`` thread per request); ``ckptd-writer`` (a step straight from the ranks' shared-memory slots,
+committed once every rank of the node staged it); ``ckptd-verifier`` (checksums and coverage -> verified |
+rejected); ``ckptd-deleter`` (retention: rename to ``.del-``, then remove; never the newest step verified on every
+node, read from the other nodes' published indexes, so a node whose writes keep failing still shares a step with the
+others); ``ckptd-tier`` (verified copies to the shared tier, once per job, :func:`ckpt_service.tiers.should_upload`,
+then the tier's retention; one ``shared_upload`` event per copy).
 
-- ``ckptd-accept``: the Unix socket; one short ``ckptd-conn`` thread per request;
-- ``ckptd-writer``: writes a step straight from the ranks' shared-memory slots (boxes as DCP chunks,
-  no reassembly) and commits it once every rank of the node staged it;
-- ``ckptd-verifier``: checksums and coverage -> verified | rejected;
-- ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal.  It never
-  deletes the newest step verified on every node (read from the other nodes' published indexes), so a
-  node whose writes keep failing still shares a step with the others;
-- ``ckptd-tier``: verified copies to the shared tier, once per job (:func:`ckpt_service.tiers.should_upload`:
-  every ``shared_every``-th snapshot by a rotating node, every milestone by every node), then the tier's
-  retention; one ``shared_upload`` event per copy.
-
-A training rank that dies after staging does not stop its snapshot: the staged slots and descriptors belong to the
-daemon once every rank of the node has staged.  A rank reuses a slot only after ``released`` says the step that used
-it has left the writer.  On SIGTERM the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
+A rank that dies after staging does not stop its snapshot: the slots and descriptors belong to the daemon once every
+rank of the node staged.  A rank reuses a slot only after ``released`` says its step left the writer.  On SIGTERM the
+daemon stops accepting, finishes what is queued up to ``drain_s``, and exits.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """Checkpoint cadence: Young, Daly, a goodput model with and without L1, the paper's Delta T.
 
-Pure math and pure decisions: every function takes numbers and returns numbers,
-or ``(value, reason)``.  Nothing here reads a file, a clock or the environment;
-``accelpact_slurm.ops.cadence_analysis`` gathers the inputs and ``accelpact_slurm.cli.cadence`` prints the answers.
+Pure math and pure decisions: every function takes numbers and returns numbers, or ``(value, reason)``.  Nothing here
+reads a file, a clock or the environment; ``accelpact_slurm.ops.cadence_analysis`` gathers the inputs and
+``accelpact_slurm.cli.cadence`` prints the answers.  No torch: login-node tools use it.
 
 Units are seconds and events per second unless a name says otherwise.  An interval ``tau`` is *compute* time between
 checkpoints (Daly's convention): the wall time of one segment is ``tau + checkpoint_cost``.
 
 References:
-    J. W. Young, "A first order approximation to the optimum checkpoint interval",
-    CACM 17(9), 1974.  J. T. Daly, "A higher order estimate of the optimum
-    checkpoint interval for restart dumps", FGCS 22(3), 2006.
+    J. W. Young, "A first order approximation to the optimum checkpoint interval", CACM 17(9), 1974.
+    J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006.
     F. Garwood, "Fiducial limits for the Poisson distribution", Biometrika 28, 1936.
-
-This module must not import torch: login-node tools use it.
 """
 
 from __future__ import annotations

@@ -40,18 +40,16 @@ MESH_DIMS = {"replicate": 0, "shard": 1}
 def discard_update(model: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp: str) -> dict[str, int]:
     """Drop the failed update's FSDP iteration state and every gradient; weights and optimizer state stay.
 
-    Called on every rank, after the vote decided that the update failed and before the guard's idle
-    and no-outstanding-gradient checks (which the mid-flight state would fail), also on ranks whose
-    own backward succeeded: their gradients were never averaged across nodes.  Issues no collective.
+    Called on every rank, after the vote decided that the update failed and before the guard's idle and
+    no-outstanding-gradient checks (which the mid-flight state would fail), also on ranks whose own backward succeeded:
+    their gradients were never averaged across nodes.  Issues no collective.
 
     FSDP1: every unit resharded with its unsharded flat parameter freed, ``_saved_grad_shard`` and the flat gradient
     deleted, the handle and the state idle, the post-backward hooks removed and their flags reset,
     ``_post_forward_index`` cleared, the root's ``_post_backward_callback_queued`` reset, the execution-order data's
     post-forward order cleared.  FSDP2: ``reset_iter_state()`` on the root, then the unsharded parameters' ``.grad``,
-    the accumulated unsharded gradients and the sharded gradients dropped.  Both:
-    ``optimizer.zero_grad(set_to_none=True)`` and every parameter's ``.grad`` set to ``None``.
-
-    Returns what was reset, as counts for the repair event.  Afterwards
+    the accumulated unsharded gradients and the sharded gradients dropped.  Both: ``optimizer.zero_grad(set_to_none=True)``
+    and every parameter's ``.grad`` set to ``None``.  Returns what was reset, as counts for the repair event; afterwards
     ``torch_compat.fsdp_idle(model, fsdp)`` holds and no parameter has a gradient.
     """
     if fsdp == "fsdp2":

@@ -66,20 +66,13 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 
 def compress_hostlist(hosts: Iterable[str]) -> str:
-    """Compresses hostnames into a Slurm node list, keeping their order.
+    """Compresses hostnames into a Slurm node list, keeping their order (``["node1", "node2", "node3"]`` ->
+    ``"node[1-3]"``; ``""`` for no hosts).
 
     Consecutive names that differ only in their last run of digits share one bracket group; ascending runs with the
     same zero padding become ``lo-hi``.  Unlike ``scontrol show hostlist`` nothing is sorted, so the result expands
-    back to exactly ``hosts``.
-
-    Args:
-        hosts: Hostnames such as ``["node1", "node2", "node3"]``.
-
-    Returns:
-        A string such as ``"node[1-3]"``; ``""`` for no hosts.
-
-    Raises:
-        SlurmEnvError: If a name is empty or holds characters outside letters, digits, ``-``, ``.`` and ``_``.
+    back to exactly ``hosts``.  Raises ``SlurmEnvError`` when a name is empty or holds characters outside letters,
+    digits, ``-``, ``.`` and ``_``.
     """
     items: list[str] = []
     # Current bracket group: (prefix, suffix, ranges), each range [lo_str, hi_int, hi_str].

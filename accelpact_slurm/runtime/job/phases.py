@@ -1,24 +1,20 @@
 """Phase tracking without the user's help: module and optimizer hooks, active only inside ``run.update()``.
 
-forward (a forward of the protected model began) -> backward (it returned: loss and backward follow)
--> optimizer (``optimizer.step`` began) -> stepped (it returned); gradient accumulation alternates
-forward and backward several times before the step.  The guard reads :attr:`PhaseTracker.phase`
-when a fault surfaces and :attr:`PhaseTracker.stepped` at the end of the update.
+forward (a forward of the protected model began) -> backward (it returned) -> optimizer (``optimizer.step`` began)
+-> stepped (it returned); gradient accumulation alternates forward and backward before the step.  The guard reads
+:attr:`PhaseTracker.phase` when a fault surfaces and :attr:`PhaseTracker.stepped` at the end of the update.
 
-The decision point of an update is the first ``optimizer.step`` of it (the step pre-hook calls
-:attr:`PhaseTracker.decide`, set by the run): every rank votes there, before any optimizer has
-stepped, so a fault anywhere in forward or backward is known to every rank while every rank still
-holds the committed state.  A decision to run the update again raises :class:`Redo` out of
-``optimizer.step`` (the update context swallows it and ``run.batches`` yields the same batch again); it
-derives from ``BaseException``, so a script's ``except Exception`` around the step cannot swallow it.
+The decision point of an update is its first ``optimizer.step`` (the step pre-hook calls :attr:`PhaseTracker.decide`):
+every rank votes there, before any optimizer stepped, so a fault anywhere in forward or backward is known to every
+rank while every rank still holds the committed state.  A decision to run the update again raises :class:`Redo` out
+of ``optimizer.step`` (the update context swallows it, ``run.batches`` yields the same batch again); a
+``BaseException``, so a script's ``except Exception`` around the step cannot swallow it.
 
-Injected faults for tests (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds this rank's part of
-the whole forward (a shard-group fault: FSDP's all-gathers), ``backward`` every replication all-reduce FSDP issues in
-this update's backward (the fault of an inter-node link: its replication peers wait in theirs, and the shard peers
-behind them), ``backward-all`` its part of the whole backward (a shard-group fault first), ``boundary`` its part of
-the guard's own collective; ``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective
-while its part never arrives (a stalled link: every member waits in it,
-:meth:`~accelpact_slurm.runtime.detection.collectives.Detector.stall_next`).
+Injected faults (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds this rank's part of the whole
+forward (a shard-group fault), ``backward`` every replication all-reduce of this update's backward (an inter-node
+link), ``backward-all`` its part of the whole backward, ``boundary`` its part of the guard's collective;
+``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective while its part never
+arrives (a stalled link, :meth:`~accelpact_slurm.runtime.detection.collectives.Detector.stall_next`).
 """
 
 from __future__ import annotations

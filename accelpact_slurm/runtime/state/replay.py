@@ -2,18 +2,15 @@
 
 When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a ``replay_ref`` event with
 the job's mean loss of that update and every rank's fingerprint of its parameter, reduced-gradient and optimizer-state
-shards at the update's vote, right before ``optimizer.step`` (:func:`fingerprint`; they determine the step).  When a
-later start loads S, its first update is the same update S + 1, from the same weights, optimizer state, data loader
-position and RNG: it must reproduce both bitwise.  A mismatch means the snapshot (or its extra state) does not hold
-the training state it claims: it is rejected and the start fails stop; the next start falls back to the next older
-snapshot.
+shards at the update's vote, right before ``optimizer.step`` (:func:`fingerprint`; they determine the step).  A later
+start that loads S runs the same update S + 1 from the same state: it must reproduce both bitwise, else the snapshot
+(or its extra state) does not hold the state it claims: it is rejected (:func:`reject_loaded`) and the start fails
+stop; the next start falls back to the next older snapshot.
 
-Nothing here knows the model's class: the fingerprint reads whatever local shards the wrapped model's parameters are.
-The fingerprints are compared only when the layout (nodes x ranks per node) is the one that recorded them; the loss is
-compared whenever both runs reported one and the world size is the same (with another number of ranks the update
-itself is another computation: the check is ``unconfirmed``, and the resume's equality is the loaded state's, see
-docs/checkpoints.md).  When no reference was recorded (S was the last thing the run did), the check is ``unconfirmed``
-and says so in the event log.
+The fingerprints are compared only under the layout (nodes x ranks per node) that recorded them, the loss whenever
+both runs reported one at the same world size (with another number of ranks the update is another computation: the
+check is ``unconfirmed``, and the resume's equality is the loaded state's, see docs/checkpoints.md).  No reference
+recorded (S was the run's last act): ``unconfirmed``, said in the event log.
 """
 
 from __future__ import annotations
