@@ -162,20 +162,24 @@ SWALLOWING = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def swallowing(tmp_path_factory):
-    """Rank 1 is SIGKILLed as update 3 begins (``ACCELPACT_TEST_CRASH_AT=3:1``): rank 0's detector names it dead
-    in the collectives FSDP issues from its forward or backward, inside the script's ``try: ... except Exception``."""
+    """Rank 1 stops itself with SIGSTOP as update 3 begins (``ACCELPACT_TEST_HANG_AT=3:1``): its sockets stay open, so
+    no collective fails; rank 0's detector names it hung (no heartbeat for ``heartbeat_s``) in the collective FSDP
+    waits on in its forward or backward, inside the script's ``try: ... except Exception``."""
     tmp = tmp_path_factory.mktemp("swallow")
     (tmp / "swallow_script.py").write_text(SWALLOWING)
-    (tmp / "job.yaml").write_text(JOB.replace("unwind_script:main", "swallow_script:main"))
+    job = JOB.replace("unwind_script:main", "swallow_script:main").replace(
+        "shutdown_s: 20}", "shutdown_s: 20, heartbeat_s: 2, heartbeat_interval_s: 0.25}")
+    (tmp / "job.yaml").write_text(job)
     run_dir = tmp / "run"
     proc = run_cli(["accelpact_slurm.cli.run", str(tmp / "job.yaml"), "--run-dir", str(run_dir)],
-                   env={"ACCELPACT_TEST_CRASH_AT": "3:1"}, timeout=300)
+                   env={"ACCELPACT_TEST_HANG_AT": "3:1"}, timeout=300)
     return proc, run_dir
 
 
 def test_an_except_exception_around_forward_and_backward_cannot_swallow_the_stop(swallowing):
-    """The stop the detector finds in a collective of the script's backward reaches the script as ``Stopped``,
-    past its ``except Exception``, at the update it was found in; the rank exits 75 naming the dead rank.
+    """The stop the detector finds in a collective of the script's forward or backward (a hung peer) reaches the
+    script as ``Stopped``, past its ``except Exception``, in the update it was found in; the rank exits 75 naming the
+    hung rank, whose stacks it dumped and which it ended.
 
     Negative control: the run without its stop hook on the detector (``detector.stop_hook = ...`` removed from
     ``Run.__init__``): the detector's ``FailStop`` (an ``Exception``) is caught by the script's handler (the
@@ -186,5 +190,5 @@ def test_an_except_exception_around_forward_and_backward_cannot_swallow_the_stop
     assert _mark(run_dir, 0, "swallowed") is None, out
     assert _mark(run_dir, 0, "unwound") == {"type": "Stopped", "step": 2}, out
     stops = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail_stop" and e["rank"] == 0]
-    assert len(stops) == 1 and stops[0]["cause"] == "dead-rank" and stops[0]["culprit"] == 1, stops
+    assert len(stops) == 1 and stops[0]["cause"] == "hung-rank" and stops[0]["culprit"] == 1, stops
     assert stops[0]["exit_code"] == EXIT_REQUEUE and stops[0]["phase"] in ("forward", "backward"), stops
