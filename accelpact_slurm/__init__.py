@@ -7,8 +7,7 @@ The public API (``docs/api.md``): a training script's entry point receives a :cl
 ``job.protect(model, optimizer, scheduler=..., state=...)`` returns a :class:`Run`, whose
 ``batches`` and ``update`` drive the user's own loop; a stop unwinds it as :class:`Stopped`.
 
-Importing this package does not import torch (login-node tools depend on it): the API names
-are loaded on first use.
+Importing this package does not import torch (login-node tools depend on it): the API names are loaded on first use.
 """
 
 __version__ = "0.2.0"

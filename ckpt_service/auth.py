@@ -1,16 +1,14 @@
 """Who may load what: a per-run key, and manifests authenticated with it before anything else is read.
 
-DCP reads a snapshot's ``.metadata`` with ``pickle``: reading it runs code chosen by whoever wrote the
-file.  So nothing of a snapshot directory but its ``manifest.json`` (plain JSON) is read until the
-manifest is authenticated as written by this run: the writer adds an HMAC-SHA256 of the manifest under
-the run's key, and every reader (the daemon's verification, the reload, ``accelpact-ckpt verify`` and
-``export``) checks it first.  The manifest lists every file's size and SHA-256, so an authenticated
-manifest whose checksums pass covers every byte of the snapshot.
+DCP reads a snapshot's ``.metadata`` with ``pickle``: reading it runs code chosen by whoever wrote the file.  So
+nothing of a snapshot directory but its ``manifest.json`` (plain JSON) is read until the manifest is authenticated as
+written by this run: the writer adds an HMAC-SHA256 of the manifest under the run's key, and every reader (the
+daemon's verification, the reload, ``accelpact-ckpt verify`` and ``export``) checks it first.  The manifest lists
+every file's size and SHA-256, so an authenticated manifest whose checksums pass covers every byte of the snapshot.
 
-The key lives in the run directory (``.accelpact-key``, 32 random bytes as hex, mode 0600, owned by the
-job's user): whoever can read it is the job's user, who may load the run's snapshots anyway.  A
-snapshot directory planted in the shared tier, or copied in from another run, fails authentication
-and is rejected unread.  Torch-free.
+The key lives in the run directory (``.accelpact-key``, 32 random bytes as hex, mode 0600, owned by the job's user):
+whoever can read it is the job's user, who may load the run's snapshots anyway.  A snapshot directory planted in the
+shared tier, or copied in from another run, fails authentication and is rejected unread.  Torch-free.
 """
 
 from __future__ import annotations
@@ -94,7 +92,6 @@ def load_key(run_dir: str) -> bytes:
 def _snapshot_names(run_dir: str) -> str | None:
     """The first folder of the run directory's default layout that holds a snapshot (``step-N`` with a
     ``manifest.json``), if any."""
-
     candidates = [os.path.join(run_dir, "shared-ckpt")]
     try:
         local = os.path.join(run_dir, "node-local")

@@ -1,26 +1,19 @@
 """The rank side of a snapshot: which boxes of which tensors this rank holds, copied into a staging slot.
 
-A *plan* lists, for every tensor of the rank's application state in the nested layout of
-``torch.distributed.checkpoint.state_dict.get_state_dict`` (``{"model": {fqn: ...}, "optim":
-{"state": {fqn: {...}}, "param_groups": [...]}}``), its key path, global shape, dtype and the
-rectangular *boxes* (offsets + sizes) this rank holds, each with a live source view (no copy).
-Everything else (AdamW's ``step`` scalars, ``param_groups``, the model's persistent buffers) is *plain*: small,
-taken from the node's first rank (a rank's own batch-norm statistics travel in its extra state:
-:mod:`accelpact_slurm.runtime.state.buffers`).
+A *plan* lists, for every tensor of the rank's application state in ``get_state_dict``'s nested layout (``{"model":
+{fqn: ...}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}}``), its key path, global shape, dtype and the
+rectangular *boxes* (offsets + sizes) this rank holds, each with a live source view (no copy).  Everything else
+(AdamW's ``step`` scalars, ``param_groups``, the persistent buffers) is *plain*: small, taken from the node's first
+rank (a rank's own batch-norm statistics travel in its extra state: :mod:`accelpact_slurm.runtime.state.buffers`).
 
-Two ways to build it:
+Two ways to build it: **FSDP1** (``use_orig_params=True``) reads FSDP's flat-parameter shard info directly: a rank
+holds a 1-D range of every parameter's flattened elements (AdamW's moments the same range), which
+:func:`range_boxes` cuts into at most ``2 * ndim - 1`` boxes, what DCP stores as chunks; no ``get_state_dict``, no
+collective, no copy until :meth:`Plan.copy_into`.  **Anything else** (FSDP2, a plain module): ``get_state_dict`` and
+the local chunks of its DTensors/ShardedTensors.
 
-- **FSDP1** (``use_orig_params=True``, the default wrapping): read FSDP's flat-parameter shard
-  info directly. A rank holds a 1-D range of every original parameter's flattened elements (and
-  AdamW holds its moments in the same range); :func:`range_boxes` cuts that range into at most
-  ``2 * ndim - 1`` rectangular boxes, which is what DCP stores as chunks; the module buffers are copied into
-  the plain part under their state-dict names. No ``get_state_dict``, no collective, no copy of a parameter
-  until :meth:`Plan.copy_into`.
-- **anything else** (FSDP2, a plain module): ``get_state_dict`` and the local chunks of its
-  DTensors/ShardedTensors.
-
-Who calls: :class:`ckpt_service.client.SnapshotClient` (build + copy into its slot); the daemon
-reads the boxes back through :mod:`.staging` and writes them as DCP chunks (:mod:`.dcp_write`).
+Who calls: :class:`ckpt_service.client.SnapshotClient` (build + copy into its slot); the daemon reads the boxes back
+through :mod:`.staging` and writes them as DCP chunks (:mod:`.dcp_write`).
 """
 
 from __future__ import annotations
@@ -190,7 +183,6 @@ _BUFFER_FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = wea
 
 def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
     """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
-
     flats = [flat_param_parts(fp) for fp in fsdp1_flat_params(model)]
     if not flats or any(parts is None for parts in flats) or not _fast_path_fits(model):
         return None
@@ -286,7 +278,6 @@ _SKIP = object()  # a sharded value moved into the entries
 
 def state_dict_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan:
     """Collective: plan from ``get_state_dict`` (DTensor / ShardedTensor local chunks, plain values kept)."""
-
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
         entries: list[Entry] = []

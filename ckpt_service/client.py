@@ -1,38 +1,26 @@
 """The rank side: every K steps copy this rank's shards into shared memory, hand them over, go on.
 
-Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.job.api.Run`):
+Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.job.api.Run`): ``SnapshotClient(cfg, rt,
+run_dir, events, model, optimizer, extra)`` after ``job.protect`` (``rt``: :class:`accelpact_slurm.core.rank.RankContext`);
+``after_commit(step)`` after each committed update (collective on snapshot steps: the extra-state exchange over the
+control plane, and on a start's first snapshot the capture proof, an FSDP collective); ``settle(step, timeout_s)``
+where ``run.save()`` or the job's end asks for a verified snapshot (collective likewise); ``close()`` at the end.
 
-1. ``SnapshotClient(cfg, rt, run_dir, events, model, optimizer, extra)`` after the user's
-   ``job.protect`` (``rt``: the rank as the client reads it, :class:`accelpact_slurm.core.rank.RankContext`);
-2. ``after_commit(step)`` right after an update committed (collective on snapshot steps: the
-   extra-state exchange goes over the control plane; on the first snapshot of a start also the
-   capture proof, whose ``get_state_dict`` is an FSDP collective);
-3. ``settle(step, timeout_s)`` where the script (``run.save()``) or the job's end asks for a snapshot of a
-   committed step and its verification (collective, like ``after_commit`` on a snapshot step);
-4. ``close()`` at the end.
+A snapshot (:meth:`SnapshotClient.snapshot`) plans the boxes of the tensors this rank holds (:mod:`.capture`) and
+copies them into a preallocated shared-memory slot (:mod:`.staging`): all that training waits for.  The hand-over
+(the descriptor, the message to the daemon) runs on a worker thread beside the next update; the next snapshot, every
+wait for the daemon, ``close()``, a fail-stop and an injected kill join it first, so the daemon sees a rank's
+snapshots in order and none is left unannounced.  Two slots alternate; a slot is reused only once the daemon said it
+finished writing from it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
+event).  Silence is not release: a daemon that does not answer may still read its slots, so they stay its own and the
+node's snapshots are skipped (one ``warning`` per episode) until it answers, or until it is gone for sure (its node
+directory's lock is free).  A missing or dead daemon costs a warning, never the run.  Requests answered at once are
+bounded by :attr:`SnapshotClient.answer_s`: a silent daemon delays a snapshot by seconds, never by a control-plane
+timeout the other nodes' ranks would hit first.
 
-A snapshot (:meth:`SnapshotClient.snapshot`) plans which boxes of which tensors this rank holds
-(:mod:`.capture`: FSDP1's flat-parameter shards directly, no ``get_state_dict``), copies them into
-a preallocated shared-memory slot (:mod:`.staging`); that is all training waits for.  Writing the small
-descriptor and telling the daemon (the hand-over) runs on a worker thread of the rank beside the next
-update: the next snapshot, every wait for the daemon, ``close()``, a fail-stop and an injected kill first
-join it, so the daemon sees a rank's snapshots in order and none taken is left unannounced.  The daemon
-writes the boxes as DCP chunks from the slot.
-Two slots alternate: a slot is reused only after the daemon said it has finished writing the snapshot
-that used it (backpressure, bounded by ``timeouts.control_s``; past it the snapshot is skipped with an
-event and training goes on).  Silence is not release: a daemon that does not answer (stopped, stuck) may
-still read the slot later, so its slots stay its own and the node's snapshots are skipped until it answers
-again, with one ``warning`` event per episode; only a daemon that is gone for sure (its node directory's
-lock is free: the process has ended) frees them.  A missing or dead daemon costs a warning, never the run.
-Requests that the daemon answers at once (``staged``, ``released`` without waiting) are bounded by
-:attr:`SnapshotClient.answer_s`, so a silent daemon delays a snapshot by seconds, never by a control-plane
-timeout that the other nodes' ranks, waiting in the snapshot's exchange, would hit first.
-
-``extra()`` returns this rank's non-tensor state as JSON-able data (``{"run": ..., "rank": ...}``:
-the frontier and whatever the runtime keeps, every ``Stateful``'s state, the RNG states); the
-client gathers every rank's and stores them as one JSON document beside the tensors.  Nothing here
-knows the model's class: the capture proof (:mod:`.proof`) compares staged bytes with the
-framework's own state dict.
+``extra()`` is this rank's non-tensor state as JSON (the frontier, every ``Stateful``'s state, the RNG states); the
+client stores every rank's as one document beside the tensors.  Nothing here knows the model's class: the capture
+proof (:mod:`.proof`) compares staged bytes with the framework's own state dict.
 """
 
 from __future__ import annotations
@@ -112,7 +100,6 @@ class SnapshotClient:
         self._worker: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
-        self.last_handover_s: float | None = None  # how long the last hand-over took on the worker
         self._prefault: threading.Thread | None = None  # makes the slots' pages ready beside training
         _CLIENTS.add(self)
 
@@ -282,7 +269,6 @@ class SnapshotClient:
             if item is None:  # close()
                 return
             step, desc, plan, extras, capture = item
-            t = time.monotonic()
             try:
                 desc["meta"] = self._meta(extras, capture)
                 desc["entries"] = plan.describe()
@@ -297,7 +283,6 @@ class SnapshotClient:
                 # drop the plan (views of the live tensors) here, not when the thread ends: a tensor freed by a
                 # daemon thread while the interpreter shuts down aborts the process
                 item = desc = plan = extras = capture = None
-                self.last_handover_s = time.monotonic() - t
                 self._idle.set()
 
     def _meta(self, extras: list[dict[str, Any]], capture: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,22 +1,18 @@
 """Every private torch and DCP name ``ckpt_service`` touches, in one place.
 
-The snapshot path leans on a few names torch does not promise to keep: DCP's per-item writer and its file
-writing hook, its compression extension, its loader without a planner's key list, the state-dict name
-resolution, FSDP1's flat-parameter layout, a module's own buffer table and the ShardedTensor class.  When torch
-moves one, the entry points here fail loudly (``tests/ckpt_service/test_compat.py`` runs each against the
-installed torch, on every supported release: ``make test-releases``), and this is the only module to change.
-``tests/ckpt_service/test_compat.py`` also scans the package and refuses a private torch name anywhere else.
+The snapshot path leans on names torch does not promise to keep (DCP's per-item writer and file writing hook, its
+compression extension, its loader without a planner's key list, state-dict name resolution, FSDP1's flat-parameter
+layout, a module's buffer table, the ShardedTensor class).  When torch moves one, the entry points here fail loudly
+(``tests/ckpt_service/test_compat.py`` runs each on every supported release, ``make test-releases``, and refuses a
+private torch name anywhere else in the package), and this is the only module to change.
 
-Entry points (torch 2.13-2.15):
-
-* writing: :func:`zstd_extensions`, :func:`filesystem_writer_class` (``FileSystemWriter``'s ``_extensions`` and
-  ``_write_data``), :func:`write_item` (``filesystem._write_item``), :func:`can_place_items` (that and
-  ``torch.serialization._get_storage_alignment``);
-* capture: :func:`fsdp1_flat_params` (each unit's ``_handle``), :func:`flat_param_parts` (a ``FlatParameter``'s
-  ``_params``, ``_shard_param_infos``, ``_shapes``), :func:`persistent_buffers` (``Module._buffers`` and
-  ``_non_persistent_buffers_set``), :func:`canonical_fqn` (``state_dict._get_fqns``),
-  :func:`sharded_tensor_type` (``torch.distributed._shard``);
-* export: :func:`load_everything` (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``).
+Entry points (torch 2.13-2.15): writing, :func:`zstd_extensions`, :func:`filesystem_writer_class`
+(``FileSystemWriter``'s ``_extensions`` and ``_write_data``), :func:`write_item` (``filesystem._write_item``),
+:func:`can_place_items` (and ``torch.serialization._get_storage_alignment``); capture, :func:`fsdp1_flat_params`
+(each unit's ``_handle``), :func:`flat_param_parts` (``_params``, ``_shard_param_infos``, ``_shapes``),
+:func:`persistent_buffers` (``Module._buffers``, ``_non_persistent_buffers_set``), :func:`canonical_fqn`
+(``state_dict._get_fqns``), :func:`sharded_tensor_type`; export, :func:`load_everything` (``_load_state_dict`` with
+``_EmptyStateDictLoadPlanner``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """``accelpact-ckptd``: one per node per job; writes, verifies, retains and publishes the node's snapshots.
 
-Threads (all named, each fed by a queue with a sentinel, joined with a deadline):
+Threads (all named, each fed by a queue with a sentinel, joined with a deadline): ``ckptd-accept`` (the Unix socket;
+one short ``ckptd-conn`` thread per request); ``ckptd-writer`` (a step straight from the ranks' shared-memory slots,
+committed once every rank of the node staged it); ``ckptd-verifier`` (checksums and coverage -> verified |
+rejected); ``ckptd-deleter`` (retention: rename to ``.del-``, then remove; never the newest step verified on every
+node, read from the other nodes' published indexes, so a node whose writes keep failing still shares a step with the
+others); ``ckptd-tier`` (verified copies to the shared tier, once per job, :func:`ckpt_service.tiers.should_upload`,
+then the tier's retention; one ``shared_upload`` event per copy).
 
-- ``ckptd-accept``: the Unix socket; one short ``ckptd-conn`` thread per request;
-- ``ckptd-writer``: writes a step straight from the ranks' shared-memory slots (boxes as DCP chunks,
-  no reassembly) and commits it once every rank of the node staged it;
-- ``ckptd-verifier``: checksums and coverage -> verified | rejected;
-- ``ckptd-deleter``: retention (rename to ``.del-``, then remove); failures logged, never fatal.  It never
-  deletes the newest step verified on every node (read from the other nodes' published indexes), so a
-  node whose writes keep failing still shares a step with the others;
-- ``ckptd-tier``: verified copies to the shared tier, once per job (:func:`ckpt_service.tiers.should_upload`:
-  every ``shared_every``-th snapshot by a rotating node, every milestone by every node), then the tier's
-  retention; one ``shared_upload`` event per copy.
-
-A training rank that dies after staging does not stop its snapshot: the staged
-slots and descriptors belong to the daemon once every rank of the node has staged.
-A rank reuses a slot only after ``released`` says the step that used it has left the writer.  On SIGTERM
-the daemon stops accepting, finishes what is queued up to ``drain_s``, exits.
+A rank that dies after staging does not stop its snapshot: the slots and descriptors belong to the daemon once every
+rank of the node staged.  A rank reuses a slot only after ``released`` says its step left the writer.  On SIGTERM the
+daemon stops accepting, finishes what is queued up to ``drain_s``, and exits.
 """
 
 from __future__ import annotations
@@ -163,7 +157,6 @@ class Daemon:
                                node=opts.node_index, source="ckptd")
         self._lock_fd: int | None = None
         self._server: socket.socket | None = None
-        self._stop = threading.Event()
         self._accepting = threading.Event()
         self._mu = threading.Lock()
         self._changed = threading.Condition(self._mu)
@@ -223,12 +216,6 @@ class Daemon:
         t.start()
         self._accept_thread = t
         log.info("serving %s at %s", self.ndir, self.sock_path)
-
-    def request_stop(self) -> None:
-        self._stop.set()
-
-    def wait_stopped(self, timeout_s: float | None = None) -> bool:
-        return self._stop.wait(timeout_s)
 
     def drain_and_close(self) -> bool:
         """Stop accepting, finish queued work up to ``drain_s``; True when everything finished."""

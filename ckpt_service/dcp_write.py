@@ -2,26 +2,22 @@
 
 Steps of :func:`write_snapshot` (each names the failure it prevents):
 
-1. :func:`build_state`: map every rank's slot read-only, turn each tensor's boxes from all of the
-   node's ranks into one :class:`ChunkedTensor` (DCP's checkpointable protocol: every box becomes a
-   DCP chunk, saved straight from shared memory), and check that the boxes cover every tensor
-   exactly (a missing rank never yields a silently zero-filled tensor);
+1. :func:`build_state`: map every rank's slot read-only, turn each tensor's boxes from all of the node's ranks into
+   one :class:`ChunkedTensor` (DCP's checkpointable protocol: every box a DCP chunk, saved straight from shared
+   memory), and check that the boxes cover every tensor exactly (a missing rank never yields a zero-filled tensor);
 2. a snapshot whose ranks report a failed capture proof is refused (:mod:`.writecheck`);
-3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>``
-   (optionally zstd-compressed by DCP's own extension, which stock ``dcp.load`` reads), without
-   ``torch.save``'s per-record CRC-32 (the digest of step 4 covers every byte);
-4. every file hashed (BLAKE3, :mod:`.digest`) as its bytes are written and written past the page cache where
-   the file system allows it, every large box from the slot itself (the fast path: :mod:`.sink`), then fsynced
-   and dropped from the page cache (memory nothing needs: the verifier re-reads the disk itself, so it checks
-   the bytes on the disk, not a cached copy); the tensors go to ``WRITE_THREADS`` files written in parallel;
-   ``manifest.json`` with the checksums (each file's size checked: :mod:`.writecheck`), the step, config digest
-   and the capture proof; the directory fsynced;
+3. ``dcp.save(..., no_dist=True)`` through ``FileSystemWriter`` into ``.tmp-step-N-<pid>`` (optionally zstd-compressed
+   by DCP's own extension, which stock ``dcp.load`` reads), without ``torch.save``'s per-record CRC-32;
+4. every file hashed (BLAKE3, :mod:`.digest`) as written, past the page cache where the file system allows it, every
+   large box from the slot itself (:mod:`.sink`), then fsynced and dropped from the page cache (the verifier re-reads
+   the disk, not a cached copy); the tensors go to ``WRITE_THREADS`` files in parallel; ``manifest.json`` with the
+   checksums (each file's size checked: :mod:`.writecheck`), the step, config digest and capture proof; the
+   directory fsynced;
 5. rename to ``step-NNNNNNNNNN`` (the commit point), fsync the node directory;
 6. record ``committed`` in ``state.json``.
 
 Any ``OSError`` (a full disk) removes the temporary directory and raises
-:class:`~accelpact_slurm.core.errors.CheckpointError` with the reason.  DCP's private hooks this needs come
-through :mod:`.compat`.
+:class:`~accelpact_slurm.core.errors.CheckpointError` with the reason.  DCP's private hooks come through :mod:`.compat`.
 """
 
 from __future__ import annotations
@@ -274,13 +270,12 @@ def write_snapshot(ndir: str, step: int, descs: Sequence[Mapping[str, Any]], *, 
                    from_slot: dict[str, int] | None = None) -> tuple[str, int]:
     """Write and commit one snapshot from the node's staged descriptors; return ``(path, size_bytes)``.
 
-    The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose
-    descriptors say the proof failed is refused.  ``timings`` (if given) receives the seconds spent in
-    ``dcp_save`` and ``fsync_hash``; ``from_slot`` (if given), by file, the bytes written to the disk straight
-    from the slots (no copy: :func:`.sink.write_files`).  ``key``: the run's key, which signs the manifest
-    (:mod:`.auth`).
-    ``before_commit``: called once every byte is written and hashed, before the manifest and the rename; what it
-    raises fails the snapshot (the daemon checks there that the slots still hold this step).
+    The ranks proved their capture before handing it over (``meta["capture"]``); a snapshot whose descriptors say the
+    proof failed is refused.  ``timings`` (if given) receives the seconds spent in ``dcp_save`` and ``fsync_hash``;
+    ``from_slot`` (if given), by file, the bytes written to the disk straight from the slots (no copy:
+    :func:`.sink.write_files`).  ``key``: the run's key, which signs the manifest (:mod:`.auth`). ``before_commit``:
+    called once every byte is written and hashed, before the manifest and the rename; what it raises fails the
+    snapshot (the daemon checks there that the slots still hold this step).
     """
     timings = {} if timings is None else timings
     import torch.distributed.checkpoint as dcp

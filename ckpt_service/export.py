@@ -1,28 +1,23 @@
 """A verified snapshot in a format users load elsewhere: one ``torch.save`` file or one ``.safetensors`` file.
 
-Who calls: ``accelpact-ckpt export`` (:mod:`accelpact_slurm.cli.ckpt`), once, in one process, with no job
-running; nothing here is collective and no model is built.
+Who calls: ``accelpact-ckpt export`` (:mod:`accelpact_slurm.cli.ckpt`), once, in one process, with no job running;
+nothing here is collective and no model is built.
 
-Only a snapshot recorded ``verified`` is exported, and only after its manifest is authenticated under the
-run's key and every file matches its checksum and ``.metadata`` covers every tensor
-(:func:`ckpt_service.verify.verify_snapshot`): a snapshot still ``committed``, one ``rejected`` (a replay
-check's rejection passes the checksums: they compare the snapshot with itself), one another user planted
-(its ``.metadata`` is a pickle: never unpickled unauthenticated) are refused with the reason.
+Only a snapshot recorded ``verified`` is exported, and only after its manifest is authenticated under the run's key,
+every file matches its checksum and ``.metadata`` covers every tensor (:func:`ckpt_service.verify.verify_snapshot`):
+one still ``committed``, one ``rejected`` (a replay check's rejection passes the checksums), one another user planted
+(its ``.metadata`` is a pickle: never unpickled unauthenticated) is refused with the reason.
 
-The formats (:data:`FORMATS`):
+The formats (:data:`FORMATS`): ``torch``, the whole snapshot (``model``, ``optim``, ``extra``) as one nested dict, as
+stock ``dcp_to_torch_save`` converts it (through the verified reader), plus ``export``, the metadata below;
+``safetensors``, the model's state dict only (weights and persistent buffers), unsharded, under the script's model's
+own names (``get_state_dict``'s, no FSDP prefix), each tensor in its own dtype (bf16 as ``BF16``), read through
+:func:`ckpt_service.verified.VerifiedReader` and written by :mod:`.safetensors_file` (no extra dependency).
 
-- ``torch``: the whole snapshot (``model``, ``optim``, ``extra``) as one nested dict, as stock
-  ``dcp_to_torch_save`` converts it (read through the verified reader), plus ``export``: the metadata below;
-- ``safetensors``: the model's state dict only (weights and persistent buffers), unsharded, under the names the
-  script's model uses (the snapshot stores ``get_state_dict``'s names, with no FSDP wrapper prefix: the names of
-  ``torch.save``'s ``["model"]``), each tensor with its own dtype (bf16 as ``BF16``); read through
-  :func:`ckpt_service.verified.VerifiedReader`, so every byte comes from a descriptor checked against the
-  manifest; written by :mod:`.safetensors_file` (no extra dependency).
-
-Buffers: each rank's batch-norm statistics differ, and a node's snapshot holds one copy of each buffer (its
-first rank's) plus every rank's own changed buffers in its extra state.  Both formats hold rank 0's, as torch's
-full state dict gives, whichever node's copy is exported; the metadata (``buffers``, ``buffers_rank``) says so.
-A fresh model loads either file with ``strict=True`` and computes what rank 0's trained model computes.
+Buffers: a node's snapshot holds one copy of each buffer (its first rank's) plus every rank's own changed buffers in
+its extra state; both formats hold rank 0's, as torch's full state dict gives, whichever node's copy is exported (the
+metadata's ``buffers``, ``buffers_rank`` say so).  A fresh model loads either file with ``strict=True`` and computes
+what rank 0's trained model computes.
 """
 
 from __future__ import annotations
@@ -82,7 +77,6 @@ def check_exportable(path: str, key: bytes | None) -> str:
         CheckpointError: naming why: not a snapshot, not recorded verified, not authenticated, a file that
             fails its checksum, a tensor not covered.
     """
-
     rec = read_record(path)
     if rec is None:
         raise CheckpointError(f"{path} is not a step-NNNNNNNNNN snapshot directory")

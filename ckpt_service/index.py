@@ -1,12 +1,10 @@
 """Snapshot records on disk, pure selection, and the login-node index (no torch).
 
-A snapshot's state lives beside its data: ``step-N/state.json``.  The rename of
-the temporary directory to ``step-N`` is the commit point, so a ``step-N`` with
-a manifest but no state record (the writer died between rename and record) is
-*committed* and will be verified.  The index ``RUN_DIR/ckpt-index/<node>.json``
-is derived from the records and rewritten atomically after every transition;
-``accelpact-status`` reads exactly this file, and every daemon reads the other nodes' before it
-deletes anything (:func:`read_indexes`: the newest step verified on every node is kept).
+A snapshot's state lives beside its data: ``step-N/state.json``.  The rename of the temporary directory to ``step-N``
+is the commit point, so a ``step-N`` with a manifest but no state record (the writer died between rename and record)
+is *committed* and will be verified.  The index ``RUN_DIR/ckpt-index/<node>.json`` is derived from the records and
+rewritten atomically after every transition; ``accelpact-status`` reads exactly this file, and every daemon reads the
+other nodes' before it deletes anything (:func:`read_indexes`: the newest step verified on every node is kept).
 """
 
 from __future__ import annotations
@@ -176,12 +174,11 @@ def common_step(available: Sequence[Iterable[int]]) -> tuple[int | None, str]:
 def restart_source(per_source: Mapping[str, Iterable[Any]]) -> tuple[int | None, str | None, str]:
     """The step a restart loads and where from: ``(step, source, reason)``.  Pure.
 
-    The rule of the restore (:mod:`accelpact_slurm.runtime.state.restore`): the newest step that is
-    ``verified`` on at least one node's copy or in the shared tier; a node lacking it loads it through the
-    shared tier (the restore copies it there first when the tier does not hold it yet).
-    ``per_source`` maps each node's name, and :data:`SHARED_SOURCE`, to its records (dicts or
-    :class:`SnapshotRecord`).  ``source`` is the first holder: a node (by name) before the shared tier,
-    as the restore prefers a node's own copy.  Who calls: ``accelpact-status``.
+    The rule of the restore (:mod:`accelpact_slurm.runtime.state.restore`): the newest step that is ``verified`` on at
+    least one node's copy or in the shared tier; a node lacking it loads it through the shared tier (the restore
+    copies it there first when the tier does not hold it yet). ``per_source`` maps each node's name, and
+    :data:`SHARED_SOURCE`, to its records (dicts or :class:`SnapshotRecord`).  ``source`` is the first holder: a node
+    (by name) before the shared tier, as the restore prefers a node's own copy.  Who calls: ``accelpact-status``.
     """
     holders: dict[int, list[str]] = {}
     nodes = sorted(src for src in per_source if src != SHARED_SOURCE)
@@ -251,13 +248,11 @@ INDEX_LOCK_TIMEOUT_S = 10.0
 def publish_index(run_dir: str, node: str, records: Sequence[SnapshotRecord]) -> str:
     """Rewrite ``RUN_DIR/ckpt-index/<node>.json`` atomically and return its path.
 
-    Two writers publish a node's index: its daemon after every transition, and the
-    restorer after it rejects a snapshot at restart (while the daemon may be running).
-    Each scans before it publishes, so a slower writer could overwrite a newer index
-    with an older scan.  Under an ``flock`` on ``ckpt-index/.<node>.lock`` every
-    record's state is re-read from its ``state.json`` (the source of truth beside
-    the data) just before the rename, so the file written last is never older than
-    the states on disk.  Without the lock (it timed out) the index is written anyway:
+    Two writers publish a node's index: its daemon after every transition, and the restorer after it rejects a
+    snapshot at restart (while the daemon may be running).  Each scans before it publishes, so a slower writer could
+    overwrite a newer index with an older scan.  Under an ``flock`` on ``ckpt-index/.<node>.lock`` every record's
+    state is re-read from its ``state.json`` (the source of truth beside the data) just before the rename, so the file
+    written last is never older than the states on disk.  Without the lock (it timed out) the index is written anyway:
     it is derived data, and the next transition rewrites it.
     """
     d = os.path.join(run_dir, INDEX_DIR)

@@ -1,8 +1,7 @@
 """Where the checkpoint service keeps things (pure path arithmetic, no torch).
 
-- node directory (emulated NVMe): ``checkpoint.local_dir`` (environment variables
-  expanded, e.g. ``/nvme/$SLURM_JOB_ID``) joined with the node name, else
-  ``RUN_DIR/node-local/<node>``;
+- node directory (emulated NVMe): ``checkpoint.local_dir`` (environment variables expanded, e.g.
+  ``/nvme/$SLURM_JOB_ID``) joined with the node name, else ``RUN_DIR/node-local/<node>``;
 - committed snapshots: ``<node dir>/step-NNNNNNNNNN`` (ten digits: names sort numerically);
 - in progress: ``<node dir>/.tmp-step-NNNNNNNNNN-<pid>`` (never selected, removed on the next start);
 - being deleted: ``<node dir>/.del-step-...`` (renamed first, so a half-deleted snapshot is never listed);
@@ -93,11 +92,10 @@ def private_dir(path: str) -> str:
     """Create ``path`` 0700, from the per-user root (``accelpact-<uid>``) down, and check every level is ours.
 
     The roots live in shared directories (``/tmp``, ``/dev/shm``) where another local user can create
-    ``accelpact-<uid>`` first: then a socket planted there could answer the ranks, or a staging
-    directory be swapped.  Every level from the per-user root down must be a real directory (not a
-    link), owned by this user and writable by nobody else; one that is readable by others but ours is
-    tightened to 0700 (an older version created it 0755), anything else is refused with
-    :class:`CheckpointError`.
+    ``accelpact-<uid>`` first: then a socket planted there could answer the ranks, or a staging directory be swapped.
+    Every level from the per-user root down must be a real directory (not a link), owned by this user and writable by
+    nobody else; one that is readable by others but ours is tightened to 0700 (an older version created it 0755),
+    anything else is refused with :class:`CheckpointError`.
     """
     path = os.path.abspath(path)
     parts = path.split(os.sep)

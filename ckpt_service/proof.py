@@ -1,14 +1,13 @@
 """The capture proof: the bytes staged for a snapshot equal the live state, without the user's model.
 
-Once per job and capture plan (the first snapshot of a start whose plans no earlier proof passed:
-:mod:`.proof_cache`) each rank computes, for every tensor of its state, a
-position-weighted fingerprint of what it staged (read back from the slot) and of the same tensor
-as ``get_state_dict`` gives it (the framework's own sharded state dict, an independent path to the
-same values).  A node's ranks together hold a complete copy, so per node the sums over its ranks
-must agree, whatever box layout each path uses.  A wrong mapping (a box at the wrong offset, a
-missed rank, a stale buffer) changes a weighted sum far beyond rounding.  The plain part (module buffers such
-as batch-norm statistics, optimizer scalars) is compared too, key by key, as the daemon writes it (the node's
-first rank holding the key): a plan that leaves a buffer out fails with the key named.
+Once per job and capture plan (the first snapshot of a start whose plans no earlier proof passed: :mod:`.proof_cache`)
+each rank computes, for every tensor of its state, a position-weighted fingerprint of what it staged (read back from
+the slot) and of the same tensor as ``get_state_dict`` gives it (the framework's own sharded state dict, an
+independent path to the same values).  A node's ranks together hold a complete copy, so per node the sums over its
+ranks must agree, whatever box layout each path uses.  A wrong mapping (a box at the wrong offset, a missed rank, a
+stale buffer) changes a weighted sum far beyond rounding.  The plain part (module buffers such as batch-norm
+statistics, optimizer scalars) is compared too, key by key, as the daemon writes it (the node's first rank holding the
+key): a plan that leaves a buffer out fails with the key named.
 
 Who calls: :class:`ckpt_service.client.SnapshotClient` on every rank, on the first snapshot of a
 start (collective: ``get_state_dict`` and one control-plane exchange).  Reads only state dicts.

@@ -1,11 +1,9 @@
 """Messages between ranks and their node's daemon: one JSON object per line over a Unix socket.
 
-Each request is one connection: connect, send one line, read one line, close.
-Requests (``op``): ``ping``; ``staged`` (a rank finished staging a step);
-``status`` (the daemon's view); ``wait`` (block until a step reaches a final
-state, with a timeout); ``shutdown``.  Replies carry ``ok`` and either the
-result or ``error``.  The daemon answers only peers whose SO_PEERCRED uid is its
-own (the socket is also 0600 in a 0700 directory).
+Each request is one connection: connect, send one line, read one line, close.  Requests (``op``): ``ping``; ``staged``
+(a rank finished staging a step); ``status`` (the daemon's view); ``wait`` (block until a step reaches a final state,
+with a timeout); ``shutdown``.  Replies carry ``ok`` and either the result or ``error``.  The daemon answers only
+peers whose SO_PEERCRED uid is its own (the socket is also 0600 in a 0700 directory).
 """
 
 from __future__ import annotations

@@ -6,16 +6,13 @@ Node directory (:func:`plan_retention`; torchtitan's ``keep_latest_k``, with the
 2. keep every milestone (step divisible by ``milestone_every`` when it is > 0) that is not rejected;
 3. never delete the newest verified snapshot (it is what a restart loads);
 4. never delete a committed snapshot newer than the newest verified one (its verification is pending);
-5. a rejected snapshot stays visible while it is newer than the oldest snapshot kept by rule 1,
-   then goes;
-6. never delete a step in ``protect`` (unless it is rejected here): the daemon passes the newest step
-   verified on every node (:func:`newest_common`, read from the other nodes' published indexes), so a
-   node whose writes keep failing (a full disk) still shares one step with every other node.
+5. a rejected snapshot stays visible while it is newer than the oldest snapshot kept by rule 1, then goes;
+6. never delete a step in ``protect`` (unless it is rejected here): the daemon passes the newest step verified on
+   every node (:func:`newest_common`, from the other nodes' published indexes), so a node whose writes keep failing
+   (a full disk) still shares one step with every other node.
 
-Shared tier (:func:`plan_shared_retention`): milestones stay for good; of the other snapshots the newest
-``shared_keep`` verified ones stay, and the newest verified one is never deleted.
-
-Every decision comes with its reason.
+Shared tier (:func:`plan_shared_retention`): milestones stay for good; of the others the newest ``shared_keep``
+verified ones stay, and the newest verified one is never deleted.  Every decision comes with its reason.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ JSON_LIMIT = 16 << 20
 
 def read_json_why(path: str, limit: int = JSON_LIMIT) -> tuple[Any, str | None]:
     """``(document, None)``, or ``(None, why it cannot be read)``: missing, not a regular file, too large, not JSON."""
-
     try:
         data = read_regular(path, limit)
     except FileNotFoundError:

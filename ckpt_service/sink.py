@@ -150,10 +150,9 @@ class Sink:
         self.pos += n
 
     def _span(self, mv: memoryview, hasher: Any) -> memoryview:
-        """``mv``'s whole pages to the disk from where they lie, by the sink's thread, in file order, while this
-        one hashes them and goes on; returns the rest, to copy.  The memory must stay as it is until
-        :meth:`finish` (a staged slot does: the daemon checks the slot's stamp after the write, and the verifier
-        re-reads the disk)."""
+        """``mv``'s whole pages to the disk from where they lie, by the sink's thread, in file order, while this one
+        hashes them and goes on; returns the rest, to copy.  The memory must stay as it is until :meth:`finish` (a
+        staged slot does: the daemon checks the slot's stamp after the write, and the verifier re-reads the disk)."""
         whole = len(mv) // _ALIGN * _ALIGN
         self._start_io()
         # what the buffer holds (whole pages: the span starts on a page of the file) goes in the same write
@@ -393,12 +392,11 @@ def _interleaved(items: Sequence[Any]) -> list[Any]:
 
 def write_files(w: Any, planner: Any, file_queue: queue.Queue) -> Any:
     """DCP's file writing (its per-item writer, :func:`.compat.write_item`, for every item, its files from
-    ``file_queue`` in ``w.thread_count`` threads), with every tensor of ``PLACE_FROM`` bytes or more on a page of
-    its file: the stream is padded to the next page before the item (DCP's metadata records each item's offset,
-    so readers seek past the padding) and ``torch.save`` puts the record's data on a page from there; the slot's
-    box lies on a page too (:data:`.capture.ALIGN`), so the :class:`Sink` writes it to the disk from the slot,
-    without a copy.  A smaller tensor keeps ``torch.save``'s own alignment (a page each would pad its records by
-    ~24 KiB)."""
+    ``file_queue`` in ``w.thread_count`` threads), with every tensor of ``PLACE_FROM`` bytes or more on a page of its
+    file: the stream is padded to the next page before the item (DCP's metadata records each item's offset, so readers
+    seek past the padding) and ``torch.save`` puts the record's data on a page from there; the slot's box lies on a
+    page too (:data:`.capture.ALIGN`), so the :class:`Sink` writes it to the disk from the slot, without a copy.  A
+    smaller tensor keeps ``torch.save``'s own alignment (a page each would pad its records by ~24 KiB)."""
     from torch.futures import Future
     from torch.utils.serialization import config
 

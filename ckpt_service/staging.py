@@ -5,25 +5,19 @@ Layout under the node's staging root (``/dev/shm/accelpact-<uid>/<key>/``, mode 
     rank-L.slot-S            a preallocated, memory-mapped file (S = 0, 1): the rank's boxes, raw bytes
     step-N/rank-L.desc       which slot, where every box lies in it, the plain state and the metadata
 
-A rank copies its boxes into a free slot (a memcpy into pages touched once, no serialisation), then
-writes the descriptor under a temporary name and renames it, so the daemon never reads half of one.
-The daemon maps the slot read-only and hands the boxes to DCP as views (no copy, no reassembly).
-A slot is reused only after the daemon has finished writing the snapshot that used it
-(:meth:`ckpt_service.client.SnapshotClient` asks); a second slot is created only when the first
-one is still busy.  The descriptor records the slot file's inode: a slot replaced in between
-(a restarted daemon clears the staging root) is detected, never read as the wrong data.
+A rank copies its boxes into a free slot (a memcpy into pages touched once), then writes the descriptor under a
+temporary name and renames it, so the daemon never reads half of one; the daemon maps the slot read-only and hands the
+boxes to DCP as views (no copy, no reassembly).  A slot is reused only once the daemon finished writing from it
+(:meth:`ckpt_service.client.SnapshotClient` asks); a second slot is made only while the first is busy.  The
+descriptor records the slot's inode (a slot replaced in between, by a restarted daemon, is detected), and each slot
+ends in a stamp (:data:`STAMP_BYTES`: the snapshot's step and a random token, also in the descriptor) that the rank
+clears before its copy and writes after it, and the daemon checks before writing and again before the commit: a slot
+rewritten in between fails the snapshot instead of committing another step's data under this step's name.
 
-Each slot ends in a stamp (:data:`STAMP_BYTES` after the boxes): the step and a random token of the snapshot
-it holds, also recorded in the descriptor.  The rank clears the stamp before it copies into the slot and writes
-it after the copy; the daemon checks it before it writes the snapshot and again once every byte is written,
-before the commit.  A slot rewritten in between (the same file, so the inode guard passes) fails the snapshot
-instead of committing another step's data under this step's name.
-
-Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` (``read_descriptor``, ``map_slot``,
-for :mod:`.dcp_write`), which also removes a step's descriptors once it is settled.
-A daemon drops its whole staging root at its start and at a clean exit; what a daemon killed by
-``kill -9`` left behind, the launchers drop once the job has ended (:func:`drop_unserved`, also
-``python -m ckpt_service.staging --drop NODE_DIR``).
+Who calls: :mod:`.client` (``Slot``, ``write_descriptor``), :mod:`.daemon` (``read_descriptor``, ``map_slot``, for
+:mod:`.dcp_write`; it removes a step's descriptors once settled).  A daemon drops its staging root at its start and at
+a clean exit; what a daemon killed by ``kill -9`` left, the launchers drop once the job ended (:func:`drop_unserved`,
+also ``python -m ckpt_service.staging --drop NODE_DIR``).
 """
 
 from __future__ import annotations
@@ -280,18 +274,15 @@ def drop_unserved(ndir: str) -> tuple[str, str]:
     Returns ``(REMOVED | NOTHING | SERVED | FAILED, why)``.
 
     Who calls: the embedded default's launcher once a start's ranks and daemons are gone
-    (:mod:`accelpact_slurm.launch.local`), and on Slurm the template's daemon step after its daemon exited,
-    however it exited (``accelpact-ckptd --drop-staging``).  A daemon drops its staging root itself at its
-    start and at a clean exit; one killed by ``kill -9`` (or the OOM killer) cannot, and its slots -- each as
-    large as a rank's share of the state, in RAM-backed ``/dev/shm`` -- would stay until that node
-    directory's next daemon, which may never come to this node.
+    (:mod:`accelpact_slurm.launch.local`); on Slurm the template's daemon step after its daemon exited
+    (``accelpact-ckptd --drop-staging``).  A daemon killed by ``kill -9`` (or the OOM killer) cannot drop its own
+    slots (each as large as a rank's share of the state, in RAM-backed ``/dev/shm``), and no daemon may come again.
 
-    The node directory's daemon lock (``ckptd.lock``, flock) is taken non-blocking first and held while
-    removing: while a live daemon holds it, nothing is touched (``SERVED``).  The kernel releases a dead
-    daemon's lock, ``kill -9`` included.  Without a node directory (missing, or a file in its place) no daemon
-    can serve it and there is no lock to take: what the node's ranks staged there anyway (they stage before
-    they learn that no daemon came) is read by nobody and removed (``REMOVED``); else ``NOTHING``, and no
-    directory is created.
+    The node directory's daemon lock (``ckptd.lock``, flock) is taken non-blocking first and held while removing:
+    while a live daemon holds it, nothing is touched (``SERVED``).  The kernel releases a dead daemon's lock,
+    ``kill -9`` included.  Without a node directory (missing, or a file in its place) no daemon can serve it and there
+    is no lock to take: what the node's ranks staged there anyway (they stage before they learn that no daemon came)
+    is read by nobody and removed (``REMOVED``); else ``NOTHING``, and no directory is created.
     """
     ndir = os.path.abspath(ndir)
     root = staging_root(ndir)

@@ -1,20 +1,15 @@
 """The shared tier: verified snapshots copied asynchronously and atomically to the job's shared directory.
 
-What goes there (pure :func:`should_upload`, asked by the daemon once a snapshot is verified):
+What goes there (pure :func:`should_upload`, asked by the daemon once a snapshot is verified): every
+``checkpoint.shared_every``-th snapshot, **once per job** (snapshot ``n = step // every_steps`` when
+``n % shared_every == 0``, copied by node ``(n // shared_every) % num_nodes``: the uploader rotates, so no node's disk
+or link carries every copy); every milestone (``checkpoint.milestone_every``), by every node.
 
-- every ``checkpoint.shared_every``-th snapshot, written **once per job**: snapshot number
-  ``n = step // every_steps`` goes up when ``n % shared_every == 0``, copied by the node with index
-  ``(n // shared_every) % num_nodes`` (the uploader rotates, so no node's disk or link carries every copy);
-- every milestone (``checkpoint.milestone_every``): every node copies it, the first rename wins.
-
-The copy (:func:`copy_to_shared`) goes to ``<shared>/.tmp-step-N-<node>-<pid>``, every file and the
-directory fsynced, then renamed to ``<shared>/step-N``; the first rename wins and the others discard
-their copy, so a half-copied snapshot is never visible.  The source is the node's *verified* copy, and
-its ``state.json`` (``verified``) travels with it.
-
-After an upload the uploading daemon prunes the tier (:func:`prune_shared`, rules in
-:func:`ckpt_service.retention.plan_shared_retention`): rename to ``.del-...`` first, then remove, so two
-daemons pruning at once never list or load a half-deleted snapshot.
+The copy (:func:`copy_to_shared`) of the node's *verified* copy, its ``state.json`` with it, goes to
+``<shared>/.tmp-step-N-<node>-<pid>``, every file and the directory fsynced, then is renamed to ``<shared>/step-N``:
+the first rename wins, the others discard theirs, and a half-copied snapshot is never visible.  The uploader then
+prunes the tier (:func:`prune_shared`, rules in :func:`ckpt_service.retention.plan_shared_retention`): rename to
+``.del-...`` first, then remove, so two daemons pruning at once never list or load a half-deleted snapshot.
 """
 
 from __future__ import annotations

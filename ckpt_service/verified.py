@@ -1,18 +1,14 @@
 """Verify what is loaded on the handle it is loaded from: the manifest, the files, and DCP's reader over them.
 
-Authenticating ``.metadata`` on one ``open()`` and letting DCP unpickle it on a second one leaves a
-window: whoever can rename entries of the directory (anyone who can write the shared tier) puts her
-pickle in its place between the two, and it runs as the job's user.  So nothing here re-opens a file
-between its check and its use:
-
-- :func:`read_manifest` reads ``manifest.json`` once (a regular file of bounded size, :mod:`.safeio`),
-  authenticates it under the run's key and checks that the step it was signed for is the step the
-  directory is named after (an authentic older snapshot renamed to a newer step is refused);
-- :func:`open_checked` opens one listed file, checks on that descriptor that it is a regular file of
-  the job's user that nobody else may write (so its bytes cannot change under the descriptor), of the
-  listed size, and hashes it there;
-- :class:`VerifiedReader` is DCP's ``FileSystemReader`` whose ``read_metadata`` unpickles the verified
-  bytes held in memory and whose every data stream is a descriptor that passed :func:`open_checked`.
+Authenticating ``.metadata`` on one ``open()`` and letting DCP unpickle it on a second leaves a window: whoever can
+rename entries of the directory (anyone who can write the shared tier) puts her pickle in its place in between, and it
+runs as the job's user.  So nothing here re-opens a file between its check and its use: :func:`read_manifest` reads
+``manifest.json`` once (bounded, :mod:`.safeio`), authenticates it under the run's key and checks it was signed for
+the step the directory is named after (an authentic older snapshot renamed to a newer step is refused);
+:func:`open_checked` opens one listed file and checks on that descriptor that it is a regular file of the job's user
+that nobody else may write, of the listed size, and hashes it there; :class:`VerifiedReader` is DCP's
+``FileSystemReader`` whose ``read_metadata`` unpickles the verified bytes held in memory and whose every data stream
+is a descriptor that passed :func:`open_checked`.
 
 Who calls: the reload (:func:`accelpact_slurm.runtime.state.appstate.load`) and the verification
 (:func:`ckpt_service.verify.verify_snapshot`).

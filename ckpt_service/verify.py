@@ -1,11 +1,10 @@
 """Verification of a committed snapshot that needs no model: checksums and metadata coverage.
 
-``verify_snapshot`` returns ``(ok, reason)``; the daemon and ``accelpact-ckpt verify`` record
-``verified`` or ``rejected`` from it.  What else a snapshot must prove happens elsewhere, without
-rebuilding the user's model either: the capture is proven against the live shards on the ranks
-(:mod:`ckpt_service.proof`, once per job and capture plan), and the replay check runs on the user's
-own training path after a restart (:mod:`accelpact_slurm.runtime.state.replay`).  ``docs/checkpoints.md``
-states what "verified" means.
+``verify_snapshot`` returns ``(ok, reason)``; the daemon and ``accelpact-ckpt verify`` record ``verified`` or
+``rejected`` from it.  What else a snapshot must prove happens elsewhere, without rebuilding the user's model either:
+the capture is proven against the live shards on the ranks (:mod:`ckpt_service.proof`, once per job and capture plan),
+and the replay check runs on the user's own training path after a restart
+(:mod:`accelpact_slurm.runtime.state.replay`).  ``docs/checkpoints.md`` states what "verified" means.
 """
 
 from __future__ import annotations

@@ -129,9 +129,8 @@ def _bad_line(b: dict[str, Any]) -> str:
 def set_every_steps(text: str, steps: int) -> tuple[str, int | None]:
     """Set ``every_steps`` inside the ``checkpoint:`` mapping by editing one line; returns (text, old value).
 
-    Comments, blank lines and every other line are kept byte for byte.  Adds the
-    key (or the whole mapping) when absent.  Flow style (``checkpoint: {...}``) is
-    refused rather than rewritten.
+    Comments, blank lines and every other line are kept byte for byte.  Adds the key (or the whole mapping) when
+    absent.  Flow style (``checkpoint: {...}``) is refused rather than rewritten.
     """
     lines = text.splitlines(keepends=True)
     nl = "\r\n" if lines and lines[0].endswith("\r\n") else "\n"

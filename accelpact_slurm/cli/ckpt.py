@@ -58,7 +58,6 @@ def cmd_list(args) -> int:
 
 def _key(args, path: str) -> bytes | None:
     """The run's key (from --run-dir, else the nearest run directory above ``path``); None with a message."""
-
     run_dir = args.run_dir or find_run_dir(path)
     if run_dir is None:
         print(f"accelpact-ckpt: no run key (.accelpact-key) in or above {path}: pass --run-dir RUN_DIR; nothing of "

@@ -1,22 +1,19 @@
 """``accelpact-ckptd CONFIG --run-dir DIR``: the checkpoint daemon of one node of one job.
 
-Started by ``accelpact-run`` (one per emulated node) and by the sbatch template
-(``srun --ntasks-per-node=1``, one per node).  A second daemon for the same node
-directory exits at once with code 2 and a message naming the holder.  SIGINT or SIGTERM:
-finish in-flight snapshots up to ``--drain-s``, then exit 0.  With ``--keep-serving-on-sigterm``
-(the sbatch template, submitit's Slurm tasks) SIGTERM does not stop it: Slurm sends SIGTERM to every
-task of a preempted job, and the ranks answer it with a snapshot that needs this daemon; the
-launcher stops it with SIGINT once the ranks are gone (Slurm's SIGKILL ends it otherwise).  SIGUSR2
-(the pre-timeout warning, meant for the ranks) is ignored.
+Started by ``accelpact-run`` (one per emulated node) and by the sbatch template (``srun --ntasks-per-node=1``, one per
+node).  A second daemon for the same node directory exits at once with code 2 and a message naming the holder.  SIGINT
+or SIGTERM: finish in-flight snapshots up to ``--drain-s``, then exit 0.  With ``--keep-serving-on-sigterm`` (the
+sbatch template, submitit's Slurm tasks) SIGTERM does not stop it: Slurm sends SIGTERM to every task of a preempted
+job, and the ranks answer it with a snapshot that needs this daemon; the launcher stops it with SIGINT once the ranks
+are gone (Slurm's SIGKILL ends it otherwise).  SIGUSR2 (the pre-timeout warning, meant for the ranks) is ignored.
 
 ``--drop-staging``: serve nothing; remove the shared-memory staging a daemon of this node killed by
 ``kill -9`` left behind, unless a live daemon holds the node directory's lock
 (:func:`ckpt_service.staging.drop_unserved`).  The template runs it after the daemon exits.
 
-Which node uploads which snapshot to the shared tier needs the node's index, the node count and the
-snapshot cadence: ``--node-index`` (else ``$SLURM_NODEID``), ``--num-nodes`` (else
-``$SLURM_JOB_NUM_NODES``, else the job file's ``topology.nodes``) and ``--every-steps`` (else the job
-file's ``checkpoint.every_steps``).
+Which node uploads which snapshot to the shared tier needs the node's index, the node count and the snapshot cadence:
+``--node-index`` (else ``$SLURM_NODEID``), ``--num-nodes`` (else ``$SLURM_JOB_NUM_NODES``, else the job file's
+``topology.nodes``) and ``--every-steps`` (else the job file's ``checkpoint.every_steps``).
 """
 
 from __future__ import annotations
@@ -188,7 +185,6 @@ def placement(node_index: int | None, num_nodes: int | None, file_nodes: int,
 
 def _drop_staging(args: argparse.Namespace) -> int:
     """``--drop-staging``: this node's leftovers of a killed daemon, found as the daemon finds its node directory."""
-
     try:
         local_dir = load_config(args.config).checkpoint.local_dir
     except (AccelpactError, OSError) as exc:

@@ -1,20 +1,18 @@
 """``python -m accelpact_slurm.cli.node {gpus,serve,usr2,settle}``: the sbatch template's hooks into the launch core.
 
-Not a user command: ``sbatch_templates/hsdp.sbatch`` spells no protocol itself and calls these instead.
+Not a user command: ``sbatch_templates/hsdp.sbatch`` spells no protocol itself and calls these instead (Slurm's
+variables give the rest):
 
-* ``gpus [--job-file CONFIG]``: print the allocation's GPUs per node (0: a CPU job); exit 2 with a one-line error
-  when they differ from the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`), or when the job
-  file is one the workers would refuse (naming the field, the value and the fix).  Checked in the batch shell,
-  before any step: every task would refuse it alike, and ``srun --kill-on-bad-exit`` would end the slower ones
-  (status 143, read as a crash) before they could say so with 2.
-* ``serve CONFIG --run-dir DIR``: this node's checkpoint daemon (one task per node), then the shared-memory
-  staging a killed daemon left (:func:`accelpact_slurm.launch.core.serve_node`).
-* ``usr2 RUN_DIR [--step-pid PID]``: the pre-timeout USR2 reached the batch shell: record it, and forward it to the
-  training step once every task is ready (:func:`accelpact_slurm.launch.core.forward_usr2`).
-* ``settle RUN_DIR --status RC [--ending]``: the training step ended with RC: exit with the job's exit code, after
-  asking Slurm for the requeue of a crash nobody decided on (:func:`accelpact_slurm.launch.core.settle_step`).
-
-Slurm's variables (``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``SLURM_NTASKS``, ``SLURM_NODEID``, ...) give the rest.
+* ``gpus [--job-file CONFIG]``: print the allocation's GPUs per node (0: a CPU job); exit 2 with one line when they
+  differ from the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`) or the job file is one the
+  workers would refuse.  Checked in the batch shell before any step: ``srun --kill-on-bad-exit`` would end the slower
+  tasks (status 143, read as a crash) before they could say so with 2.
+* ``serve CONFIG --run-dir DIR``: this node's checkpoint daemon, then the staging a killed daemon left
+  (:func:`accelpact_slurm.launch.core.serve_node`).
+* ``usr2 RUN_DIR [--step-pid PID]``: record the pre-timeout USR2 and forward it to the training step once every task
+  is ready (:func:`accelpact_slurm.launch.core.forward_usr2`).
+* ``settle RUN_DIR --status RC [--ending]``: exit with the job's exit code, after asking Slurm to requeue a crash
+  nobody decided on (:func:`accelpact_slurm.launch.core.settle_step`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """``accelpact-qualify CONFIG``: earn (or refuse) the envelope entry for L1 Preserve on this platform.
 
-Runs one uninterrupted reference run of the job, then N trial runs that each inject a
-real fault in the failure phase being qualified (--phase), with Preserve attempted:
-``committed`` (a rank withholds its part of the replication collective at the committed
-boundary of an update) or ``backward`` (a rank withholds every replication all-reduce of
-an update's backward; the update is discarded and runs again), or ``all`` (both in turn, after one shared
-reference run: what a job's start-up warning on an unqualified release asks for).  A trial succeeds when the run
-repairs in process (a
-``repair`` event, no ``fail_stop``), exits 0 and ends with the reference run's
-``final_state_digest``.  The key <platform, profile, phase, objective> comes from the job
-itself (the reference run's ``protected`` event); the objective is ``exact``.
+One uninterrupted reference run of the job, then N trial runs that each inject a real fault in the phase qualified
+(--phase): ``committed`` (a rank withholds its part of the replication collective at an update's committed
+boundary), ``backward`` (it withholds every replication all-reduce of an update's backward; the update runs again), or
+``all`` (both, after one shared reference run: what an unqualified release's start-up warning asks for).  A trial
+succeeds when the run repairs in process (a ``repair`` event, no ``fail_stop``), exits 0 and ends with the reference
+run's ``final_state_digest``.  The key <platform, profile, phase, objective> comes from the job itself (the reference
+run's ``protected`` event); the objective is ``exact``.
 
-The entry is written with its evidence (trials, successes, date, torch and backend
-versions, and each failed trial with its reason) into --envelope FILE, else
-$ACCELPACT_ENVELOPE, else the user's $XDG_CONFIG_HOME/accelpact/envelope.yaml
-(~/.config/accelpact/envelope.yaml without XDG_CONFIG_HOME), which the runtime layers
-over the envelope shipped in the package, so the user's next job uses it.  All trials
-passing qualifies the key (preserve, restart); the first failed trial ends the qualification (the
-remaining trials are not run) and records restart only,
-which overrides a shipped entry for that key.
+The entry and its evidence (trials, successes, date, torch and backend versions, each failed trial's reason) go to
+--envelope FILE, else $ACCELPACT_ENVELOPE, else $XDG_CONFIG_HOME/accelpact/envelope.yaml
+(~/.config/accelpact/envelope.yaml), which the runtime layers over the shipped envelope for the user's next job.  All
+trials passing qualifies the key (preserve, restart); the first failed trial ends the qualification and records
+restart only, which overrides a shipped entry for that key.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``accelpact-run CONFIG``: run a training job on this machine (the embedded default).
 
-Every rank calls the job file's ``entry: module:function`` with its Job (the public API,
-docs/api.md).  The command launches the job itself: ``topology.nodes x topology.ranks_per_node``
-local processes (``python -m accelpact_slurm.cli.worker``, the same worker entry the sbatch
-template's ranks run) with an emulated Slurm environment, and relaunches it in place where Slurm
-would requeue it.  On Slurm, submit sbatch_templates/hsdp.sbatch or use accelpact-submit
-(docs/launch.md#which-command-does-what).
+Every rank calls the job file's ``entry: module:function`` with its Job (the public API, docs/api.md).  The command
+launches the job itself: ``topology.nodes x topology.ranks_per_node`` local processes
+(``python -m accelpact_slurm.cli.worker``, the same worker entry the sbatch template's ranks run) with an emulated
+Slurm environment, and relaunches it in place where Slurm would requeue it.  On Slurm, submit
+sbatch_templates/hsdp.sbatch or use accelpact-submit (docs/launch.md#which-command-does-what).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Job configuration: frozen keyword-only dataclasses built from a YAML job file.
 
-One function, :func:`load_config`, turns YAML into a :class:`JobConfig`; every
-problem (malformed YAML, an unknown key, a wrong type, an impossible value,
-inconsistent timeouts) raises :class:`~accelpact_slurm.core.errors.ConfigError` whose
-one-line message names the field, the value and the fix.
+One function, :func:`load_config`, turns YAML into a :class:`JobConfig`; every problem (malformed YAML, an unknown
+key, a wrong type, an impossible value, inconsistent timeouts) raises
+:class:`~accelpact_slurm.core.errors.ConfigError` whose one-line message names the field, the value and the fix.
 
-Precedence is flag > environment > file > default; flags and environment are
-applied by the caller through :func:`with_overrides` so that this module stays
-pure.
+Precedence is flag > environment > file > default; flags and environment are applied by the caller through
+:func:`with_overrides` so that this module stays pure.
 """
 
 from __future__ import annotations
@@ -94,9 +92,8 @@ class FaultSpec:
     """``PHASE:STEP:RANK[:always]``: make RANK withhold its part of the replication
     collective in PHASE of update STEP (``boundary``: right after update STEP).
 
-    A fault fires on the job's first start only (a restart replays the update and
-    must get past it); ``:always`` makes it fire on every start (a fault that
-    recurs, as a broken node would)."""
+    A fault fires on the job's first start only (a restart replays the update and must get past it); ``:always`` makes
+    it fire on every start (a fault that recurs, as a broken node would)."""
 
     phase: str
     step: int
@@ -197,9 +194,8 @@ class _AliasRefused(Exception):
 class _NoAliasLoader(yaml.SafeLoader):
     """``SafeLoader`` that refuses aliases (``*name``, also in ``<<: *name`` merge keys).
 
-    A few hundred bytes of nested aliases (the "billion laughs") expand to gigabytes
-    as soon as anything walks the value: an error message, the job_start event, the
-    digest.  A job file has no need for them.
+    A few hundred bytes of nested aliases (the "billion laughs") expand to gigabytes as soon as anything walks the
+    value: an error message, the job_start event, the digest.  A job file has no need for them.
     """
 
     def compose_node(self, parent: Any, index: Any) -> Any:

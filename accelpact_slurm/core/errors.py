@@ -1,11 +1,10 @@
 """One exception hierarchy and the documented process exit codes.
 
-Every error the project raises derives from :class:`AccelpactError` and from the
-nearest builtin, so callers may catch either; :class:`Stopped`, the stop raised into a
-training script, is no error (a ``BaseException``).  Exit codes are the contract with
-the launcher and with Slurm: :data:`EXIT_REQUEUE` asks for a requeue and a reload
-of the newest verified checkpoint; :data:`EXIT_NO_REQUEUE` asks the supervisor to
-stop (no progress across restarts, or an error a restart cannot fix).
+Every error the project raises derives from :class:`AccelpactError` and from the nearest builtin, so callers may catch
+either; :class:`Stopped`, the stop raised into a training script, is no error (a ``BaseException``).  Exit codes are
+the contract with the launcher and with Slurm: :data:`EXIT_REQUEUE` asks for a requeue and a reload of the newest
+verified checkpoint; :data:`EXIT_NO_REQUEUE` asks the supervisor to stop (no progress across restarts, or an error a
+restart cannot fix).
 """
 
 from __future__ import annotations
@@ -138,10 +137,6 @@ class Stopped(BaseException):
 
 class RepairError(AccelpactError, RuntimeError):
     """An L1 repair phase failed; the engine turns it into a fail-stop."""
-
-
-class RepairTimeout(RepairError, TimeoutError):
-    """An L1 repair phase passed its deadline."""
 
 
 class HealError(RepairError):

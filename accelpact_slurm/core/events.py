@@ -5,9 +5,8 @@ Each line is one JSON object with at least::
     {"ts": <unix seconds, float>, "event": <kind>, "job_id": <str|None>,
      "restart": <int>, "rank": <int|None>, "node": <int|None>}
 
-plus the fields of its kind (see :data:`EVENT_KINDS`).  Lines are appended with a
-single ``write`` on an ``O_APPEND`` descriptor so that several ranks and the
-checkpoint daemons may share one file without interleaving partial lines.
+plus the fields of its kind (see :data:`EVENT_KINDS`).  Lines are appended with a single ``write`` on an ``O_APPEND``
+descriptor so that several ranks and the checkpoint daemons may share one file without interleaving partial lines.
 
 This module must not import torch: login-node tools read it.
 """
@@ -84,9 +83,6 @@ class EventLog:
         # never through a link or into a FIFO planted at the name: created O_EXCL, or an existing regular file
         # of this user (accelpact_slurm.core.safeopen)
         self._fd, _st = open_writable(self.path, append=True, mode=0o644)
-
-    def update_static(self, **fields: Any) -> None:
-        self._static.update(fields)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event and return the record written."""
@@ -292,11 +288,10 @@ def read_events(path: str | os.PathLike[str], bad: list[BadLine] | None = None, 
                 limit: int = READ_LIMIT) -> Iterator[dict[str, Any]]:
     """Yield the events of a log in order, skipping malformed or truncated lines.
 
-    Each skipped line is appended to ``bad`` (when given) with its line number and
-    why (:func:`parse_event_line`); the reader never raises on content, nor on what
-    the path is: a directory or a FIFO is one bad line (line 0), not a traceback or a
-    hang, and no more than ``limit`` bytes are read (:func:`read_lines`).  A missing
-    file yields nothing.
+    Each skipped line is appended to ``bad`` (when given) with its line number and why (:func:`parse_event_line`); the
+    reader never raises on content, nor on what the path is: a directory or a FIFO is one bad line (line 0), not a
+    traceback or a hang, and no more than ``limit`` bytes are read (:func:`read_lines`).  A missing file yields
+    nothing.
     """
     path = os.fspath(path)
     for lineno, raw in read_lines(path, bad, limit=limit):
@@ -314,9 +309,8 @@ def read_events(path: str | os.PathLike[str], bad: list[BadLine] | None = None, 
 def parse_event_line(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
     """One line of an event log as ``(event, None)``, or ``(None, why it is no event)``.
 
-    No event: not JSON, nested deeper than :data:`MAX_DEPTH`, not an object with a
-    string ``event``, or a ``ts`` that is a number but not a finite one.  A ``ts`` of
-    another type is left to the readers, which treat it as unknown.
+    No event: not JSON, nested deeper than :data:`MAX_DEPTH`, not an object with a string ``event``, or a ``ts`` that
+    is a number but not a finite one.  A ``ts`` of another type is left to the readers, which treat it as unknown.
     """
     try:
         record = parse_json(text)

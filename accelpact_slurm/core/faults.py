@@ -5,61 +5,10 @@ This is the one module that reads the test-only ``ACCELPACT_TEST_*`` / ``ACCELPA
 they receive a :class:`TestFaults` (``TestFaults()`` injects nothing) from their ``main``.
 
 Production code never branches on a switch: a switch that breaks a step is one method here (``at_update_start``,
-``reported_frontier``, ``slow_forward``), or in :mod:`ckpt_service.faults` for the checkpoint service, called
-where the fault belongs and doing nothing on ``NO_FAULTS``; a switch that turns a guarantee off (a negative
-control) picks another collaborator where the object is built (e.g.
-:func:`accelpact_slurm.runtime.state.buffers.forward_state`).  ``tests/test_layers.py`` holds the tree to that.
-
-Switches (all off by default):
-
-- ``ACCELPACT_TEST_FRONTIER_SKEW=RANK:STEP``: RANK reports a frontier one ahead in the vote of update STEP.
-- ``ACCELPACT_TEST_SKIP_RELOAD_CHECK=1``: restore loads without re-reading checksums and without the
-  replay check (negative control of the corruption tests).
-- ``ACCELPACT_TEST_NO_RESTORE_COPY=1``: restore loads only a step every rank reaches, never copying one to
-  the shared tier for the ranks that lack it (negative control of the node-loss tests).
-- ``ACCELPACT_TEST_SKIP_REBIND=1``: the repair skips rebinding and its invariant scan.
-- ``ACCELPACT_TEST_SKIP_DISCARD=1``: the repair of a backward fault skips discarding the update (FSDP's
-  per-iteration state and the gradients stay); ``ACCELPACT_TEST_SKIP_REDO_RNG=1``: the update runs again
-  without the RNG states it began with (negative controls of the backward-fault tests);
-  ``ACCELPACT_TEST_SKIP_BUFFER_RESTORE=1``: it runs again over the buffers its discarded forward changed
-  (batch-norm statistics: the negative control of the buffer tests).
-- ``ACCELPACT_TEST_SKIP_RANK_BUFFERS=1``: snapshots hold no per-rank buffers (each rank resumes with the
-  snapshot's one copy: the negative control of the per-rank buffer test).
-- ``ACCELPACT_TEST_SKIP_EXTRA_RESTORE=1``: restore loads weights and optimizer but not the extra state
-  (RNG, data loader, scheduler, user state): the negative control of the bitwise-resume tests.
-- ``ACCELPACT_CKPTD_PAUSE_AT=PHASE[:STEP]``: the daemon writes ``<node dir>/.paused-PHASE`` and blocks there.
-- ``ACCELPACT_CKPT_KILL_AFTER_STAGED=STEP:RANK``: that rank SIGKILLs itself once it handed snapshot STEP over.
-- ``ACCELPACT_CKPT_CORRUPT_CAPTURE=STEP:RANK``: that rank changes its staged weights of snapshot STEP.
-- ``ACCELPACT_CKPT_EXIT_AFTER_VERIFIED=STEP``: every rank exits 75 once snapshot STEP is settled (first start).
-- ``ACCELPACT_CKPTD_SLOW_VERIFY=NODE:SECONDS``: node NODE's daemon holds each verification (first start).
-- ``ACCELPACT_TEST_CRASH_AT=STEP:RANK[:always]``: RANK kills itself with SIGKILL as update STEP begins (as the
-  kernel's OOM killer would), on the first start only unless ``always``.
-- ``ACCELPACT_TEST_HANG_AT=STEP:RANK``: RANK stops itself with SIGSTOP as update STEP begins (a hung process:
-  alive, silent), on the first start only.
-- ``ACCELPACT_TEST_SLOW_AT=STEP:RANK:SECONDS``: RANK computes SECONDS longer in the forward of update STEP (a
-  straggler, alive and busy), on the first start only; ``SECONDS`` written ``3x`` is three times the bound the
-  rank's detector has learned by then.
-- ``ACCELPACT_TEST_PACE=SECONDS``: every rank waits SECONDS as each update begins, on the first start only (a
-  slower model: the first start lasts until a scheduler's signal comes, the restart runs at full speed; the
-  updates' results do not change).
-- ``ACCELPACT_TEST_NO_DETECTOR=1``: every wait blind, as before the fault detector (its negative control; the
-  heartbeats still run).
-- ``ACCELPACT_TEST_BUG_RESTARTS=1``: an error of the training code restarts the job as a fault would (the
-  negative control of "a bug is a bug").
-- ``ACCELPACT_TEST_KILL_NODE=PHASE:STEP:NODE[:RESTART][,...]``: every rank of node NODE SIGKILLs itself as it reaches
-  PHASE (:data:`NODE_KILL_PHASES`) of update or snapshot STEP, in start RESTART (default 0): a whole node lost
-  in one of the phases the project runs collectives in.
-- ``ACCELPACT_TEST_RETRY_REPEATED=1``: the embedded default relaunches a start that ended with the same
-  deterministic failure (an OOM kill) at the same place as the start before it (the negative control of "a
-  deterministic failure stops").
-- ``ACCELPACT_TEST_NO_LAUNCHER_PORT=1``: the embedded default hands its ranks no store port of its own
-  (``ACCELPACT_MASTER_PORT``), as the sbatch template does: they use the ports derived from the run's key
-  (``runtime/transport/store.py`` ``port_candidates``; the fault campaign's ``squat_ports``).
-- ``ACCELPACT_TEST_DEAD_PEER_AS_BUG=1``: an exception that left the entry point is the training code's bug
-  without asking whether a peer is gone (the negative control of "a dead peer is never a bug").
-- ``ACCELPACT_CKPTD_KILL_AT=PHASE:STEP[:NODE]``: the daemon (of node NODE, else every node's) SIGKILLs itself at
-  its point PHASE of snapshot STEP (``renamed``: the snapshot's directory is renamed into place, its state and the
-  node's index not yet updated), on the first start only.
+``reported_frontier``, ``slow_forward``), or in :mod:`ckpt_service.faults` for the checkpoint service, called where
+the fault belongs and doing nothing on ``NO_FAULTS``; a switch that turns a guarantee off (a negative control) picks
+another collaborator where the object is built (e.g. :func:`accelpact_slurm.runtime.state.buffers.forward_state`).
+``tests/test_layers.py`` holds the tree to that. ``docs/fault-injection.md`` lists every switch and what it does.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """What each part reads from a rank: typing protocols of the rank's runtime, one per consumer.
 
-The rank's runtime is :class:`accelpact_slurm.runtime.job.topology.Runtime` (built by ``init_runtime``); the parts
-that read it do not import it (the checkpoint client may import only ``core``; the repair engine sits below
-the runtime) and see it through one of these protocols, which names only what that part reads:
+The rank's runtime is :class:`accelpact_slurm.runtime.job.topology.Runtime`; the parts that read it do not import it
+(the checkpoint client may import only ``core``; the repair engine sits below the runtime) and see it through the
+protocol that names only what they read: :class:`RankContext` (rank, node, layout, Slurm context, the control
+plane's rounds: the checkpoint client and the reload), :class:`RepairRank` (the L1 repair engine: layout, control
+plane, replication group, mesh, timeout, device, detector), :class:`GuardRank` (the boundary guard's collective and
+vote) and :class:`RecoveryRank` (the L1 wiring: the guard's and the engine's, the hardware and the Slurm context).
 
-- :class:`RankContext`: who this rank is in the job (rank, node, local rank, the HSDP layout, the Slurm
-  context) and the control plane's rounds.  Read by the checkpoint client (``ckpt_service.client``) and by
-  the reload (``runtime.state.restore``).
-- :class:`RepairRank`: what the L1 repair engine (``repair.engine``) reads: the layout, the control plane
-  (its generations and its store), the replication group, the mesh, the collective timeout, the device and
-  the fault detector.  The engine never assigns to the runtime: it returns the groups it replaced
-  (``repair.engine.Replaced``), and the runtime applies them (``runtime.job.recovery.adopt``).
-- :class:`GuardRank`: what the boundary guard (``runtime.job.guard``) reads for its collective and its vote.
-- :class:`RecoveryRank`: what the L1 wiring (``runtime.job.recovery.build_guard``) reads: the guard's and the
-  engine's, plus the hardware and the Slurm context; and ``adopt``, the runtime's own method that takes over
-  the groups a repair replaced.
-
-Every member is read-only here (a property): a consumer that assigns to the runtime does not type-check; the
-one change a consumer makes to a rank goes through ``RecoveryRank.adopt``.
-This module imports neither torch nor anything above ``core``: process groups, the mesh, the device and
-stores are typed ``Any``.
+Every member is read-only (a property): a consumer that assigns to the runtime does not type-check; the one change
+a consumer makes goes through ``RecoveryRank.adopt`` (the engine returns the groups it replaced,
+``repair.engine.Replaced``, and the runtime adopts them).  No torch and nothing above ``core``: process groups, the
+mesh, the device and stores are typed ``Any``.
 """
 
 from __future__ import annotations

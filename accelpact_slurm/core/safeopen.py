@@ -1,28 +1,22 @@
 """The one way a file in a run or snapshot directory is opened: checked first, never followed, bounded.
 
-Anything that could once write into a run directory (another user while it was group- or world-writable,
-a shared tier's other members, a careless ``ln -s``) can leave, under a name the job or a tool opens:
+Anything that could once write into a run directory (another user while it was group- or world-writable, a shared
+tier's other members, a careless ``ln -s``) can leave, under a name the job or a tool opens: a symbolic link (an
+``open(..., O_CREAT)`` of ``.accelpact-lock`` or ``events.jsonl`` through it truncates or appends to the file it names
+with the job's rights: a root job, any file); a FIFO (a plain ``open()`` of ``summary.json`` waits for a writer
+forever); a link to ``/dev/zero`` or a file of gigabytes (a read or a parse that never ends or fills memory); a file of
+another user (a record the job would trust).  So every such open goes through this module, after the directory's own
+check (:func:`check_dir`: a plain directory of the job's user that no one else may write):
 
-- a symbolic link: an ``open(..., O_CREAT)`` of ``.accelpact-lock`` or ``events.jsonl`` through it truncates
-  or appends to whatever file it names with the job's rights (a root job: any file);
-- a FIFO: every plain ``open()`` of ``job-training.json`` or ``summary.json`` waits for a writer forever;
-- a link to ``/dev/zero`` or a file of gigabytes: a read or a JSON parse that never ends or fills memory;
-- a file of another user: a record the job would trust.
+- :func:`open_regular` (reads): ``O_NOFOLLOW`` (a link is refused), ``O_NONBLOCK`` (a FIFO opens at once), then
+  ``fstat`` on the very descriptor: a regular file only, within the caller's bound (refused before a byte is read), of
+  the expected owner where given;
+- :func:`open_writable` (locks, logs, records): ``O_CREAT | O_EXCL | O_NOFOLLOW`` creates a new file (no link or FIFO
+  can be in its place); an existing one is opened without ``O_CREAT``, with ``O_NOFOLLOW`` and ``O_NONBLOCK``, and
+  must be a regular file of this process's user;
+- :func:`read_regular`, :func:`read_fd`: exactly the bytes ``fstat`` announced; a file that changes size is refused.
 
-So every such open goes through this module, after the directory's own check (:func:`check_dir`: a plain
-directory of the job's user that no one else may write):
-
-- :func:`open_regular` (reads): ``O_NOFOLLOW`` (a link is refused, not followed), ``O_NONBLOCK`` (a FIFO
-  opens at once instead of waiting for a writer), then ``fstat`` on the very descriptor: a regular file
-  only, of at most the caller's bound (refused before a byte is read), of the expected owner where given;
-- :func:`open_writable` (locks, logs, records): ``O_CREAT | O_EXCL | O_NOFOLLOW`` creates a new file (no
-  link or FIFO can be in its place); an existing one is opened without ``O_CREAT``, with ``O_NOFOLLOW`` and
-  ``O_NONBLOCK``, and must be a regular file of this process's user;
-- :func:`read_regular`, :func:`read_fd`: exactly the bytes ``fstat`` announced, a file that shrinks or grows
-  meanwhile is refused.
-
-Torch-free, and the lowest layer: ``ckpt_service.safeio`` (walks, JSON records) and the event log's readers
-build on it.
+Torch-free, and the lowest layer: ``ckpt_service.safeio`` (walks, JSON records) and the event log's readers build on it.
 """
 
 from __future__ import annotations

@@ -1,38 +1,25 @@
 """The one launch core: what every path does to start a job's ranks and daemons, and what a rank's exit means.
 
-Three paths start a job, and all of them go through this module:
+Three paths start a job, all through this module: the embedded default (``accelpact-run``, :mod:`.local`),
+submitit (``accelpact-submit``, :mod:`.submission`: one task per rank, on Slurm or its local executor), and the
+sbatch template (``sbatch_templates/hsdp.sbatch``: ``srun`` over ``python -m accelpact_slurm.cli.worker`` per rank
+and ``python -m accelpact_slurm.cli.node`` per node and for the batch script's hooks).
 
-* the embedded default (``accelpact-run``, :mod:`.local`): one launcher on this machine emulates the nodes;
-* submitit (``accelpact-submit``, :mod:`.submission`): one submitit task per rank, on Slurm or on submitit's
-  local executor;
-* the sbatch template (``sbatch_templates/hsdp.sbatch``): a thin ``srun`` wrapper over the worker entries
-  (``python -m accelpact_slurm.cli.worker`` per rank, ``python -m accelpact_slurm.cli.node`` per node and for
-  the batch script's hooks).
-
-What lives here, and who calls it:
-
-* :func:`start_rank` -- one rank's start-up in a (real or emulated) Slurm task: the run directory's lock,
-  :func:`check_same_training`, ``check_run_dir``, then :func:`~accelpact_slurm.slurm.signals.mark_ready`.  Called by
-  the worker entry (:mod:`accelpact_slurm.cli.worker`: the template's ranks and the embedded default's) and by
-  submitit's ``RankTask``.  :func:`run_task` is the whole rank (start-up, the node's daemon where it is the
-  rank's child, training).
-* :func:`check_same_training` -- also run by both launchers before anything starts.
-* :func:`exit_verdict` -- THE mapping from an exit status (a rank's, or the training step's) to what happens
-  next: ``done``, ``requeue``, ``relaunch`` in place, or ``stop`` (do not requeue: a bug in the training code,
-  a usage error, no progress, or a job someone is ending).  :func:`combine_exit_codes` folds the ranks' codes
-  with it; :func:`relaunch_in_place` and :func:`settle_step` act on it.
-* :func:`relaunch_in_place` -- **Slurm requeues; the embedded default and submitit's local executor have no
-  Slurm, so they relaunch in place what Slurm would requeue** (the next start gets the next
-  ``SLURM_RESTART_COUNT``), up to ``recovery.max_restarts``.  This is the one place that says so.
-* :func:`settle_step` -- the batch script's end: the training step's status through :func:`exit_verdict`; a crash
-  nobody decided on is requeued here (``scontrol requeue``; exit 75), as the embedded default relaunches it.
-* :func:`forward_usr2` -- the batch script's pre-timeout USR2: recorded in the run directory, forwarded to the
-  training step once every task is ready (:func:`~accelpact_slurm.slurm.signals.mark_ready`).
-* :func:`gpus_per_node` -- the template's check before anything starts: one GPU per rank.
-* :func:`serve_node` -- one node's checkpoint daemon under the template (``srun --ntasks-per-node=1``): the
-  daemon command (:func:`~accelpact_slurm.launch.ranks.daemon_command`), then the staging a killed daemon left.
-* :func:`rank_label` / :class:`LabelledWriter` -- the ``R: `` prefix (``srun --label``'s form) every path puts
-  on the lines a rank writes to the shared output.
+* :func:`start_rank`: one rank's start-up in a (real or emulated) Slurm task: the run directory's lock,
+  :func:`check_same_training` (also run by both launchers first), ``check_run_dir``, then
+  :func:`~accelpact_slurm.slurm.signals.mark_ready`; :func:`run_task` is the whole rank (start-up, the node's daemon
+  where it is the rank's child, training).  Called by the worker entry and by submitit's ``RankTask``.
+* :func:`exit_verdict`: THE mapping from an exit status (a rank's, or the training step's) to what happens next:
+  ``done``, ``requeue``, ``relaunch`` in place, or ``stop`` (a bug, a usage error, no progress, or a job someone is
+  ending); :func:`combine_exit_codes` folds the ranks' codes with it.
+* :func:`relaunch_in_place`: **Slurm requeues; the embedded default and submitit's local executor have no Slurm,
+  so they relaunch in place what Slurm would requeue** (with the next ``SLURM_RESTART_COUNT``), up to
+  ``recovery.max_restarts``.  This is the one place that says so.
+* :func:`settle_step`: the batch script's end: a crash nobody decided on is requeued here (exit 75).
+* :func:`forward_usr2`: the pre-timeout USR2, recorded in the run directory and forwarded to the training step
+  once every task is ready.  :func:`gpus_per_node`: the template's check, one GPU per rank.
+* :func:`serve_node`: one node's checkpoint daemon under the template, then the staging a killed daemon left.
+* :func:`rank_label` / :class:`LabelledWriter`: the ``R: `` prefix (``srun --label``'s form) on a rank's lines.
 """
 
 from __future__ import annotations
@@ -105,7 +92,6 @@ def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def job_config(args: argparse.Namespace):
     """The job file with the job-level flags applied (:func:`add_job_flags`)."""
-
     cfg = load_config(args.config)
     overrides: dict[str, Any] = {}
     if args.steps is not None:
@@ -146,7 +132,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 def check_same_training(cfg, run_dir: str, allow: bool) -> None:
     """Refuse a run directory whose first start trained something else (its snapshots would all fail the
     replay check); record the training part at the first start.  ``allow``: a deliberate change."""
-
     path = os.path.join(run_dir, TRAINING_FILE)
     mine = training_part(cfg)
     check_dir(run_dir)  # a directory others may write could hold their FIFO or link at the name
@@ -191,7 +176,6 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
     Raises:
         ConfigError: A changed training or an unsafe run directory (exit 2: a requeue would not help).
     """
-
     ctx = SlurmContext.from_environ(environ)
     cfg = with_overrides(cfg, {"topology.nodes": ctx.num_nodes, "topology.ranks_per_node": ctx.ranks_per_node})
     run_dir = run_dir or os.path.join(runs_root or settings.runs_root(), ctx.job_id)
@@ -206,7 +190,6 @@ def start_rank(cfg, run_dir: str | None, environ: Mapping[str, str], *, allow_co
 def install_signals(emulated: bool) -> None:
     """First thing in a rank: an unhandled USR2 would kill the task.  In a real Slurm task SIGTERM (a preemption's
     notice) asks for the same snapshot-then-requeue; emulated, it still stops the rank."""
-
     signals.install(signals.stop_signals(emulated))
 
 
@@ -218,7 +201,6 @@ def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, s
 
     Returns the rank's exit code (a fail-stop never returns: it exits 75/76 via ``os._exit``).
     """
-
     start = start_rank(cfg, run_dir, environ, allow_config_change=allow_config_change, runs_root=runs_root)
     daemon = node_daemon(start) if node_daemon is not None else None
     try:
@@ -300,7 +282,6 @@ def combine_exit_codes(codes: Sequence[int | None]) -> int:
 
 def decided_code(events: Iterable[dict], restart: int) -> int | None:
     """What the ranks of start ``restart`` decided in the event log: 76 wins over 75; None when none did (pure)."""
-
     return step_outcome(events, restart)
 
 
@@ -329,7 +310,6 @@ def settle_step(run_dir: str, restart: int, status: int, *, ending: bool, job_id
     exit 75 when Slurm took it.  After the batch shell's own SIGTERM (``ending``) nothing undecided is requeued:
     Slurm is ending the job, and a requeue now would bring a cancelled job back or requeue one twice.
     """
-
     out = out or sys.stderr
     path = os.path.join(run_dir, EVENTS_FILE)
     decided = decided_code(read_events(path), restart) if os.path.exists(path) else None
@@ -361,7 +341,6 @@ def forward_usr2(run_dir: str, restart: int, ntasks: int, step_pid: int | None, 
     that becomes ready later reads the request file after writing its marker
     (:func:`~accelpact_slurm.slurm.signals.mark_ready`): the request reaches the start either way.
     """
-
     out = out or sys.stderr
     os.makedirs(run_dir, exist_ok=True)
     try:  # an empty marker: created new, or left as it is (never opened through a link: core.safeopen)
@@ -385,13 +364,12 @@ def forward_usr2(run_dir: str, restart: int, ntasks: int, step_pid: int | None, 
 def serve_node(config_path: str, run_dir: str, environ: Mapping[str, str], drain_s: float = 120.0) -> int:
     """One node's checkpoint daemon under the template (one task per node), output to the job's output.
 
-    The task outlives its daemon: SIGINT (how the batch script stops the daemons), SIGTERM (a preemption's
-    notice: the daemon serves on, ``--keep-serving-on-sigterm``) and USR2 reach every process of the step and
-    leave this one waiting.  A daemon killed before SIGINT came (``kill -9``, the OOM killer) is started again
-    on the same node directory, up to :data:`.daemons.DAEMON_RESTARTS` times (a ``ckptd_restarted`` event each):
-    the node's later snapshots, its final one included, go to the new one.  Once the last daemon has exited the
-    shared-memory staging it could not drop is removed -- a live daemon's never (it holds the node directory's
-    lock).
+    The task outlives its daemon: SIGINT (how the batch script stops the daemons), SIGTERM (a preemption's notice: the
+    daemon serves on, ``--keep-serving-on-sigterm``) and USR2 reach every process of the step and leave this one
+    waiting.  A daemon killed before SIGINT came (``kill -9``, the OOM killer) is started again on the same node
+    directory, up to :data:`.daemons.DAEMON_RESTARTS` times (a ``ckptd_restarted`` event each): the node's later
+    snapshots, its final one included, go to the new one.  Once the last daemon has exited the shared-memory staging
+    it could not drop is removed -- a live daemon's never (it holds the node directory's lock).
     """
     def env_int(name: str) -> int | None:
         try:

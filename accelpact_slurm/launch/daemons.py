@@ -191,7 +191,6 @@ def drop_leftover_staging(daemons: Sequence[LocalDaemon], run_dir: str, local_di
     half-made copies a daemon killed during an upload left in the shared tier (``shared``:
     ``checkpoint.shared_dir``; :func:`ckpt_service.tiers.drop_dead_copies`).
     """
-
     for d in daemons:
         what, why = drop_unserved(node_dir(run_dir, d.node, local_dir))
         if what == FAILED:

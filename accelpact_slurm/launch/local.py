@@ -1,18 +1,15 @@
 """The embedded default: run a job's ranks as local processes with an emulated Slurm environment.
 
-Outside Slurm, ``accelpact-run`` calls :func:`launch_local`, which starts one
-process per rank (``nodes x ranks_per_node`` of the job file), each seeing the
-variables ``srun --nodes=N --ntasks-per-node=R`` would give it, and supervises
-them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on
-their own (at least long enough to name a rank that died without a witness: :func:`lost_rank_grace`), then
-SIGTERM, then SIGKILL.  Each rank runs the worker entry
-(``python -m accelpact_slurm.cli.worker``, as under the sbatch template).  Rank 0's output goes to the
-terminal, every line labelled ``0: `` as ``srun --label`` writes it; every rank's output is also kept
-under ``RUN_DIR/logs/``.  What a start's exit means (relaunch in place what Slurm would requeue, or
-stop) is :func:`accelpact_slurm.launch.core.exit_verdict` and
-:func:`~accelpact_slurm.launch.core.relaunch_in_place`.  Once a start's ranks and daemons are gone,
-however they ended (``kill -9`` included), the shared-memory staging a daemon could not drop itself is
-removed.
+Outside Slurm, ``accelpact-run`` calls :func:`launch_local`, which starts one process per rank
+(``nodes x ranks_per_node`` of the job file), each seeing the variables ``srun --nodes=N --ntasks-per-node=R`` would
+give it, and supervises them: when one rank fails, the others get ``timeouts.shutdown_s`` to stop on their own (at
+least long enough to name a rank that died without a witness: :func:`lost_rank_grace`), then SIGTERM, then SIGKILL.
+Each rank runs the worker entry (``python -m accelpact_slurm.cli.worker``, as under the sbatch template).  Rank 0's
+output goes to the terminal, every line labelled ``0: `` as ``srun --label`` writes it; every rank's output is also
+kept under ``RUN_DIR/logs/``.  What a start's exit means (relaunch in place what Slurm would requeue, or stop) is
+:func:`accelpact_slurm.launch.core.exit_verdict` and :func:`~accelpact_slurm.launch.core.relaunch_in_place`.  Once a
+start's ranks and daemons are gone, however they ended (``kill -9`` included), the shared-memory staging a daemon
+could not drop itself is removed.
 """
 
 from __future__ import annotations
@@ -282,7 +279,6 @@ def record_undecided_end(run_dir: str, job_id: str, restart: int, code: int, ran
     Its frontier is the newest update the log committed (None: none yet); a rank that crashed (exit 1: an
     exception no handler took) is named with the exception its log (``logs``: rank -> path) ends with.
     """
-
     path = os.path.join(run_dir, EVENTS_FILE)
     decided, frontier = False, None
     for e in (read_events(path) if os.path.exists(path) else ()):
@@ -342,10 +338,9 @@ def _size(path: str) -> int:
 
 
 def lost_rank_grace(timeouts: Any) -> float:
-    """How long the other ranks get once one exited: ``shutdown_s``, and at least what a survivor needs to call a
-    rank gone that nobody saw die (a whole node lost: ``heartbeat_s`` without a heartbeat, and its look's slack),
-    so that the stop it writes names the lost node instead of the launcher's "every rank ended without a
-    decision"."""
+    """How long the other ranks get once one exited: ``shutdown_s``, and at least what a survivor needs to call a rank
+    gone that nobody saw die (a whole node lost: ``heartbeat_s`` without a heartbeat, and its look's slack), so that
+    the stop it writes names the lost node instead of the launcher's "every rank ended without a decision"."""
     return max(timeouts.shutdown_s, timeouts.heartbeat_s + (SLACK_INTERVALS + 2) * timeouts.heartbeat_interval_s)
 
 
@@ -411,7 +406,6 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
 def _terminate(ranks: list[RankProcess], grace_s: float) -> None:
     """Stop the ranks still running: their stacks into their logs first (a rank left over is usually stuck; a
     stopped one is woken for it), then SIGTERM, then SIGKILL after ``grace_s``."""
-
     dump_stacks([rp.proc.pid for rp in ranks if rp.proc.poll() is None])
     for rp in ranks:
         if rp.proc.poll() is None:

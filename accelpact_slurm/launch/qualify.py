@@ -204,9 +204,8 @@ def _stopped(stop: Mapping[str, int | None]) -> int:
 def qualify(config: str, cfg: JobConfig, *, envelope_path: str, note: str, trials: int, steps: int,
             work: str, phase: str | Sequence[str] = DEFAULT_PHASE, environ: Mapping[str, str] | None = None,
             stop: Mapping[str, int | None] | None = None) -> int:
-    """Run the reference, then the trials of each phase in ``phase`` (one phase or several: they share the
-    reference run), write each phase's entry as it is decided, and return the exit code (qualified only when
-    every phase is).
+    """Run the reference, then the trials of each phase in ``phase`` (one phase or several: they share the reference
+    run), write each phase's entry as it is decided, and return the exit code (qualified only when every phase is).
 
     ``stop["signal"]``, once set (by ``main``'s SIGINT/SIGTERM handler), stops the running run and returns
     128 + the signal; entries already decided stay written, the running phase's is not.

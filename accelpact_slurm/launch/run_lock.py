@@ -1,29 +1,21 @@
 """One job per run directory: an ``flock`` on ``RUN_DIR/.accelpact-lock`` that names the job holding it.
 
-Two jobs on one run directory would share its checkpoint daemons, staging slots, event log and summary: the
-second job's daemons refuse to start (the node directories are locked), its ranks then train through the first
-job's daemons and slots, and both logs interleave.  So the second job stops before any of its ranks starts, with
-one line naming the run directory and the job that holds it (:class:`RunDirInUse`, exit 2).
+Two jobs on one run directory would share its daemons, staging slots, event log and summary (the second job's
+daemons refuse the locked node directories, its ranks then train through the first job's, both logs interleave).
+So the second job stops before any of its ranks starts, naming the run directory and the holder
+(:class:`RunDirInUse`, exit 2).
 
-Who holds the lock (one process per job, for as long as the job may write into the run directory):
+The holder, for as long as the job may write there: the embedded default's launcher (across its relaunches); in an
+allocation (sbatch template, submitit), global rank 0's task; every other rank only refuses a lock of another job.
+The lock records the holder's job id, host and pid; one held under the same job id is never refused (a requeued
+start whose predecessor has not quite ended, an embedded rank under its launcher).  The kernel releases ``flock``
+when the holder ends (``kill -9`` included): no stale lock.  The lock is opened only after the run directory's
+owner-and-mode check and never through a link (:mod:`accelpact_slurm.core.safeopen`: a planted link would have the
+job truncate the file it names); either stops the start in one line, exit 2.
 
-- the embedded default (``accelpact-run`` outside Slurm): the launcher, across every relaunch of the job;
-- inside an allocation (the sbatch template's ``srun`` tasks, submitit's tasks): global rank 0's task, for its
-  lifetime.  Every other rank only checks: it refuses a lock held by another job and goes on otherwise.
-
-The lock records the job id, host and pid of its holder.  A lock held under the same job id is never refused: a
-requeued job (same Slurm job id, new start) whose earlier start has not quite ended, an embedded rank under its
-own launcher, or a relaunch by the same launcher.  ``flock`` is released by the kernel when the holder's process
-ends (``kill -9`` included), so a dead job leaves no stale lock.
-
-The lock is opened only after the run directory's owner-and-mode check and never through a link
-(:mod:`accelpact_slurm.core.safeopen`): a link planted at its name would otherwise have the job truncate and
-overwrite the file it names (a root job: any file).  Either stops the start in one line, exit 2.
-
-File systems: ``flock`` works on local file systems and on NFS (Linux emulates it with NFS byte-range locks,
-visible to every client); on Lustre only with the ``flock`` mount option (``localflock`` makes it node-local: two
-jobs whose rank 0 sit on different nodes would then both take it).  Where the file system refuses locks (ENOLCK,
-ENOSYS, EOPNOTSUPP), the job goes on with a warning: the rule is not enforced there.
+File systems: ``flock`` works locally and on NFS (emulated with byte-range locks, visible to every client); on
+Lustre only with the ``flock`` mount option (``localflock`` is node-local: two jobs whose rank 0 sit on different
+nodes would both take it).  Where locks are refused (ENOLCK, ENOSYS, EOPNOTSUPP) the job goes on with a warning.
 """
 
 from __future__ import annotations

@@ -24,31 +24,9 @@ gives each rank ``cuda:LOCAL_RANK`` (:mod:`accelpact_slurm.runtime.job.hardware`
 sets ``CUDA_VISIBLE_DEVICES`` of every task to ``nodes x G`` GPUs of this machine, and the emulated rank ``r``
 takes ``cuda:r``; with G = 0 it lists none: a CPU job.
 
-How submitit's Checkpointable mechanism maps onto our snapshot-then-requeue path (submitit 1.5.4):
-
-* submitit's ``process_job`` installs ``SignalHandler.checkpoint_and_try_requeue`` on USR2 just before it calls
-  the task.  That handler runs *inside the signal handler*, on global rank 0 only: it calls ``checkpoint()``,
-  pickles what it returns, runs ``scontrol requeue`` and ``sys.exit(-1)`` -- mid-update, with no committed
-  snapshot, and it spends ``max_num_timeout`` on every USR2 when ``timeout_min <= 50``.
-* So the first thing :meth:`RankTask.__call__` does is ``signals.install()``, which replaces that handler on every
-  rank with ours (it only sets a flag).  From then on a USR2 -- ``#SBATCH --signal=USR2@N`` as submitit writes it
-  (no ``B:``: every task gets it), a preemption's ``scancel --signal=USR2``, or the local executor's pre-timeout
-  signal -- takes our path: every rank sees the flag in the vote at the next committed boundary, takes a snapshot,
-  waits until the daemon has committed it, rank 0 runs ``scontrol requeue`` (``restart.request_requeue``) and every
-  rank exits 75.  Slurm starts the job again; submitit reruns the *same* pickled ``RankTask`` (nothing was
-  re-dumped), and the ranks reload the newest verified snapshot from the run directory, with
-  ``SLURM_RESTART_COUNT`` telling them the attempt.  submitit's timeout countdown is never touched: the cluster's
-  requeue policy and ``recovery.max_stalled_restarts`` bound the restarts, not ``max_num_timeout``.
-* :meth:`RankTask.checkpoint` only *requests* (``signals.request()``) and returns the same callable with the same
-  arguments: our state lives in snapshots, not in the pickle.  submitit calls it only when its own handler still
-  runs, i.e. a USR2 in the microseconds between submitit installing its handler and ``__call__`` replacing it, when
-  no update has run yet: requeueing the unchanged task is then exactly right.
-* Fail-stops (exit 75) are requeued on Slurm by our rank 0 (``scontrol requeue``; the job is submitted with
-  ``--requeue``).  On the local executor nothing requeues an exit 75 (submitit's local controller reruns tasks only
-  on its own code 144): ``accelpact-submit --wait`` relaunches the job with the next restart count, up to
-  ``recovery.max_restarts`` (see :func:`relaunch_decision`, which asks the launch core what the exit means, as the
-  embedded default does: a fail-stop or a crash is relaunched in place, a bug never); without ``--wait``, use
-  ``accelpact-run`` to get relaunches locally.
+submitit's Checkpointable (its USR2 handler, ``checkpoint()``, ``max_num_timeout``) is bypassed on purpose: the
+first thing :meth:`RankTask.__call__` does is ``signals.install()``, so a USR2 takes our snapshot-then-requeue path;
+``docs/launch.md`` says why, step by step (submitit 1.5.4).
 
 Output: on Slurm every task's srun has ``--label`` (each line of rank R starts ``R: ``, as under the sbatch
 template); on the local executor the task puts the same prefix on what it writes (:func:`.core.label_output`).
@@ -228,7 +206,6 @@ class RankTask(submitit.helpers.Checkpointable):
         Returns the same task with the same arguments: the state to resume from lives in the run directory's
         snapshots, not in the pickle.
         """
-
         signals.request()
         return super().checkpoint(*args, **kwargs)
 
@@ -302,7 +279,6 @@ def relaunch_decision(events: Iterable[dict], restart: int, max_restarts: int) -
     :func:`.core.relaunch_in_place`, as on the embedded default: a fail-stop or a crash is relaunched in place
     (Slurm would requeue it), a bug (76) never.
     """
-
     decided = decided_code(events, restart)
     verdict = exit_verdict(decided if decided is not None else -1, slurm=False)
     return relaunch_in_place(verdict, restart, max_restarts)

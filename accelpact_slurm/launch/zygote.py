@@ -1,22 +1,19 @@
 """Ranks forked from one process that imported the runtime once: a start in a second, a restart without imports.
 
-A rank spends most of its start importing torch and the runtime (about 1.8 CPU-seconds here); the embedded
-default starts ``nodes x ranks_per_node`` of them at once on the same cores, and again at every restart.  The
-zygote is one child of the launcher that imports them once (:data:`PRELOAD`), then forks a rank for each request:
-the child takes its environment and arguments from the request, appends its output to its log file (the
-launcher echoes rank 0's from there), and runs the worker entry's ``main`` as if it had been started as ``python -m
-accelpact_slurm.cli.worker``.  Nothing of torch runs in the zygote before a fork (no tensor, no thread pool, no
-CUDA): what a fork copies is imported modules.
+A rank spends most of its start importing torch and the runtime (about 1.8 CPU-seconds here), and the embedded
+default starts ``nodes x ranks_per_node`` of them at once on the same cores, at every restart.  The zygote, one child
+of the launcher, imports them once (:data:`PRELOAD`) and forks a rank per request: the child takes the request's
+environment and arguments, appends its output to its log file, and runs the worker entry's ``main`` as ``python -m
+accelpact_slurm.cli.worker`` would.  Nothing of torch runs in the zygote before a fork (no tensor, no thread pool, no
+CUDA): a fork copies imported modules only.
 
-Protocol (JSON lines): the launcher writes ``{"argv", "env", "log", "cwd", "module"}`` to the zygote's stdin
-(``module``: what the child runs as ``python -m``, the worker entry unless it names the node daemon's); the zygote
-answers ``{"pid": P}`` (or ``{"error": ...}``), and ``{"exit": P, "code": C}`` when a child ends (``C`` negative:
-killed by signal ``-C``, as ``Popen.returncode``).  EOF on its stdin ends the zygote (its children are the
-launcher's business).
+Protocol (JSON lines): the launcher writes ``{"argv", "env", "log", "cwd", "module"}`` (``module``: the worker
+entry, or the node daemon's); the zygote answers ``{"pid": P}`` (or ``{"error": ...}``), and ``{"exit": P, "code":
+C}`` when a child ends (``C`` negative: killed by signal ``-C``).  EOF on its stdin ends the zygote.
 
 Who calls: :func:`accelpact_slurm.launch.local.run_local` starts one per job (:class:`Zygote`) and
-:func:`accelpact_slurm.launch.local.launch_local` asks it for each rank; where it cannot start, ranks are started
-as plain subprocesses (as before).
+:func:`accelpact_slurm.launch.local.launch_local` asks it for each rank; where it cannot start, ranks are plain
+subprocesses.
 """
 
 from __future__ import annotations

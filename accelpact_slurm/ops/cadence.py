@@ -1,20 +1,16 @@
 """Checkpoint cadence: Young, Daly, a goodput model with and without L1, the paper's Delta T.
 
-Pure math and pure decisions: every function takes numbers and returns numbers,
-or ``(value, reason)``.  Nothing here reads a file, a clock or the environment;
-``accelpact_slurm.ops.cadence_analysis`` gathers the inputs and ``accelpact_slurm.cli.cadence`` prints the answers.
+Pure math and pure decisions: every function takes numbers and returns numbers, or ``(value, reason)``.  Nothing here
+reads a file, a clock or the environment; ``accelpact_slurm.ops.cadence_analysis`` gathers the inputs and
+``accelpact_slurm.cli.cadence`` prints the answers.  No torch: login-node tools use it.
 
-Units are seconds and events per second unless a name says otherwise.  An
-interval ``tau`` is *compute* time between checkpoints (Daly's convention): the
-wall time of one segment is ``tau + checkpoint_cost``.
+Units are seconds and events per second unless a name says otherwise.  An interval ``tau`` is *compute* time between
+checkpoints (Daly's convention): the wall time of one segment is ``tau + checkpoint_cost``.
 
 References:
-    J. W. Young, "A first order approximation to the optimum checkpoint interval",
-    CACM 17(9), 1974.  J. T. Daly, "A higher order estimate of the optimum
-    checkpoint interval for restart dumps", FGCS 22(3), 2006.
+    J. W. Young, "A first order approximation to the optimum checkpoint interval", CACM 17(9), 1974.
+    J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006.
     F. Garwood, "Fiducial limits for the Poisson distribution", Biometrika 28, 1936.
-
-This module must not import torch: login-node tools use it.
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ def young_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
 def daly_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
     """Daly's higher-order optimum (FGCS 2006, eq. 37).
 
-    ``sqrt(2 d M) * (1 + sqrt(d / 2M) / 3 + (d / 2M) / 9) - d`` for ``d < 2M``,
-    else ``M``.  With restart 10 min and checkpoint cost 5 min this gives about
-    117 min at M = 24 h, 57 min at 6 h and 9.1 min at 15 min (Daly's cases).
+    ``sqrt(2 d M) * (1 + sqrt(d / 2M) / 3 + (d / 2M) / 9) - d`` for ``d < 2M``, else ``M``.  With restart 10 min and
+    checkpoint cost 5 min this gives about 117 min at M = 24 h, 57 min at 6 h and 9.1 min at 15 min (Daly's cases).
     """
     _check_cost(checkpoint_cost_s)
     if math.isinf(mtbf_s):
@@ -72,10 +67,9 @@ def interval_steps(interval_s: float, step_time_s: float | None) -> int | None:
 def expected_goodput(interval_s: float, checkpoint_cost_s: float, restart_cost_s: float, mtbf_s: float) -> float:
     """Useful fraction of wall time under Daly's exponential model.
 
-    Daly's expected wall time for ``Ts`` of work is
-    ``M e^(R/M) (e^((tau + d)/M) - 1) Ts / tau``; goodput is ``Ts`` over that.
-    Failures during checkpoints and restarts are counted (the model is exact for
-    Poisson failures).  Without failures it is ``tau / (tau + d)``.
+    Daly's expected wall time for ``Ts`` of work is ``M e^(R/M) (e^((tau + d)/M) - 1) Ts / tau``; goodput is ``Ts``
+    over that.  Failures during checkpoints and restarts are counted (the model is exact for Poisson failures).
+    Without failures it is ``tau / (tau + d)``.
     """
     if interval_s <= 0:
         return 0.0
@@ -101,50 +95,13 @@ def goodput_with_l1(
 ) -> float:
     """Goodput when L1 repairs its eligible faults in place.
 
-    Eligible faults leave the restart rate (``restart_rate`` must already exclude
-    them); each costs ``repair_s`` of wall time instead, with zero replay.  The
-    boundary guard slows compute by ``1 + guard_overhead``.  So
+    Eligible faults leave the restart rate (``restart_rate`` must already exclude them); each costs ``repair_s`` of
+    wall time instead, with zero replay.  The boundary guard slows compute by ``1 + guard_overhead``.  So
     ``g = g_daly(M = 1/restart_rate) * (1 - eligible_rate * repair_s) / (1 + h)``.
     """
     base = expected_goodput(interval_s, checkpoint_cost_s, restart_cost_s, _mtbf(restart_rate))
     repair_loss = min(1.0, max(0.0, eligible_rate * repair_s))
     return base * (1.0 - repair_loss) / (1.0 + max(0.0, guard_overhead))
-
-
-def optimal_interval_numeric(checkpoint_cost_s: float, restart_cost_s: float, mtbf_s: float) -> float:
-    """The interval that maximises :func:`expected_goodput`, by golden-section search on log tau.
-
-    Used to check Daly's closed form and by tests; ``inf`` when nothing fails.
-    """
-    if math.isinf(mtbf_s):
-        return math.inf
-    lo, hi = math.log(max(checkpoint_cost_s, 1e-6) * 1e-3), math.log(mtbf_s * 50.0)
-    phi = (math.sqrt(5.0) - 1.0) / 2.0
-
-    def f(x: float) -> float:
-        return -expected_goodput(math.exp(x), checkpoint_cost_s, restart_cost_s, mtbf_s)
-
-    a, b = lo, hi
-    c, d = b - phi * (b - a), a + phi * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(200):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - phi * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + phi * (b - a)
-            fd = f(d)
-    return math.exp((a + b) / 2.0)
-
-
-def interval_grid(center_s: float, points: int = 61, span: float = 10.0) -> list[float]:
-    """Log-spaced intervals from ``center / span`` to ``center * span`` (for curves and charts)."""
-    if not center_s > 0 or math.isinf(center_s):
-        raise ValueError(f"grid centre must be a positive finite interval, got {center_s!r}")
-    lo, hi = math.log(center_s / span), math.log(center_s * span)
-    return [math.exp(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
 
 
 # --------------------------------------------------------------------------- rates
@@ -153,9 +110,8 @@ def interval_grid(center_s: float, points: int = 61, span: float = 10.0) -> list
 def poisson_count_interval(count: int, confidence: float = 0.95) -> tuple[float, float]:
     """Exact (Garwood) two-sided interval on the mean of a Poisson count.
 
-    The lower limit solves ``P(X >= n | mu) = alpha/2`` (0 when n = 0); the upper
-    solves ``P(X <= n | mu) = alpha/2``.  Equivalent to the chi-square form
-    ``chi2(alpha/2, 2n)/2 .. chi2(1 - alpha/2, 2n + 2)/2`` without needing scipy.
+    The lower limit solves ``P(X >= n | mu) = alpha/2`` (0 when n = 0); the upper solves ``P(X <= n | mu) = alpha/2``.
+    Equivalent to the chi-square form ``chi2(alpha/2, 2n)/2 .. chi2(1 - alpha/2, 2n + 2)/2`` without needing scipy.
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
@@ -236,9 +192,8 @@ def delta_t(
 ) -> DeltaT:
     """Net cluster time saved by L1 over a campaign of ``baseline_s`` (counts are for that campaign).
 
-    The paper's example: A = 5, t_update = 220 s, T_repair = 0.77 s, h = 0.002,
-    T0 = 86,400 s gives S = 1,099.2 s, h T0 = 172.8 s and break-even at one
-    eligible failure every 6.3 days.
+    The paper's example: A = 5, t_update = 220 s, T_repair = 0.77 s, h = 0.002, T0 = 86,400 s gives S = 1,099.2 s, h
+    T0 = 172.8 s and break-even at one eligible failure every 6.3 days.
     """
     saved = age_steps * step_time_s - repair_s
     monitoring = guard_overhead * baseline_s
@@ -283,9 +238,8 @@ def decide_interval(
 ) -> tuple[float, str]:
     """Daly's interval for the restart rate, and why; with no failure seen, the rate's upper bound.
 
-    Choosing the upper bound when nothing failed is deliberate: zero failures over a
-    short history is weak evidence, and a too-long interval costs more than a
-    too-short one near the optimum (the goodput curve is flat to the left).
+    Choosing the upper bound when nothing failed is deliberate: zero failures over a short history is weak evidence,
+    and a too-long interval costs more than a too-short one near the optimum (the goodput curve is flat to the left).
     """
     if restart.count > 0:
         mtbf, basis = 1.0 / restart.rate, f"{restart.count} restart-causing interruptions"

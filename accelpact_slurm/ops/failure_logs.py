@@ -1,24 +1,20 @@
 """Failure history from the logs admins already have, classified for ``accelpact-cadence``.
 
 Three sources, each parsed line by line; a line that cannot be read becomes a
-:class:`~accelpact_slurm.core.events.BadLine` (file, 1-based line number, reason) and is
-skipped, so a truncated or hand-edited log never stops the analysis:
+:class:`~accelpact_slurm.core.events.BadLine` (file, 1-based line number, reason) and is skipped, so a truncated or
+hand-edited log never stops the analysis:
 
-* ``sacct --parsable2`` output (``sacct -P -D -X -o JobID,State,ExitCode,Start,End,NodeList,Elapsed``).
-  The first line must be the header; without one (``-n``) that field order is assumed.
-  ``JobID`` and ``State`` are required; ``Start``/``End`` or ``Elapsed`` give the
-  exposure; ``ExitCode`` separates our fail-stops (75, 76) from other failures.
-  Job steps (``123.batch``, ``123.0``) are ignored.
-* Slurm's ``jobcomp/filetxt`` log: one ``Key=Value ...`` line per run.  A run
-  ended by ``scontrol requeue`` is logged as ``PENDING``: it is read as a requeue.
-* Our own event logs (``events.jsonl``), which know what Slurm cannot: whether a
-  fault hit a committed boundary (L1-eligible) or uncommitted compute, and the
-  measured costs (step time, snapshot blocking time, restart time, repair time).
+* ``sacct --parsable2`` output (``sacct -P -D -X -o JobID,State,ExitCode,Start,End,NodeList,Elapsed``).  The first
+  line must be the header; without one (``-n``) that field order is assumed. ``JobID`` and ``State`` are required;
+  ``Start``/``End`` or ``Elapsed`` give the exposure; ``ExitCode`` separates our fail-stops (75, 76) from other
+  failures.  Job steps (``123.batch``, ``123.0``) are ignored.
+* Slurm's ``jobcomp/filetxt`` log: one ``Key=Value ...`` line per run; a run ended by ``scontrol requeue`` is logged
+  as ``PENDING`` and read as a requeue.
+* Our own event logs (``events.jsonl``), which know what Slurm cannot: whether a fault hit a committed boundary
+  (L1-eligible) or uncommitted compute, and the measured costs (step, snapshot, restart and repair times).
 
-The same run seen in several sources is counted once; the event log refines the
-class of a Slurm record of the same job and restart.
-
-This module must not import torch: login-node tools use it.
+The same run seen in several sources is counted once; the event log refines the class of a Slurm record of the same
+job and restart.  No torch: login-node tools use it.
 """
 
 from __future__ import annotations

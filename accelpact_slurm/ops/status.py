@@ -1,12 +1,10 @@
 """Collect one job's status from its run directory (and Slurm, when it answers).
 
-Reads only ``events.jsonl`` (one pass, constant memory per event kind),
-``summary.json``, ``ckpt-index/<node>.json`` and the shared tier's snapshot records
-(``checkpoint.shared_dir`` of the ``job_start`` event, else ``RUN_DIR/shared-ckpt``); asks
-``squeue``/``sacct`` with a short timeout when they exist.  The step a restart would load
-comes from :func:`ckpt_service.index.restart_source`, the rule the restore applies.  Returns
-plain dicts whose keys are the stable ``--json`` schema documented in ``docs/operator-tools.md``
-(``accelpact-status/1``).
+Reads only ``events.jsonl`` (one pass, constant memory per event kind), ``summary.json``, ``ckpt-index/<node>.json``
+and the shared tier's snapshot records (``checkpoint.shared_dir`` of the ``job_start`` event, else
+``RUN_DIR/shared-ckpt``); asks ``squeue``/``sacct`` with a short timeout when they exist.  The step a restart would
+load comes from :func:`ckpt_service.index.restart_source`, the rule the restore applies.  Returns plain dicts whose
+keys are the stable ``--json`` schema documented in ``docs/operator-tools.md`` (``accelpact-status/1``).
 
 This module must not import torch: it runs on login nodes.
 """
@@ -99,9 +97,8 @@ def query_slurm(job_ids: Iterable[str], timeout_s: float = SLURM_TIMEOUT_S,
                 env: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
     """Slurm's state for each job it knows: ``{job_id: {"state": ..., "source": "squeue"|"sacct"}}``.
 
-    ``squeue`` first (running and pending jobs), then ``sacct`` for the rest.  A
-    missing command, a timeout or an error (``sacct`` without slurmdbd) just
-    leaves the job out: the caller falls back to the run directory.
+    ``squeue`` first (running and pending jobs), then ``sacct`` for the rest.  A missing command, a timeout or an
+    error (``sacct`` without slurmdbd) just leaves the job out: the caller falls back to the run directory.
     """
     ids = [j for j in dict.fromkeys(job_ids) if re.fullmatch(r"\d+(?:_\d+)?(?:\+\d+)?", j)]
     if not ids:
@@ -206,9 +203,8 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
             stale_after_s: float | None = None) -> dict[str, Any]:
     """Status of the job in ``run_dir`` as a JSON-ready dict (schema in ``docs/operator-tools.md``).
 
-    ``job_id`` defaults to the event log's, else the directory name.  ``slurm``
-    (``{"state", "source"}`` from :func:`query_slurm`) may also be applied later
-    with :func:`apply_slurm`, once the job id is known from the events.
+    ``job_id`` defaults to the event log's, else the directory name.  ``slurm`` (``{"state", "source"}`` from
+    :func:`query_slurm`) may also be applied later with :func:`apply_slurm`, once the job id is known from the events.
     """
     bad: list[BadLine] = []
     ev = _scan(os.path.join(run_dir, EVENTS_FILE), bad)

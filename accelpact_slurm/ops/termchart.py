@@ -1,8 +1,7 @@
 """A small line chart drawn with characters, for terminals on login nodes.
 
-No dependency beyond the standard library: ``accelpact-cadence`` prints goodput
-against checkpoint interval with it, and ``--plot`` draws the same data with
-matplotlib when that is installed.
+No dependency beyond the standard library: ``accelpact-cadence`` prints goodput against checkpoint interval with it,
+and ``--plot`` draws the same data with matplotlib when that is installed.
 """
 
 from __future__ import annotations

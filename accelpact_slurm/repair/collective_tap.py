@@ -31,14 +31,13 @@ _tap_originals: dict[str, object] = {}
 def install_collective_tap(on_call) -> list[str]:
     """Route every collective issued through ``ProcessGroup``'s Python methods through ``on_call``.
 
-    ``on_call(pg, method, original, args, kwargs)`` must call ``original(pg, *args, **kwargs)`` (or stand in for
-    it) and return what the caller gets (the ``Work``, or an object with its ``wait``/``is_completed``).  Every
+    ``on_call(pg, method, original, args, kwargs)`` must call ``original(pg, *args, **kwargs)`` (or stand in for it)
+    and return what the caller gets (the ``Work``, or an object with its ``wait``/``is_completed``).  Every
     ``torch.distributed`` collective (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...)
-    calls one of :data:`TAPPED_METHODS` on the group and then waits on the returned work itself (sync) or hands it
-    to the caller (``async_op=True``, as FSDP2 does), so a tap sees every collective FSDP issues from Python, on
-    any backend.  Collectives issued from C++ (functional collectives, DTensor redistribution) pass it by.
-    The methods are patched on the class, once per process; a second call replaces ``on_call``.  Returns the
-    methods patched.
+    calls one of :data:`TAPPED_METHODS` on the group and then waits on the returned work itself (sync) or hands it to
+    the caller (``async_op=True``, as FSDP2 does), so a tap sees every collective FSDP issues from Python, on any
+    backend.  Collectives issued from C++ (functional collectives, DTensor redistribution) pass it by.  The methods
+    are patched on the class, once per process; a second call replaces ``on_call``.  Returns the methods patched.
     """
     cls = dist.ProcessGroup
     with _tap_lock:

@@ -1,21 +1,15 @@
 """L1 repair of a replication-group fault during forward/backward: discard the update, replace the groups.
 
-A fault before ``optimizer.step`` of update F+1 leaves every rank's weights and optimizer state at
-S_F; only FSDP's per-iteration bookkeeping is left mid-flight (different on each rank) and some of
-the HSDP groups are dead (a dead Gloo group stays dead).  The repair, after the vote told every rank
-that update F+1 failed, in this order on **every** rank (those whose backward finished too):
+A fault before ``optimizer.step`` of update F+1 leaves every rank's weights and optimizer state at S_F; only FSDP's
+per-iteration bookkeeping is mid-flight (different on each rank) and some HSDP groups are dead (a dead Gloo group
+stays dead).  After the vote, on **every** rank: :func:`discard_update` drops the update (FSDP idle and sharded,
+every gradient gone); :func:`replace_broken_groups` builds new shard and replication groups (same members, fresh
+store prefix), rebinds every cached reference, checks none is left and retires the old ones; the caller restores
+the update's RNG states and redoes it on the same batch, bitwise as an uninterrupted run.
 
-1. :func:`discard_update` drops the update: FSDP back to idle and sharded, every gradient gone.
-2. :func:`replace_broken_groups` builds a new shard group and a new replication group (identical
-   membership, fresh store prefix), rebinds every cached reference, checks none is left, retires
-   the old ones.
-3. The caller restores the RNG states saved at the start of the update and redoes it on the same
-   batch: the result is bitwise that of an uninterrupted run.
-
-:func:`withhold_replication` is the fault injection used by tests and by ``--inject``: on the faulting
-rank it withholds every replication all-reduce FSDP issues, so its peers time out in their backward.
-
-Every private torch attribute touched here is reached through :mod:`accelpact_slurm.repair.torch_compat`.
+:func:`withhold_replication` is the fault injection of tests and ``--inject``: the faulting rank withholds every
+replication all-reduce FSDP issues, so its peers time out in their backward.  Every private torch attribute is
+reached through :mod:`accelpact_slurm.repair.torch_compat`.
 """
 
 from __future__ import annotations
@@ -46,19 +40,16 @@ MESH_DIMS = {"replicate": 0, "shard": 1}
 def discard_update(model: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp: str) -> dict[str, int]:
     """Drop the failed update's FSDP iteration state and every gradient; weights and optimizer state stay.
 
-    Called on every rank, after the vote decided that the update failed and before the guard's idle
-    and no-outstanding-gradient checks (which the mid-flight state would fail), also on ranks whose
-    own backward succeeded: their gradients were never averaged across nodes.  Issues no collective.
+    Called on every rank, after the vote decided that the update failed and before the guard's idle and
+    no-outstanding-gradient checks (which the mid-flight state would fail), also on ranks whose own backward succeeded:
+    their gradients were never averaged across nodes.  Issues no collective.
 
-    FSDP1: every unit resharded with its unsharded flat parameter freed, ``_saved_grad_shard`` and the
-    flat gradient deleted, the handle and the state idle, the post-backward hooks removed and their
-    flags reset, ``_post_forward_index`` cleared, the root's ``_post_backward_callback_queued`` reset,
-    the execution-order data's post-forward order cleared.  FSDP2: ``reset_iter_state()`` on the root,
-    then the unsharded parameters' ``.grad``, the accumulated unsharded gradients and the sharded
-    gradients dropped.  Both: ``optimizer.zero_grad(set_to_none=True)`` and every parameter's ``.grad``
-    set to ``None``.
-
-    Returns what was reset, as counts for the repair event.  Afterwards
+    FSDP1: every unit resharded with its unsharded flat parameter freed, ``_saved_grad_shard`` and the flat gradient
+    deleted, the handle and the state idle, the post-backward hooks removed and their flags reset,
+    ``_post_forward_index`` cleared, the root's ``_post_backward_callback_queued`` reset, the execution-order data's
+    post-forward order cleared.  FSDP2: ``reset_iter_state()`` on the root, then the unsharded parameters' ``.grad``,
+    the accumulated unsharded gradients and the sharded gradients dropped.  Both: ``optimizer.zero_grad(set_to_none=True)``
+    and every parameter's ``.grad`` set to ``None``.  Returns what was reset, as counts for the repair event; afterwards
     ``torch_compat.fsdp_idle(model, fsdp)`` holds and no parameter has a gradient.
     """
     if fsdp == "fsdp2":
@@ -120,13 +111,12 @@ class _DistWithheld:
 def withhold_replication(model: nn.Module, fsdp: str) -> Iterator[Withholding]:
     """Fault injection: inside the block, every replication all-reduce FSDP issues raises instead.
 
-    Used only on the faulting rank, around the forward/backward of the chosen update.  The first one
-    raises :class:`ReplicationWithheld` out of ``backward()``; any later one (a caller that carries on)
-    raises too: skipping one all-reduce and joining the next desynchronises the Gloo group and aborts
-    the process, so none of the update's is ever joined.  The peers then time out (the collective
-    timeout) in their own backward.  The replication group is read from the model when the block
-    starts; the patch is the ``dist`` global of the two FSDP modules that issue the all-reduce
-    (:func:`torch_compat.replication_all_reduce_sites`), restored on exit.  Not re-entrant.
+    Used only on the faulting rank, around the forward/backward of the chosen update.  The first one raises
+    :class:`ReplicationWithheld` out of ``backward()``; any later one (a caller that carries on) raises too: skipping
+    one all-reduce and joining the next desynchronises the Gloo group and aborts the process, so none of the update's
+    is ever joined.  The peers then time out (the collective timeout) in their own backward.  The replication group is
+    read from the model when the block starts; the patch is the ``dist`` global of the two FSDP modules that issue the
+    all-reduce (:func:`torch_compat.replication_all_reduce_sites`), restored on exit.  Not re-entrant.
     """
     _shard, replicate = tc.hsdp_groups(model, fsdp)
     record = Withholding(groups=[replicate])
@@ -164,32 +154,24 @@ def replace_broken_groups(model: nn.Module, fsdp: str, *, store: dist.Store, tag
                           reconfigure_uuid: int | None = None) -> GroupReplacement:
     """Replace this rank's HSDP groups named in ``dims`` by new ones and rebind every reference to them.
 
-    Called on every rank, in the same order relative to other group constructions, after
-    :func:`discard_update`.  Replacing both dimensions on every rank replaces all the mesh's groups
-    (both shard groups and both replication groups of a 2 x 2 world): the simplest rule that is always
-    right, since which groups a fault broke depends on timing (a shard group dies when a rank stuck in
-    a replication all-reduce leaves its shard peer waiting).
+    Called on every rank after :func:`discard_update`, in the same order relative to other group constructions.
+    Replacing both dimensions on every rank replaces all the mesh's groups: the simplest rule that is always right,
+    since which groups a fault broke depends on timing (a rank stuck in a replication all-reduce leaves its shard peer
+    waiting).  Each new group has its old group's members, is built over ``store`` under the fresh prefix
+    ``{tag}/{dim}/{lowest member}`` (``tag`` new for each repair) with ``timeout_s``, registered as
+    ``accelpact-{dim}-{lowest member}-{tag}``, by the members only (``new_group`` over the world would reuse a prefix
+    where the retired group's keys live); the replication group first, then the shard group, so the builds pair up.
 
-    Each new group has its old group's membership, is built over ``store`` under the fresh prefix
-    ``{tag}/{dim}/{lowest member}`` (``tag`` must be new for each repair, e.g. the generation) with
-    ``timeout_s`` as its collective timeout, and is registered as
-    ``accelpact-{dim}-{lowest member}-{tag}``.  Only the members take part (no ``new_group`` over the
-    world, which would reuse a store prefix where the retired group's keys live).  The replication
-    group is built first, then the shard group, on every rank: the constructions pair up.
+    The old groups are read from the model; ``mesh`` (None for an FSDP1 group pair) is rebound too.  ``on_rebound(new)``
+    lets the caller point its own holders at the new groups before the reference scan over the framework's objects plus
+    ``extra_roots``, which must find no old group left (else :class:`RepairError`, nothing retired).  ``retire``
+    unregisters the old groups from c10d (Gloo: no peer touched; NCCL: aborted in the background).  ``device``: on a GPU
+    the new groups get an NCCL communicator there (:func:`torch_compat.build_group`).
 
-    The old groups are read from the model (what FSDP uses); ``mesh`` (the job's 2-D mesh, ``None`` for
-    an FSDP1 group pair without one) is rebound too.  ``on_rebound(new)`` (``new`` by dimension) then
-    lets the caller point its own holders at the new groups (the runtime's ``shard_group`` and
-    ``replicate_group``), before the reference scan over the framework's objects plus ``extra_roots``
-    must find no reference to an old group left, else :class:`RepairError` is raised and nothing is
-    retired.  ``retire`` unregisters the old groups from c10d (on Gloo that does not touch peers, dead
-    or not; an NCCL communicator is aborted in the background).  ``device``: on a GPU the new groups get
-    an NCCL communicator there (:func:`torch_compat.build_group`).
-
-    ``reconfigure_uuid`` given (never the same twice for one group): a group torch can reconfigure in place
-    (2.14.1+, Gloo: :func:`torch_compat.can_reconfigure`) gets a new transport over the same members instead,
-    its key under ``{tag}/reconfigure/{dim}/{lowest member}``; it stays the same object (in ``new`` too,
-    listed in ``in_place``), so nothing of it is rebound, scanned for or retired.
+    ``reconfigure_uuid`` given (never the same twice for one group): a group torch can reconfigure in place (2.14.1+,
+    Gloo: :func:`torch_compat.can_reconfigure`) gets a new transport over the same members instead, keyed under
+    ``{tag}/reconfigure/{dim}/{lowest member}``; it stays the same object (in ``new``, listed in ``in_place``): nothing
+    of it is rebound, scanned for or retired.
     """
     t0 = time.monotonic()
     shard, replicate = tc.hsdp_groups(model, fsdp)

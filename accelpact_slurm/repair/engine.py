@@ -1,36 +1,29 @@
 """The six-phase L1 Preserve repair engine.
 
-One driver (:meth:`RepairEngine.repair`), one method per phase, one transition
-table.  Every rank of the world runs the driver at the same boundary (the vote
-made them agree); the ranks of the affected replication group(s) R replace and
-rebind, the others take part in the agreements only.
+One driver (:meth:`RepairEngine.repair`), one method per phase, one transition table.  Every rank of the world runs
+the driver at the same boundary (the vote made them agree); the ranks of the affected replication group(s) replace
+and rebind, the others take part in the agreements only.
 
     observe -> control_barrier -> guard_sync -> replace -> rebind -> validate -> done
 
-The control barrier is the vote itself: it gathered every rank's (F, generation) over the control
-plane before the decision, so the phase checks the agreement on that data (every rank sees the same
-data and takes the same branch) and moves every rank to the next control-plane generation, with no
-round trip of its own.  The validation ends in the world's release, one agreement over the control
-plane that also carries each rank's outcome: a rank whose repair failed anywhere after the control
-barrier puts its failure into the release (without waiting) before it fails stop, so that every
-other rank fails stop as soon as the release completes instead of stepping or hanging.
+The control barrier is the vote itself: it gathered every rank's (F, generation) before the decision, so the phase
+checks the agreement on that data (every rank takes the same branch) and moves to the next control-plane
+generation with no round trip of its own.  The validation ends in the world's release, which also carries each
+rank's outcome: a rank whose repair failed after the control barrier puts its failure into the release before it
+fails stop, so every other rank fails stop as the release completes instead of stepping or hanging.
 
-That is the repair of a fault at the committed boundary (``scope="replicate"``: the replication
-group(s) of the faulted ranks).  A fault in backward (``scope="update"``) leaves FSDP mid-flight and
-possibly every group of the mesh dead; every rank then runs
+That repairs a fault at the committed boundary (``scope="replicate"``).  A fault in backward (``scope="update"``)
+leaves FSDP mid-flight and possibly every group of the mesh dead; every rank then runs
 
     observe -> control_barrier -> discard -> guard_sync -> replace_all -> validate_all -> done
 
-(:mod:`accelpact_slurm.repair.discard`: the update dropped, both HSDP groups replaced and rebound on
-every rank), and the caller runs the update again.
+(:mod:`accelpact_slurm.repair.discard`), and the caller runs the update again.  Any exception in a phase becomes a
+fail-stop: L1 never continues on a state it could not validate.
 
-Any exception in a phase becomes a fail-stop (``FailStop``, "requeue me"):
-L1 never continues on a state it could not validate.
-
-The engine reads the rank through :class:`accelpact_slurm.core.rank.RepairRank` and never assigns to it: the
-groups a repair puts in place of the rank's own come back as a :class:`Replaced` (in the returned context,
-and handed to ``on_replaced`` as soon as the model is rebound to them, before their validation), and the
-runtime applies them to itself (:func:`accelpact_slurm.runtime.job.recovery.adopt`).
+The engine reads the rank through :class:`accelpact_slurm.core.rank.RepairRank` and never assigns to it: the groups
+a repair puts in place come back as a :class:`Replaced` (in the returned context, and to ``on_replaced`` once the
+model is rebound to them, before their validation); the runtime adopts them
+(:func:`accelpact_slurm.runtime.job.recovery.adopt`).
 """
 
 from __future__ import annotations
@@ -61,7 +54,6 @@ TRANSITIONS: dict[str, str] = {
     "rebind": "validate",
     "validate": "done",
 }
-UPDATE_PHASES = ("observe", "control_barrier", "discard", "guard_sync", "replace_all", "validate_all")
 UPDATE_TRANSITIONS: dict[str, str] = {
     "observe": "control_barrier",
     "control_barrier": "discard",
@@ -130,13 +122,12 @@ def rss_bytes() -> int:
 class RepairEngine:
     """Owns the repair of one rank.
 
-    ``model`` is the user's wrapped model (FSDP1 or FSDP2; the flavour is read from it), ``rt`` the
-    rank's runtime as the engine reads it (:class:`~accelpact_slurm.core.rank.RepairRank`: a small stand-in
-    in the phase tests; ``device`` and ``detector`` may be missing there), ``events`` the event log.
-    ``on_replaced(replaced)``: the caller takes over the groups the repair replaced (:class:`Replaced`), as soon as
-    the model is rebound to them and before they are validated (the rank's fault detector watches the rank's
-    current groups: the validation's collectives included).  ``skip_rebind`` is the negative control of the
-    rebinding tests (never set in production).
+    ``model`` is the user's wrapped model (FSDP1 or FSDP2; the flavour is read from it), ``rt`` the rank's runtime as
+    the engine reads it (:class:`~accelpact_slurm.core.rank.RepairRank`: a small stand-in in the phase tests;
+    ``device`` and ``detector`` may be missing there), ``events`` the event log. ``on_replaced(replaced)``: the caller
+    takes over the groups the repair replaced (:class:`Replaced`), as soon as the model is rebound to them and before
+    they are validated (the rank's fault detector watches the rank's current groups: the validation's collectives
+    included).  ``skip_rebind`` is the negative control of the rebinding tests (never set in production).
     """
 
     def __init__(self, model, rt: RepairRank, events, *, fsdp: str, skip_rebind: bool = False,
@@ -179,10 +170,9 @@ class RepairEngine:
         the vote in flight may decide on (the guard runs it while its vote's request waits for the others).
 
         It finds where the group is referenced now; after the rebinding, :meth:`rebind` reads those places back
-        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`); it also takes the guard
-        check's look at the FSDP units (``idle``), which :meth:`guard_sync` then uses.  None where no walk is
-        needed (a group reconfigured in place keeps its references) or where it failed (the rebinding then walks
-        as before).
+        instead of walking again (:class:`~accelpact_slurm.repair.rebind.WalkAhead`); it also takes the guard check's
+        look at the FSDP units (``idle``), which :meth:`guard_sync` then uses.  None where no walk is needed (a group
+        reconfigured in place keeps its references) or where it failed (the rebinding then walks as before).
         """
         old = self.rt.replicate_group
         try:
@@ -491,7 +481,6 @@ class RepairEngine:
 
     def discard(self, ctx: RepairContext) -> None:
         """Every rank drops the update: FSDP back to idle and resharded, every gradient gone."""
-
         if self.skip_discard:
             log.warning("discarding the update skipped (test-only fault injection)")
             return
@@ -499,7 +488,6 @@ class RepairEngine:
 
     def replace_all(self, ctx: RepairContext) -> None:
         """Both HSDP groups of this rank replaced (identical membership, fresh prefix) and rebound."""
-
         rt = self.rt
 
         def rebound(new: dict[str, Any]) -> None:

@@ -40,10 +40,9 @@ def can_reconfigure(pg: dist.ProcessGroup, environ: Mapping[str, str] | None = N
 
 
 def reconfigure_group(pg: dist.ProcessGroup, store: dist.Store, key: str, uuid: int, timeout_s: float) -> None:
-    """Every member of ``pg`` calls this with the same ``key`` (fresh per repair) and ``uuid`` (never reused on
-    this group): the members swap their handles through ``store`` under ``key`` and rebuild the group's transport
-    over them, in their group-rank order.  Raises ``RuntimeError`` when the new transport is not the one asked
-    for."""
+    """Every member of ``pg`` calls this with the same ``key`` (fresh per repair) and ``uuid`` (never reused on this
+    group): the members swap their handles through ``store`` under ``key`` and rebuild the group's transport over
+    them, in their group-rank order.  Raises ``RuntimeError`` when the new transport is not the one asked for."""
     members = dist.get_process_group_ranks(pg)
     me = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)

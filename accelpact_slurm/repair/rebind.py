@@ -1,10 +1,9 @@
 """Reference rebinding: point every cached reference to the retired group at its replacement.
 
-One rebinder per framework wrapping; each returns how many references it changed.
-:func:`find_references` then scans the framework's object graph for anything still
-naming the retired group (by object or by registered name); the engine fails stop
-when it finds one.  The scan is a bounded walk of plain Python containers and
-object ``__dict__``s, skipping tensors, so it is cheap enough to run on every repair.
+One rebinder per framework wrapping; each returns how many references it changed. :func:`find_references` then scans
+the framework's object graph for anything still naming the retired group (by object or by registered name); the engine
+fails stop when it finds one.  The scan is a bounded walk of plain Python containers and object ``__dict__``s,
+skipping tensors, so it is cheap enough to run on every repair.
 """
 
 from __future__ import annotations
@@ -29,23 +28,13 @@ MAX_SCAN_NODES = 200_000
 _MISSING = object()
 
 
-def rebind_fsdp1(model: nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
+def _rebind_slots(slots: Any, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
+    """Point each ``(object, attribute)`` slot that holds ``old`` at ``new``; how many did."""
     count = 0
-    for unit in tc.fsdp1_units(model):
-        for obj, attr in tc.fsdp1_slots(unit):
-            if getattr(obj, attr) is old:
-                setattr(obj, attr, new)
-                count += 1
-    return count
-
-
-def rebind_fsdp2(model: nn.Module, old: dist.ProcessGroup, new: dist.ProcessGroup) -> int:
-    count = 0
-    for info in tc.fsdp2_mesh_infos(model):
-        for obj, attr in tc.fsdp2_slots(info):
-            if getattr(obj, attr) is old:
-                setattr(obj, attr, new)
-                count += 1
+    for obj, attr in slots:
+        if getattr(obj, attr) is old:
+            setattr(obj, attr, new)
+            count += 1
     return count
 
 
@@ -58,9 +47,9 @@ def rebind_all(model: nn.Module, fsdp: str, mesh: Any, replicate_dim: int,
     """Rebind every framework reference; returns counts per kind."""
     counts = {"mesh": rebind_mesh(mesh, replicate_dim, new)}
     if fsdp == "fsdp2":
-        counts["fsdp2"] = rebind_fsdp2(model, old, new)
+        counts["fsdp2"] = _rebind_slots((s for i in tc.fsdp2_mesh_infos(model) for s in tc.fsdp2_slots(i)), old, new)
     else:
-        counts["fsdp1"] = rebind_fsdp1(model, old, new)
+        counts["fsdp1"] = _rebind_slots((s for u in tc.fsdp1_units(model) for s in tc.fsdp1_slots(u)), old, new)
     return counts
 
 
@@ -143,10 +132,6 @@ def _kind(t: type) -> tuple[int, tuple[str, ...], bool, int]:
     return kind
 
 
-def _is_leaf(t: type) -> bool:
-    return _kind(t)[0] == _LEAF
-
-
 _SPELL = {"[]": "[{!r}]", "key": "[key]", ".": ".{}", "root": "root{}"}
 
 
@@ -163,9 +148,8 @@ def _path(parents: list[int], hows: list[str], keys: list[Any], at: int, how: st
 def find_references(roots: Iterable[Any], old: Any, mesh: Any = None) -> list[str]:
     """Paths from ``roots`` to any reference to ``old``, plus any mesh dimension still resolving to it by name.
 
-    (Group names are short strings such as ``"3"``; only the mesh's own name slots
-    are compared, since the same string is a legitimate module key elsewhere.)
-    :func:`find_references_to` does the same for several groups in one walk.
+    (Group names are short strings such as ``"3"``; only the mesh's own name slots are compared, since the same string
+    is a legitimate module key elsewhere.) :func:`find_references_to` does the same for several groups in one walk.
     """
     return find_references_to(roots, {"old": old}, mesh)["old"]
 
@@ -174,13 +158,12 @@ def find_references_to(roots: Iterable[Any], olds: dict[str, Any], mesh: Any = N
                        locations: list[tuple[Any, str, Any]] | None = None) -> dict[str, list[str]]:
     """:func:`find_references` for every group in ``olds`` (by label) in one walk; the paths per label.
 
-    Every object reachable from ``roots`` is entered once, except those that cannot hold anything: a
-    value whose type is a leaf (tensors, strings, numbers, functions, types, process groups: one
-    dictionary lookup per type decides) and an empty built-in container.  A mapping's keys and values,
-    a collection's items, an object's ``__dict__`` (a module's parameters and buffers excepted: tensors)
-    and every slot along its class's MRO are followed.  The path is spelt only for a find, from parent
-    links kept per entered object.  ``locations``, if given, gets each find's place: ``(the object holding it
-    (None: a root), how it is held there, the key)``, as :func:`holds` reads it back.
+    Every object reachable from ``roots`` is entered once, except those that cannot hold anything: a value whose type
+    is a leaf (tensors, strings, numbers, functions, types, process groups: one dictionary lookup per type decides)
+    and an empty built-in container.  A mapping's keys and values, a collection's items, an object's ``__dict__`` (a
+    module's parameters and buffers excepted: tensors) and every slot along its class's MRO are followed.  The path is
+    spelt only for a find, from parent links kept per entered object.  ``locations``, if given, gets each find's
+    place: ``(the object holding it (None: a root), how it is held there, the key)``, as :func:`holds` reads it back.
     """
     targets = {id(pg): label for label, pg in olds.items()}
     target_types = {type(pg) for pg in olds.values()}

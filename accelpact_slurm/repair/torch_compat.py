@@ -1,9 +1,8 @@
 """Every private torch attribute the repair engine touches, in one place.
 
-FSDP and DeviceMesh cache the replication process group in attributes that
-are not public API.  When torch moves one of them, the probe functions here
-fail loudly (``tests/repair/test_torch_compat.py`` runs them against a live model), and
-this is the only module to change.
+FSDP and DeviceMesh cache the replication process group in attributes that are not public API.  When torch moves one
+of them, the probe functions here fail loudly (``tests/repair/test_torch_compat.py`` runs them against a live model),
+and this is the only module to change.
 
 Slots rebound (torch 2.13):
 
@@ -61,7 +60,6 @@ def build_group(members: list[int], store: dist.Store, name: str, timeout_s: flo
     ``device``'s, the NCCL communicator created eagerly here, bound to ``device`` (the job's world group
     is never bound to a device, so this is a members-only build, not a split of the world).
     """
-
     me = dist.get_rank()
     cuda = device is not None and device.type == "cuda"
     extra = {"device_id": device} if cuda else {}
@@ -99,7 +97,6 @@ def nccl_backend(pg: dist.ProcessGroup) -> object | None:
 
 def _unregister(pg: dist.ProcessGroup) -> None:
     """Remove ``pg`` from every registry of c10d without touching its backends (what an abort leaves to do)."""
-
     w = c10d._world
     tables = [w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_coalesce_state]
     hooks = getattr(w, "pg_flight_recorder_hooks", None)  # torch 2.15: one more table keyed by the group
@@ -124,7 +121,6 @@ def retire_group(pg: dist.ProcessGroup) -> threading.Thread | None:
     abort takes about a second and must not hold up training, and ``destroy_process_group`` would wait
     for the failed communicator's kernels, which may never end.
     """
-
     if pg not in c10d._world.pg_map:
         return None
     if pg is c10d._world.default_pg:
@@ -167,7 +163,6 @@ def fsdp1_units(model: nn.Module) -> list[nn.Module]:
     that one resolves each module's state through the composable API's registry, about five times slower,
     and the repair reads the units several times.
     """
-
     return [m for m in model.modules() if isinstance(m, FSDP)]
 
 
@@ -206,7 +201,6 @@ def mesh_set_dim_group(mesh, dim: int, pg: dist.ProcessGroup) -> int:
 
 def fsdp2_mesh_infos(model: nn.Module) -> Iterator[object]:
     """Every distinct mesh-info object of every ``fully_shard`` state under ``model``."""
-
     seen: set[int] = set()
     for group in fsdp2_param_groups(model):
         for info in [group.mesh_info, group.post_forward_mesh_info,
@@ -294,7 +288,6 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
     Raises ``ValueError`` naming the fix when it is not wrapped for HSDP (no FSDP at all, FSDP1 with
     another sharding strategy, FSDP2 on a 1-D mesh).
     """
-
     units = fsdp1_units(model)
     if units:
         bad = [u for u in units if u.sharding_strategy not in (ShardingStrategy.HYBRID_SHARD,
@@ -332,9 +325,8 @@ def wrapping(model: nn.Module) -> tuple[str, str]:
 def fsdp1_group_slots(unit: nn.Module) -> list[tuple[object, str]]:
     """Every (object, attribute) slot of one FSDP1 unit that holds its shard or its replication group.
 
-    Shard group: the state's ``process_group``, its handle's ``process_group`` and the execution-order
-    data's ``process_group`` (one object shared by every unit of the tree).  Replication group:
-    :func:`fsdp1_slots`.
+    Shard group: the state's ``process_group``, its handle's ``process_group`` and the execution-order data's
+    ``process_group`` (one object shared by every unit of the tree).  Replication group: :func:`fsdp1_slots`.
     """
     slots: list[tuple[object, str]] = [(unit, "process_group")]
     handle = getattr(unit, "_handle", None)

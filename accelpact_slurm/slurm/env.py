@@ -1,16 +1,14 @@
 """What Slurm tells one task about its job step, parsed and cross-checked.
 
-Called once per rank at start-up, by the training entry point and by the local
-launcher (which builds the same variables with :func:`emulated_environ`).  Every
-function takes the environment as an argument and never reads ``os.environ``,
-so tests can feed recorded task environments and the launcher can emulate one.
+Called once per rank at start-up, by the training entry point and by the local launcher (which builds the same
+variables with :func:`emulated_environ`).  Every function takes the environment as an argument and never reads
+``os.environ``, so tests can feed recorded task environments and the launcher can emulate one.
 
-Step-level variables win over job-level ones, because a step may use only part
-of the allocation: ``SLURM_STEP_NODELIST`` over ``SLURM_JOB_NODELIST``,
-``SLURM_STEP_TASKS_PER_NODE`` over ``SLURM_TASKS_PER_NODE`` and so on.  The
-values are then checked against each other; a mismatch raises
-:class:`~accelpact_slurm.core.errors.SlurmEnvError` naming the variables, their
-values and the fix, instead of hanging later in a rendezvous that never fills.
+Step-level variables win over job-level ones, because a step may use only part of the allocation:
+``SLURM_STEP_NODELIST`` over ``SLURM_JOB_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE`` over ``SLURM_TASKS_PER_NODE`` and
+so on.  The values are then checked against each other; a mismatch raises
+:class:`~accelpact_slurm.core.errors.SlurmEnvError` naming the variables, their values and the fix, instead of hanging
+later in a rendezvous that never fills.
 
 This module must not import torch: login-node tools use it.
 """
@@ -49,11 +47,9 @@ _UINT = re.compile(r"\d+")
 def in_slurm(environ: Mapping[str, str]) -> bool:
     """Tells whether ``environ`` is that of a task inside a Slurm job step.
 
-    True only when ``SLURM_JOB_ID``, ``SLURM_PROCID`` and a step id
-    (``SLURM_STEP_ID`` or ``SLURM_STEPID``) are all set and not empty.  The
-    batch shell of an ``sbatch`` job has ``SLURM_PROCID=0`` too (recorded on
-    Slurm 22.05) but no step id: it must launch the ranks with ``srun`` rather
-    than train itself.
+    True only when ``SLURM_JOB_ID``, ``SLURM_PROCID`` and a step id (``SLURM_STEP_ID`` or ``SLURM_STEPID``) are all
+    set and not empty.  The batch shell of an ``sbatch`` job has ``SLURM_PROCID=0`` too (recorded on Slurm 22.05) but
+    no step id: it must launch the ranks with ``srun`` rather than train itself.
 
     Args:
         environ: The environment to inspect, e.g. ``os.environ``.
@@ -66,21 +62,18 @@ def in_slurm(environ: Mapping[str, str]) -> bool:
 class SlurmContext:
     """One task's place in its Slurm job step.
 
-    Built by :meth:`from_environ` on every rank at start-up; immutable, and
-    checked for consistency when built.
+    Built by :meth:`from_environ` on every rank at start-up; immutable, and checked for consistency when built.
 
     Attributes:
         job_id: ``SLURM_JOB_ID``.
         rank: Global rank, ``SLURM_PROCID``.
         local_rank: Rank on this node, ``SLURM_LOCALID``.
         node_index: Index of this node in the step, ``SLURM_NODEID``.
-        num_nodes: Nodes in the step (``SLURM_STEP_NUM_NODES``,
-            ``SLURM_JOB_NUM_NODES`` or ``SLURM_NNODES``).
+        num_nodes: Nodes in the step (``SLURM_STEP_NUM_NODES``, ``SLURM_JOB_NUM_NODES`` or ``SLURM_NNODES``).
         world_size: Tasks in the step (``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``).
         tasks_per_node: Task count of each node, in node order.
         nodelist: Expanded hostnames of the step, in node order.
-        hostname: This node's Slurm name, ``SLURMD_NODENAME`` (falls back to
-            ``nodelist[node_index]``).
+        hostname: This node's Slurm name, ``SLURMD_NODENAME`` (falls back to ``nodelist[node_index]``).
         restart_count: ``SLURM_RESTART_COUNT``; 0 before the first requeue.
         step_id: ``SLURM_STEP_ID``, if set.
         job_name: ``SLURM_JOB_NAME``, if set.
@@ -167,8 +160,7 @@ class SlurmContext:
         """The task count shared by every node.
 
         Raises:
-            SlurmEnvError: If nodes run different numbers of tasks; HSDP needs
-                shard groups of equal size.
+            SlurmEnvError: If nodes run different numbers of tasks; HSDP needs shard groups of equal size.
         """
         counts = set(self.tasks_per_node)
         if len(counts) != 1:
@@ -188,27 +180,13 @@ def emulated_environ(
     restart_count: int = 0,
     hostnames: Sequence[str] | None = None,
 ) -> dict[str, str]:
-    """Builds the environment ``rank`` would see under ``srun --nodes=N --ntasks-per-node=R``.
+    """The Slurm variables ``rank`` would see under ``srun --nodes=N --ntasks-per-node=R`` (to merge over the
+    launcher's environment): how the local launchers emulate Slurm on one machine.
 
-    Used by the local launcher to emulate Slurm on one machine.  Tasks are
-    placed in blocks, as srun's default distribution does: rank ``r`` runs on
-    node ``r // ranks_per_node`` with local rank ``r % ranks_per_node``.
-    ``SLURM_RESTART_COUNT`` is set only when ``restart_count > 0``, as Slurm
-    sets it only after a requeue.
-
-    Args:
-        job_id: The emulated ``SLURM_JOB_ID``.
-        rank: Global rank of the task.
-        nodes: Number of emulated nodes.
-        ranks_per_node: Tasks on each node.
-        restart_count: Requeues so far.
-        hostnames: Node names; ``node1`` .. ``nodeN`` by default.
-
-    Returns:
-        Only the Slurm variables, to be merged over the launcher's environment.
-
-    Raises:
-        SlurmEnvError: If the arguments cannot describe a step.
+    Tasks are placed in blocks, as srun's default distribution does: rank ``r`` runs on node ``r // ranks_per_node``
+    with local rank ``r % ranks_per_node``; ``hostnames`` default to ``node1`` .. ``nodeN``.  ``SLURM_RESTART_COUNT``
+    is set only when ``restart_count > 0``, as Slurm sets it only after a requeue.  Raises ``SlurmEnvError`` when the
+    arguments cannot describe a step.
     """
     if nodes < 1 or ranks_per_node < 1:
         raise SlurmEnvError(

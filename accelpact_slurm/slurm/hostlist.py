@@ -1,29 +1,16 @@
 """Slurm's compressed list formats: node lists and per-node task counts.
 
-:func:`expand_hostlist` / :func:`compress_hostlist` handle node lists
-(``node[1-3,7]``, ``gpu[001-004],login``); :func:`parse_tasks_per_node` /
-:func:`format_tasks_per_node` handle ``SLURM_TASKS_PER_NODE`` (``3(x2),1``).
+:func:`expand_hostlist` turns a node list (``SLURM_JOB_NODELIST``: ``node[1-3,7]``, ``gpu[001-004],login``) into
+the ordered hostnames (node ``i`` of a step is ``expand_hostlist(...)[i]``); :func:`compress_hostlist` is its
+inverse and keeps the order.  :func:`parse_tasks_per_node` / :func:`format_tasks_per_node` handle
+``SLURM_TASKS_PER_NODE`` (``3(x2),1``).
 
-Slurm hands a task its nodes as one compressed string (``SLURM_JOB_NODELIST``,
-``SLURM_STEP_NODELIST``).  :func:`expand_hostlist` turns it into the ordered list
-of hostnames; :func:`compress_hostlist` is its inverse and keeps the order, so
-``expand_hostlist(compress_hostlist(names)) == names`` for any list of valid
-names.  The order matters: node ``i`` of a step is ``expand_hostlist(...)[i]``.
-
-Syntax accepted (the subset Slurm itself produces and users write):
-
-* top-level items separated by commas: ``node[1-2],gpu[01-02],login``;
-* bracket groups of comma-separated numbers or ``lo-hi`` ranges; the width of
-  ``lo`` is kept as zero padding (``a[01-03]`` -> ``a01 a02 a03``);
-* several groups in one item, expanded as a product: ``r[1-2]n[1-2]`` ->
-  ``r1n1 r1n2 r2n1 r2n2``;
-* literal text around the groups made of letters, digits, ``-``, ``.`` and ``_``:
-  ``rack1-node[1-2].cluster``.
-
-Anything else (unbalanced or nested brackets, empty items, ``hi < lo``, spaces)
-raises :class:`~accelpact_slurm.core.errors.SlurmEnvError` naming the whole value.
-
-This module must not import torch: login-node tools use it.
+Syntax accepted (what Slurm produces and users write): comma-separated items; bracket groups of numbers or
+``lo-hi`` ranges, the width of ``lo`` kept as zero padding (``a[01-03]`` -> ``a01 a02 a03``); several groups in one
+item expanded as a product (``r[1-2]n[1-2]`` -> ``r1n1 r1n2 r2n1 r2n2``); literal text of letters, digits, ``-``,
+``.`` and ``_`` around them (``rack1-node[1-2].cluster``).  Anything else (unbalanced or nested brackets, empty
+items, ``hi < lo``, spaces) raises :class:`~accelpact_slurm.core.errors.SlurmEnvError` naming the whole value.
+No torch: login-node tools use it.
 """
 
 from __future__ import annotations
@@ -79,22 +66,13 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 
 def compress_hostlist(hosts: Iterable[str]) -> str:
-    """Compresses hostnames into a Slurm node list, keeping their order.
+    """Compresses hostnames into a Slurm node list, keeping their order (``["node1", "node2", "node3"]`` ->
+    ``"node[1-3]"``; ``""`` for no hosts).
 
-    Consecutive names that differ only in their last run of digits share one
-    bracket group; ascending runs with the same zero padding become ``lo-hi``.
-    Unlike ``scontrol show hostlist`` nothing is sorted, so the result expands
-    back to exactly ``hosts``.
-
-    Args:
-        hosts: Hostnames such as ``["node1", "node2", "node3"]``.
-
-    Returns:
-        A string such as ``"node[1-3]"``; ``""`` for no hosts.
-
-    Raises:
-        SlurmEnvError: If a name is empty or holds characters outside
-            letters, digits, ``-``, ``.`` and ``_``.
+    Consecutive names that differ only in their last run of digits share one bracket group; ascending runs with the
+    same zero padding become ``lo-hi``.  Unlike ``scontrol show hostlist`` nothing is sorted, so the result expands
+    back to exactly ``hosts``.  Raises ``SlurmEnvError`` when a name is empty or holds characters outside letters,
+    digits, ``-``, ``.`` and ``_``.
     """
     items: list[str] = []
     # Current bracket group: (prefix, suffix, ranges), each range [lo_str, hi_int, hi_str].

@@ -182,7 +182,6 @@ def repeated_failure(events: Iterable[dict], restart: int) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART``: print 75, 76 or ``none``."""
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "outcome":
         print("usage: python -m accelpact_slurm.slurm.requeue outcome RUN_DIR RESTART", file=sys.stderr)

@@ -1,24 +1,18 @@
 """Pre-timeout and preemption signals: handlers only set a flag.
 
-Slurm sends ``USR2`` before the time limit (``--signal=B:USR2@N`` in the
-template; the batch shell forwards it to every task).  CAUTION: NCCL may catch
-USR1, hence USR2.  A preemption with a grace time (``GraceTime``, ``PreemptMode=
-REQUEUE``) sends SIGCONT and SIGTERM to every task of every step (not to the batch
-shell), then, when the grace time is over, SIGTERM to everything and SIGKILL
-after ``KillWait``; with ``SlurmctldParameters=preempt_send_user_signal`` the job's
-``--signal`` (our USR2) comes instead of the first SIGTERM.  So in a real Slurm
-task SIGTERM takes the USR2 path too (:func:`stop_signals`).
+Slurm sends ``USR2`` before the time limit (``--signal=B:USR2@N`` in the template; the batch shell forwards it to
+every task).  CAUTION: NCCL may catch USR1, hence USR2.  A preemption with a grace time (``GraceTime``,
+``PreemptMode= REQUEUE``) sends SIGCONT and SIGTERM to every task of every step (not to the batch shell), then SIGTERM
+to everything and SIGKILL after ``KillWait``; with ``SlurmctldParameters=preempt_send_user_signal`` our USR2 comes
+instead of the first SIGTERM.  So in a real Slurm task SIGTERM takes the USR2 path too (:func:`stop_signals`).
 
-The training loop reads the flag at the next committed boundary, where every rank
-agrees on it through the vote, takes a snapshot, waits until it is committed, and
-requeues.  After a SIGTERM rank 0 requeues only while the job still runs: a job
-that Slurm is already ending (``scancel``, ``scontrol requeue``, the time limit,
-the grace time's end, which requeues a preempted job by itself) is not requeued by
-us (:func:`accelpact_slurm.slurm.requeue.requeue_after_sigterm`).
+The loop reads the flag at the next committed boundary, where every rank agrees on it through the vote, snapshots,
+waits until the snapshot is committed, and requeues.  After a SIGTERM rank 0 requeues only while the job still runs:
+a job Slurm is already ending (``scancel``, a requeue, the time limit, the grace time's end, which requeues a
+preempted job by itself) is not requeued by us (:func:`accelpact_slurm.slurm.requeue.requeue_after_sigterm`).
 
-Who calls: the launch core's rank start (the worker entry and submitit's ``RankTask``) installs the
-handlers first thing (:func:`install` with :func:`stop_signals`); the guard reads
-:func:`requested` into every vote; the requeue stop gathers :func:`received`.
+Who calls: the launch core's rank start installs the handlers first thing (:func:`install` with
+:func:`stop_signals`); the guard reads :func:`requested` into every vote; the requeue stop gathers :func:`received`.
 """
 
 from __future__ import annotations

@@ -127,3 +127,68 @@ def test_the_stop_hooks_run_once_with_the_stop_and_a_failing_hook_changes_nothin
         log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
         assert "the stop hook flaky_hook raised; the rank still exits 75" in log, log[-3000:]
         assert "RuntimeError: the script's own hook failed" in log
+
+
+SWALLOWING = textwrap.dedent('''
+    import json, os
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    def mark(job, what, **fields):
+        with open(os.path.join(job.run_dir, f"rank{job.rank}-{what}.json"), "w") as fh:
+            json.dump(fields, fh)
+
+    def main(job):
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(8, 8), mesh=job.mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = job.protect(model, opt)
+        try:
+            for _ in run.batches(range(100)):
+                with run.update() as update:
+                    try:  # the script's own handler around forward and backward: it must not swallow the stop
+                        loss = model(torch.ones(4, 8)).square().mean()
+                        loss.backward()
+                        update.loss = loss
+                    except Exception as exc:
+                        mark(job, "swallowed", type=type(exc).__name__, step=update.step)
+                    opt.step()
+                    opt.zero_grad()
+        except BaseException as exc:
+            mark(job, "unwound", type=type(exc).__name__, step=run.step)
+            raise
+''')
+
+
+@pytest.fixture(scope="module")
+def swallowing(tmp_path_factory):
+    """Rank 1 stops itself with SIGSTOP as update 3 begins (``ACCELPACT_TEST_HANG_AT=3:1``): its sockets stay open, so
+    no collective fails; rank 0's detector names it hung (no heartbeat for ``heartbeat_s``) in the collective FSDP
+    waits on in its forward or backward, inside the script's ``try: ... except Exception``."""
+    tmp = tmp_path_factory.mktemp("swallow")
+    (tmp / "swallow_script.py").write_text(SWALLOWING)
+    job = JOB.replace("unwind_script:main", "swallow_script:main").replace(
+        "shutdown_s: 20}", "shutdown_s: 20, heartbeat_s: 2, heartbeat_interval_s: 0.25}")
+    (tmp / "job.yaml").write_text(job)
+    run_dir = tmp / "run"
+    proc = run_cli(["accelpact_slurm.cli.run", str(tmp / "job.yaml"), "--run-dir", str(run_dir)],
+                   env={"ACCELPACT_TEST_HANG_AT": "3:1"}, timeout=300)
+    return proc, run_dir
+
+
+def test_an_except_exception_around_forward_and_backward_cannot_swallow_the_stop(swallowing):
+    """The stop the detector finds in a collective of the script's forward or backward (a hung peer) reaches the
+    script as ``Stopped``, past its ``except Exception``, in the update it was found in; the rank exits 75 naming the
+    hung rank, whose stacks it dumped and which it ended.
+
+    Negative control: the run without its stop hook on the detector (``detector.stop_hook = ...`` removed from
+    ``Run.__init__``): the detector's ``FailStop`` (an ``Exception``) is caught by the script's handler (the
+    ``swallowed`` marker exists), and the stop comes later, from the vote at ``optimizer.step()``."""
+    proc, run_dir = swallowing
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == EXIT_REQUEUE, out
+    assert _mark(run_dir, 0, "swallowed") is None, out
+    assert _mark(run_dir, 0, "unwound") == {"type": "Stopped", "step": 2}, out
+    stops = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "fail_stop" and e["rank"] == 0]
+    assert len(stops) == 1 and stops[0]["cause"] == "hung-rank" and stops[0]["culprit"] == 1, stops
+    assert stops[0]["exit_code"] == EXIT_REQUEUE and stops[0]["phase"] in ("forward", "backward"), stops

@@ -26,7 +26,7 @@ import pytest
 
 from accelpact_slurm.runtime.state import replay
 from accelpact_slurm.runtime.state.restore import (StateIO, agree, checker_ranks, make_offer, plan, reject_copy, reload,
-                                                   restore, same_bits, settle_pending, source_rank)
+                                                   restore, same_bits, settle_pending)
 from ckpt_service.auth import load_or_create_key, sign
 from ckpt_service.index import publish_index, read_record, record_state, scan
 from ckpt_service.layout import step_dirname
@@ -172,10 +172,6 @@ def test_plan_names_at_most_four_lacking_hosts():
     offers = [offer("node0", {5: "/a"})] + [offer(f"node{i}", {}) for i in range(1, 7)]
     _order, lacking, why = plan(offers)
     assert lacking[5] == [1, 2, 3, 4, 5, 6] and "node1, node2, node3, node4 and 2 more host(s)" in why
-
-
-def test_source_rank_is_the_lowest_that_reaches_the_step():
-    assert source_rank([None, None, "/n2/step-5", "/n2/step-5"]) == 2 and source_rank(["/a", "/a"]) == 0
 
 
 def test_agree_combines_answers_and_names_the_failing_hosts():

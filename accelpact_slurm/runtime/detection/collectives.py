@@ -1,40 +1,29 @@
 """The fault detector on the data plane: every collective of the HSDP groups waited on with eyes open.
 
 A collective on a dead or stuck link blocks its waiters until the backend's timeout (``timeouts.collective_s``;
-on GPU clusters often minutes).  The detector replaces that wait: each collective issued on the job's shard or
-replication group (through the tap of :func:`accelpact_slurm.repair.torch_compat.install_collective_tap`, so
-FSDP's own collectives too) is numbered per group, and its ``wait`` first waits a few milliseconds (the normal
-case, with no other cost); a wait that lasts longer publishes "waiting in collective k of group G" in this
-rank's record and then, every :data:`POLL_S`, reads the records of the group's members (and the job's notice of
-a given-up collective, in the same request) and asks :func:`accelpact_slurm.runtime.detection.liveness.judge_collective`
-what it sees:
+on GPU clusters often minutes).  Each collective issued on the job's shard or replication group goes through the
+tap of :func:`accelpact_slurm.repair.torch_compat.install_collective_tap` (FSDP's own too), is numbered per group,
+and its ``wait`` first waits a few milliseconds (the normal case, with no other cost); a longer wait publishes
+"waiting in collective k of group G" in this rank's record and then, every :data:`POLL_S`, reads the members'
+records and the job's notice in one request and asks
+:func:`accelpact_slurm.runtime.detection.liveness.judge_collective`: a member left, the notice, or every member
+waiting past the learned bound gives the collective up with :class:`~accelpact_slurm.core.errors.CollectiveAbandoned`
+(a communication fault for the vote; a rank that gives one up in forward or backward posts the notice); a member
+dead, stopped or hung raises :class:`~accelpact_slurm.core.errors.FailStop` (L2); a straggler is waited for.
 
-- a member left (it is in the vote), any rank gave up a collective of the same update's forward or backward
-  (the notice), or every member waits in it past the learned bound: the collective is given up with
-  :class:`~accelpact_slurm.core.errors.CollectiveAbandoned`, a communication fault, and the vote decides as for
-  any failed collective (L1 where the envelope allows it); a rank that gives one up in forward or backward posts
-  the notice (:data:`~accelpact_slurm.runtime.detection.liveness.NOTICE_KEY`), so that every rank hears of it at its
-  next look instead of one group at a time;
-- a member is dead, stopped or hung: :class:`~accelpact_slurm.core.errors.FailStop` (L2), naming it;
-- a member still computes (a straggler): the wait goes on, up to the backend's own timeout.
-
-The bound is learned per group dimension and size class (:class:`LinkBounds`) from the job's own collectives:
-:data:`LINK_FACTOR` times the slowest of the last :data:`SAMPLES` of that size or larger that completed (from their
-issue when they completed within :data:`FAST_S`, else from when every member was seen in them; a wait on a
-straggler teaches nothing), at least ``timeouts.link_floor_s``, at most ``timeouts.collective_s`` (and the ceiling
-itself until :data:`MIN_SAMPLES` completed); each link verdict doubles it for that dimension, so a bound too tight
-for this job cannot repair it into a restart loop.  The broken-link rule is the replication group's: a shard
-group's collective (inside a node) that every member waits in runs to the ceiling.
-
-On a GPU (NCCL) the tap only numbers the collectives: their ``wait`` does not block the host, and the guard's
-own wait at the boundary is watched instead (:meth:`Detector.wait_device`).
-
-Fault injection for tests goes through the same tap: :meth:`Detector.stall_next` makes this rank's next
-collective on the replication group stay in flight forever while the rank waits in it (a stalled link, every
-member inside), where ``withhold`` (:mod:`accelpact_slurm.repair.discard`) makes the rank leave it.
+The bound is learned per group dimension and size class (:class:`LinkBounds`): :data:`LINK_FACTOR` times the
+slowest of the last :data:`SAMPLES` completed collectives of that size or larger (timed from when every member was
+seen in them: a wait on a straggler teaches nothing), within ``timeouts.link_floor_s`` and ``timeouts.collective_s``
+(the ceiling until :data:`MIN_SAMPLES` completed); each link verdict doubles it for that dimension, so a bound too
+tight cannot repair a job into a restart loop.  Only the replication group's collectives are called broken links;
+a shard group's (inside a node) runs to the ceiling.  On a GPU (NCCL) the tap only numbers the collectives and the
+guard's wait at the boundary is watched instead (:meth:`Detector.wait_device`).  Fault injection:
+:meth:`Detector.stall_next` (a stalled link, every member inside), where ``withhold``
+(:mod:`accelpact_slurm.repair.discard`) makes the rank leave it.
 
 Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` builds one per rank and installs the tap; the
-guard and the phase tracker use the injection; the vote reads :meth:`Detector.take_latched`.
+guard and the phase tracker use the injection; the vote reads :meth:`Detector.take_latched`; the run sets
+:attr:`Detector.stop_hook`.
 """
 
 from __future__ import annotations
@@ -142,7 +131,13 @@ class WatchedWork:
         self._nbytes = nbytes
 
     def wait(self, timeout: Any = None) -> bool:
-        return self._detector._wait(self)
+        try:
+            return self._detector._wait(self)
+        except FailStop as stop:  # waited on by the training code (FSDP's hooks, its own collectives): see stop_hook
+            hook = self._detector.stop_hook
+            if hook is not None and threading.get_ident() == hook[0]:
+                hook[1](stop)
+            raise
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -222,6 +217,10 @@ class Detector:
         #: clears it (the moment of detection, before the error unwinds the training code).
         self.given_up_at: float | None = None
         self.longest_wait_s = 0.0  # the longest of them that completed (a straggler's peers wait that long)
+        #: ``(thread ident, stop)`` while the training code runs on that thread (set by the run): a
+        #: :class:`FailStop` found in a collective it waits on goes to ``stop``, which raises the ``Stopped``
+        #: (a ``BaseException``) in its place, so that no ``except Exception`` of the script can swallow it.
+        self.stop_hook: tuple[int, Callable[[FailStop], Any]] | None = None
 
     def summary(self) -> dict[str, Any]:
         """What the detector saw in this start (the ``detector`` event at the job's end)."""

@@ -1,35 +1,20 @@
 """Liveness: every rank's heartbeat, the death of a rank's process, and what a waiting rank concludes.
 
-Every rank publishes one small record under ``hb/<rank>`` in the control plane's store, from a thread of its
-own over a store connection of its own (:class:`Publisher`; never the training thread, which may be blocked in
-a collective): a counter that advances at every write, what the rank is doing (the update, the phase, the
-collective or control-plane round it waits in, how many collectives of each group it completed) and, once it
-stops, why.  It writes every ``timeouts.heartbeat_interval_s`` and at once when it starts or ends a long wait:
-N writes per interval for the whole job, O(N).
+Every rank publishes one small record under ``hb/<rank>`` in the control plane's store, from a thread and a store
+connection of its own (:class:`Publisher`; never the training thread, which may be blocked in a collective): a
+counter that advances at every write, what the rank is doing (update, phase, the wait it is in, the collectives of
+each group it completed) and, once it stops, why.  It writes every ``timeouts.heartbeat_interval_s`` and at once when
+a long wait starts or ends: O(N) writes per interval for the job.  The same thread holds a pidfd of every other rank
+of its node: a death is seen within milliseconds and the dead rank's record is overwritten with ``dead`` (a rank
+alone on its node has no such witness: its death shows as a heartbeat that stops).
 
-The same thread holds a pidfd of every other rank of its node: the death of a process is seen within
-milliseconds, and the record of the dead rank is overwritten with ``dead`` for every rank to see.  A rank alone
-on its node has no such witness: its death shows as a heartbeat that stops.
-
-Nobody reads the records while the job trains.  A rank reads them only while it waits: in a data-plane
-collective past a few milliseconds (:mod:`.collectives`), or in a control-plane round past its first slice
-(:mod:`..transport.control`), and then only the members of what it waits in.  What it concludes is a pure function of
-what it saw and when (:func:`judge_collective`, :func:`judge_control`), in the manner of torchft's decisions as pure
-functions returning a reason:
-
-- a member is ``dead``, or ``stopped`` (it fail-stopped, saying why), or its counter has not moved for
-  ``heartbeat_s`` (``hung``): stop waiting, fail stop (L2), naming it;
-- a member is in a control-plane round this rank has not reached (``left``: it is in the vote, it will never
-  join this collective): the collective cannot complete: a communication fault, the vote decides (L1 where
-  allowed);
-- every member is alive (its counter moved lately) and waits in this same collective for longer than the
-  bound learned from the job's own collectives (``link``): a broken link, as above;
-- any rank of the job gave up a collective of this same update's forward or backward (``left``, from the
-  job's one *notice*, :data:`NOTICE_KEY`, read in the same round trip as the members' records): every rank
-  meets it in the vote, which discards the update and replaces every group, so no collective of this update
-  can still matter.  Without the notice a rank two groups away from the fault learns of it only through a
-  chain of ``left`` records, one hop per group (a record is published only once its rank waits in the vote);
-- anything else (a member computing: a straggler) keeps the wait going, up to the backend's own timeout.
+Nobody reads the records while the job trains; a rank reads those of what it waits in, and only while it waits
+(past a few milliseconds in a collective, :mod:`.collectives`; past its first slice in a control-plane round,
+:mod:`..transport.control`).  What it concludes is a pure function of what it saw and when (:func:`judge_collective`,
+:func:`judge_control`): ``dead``, ``stopped`` or ``hung`` fails stop (L2) naming the member; ``left`` (a member in
+the vote, or the job's *notice*, :data:`NOTICE_KEY`, of a collective given up in this update) and ``link`` (every
+member waits past the learned bound) are a communication fault for the vote; anything else (a straggler) keeps the
+wait going.  ``docs/detection.md`` has the table and the numbers.
 
 Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` starts the publisher; the collective tap and
 the control plane judge; a fail-stop publishes its reason (:meth:`Publisher.publish_now`) and, for a hung rank

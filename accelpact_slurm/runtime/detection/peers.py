@@ -1,24 +1,18 @@
 """A dead peer is never a bug: before an error is called the training code's, every peer must be alive.
 
-A collective or store call fails when a peer is gone: Gloo raises ``Connection closed by peer`` in the survivors'
-collective, a store read fails once its host is gone.  Raised outside an update's vote (the capture proof of a
-snapshot, a restore, the user's own code between updates), such an exception reaches the top of the rank looking
-like any other, and a rank that called it the training code's bug would stop the job for good (exit 76) after a
-node was lost.  So before it does, a rank asks the heartbeats (:mod:`.liveness`) whether every other rank lives:
+A collective or store call fails when a peer is gone (Gloo's ``Connection closed by peer``, a store whose host is
+gone).  Raised outside an update's vote (a snapshot's capture proof, a restore, the user's code between updates) it
+reaches the top of the rank like any other error, and calling it a bug would stop the job for good (exit 76) after a
+node was lost.  So first a rank asks the heartbeats (:mod:`.liveness`): a rank marked ``dead`` (its node peer's
+pidfd) or whose counter has not moved for ``timeouts.heartbeat_s`` is gone, and the stop is L2 (exit 75), naming
+every gone rank and every node gone whole; a rank that stopped saying why is adopted, as a collective's wait adopts
+it; once every other counter has moved since the error, every peer lives and the error is the training code's.  The
+look is bounded (``heartbeat_s`` plus two intervals).  :func:`judge_peers` decides (pure); :func:`dead_peer_stop`
+looks.
 
-- a rank whose record says ``dead`` (its node peer's pidfd saw its process end: within milliseconds), or whose
-  counter has not moved for ``timeouts.heartbeat_s`` (no witness: its whole node is gone, or it hangs), is gone:
-  the stop is L2 (exit 75, requeue), naming every gone rank and, where all of a node's ranks are gone, the node;
-- a rank that stopped saying why (a fail-stop of its own) is adopted, as a collective's wait adopts it;
-- once every other rank's counter has moved since the error (about one ``heartbeat_interval_s``), every peer is
-  alive and the error is the training code's own.
-
-The look is bounded: ``heartbeat_s`` plus two intervals, after which every rank is decided one way or the other.
-:func:`judge_peers` is the pure decision; :func:`dead_peer_stop` does the looking.
-
-Who calls: :func:`accelpact_slurm.runtime.job.entry.run_rank`, on an exception that left the entry point (or the job's
-end), before it is classified; :func:`accelpact_slurm.runtime.job.stopping.fail_stop`, on a stop on a dead or hung
-rank, to name every rank gone with it (:func:`name_gone`).
+Who calls: :func:`accelpact_slurm.runtime.job.entry.run_rank`, on an exception that left the entry point (or the
+job's end), before it is classified; :func:`accelpact_slurm.runtime.job.stopping.fail_stop`, on a stop on a dead or
+hung rank, to name every rank gone with it (:func:`name_gone`).
 """
 
 from __future__ import annotations

@@ -69,7 +69,6 @@ def _state(pid: int) -> str | None:
 
 def install_dump_handler() -> None:
     """Make this process dump its Python stacks (every thread) to stderr, its log, on :data:`DUMP_SIGNAL`."""
-
     try:
         faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
     except (ValueError, RuntimeError, AttributeError, OSError) as exc:  # no stderr fd (an embedding host)

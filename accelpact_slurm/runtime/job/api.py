@@ -1,36 +1,21 @@
 """The public API: what a training script written against the project sees.
 
-``accelpact-run JOB.yaml`` calls the job file's ``entry: module:function`` on every rank with a
-:class:`Job`.  The script builds and wraps its own model on the mesh the job provides, makes its own
-optimizer, scheduler and data loader, and hands them to :meth:`Job.protect`, which returns a
-:class:`Run`; the loop stays the script's own::
-
-    def main(job):
-        model = fully_shard(MyModel(), mesh=job.mesh)                  # or FSDP1 HYBRID_SHARD
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        loader = StatefulDataLoader(data, batch_size=8, sampler=job.sampler(data))
-        run = job.protect(model, opt, scheduler=sched, state={"data": loader})
-        for batch in run.batches(loader):
-            with run.update() as update:
-                loss = my_loss(model(batch.x), batch.y)
-                loss.backward()
-                update.loss = loss          # before the step: it travels in the vote taken there
-                opt.step(); sched.step(); opt.zero_grad()
-
-Who calls what, in which order (every rank, the same calls in the same order): the runtime builds
-the :class:`Job` and calls the entry point; the entry point calls :meth:`Job.protect` once (a
-collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and, for every
-update, :meth:`Run.update`; between two updates it may call :meth:`Run.save` (collective).  When the
-entry point returns, the runtime snapshots the last update and waits until it is verified, writes the
-summary and calls :meth:`Run.close`.  ``docs/api.md`` documents every public name.
+``accelpact-run JOB.yaml`` calls the job file's ``entry: module:function`` on every rank with a :class:`Job`; the
+script wraps its own model on ``job.mesh`` and hands model, optimizer, scheduler and data loader to
+:meth:`Job.protect`, which returns a :class:`Run`; the loop stays the script's own (``for batch in
+run.batches(loader): with run.update() as update: ...``).  Every rank makes the same calls in the same order:
+:meth:`Job.protect` once (collective: it reloads the newest verified snapshot), then :meth:`Run.batches` and
+:meth:`Run.update` per update, :meth:`Run.save` (collective) between updates; when the entry point returns, the
+runtime snapshots the last update, writes the summary and calls :meth:`Run.close`.  ``docs/api.md`` documents
+every public name, with an example.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn, TextIO
 
 import torch
 
@@ -49,12 +34,11 @@ from accelpact_slurm.runtime.job import stopping
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
 from accelpact_slurm.runtime.job.recovery import build_guard
-from accelpact_slurm.runtime.state.restore import reject_copy, restore
+from accelpact_slurm.runtime.state.restore import restore
 from accelpact_slurm.runtime.state.digest import state_digests
 from ckpt_service.auth import load_key, load_or_create_key
 from ckpt_service.client import SnapshotClient
-from ckpt_service.index import read_record
-from ckpt_service.layout import node_dir, shared_dir, step_dirname, step_of as snapshot_step
+from ckpt_service.layout import step_of as snapshot_step
 from accelpact_slurm.runtime.state.saving import refusal, settle
 
 if TYPE_CHECKING:
@@ -86,8 +70,11 @@ class Job:
     """
 
     def __init__(self, cfg: JobConfig, rt: Runtime, run_dir: str, events: EventLog, *, out: TextIO,
-                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None) -> None:
+                 faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None,
+                 stop: Callable[[BaseException], Any] = lambda exc: None) -> None:
         self.config = cfg
+        #: Fails the rank stop on a stop or a lost control plane (the entry's rule), raising ``Stopped``.
+        self._stop = stop
         self._rt = rt
         self._out = out
         self._faults = faults
@@ -107,6 +94,9 @@ class Job:
     def groups(self) -> tuple[Any, Any]:
         """``(shard_group, replicate_group)`` as they are now: an L1 repair may have replaced the ones of the start."""
         return self._rt.shard_group, self._rt.replicate_group
+
+    def _fail_stop(self, stop: FailStop) -> NoReturn:
+        fail_stop(stop, self.events, self._out, self.is_lead, self._rt.control, self._rt.ctx, self._environ)
 
     @property
     def is_lead(self) -> bool:
@@ -145,7 +135,11 @@ class Job:
             raise UsageError("job.protect", "a second call", "call job.protect once per job, after wrapping")
         if exact:
             torch.use_deterministic_algorithms(True)
-        self.run = Run(self, model, optimizer, scheduler, dict(state or {}), exact=exact)
+        try:
+            self.run = Run(self, model, optimizer, scheduler, dict(state or {}), exact=exact)
+        except (FailStop, ControlPlaneError) as exc:  # reaches the script as Stopped, never as an Exception
+            self._stop(exc)
+            raise
         return self.run
 
 
@@ -192,7 +186,11 @@ class Update:
         return self
 
     def __exit__(self, et: Any, ev: BaseException | None, tb: Any) -> bool:
-        return self._run._finish(self, ev)
+        try:
+            return self._run._finish(self, ev)
+        except (FailStop, ControlPlaneError) as exc:  # the commit's snapshot, the requeue stop
+            self._run._stopped(exc)
+            raise
 
 
 class Run:
@@ -223,7 +221,7 @@ class Run:
         self._forward = forward_state(model, job._faults)
         #: What a test's negative controls turn off, picked here, not branched on where it runs.
         self._checked = not job._faults.skip_reload_check  # restore re-checks checksums; the replay check runs
-        self._rng_restore = appstate.rng_restore if not job._faults.skip_redo_rng else _keep_rng
+        self._rng_restore = appstate.rng_restore if not job._faults.skip_redo_rng else appstate.keep_rng
         self._extra_restore = self._restore_extra if not job._faults.skip_extra_restore else _skip_extra
         self.step, self.epoch = 0, 0
         self.losses: list[float | None] = []
@@ -245,9 +243,9 @@ class Run:
         self._yielded = False  # run.batches yielded an item the next update may run again
         self._redo = False  # the last update was discarded: run.batches yields its batch again
         self._current: Update | None = None
-        self._loaded: str | None = None
         self._loaded_step: int | None = None  # the step this start reloaded (verified by the reload's rule)
         self._closed = False
+        self._voting = False
         key = self._guard.key_for("committed")
         if job.is_lead:
             job.events.emit("protected", platform=key.platform, profile=key.profile, fsdp=self._wrapping[0],
@@ -261,7 +259,7 @@ class Run:
             out = restore(rt, cfg, job.run_dir, self._load, job.events, check=self._checked,
                           copy=not job._faults.no_restore_copy, model=self._model)
         except FailStop as stop:  # no snapshot can be restored (76), or the requeue its exit code asks for
-            fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+            job._fail_stop(stop)
         self._loaded_step = out.step
         if out.step is not None and self._checked:
             ref = None
@@ -275,6 +273,8 @@ class Run:
             print(f"[accelpact] job {rt.ctx.job_id}: {rt.layout.num_nodes} nodes x {rt.layout.ranks_per_node} ranks, "
                   f"{self._wrapping[0]} {self._wrapping[1]}, {job.steps} updates{start}, run dir {job.run_dir}",
                   file=job._out, flush=True)
+        if detector is not None:  # a stop found in a collective the training code waits on: raised as Stopped
+            detector.stop_hook = (threading.get_ident(), self._stopped)
 
     # ------------------------------------------------------------------ the loop
 
@@ -338,37 +338,41 @@ class Run:
 
         Raises:
             UsageError: ``run.save()`` called inside an update (its ``with run.update()`` block open), after
-                :meth:`close`, before the first update, or on a job without snapshots
-                (``checkpoint.every_steps`` 0).
+                :meth:`close`, before the first update, or on a job without snapshots (``checkpoint.every_steps`` 0).
         """
-
         inside = self._current.step if self._current is not None else None
         refused = refusal(closed=self._closed, inside=inside, every_steps=self.job.config.checkpoint.every_steps,
                           step=self.step)
         if refused is not None:
             raise UsageError("run.save()", *refused)
-        job = self.job
-        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "run.save",
-                      loaded=self.step == self._loaded_step)["verified"]
+        try:
+            return self._settle("run.save")["verified"]
+        except (FailStop, ControlPlaneError) as exc:
+            self._stopped(exc)
+            raise
 
     def _final(self) -> dict[str, Any] | None:
         """Collective, at the job's end (before the digests and ``job_end``): the snapshot of the last committed
         update, verified (:mod:`..state.saving`); None when the job takes no snapshots, does not want one at its end
         (``checkpoint.at_end: false``) or committed no update."""
-        job = self.job
-        c = job.config.checkpoint
+        c = self.job.config.checkpoint
         if c.every_steps <= 0 or not c.at_end or self.step <= 0:
             return None
-        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, "final",
+        return self._settle("final")
+
+    def _settle(self, trigger: str) -> dict[str, Any]:
+        job = self.job
+        return settle(job._rt, job.config, self._snapshots, job.events, job._out, self.step, trigger,
                       loaded=self.step == self._loaded_step)
 
     def close(self) -> None:
-        """Release what the run holds: the snapshot client (its staging slots), the phase hooks and the repair
-        engine's background aborts.  The runtime calls it after the entry point returns; calling it again does
-        nothing.  No update may run after it."""
+        """Release the snapshot client (its staging slots), the phase hooks and the repair engine's background
+        aborts.  The runtime calls it after the entry point returns (again: nothing); no update may run after it."""
         if self._closed:
             return
         self._closed = True
+        if getattr(self.job._rt, "detector", None) is not None:  # the rank's end: the project's own collectives
+            self.job._rt.detector.stop_hook = None
         self._snapshots.close()
         self._tracker.close()
         left = self._guard.engine.close(self.job.config.timeouts.shutdown_s)  # retired NCCL communicators
@@ -377,7 +381,6 @@ class Run:
 
     def _digests(self) -> tuple[str | None, str | None]:
         """Collective: ``(final_state_digest, final_model_digest)`` (:mod:`..state.digest`)."""
-
         return state_digests(self.job._rt, self._model, self._optimizer, self._statefuls, self._forward,
                              self.step, self.epoch)
 
@@ -406,7 +409,6 @@ class Run:
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]
-        self._loaded = path
         mine, rng = appstate.rank_state(doc["ranks"], self.job.rank, self.job.seed, self.step)
         self._extra_restore(path, mine, rng)
 
@@ -423,6 +425,22 @@ class Run:
 
     # ------------------------------------------------------------------ the end of an update
 
+    def _stopped(self, exc: BaseException) -> None:
+        """A stop on its way into the script (the detector's, the control plane's): the rank fails stop, raising
+        ``Stopped`` (a script's ``except Exception`` cannot swallow it); not in the vote, whose guard and repair take
+        a stop found in their own collectives."""
+        if not self._voting:
+            self._current = None
+            self._tracker.end()
+            self.job._stop(exc)
+
+    def _vote(self, *args: Any, **kwargs: Any) -> tuple[str, float | None, list[str | None]]:
+        self._voting = True
+        try:
+            return self._guard.decide(*args, **kwargs)
+        finally:
+            self._voting = False
+
     def _decide(self, update: Update, fault: str | None, error: str | None) -> str:
         """The update's one vote (collective): at its first ``optimizer.step``, or at its end when it raised or
         never stepped.  Returns ``continue`` or ``redo``; fails stop (raises ``Stopped``) on a Restart decision."""
@@ -431,7 +449,7 @@ class Run:
         latched = detector.take_latched() if detector is not None else None
         if latched and not fault:  # a collective given up whose error the training code swallowed
             fault, error = latched
-        loss = None if fault else _as_float(update._loss)
+        loss = None if fault else appstate.loss_value(update._loss)
         if update._loss is None and not fault and self.losses and self.losses[-1] is not None \
                 and not self._warned_late_loss:
             self._warned_late_loss = True
@@ -440,12 +458,11 @@ class Run:
         update._need_fp = not fault and (self.step in self._snapshots.taken or self._replay is not None)
         extra = {"fp": replay.fingerprint(self._model, self._optimizer)} if update._need_fp else None
         try:
-            outcome, mean, fps = self._guard.decide(update.step, fault, error, loss, extra,
+            outcome, mean, fps = self._vote(update.step, fault, error, loss, extra,
                                                     redoable=update._redoable, optimizer=self._optimizer,
                                                     exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
-            fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step), job.events, job._out,
-                      job.is_lead, rt.control, rt.ctx, job._environ)
+            job._fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step))
         update._decided, update._mean = outcome, mean
         if outcome == "redo":
             self._rng_restore(update._rng)
@@ -470,7 +487,7 @@ class Run:
                              "not BaseException, around optimizer.step()); the update is discarded and runs again")
         if ev is not None:
             if isinstance(ev, FailStop):  # the detector: a member is dead, hung or stopped (no vote can complete)
-                fail_stop(ev, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+                job._fail_stop(ev)
             if not isinstance(ev, Exception) or isinstance(ev, UsageError):
                 return False  # KeyboardInterrupt, SystemExit, a Stopped, the API's own usage errors: not a fault
             if isinstance(ev, RuntimeError) and NONDETERMINISTIC in str(ev):
@@ -498,10 +515,10 @@ class Run:
                 # Vote again with the old frontier: the others' next vote reports the new one, and the
                 # frontier mismatch fails every rank stop (no rank can repair a state it does not share).
                 try:
-                    self._guard.decide(update.step, fault, error, None, None, redoable=False,
+                    self._vote(update.step, fault, error, None, None, redoable=False,
                                        exception=update._exception)
                 except FailStop as stop:
-                    fail_stop(stop, job.events, job._out, job.is_lead, rt.control, rt.ctx, job._environ)
+                    job._fail_stop(stop)
                 raise AssertionError("unreachable: a fault after the vote always fails stop")  # pragma: no cover
         elif not tracker.stepped and not self._warned_no_step:
             # A gradient scaler skips the step when it finds inf/NaN gradients; anything else is a loop that
@@ -549,52 +566,15 @@ class Run:
                 job.events.emit("replay_check", snapshot=snap, step=step, verdict=verdict, reason=why)
                 print(f"[accelpact] replay check of snapshot {snap}: {verdict}: {why}", file=job._out, flush=True)
             if verdict == "mismatch":
-                self._reject_loaded(snap, why)
-                fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, cause="checkpoint", phase="replay",
-                                   frontier=snap, decided_at=time.monotonic()), job.events, job._out, job.is_lead,
-                          rt.control, rt.ctx, job._environ)
+                replay.reject_loaded(rt, job.config, job.run_dir, snap, why, job.events)
+                job._fail_stop(FailStop(f"snapshot {snap} rejected: {why}", EXIT_REQUEUE, cause="checkpoint",
+                                        phase="replay", frontier=snap, decided_at=time.monotonic()))
         if record and job.is_lead:
             ref = {"snapshot": prev, "step": step, "loss": mean, "fingerprints": fps, "layout": layout}
             # MAC'd under the run's key: a line another user appends to the log cannot reject the snapshot
             job.events.emit("replay_ref", **ref, mac=replay.ref_mac(load_or_create_key(job.run_dir), ref))
 
-    def _reject_loaded(self, snap: int, why: str) -> None:
-        """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the
-        wrong state, so none of them may be loaded again (a later start would otherwise take the shared tier's
-        copy of the same step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for
-        the shared tier's."""
-
-        rt, cfg = self.job._rt, self.job.config
-        ndir = node_dir(self.job.run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
-        shared = os.path.join(shared_dir(self.job.run_dir, cfg.checkpoint.shared_dir), step_dirname(snap))
-        mine = [os.path.join(ndir, step_dirname(snap))] if rt.local_rank == 0 else []
-        if rt.rank == 0:
-            mine.append(shared)
-        for path in mine:
-            rec = read_record(path) if os.path.isdir(path) else None
-            if rec is None or rec.state == "rejected":
-                continue
-            try:
-                reject_copy(snap, path, f"replay check failed: {why}", self.job.run_dir, ndir,
-                            rt.ctx.hostname, cfg.checkpoint.milestone_every, self.job.events, source="replay")
-            except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
-                log.warning("could not record the rejection of %s: %s", path, exc)
-
-
-def _keep_rng(snap: Any) -> None:
-    """Test-only (``ACCELPACT_TEST_SKIP_REDO_RNG``): a redo draws on from where the discarded attempt left the RNG."""
-
 
 def _skip_extra(path: str, mine: Any, rng: Any) -> None:
     """Test-only (``ACCELPACT_TEST_SKIP_EXTRA_RESTORE``): the extra state of a snapshot is not restored."""
     log.warning("extra state not restored (test-only fault injection)")
-
-
-def _as_float(loss: Any) -> float | None:
-    if loss is None:
-        return None
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise UsageError("update.loss", f"a tensor of shape {tuple(loss.shape)}", "report one number (a 0-d tensor)")
-        return float(loss.detach())
-    return float(loss)

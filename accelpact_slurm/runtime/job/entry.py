@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, TextIO
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.atomic import write_json_atomic
@@ -219,14 +219,19 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     check_progress(cfg, ctx, rt, run_dir, events, out)
-    job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ)
     peer_stop = _no_peer_check if faults.dead_peer_as_bug else _peer_stop
+
+    def stop_on(exc: BaseException, phase: str = "script", frontier: int | None = None) -> NoReturn:
+        """Fail stop on one of the project's own errors: a peer's death if one is gone, else its own stop."""
+        fail_stop(peer_stop(exc, rt, phase, job) or as_fail_stop(exc, phase=phase, frontier=frontier), events, out,
+                  lead, rt.control, ctx, environ)
+
+    job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ, stop=stop_on)
     train_t0 = time.monotonic()
     try:
         entry(job)
     except AccelpactError as exc:  # the detector (a member dead, hung or stopped), the runtime, or bad input
-        fail_stop(peer_stop(exc, rt, "script", job) or as_fail_stop(exc, phase="script"), events, out,
-                  lead, rt.control, ctx, environ)
+        stop_on(exc)
     except Exception as exc:  # the training code's own error outside an update: a restart would repeat it
         reraise()  # raised by the script's finally or hook while its stop unwound it: that stop stands
         stop = peer_stop(exc, rt, "script", job)  # unless a peer is gone: a snapshot's or a restore's
@@ -249,8 +254,7 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     try:  # the job's end is collective too: a rank lost now fails the others stop, with the reason
         return _end(cfg, ctx, rt, run, run_dir, events, out, lead, wall0, time.monotonic() - train_t0)
     except AccelpactError as exc:
-        fail_stop(peer_stop(exc, rt, "end", job) or as_fail_stop(exc, phase="end", frontier=run.step),
-                  events, out, lead, rt.control, ctx, environ)
+        stop_on(exc, "end", run.step)
     except Exception as exc:  # the final snapshot's or the digests' collective, failed with a peer gone
         stop = peer_stop(exc, rt, "end", job)
         if stop is None:

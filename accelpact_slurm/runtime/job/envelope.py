@@ -1,15 +1,13 @@
 """The recovery envelope: which recovery action is qualified for which observation key.
 
-An observation key is ``<platform stack, resource profile, failure phase,
-continuation objective>``.  An entry lists the actions qualified for a key with
-their evidence (trials, successes, date, torch and backend versions); it is
-earned by ``accelpact-qualify`` on that platform.  No entry, or an entry
-without enough successful trials, means Restart.
+An observation key is ``<platform stack, resource profile, failure phase, continuation objective>``.  An entry lists
+the actions qualified for a key with their evidence (trials, successes, date, torch and backend versions); it is
+earned by ``accelpact-qualify`` on that platform.  No entry, or an entry without enough successful trials, means
+Restart.
 
-Which file a job reads (:func:`load`): an explicitly configured file
-(``ACCELPACT_ENVELOPE``) alone; else the user's file (:func:`user_path`,
-where ``accelpact-qualify`` writes by default) layered over the one shipped in
-the package (:data:`SHIPPED`), the user's entry winning for a key both hold.
+Which file a job reads (:func:`load`): an explicitly configured file (``ACCELPACT_ENVELOPE``) alone; else the user's
+file (:func:`user_path`, where ``accelpact-qualify`` writes by default) layered over the one shipped in the package
+(:data:`SHIPPED`), the user's entry winning for a key both hold.
 
 Pure: :func:`decide` takes the envelope and the key and returns
 ``(action, reason)``.  This module does not import torch.

@@ -1,29 +1,22 @@
 """The guard: phases, the committed frontier F and the per-update vote.
 
-Every update runs forward -> backward -> (decision) -> optimizer -> committed.  The decision is
-taken once per update, before any optimizer steps: at the first ``optimizer.step`` of the update
-(its pre-hook), or at the end of the update when it raised or never stepped.  There the guard runs
-one small collective on the replication group (every replica must be at the same frontier; it also
-proves the group alive after backward), then every rank of the world votes over the control plane:
-its frontier, how many repairs it has made (its generation), whether it saw a fault and in which
-phase, its loss.  All ranks decide from the same votes (:func:`decide_votes`, pure), so all take the
-same branch, in the manner of a two-phase commit:
+Every update runs forward -> backward -> (decision) -> optimizer -> committed.  The decision is taken once per
+update, before any optimizer steps: at its first ``optimizer.step`` (the pre-hook), or at its end when it raised or
+never stepped.  There the guard runs one small collective on the replication group (every replica at the same
+frontier; the group alive after backward), then every rank votes over the control plane (frontier, generation,
+fault and phase, loss), and all decide from the same votes (:func:`decide_votes`, pure), as in a two-phase commit:
 
-- no fault: every rank steps, and the update commits (F advances);
-- a fault at the guard's own collective (``committed``: backward completed on every rank, its
-  gradients reduced) and the envelope allows Preserve: the replication group is repaired, then
-  every rank steps on the gradients it has;
-- a fault in ``backward`` (FSDP's replication all-reduce, and every group a stuck rank drags down)
-  and the envelope allows Preserve: every rank discards the update, every group is replaced and
-  rebound, and the update runs again from its batch and the RNG states it began with;
-- an error of the training code itself (not a failed collective), on any rank: every rank stops, not to be
-  requeued (a restart would run into the same bug): :data:`STOP`;
-- anything else (a fault in forward or in the optimizer step, an unqualified key, a frontier
-  mismatch, an update whose batch did not come from ``run.batches``): fail stop, L2.
+- no fault: every rank steps and the update commits (F advances);
+- a fault at the guard's own collective (``committed``) where the envelope allows Preserve: the replication group is
+  repaired, then every rank steps on the gradients it has;
+- a fault in ``backward`` where the envelope allows Preserve: every rank discards the update, every group is replaced
+  and rebound, and the update runs again from its batch and the RNG states it began with;
+- an error of the training code (not a failed collective) on any rank: every rank stops, not requeued (:data:`STOP`);
+- anything else (forward, the optimizer step, an unqualified key, a frontier mismatch, a batch not from
+  ``run.batches``): fail stop, L2.
 
-No rank can step while a peer's update failed: the vote comes first.  A rank whose optimizer step
-itself raised (after the vote) votes again at the end of its update with the old frontier, and the
-others' next vote reports the new one: a frontier mismatch, fail stop.
+No rank steps while a peer's update failed.  A rank whose optimizer step raised (after the vote) votes again with
+the old frontier, and the others' next vote fails every rank stop on the mismatch.
 """
 
 from __future__ import annotations
@@ -178,12 +171,11 @@ class BoundaryGuard:
                ) -> tuple[str, float | None, list[str | None]]:
         """Boundary collective, vote, decision for update ``step`` (= F + 1), before any optimizer stepped.
 
-        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None);
-        ``exception``: a training-code error's description
-        (:func:`accelpact_slurm.runtime.job.phases.describe_exception`). ``extra`` rides along in this rank's vote (the
-        replay fingerprint).  Returns ``(outcome, the
-        job's mean loss or None, every rank's replay fingerprint or None)``; ``outcome`` is ``continue`` (step and commit)
-        or ``redo`` (the update was discarded and every group repaired: run it again).
+        ``fault``/``error``: the phase and text of a fault this rank saw inside the update (or None); ``exception``: a
+        training-code error's description (:func:`accelpact_slurm.runtime.job.phases.describe_exception`). ``extra``
+        rides along in this rank's vote (the replay fingerprint).  Returns
+        ``(outcome, the job's mean loss or None, every rank's replay fingerprint or None)``; ``outcome`` is
+        ``continue`` (step and commit) or ``redo`` (the update was discarded and every group repaired: run it again).
 
         Raises:
             FailStop: the decision is Restart.  After a Preserve decision the engine has repaired

@@ -1,24 +1,16 @@
 """Which device a rank trains on, which backend carries its data plane, and the platform it runs on.
 
-``topology.device`` in the job file: ``auto`` (the default), ``cpu`` or ``cuda``.
+``topology.device`` in the job file: ``auto`` (the default), ``cpu`` (Gloo: the embedded default and the tests) or
+``cuda``: one GPU per rank, NCCL for the data plane and Gloo kept for CPU collectives (``"cpu:gloo,cuda:nccl"``).
+Which GPU: ``cuda:0`` when the rank sees exactly one (``--gpus-per-task=1``, ``--gpu-bind=single:1``);
+``cuda:LOCAL_RANK`` when it sees at least as many as the ranks that share them (``--gpus-per-node=R``; on the
+embedded default those ranks are the whole world and the index is the rank); anything else is a
+:class:`ConfigError` naming the counts and the fix (NCCL refuses two ranks on one GPU).  ``auto`` is ``cuda`` when
+those rules give this rank a GPU of its own, else ``cpu`` (the reason logged).
 
-- ``cpu``: the data plane is Gloo on the CPU (the embedded default and the tests).
-- ``cuda``: one GPU per rank, NCCL for the data plane and Gloo kept for CPU collectives (the world is
-  ``"cpu:gloo,cuda:nccl"``; the control plane is its own store either way).  Which GPU:
-
-  * the rank sees exactly one GPU: ``cuda:0`` (Slurm's ``--gpus-per-task=1`` or ``--gpu-bind=single:1``
-    gives each task its own);
-  * it sees at least as many GPUs as the ranks that share them: ``cuda:LOCAL_RANK`` (``--gpus-per-node=R``
-    with every task seeing its node's GPUs).  On the embedded default, where every emulated node is
-    this one machine, the ranks that share the GPUs are the whole world and the index is the rank;
-  * anything else is a :class:`ConfigError` naming the counts and the fix (NCCL refuses two ranks on
-    one GPU).
-- ``auto``: ``cuda`` when those rules give this rank a GPU of its own, else ``cpu`` (with the reason logged).
-
-:func:`nccl_environment` is the environment the NCCL process groups are created under, so that a failed or
-timed-out replication collective raises in the rank's thread (where the guard latches it) instead of
-killing the process; ``docs/gpus.md`` explains each setting.  :func:`choose` is pure given its inputs
-(the visible GPU count is passed in); :func:`select` reads them from the process.
+:func:`nccl_environment` is the environment the NCCL groups are created under, so that a failed or timed-out
+replication collective raises in the rank's thread (where the guard latches it) instead of killing the process
+(``docs/gpus.md``).  :func:`choose` is pure (the visible GPU count passed in); :func:`select` reads the process.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """Phase tracking without the user's help: module and optimizer hooks, active only inside ``run.update()``.
 
-forward (a forward of the protected model began) -> backward (it returned: loss and backward follow)
--> optimizer (``optimizer.step`` began) -> stepped (it returned); gradient accumulation alternates
-forward and backward several times before the step.  The guard reads :attr:`PhaseTracker.phase`
-when a fault surfaces and :attr:`PhaseTracker.stepped` at the end of the update.
+forward (a forward of the protected model began) -> backward (it returned) -> optimizer (``optimizer.step`` began)
+-> stepped (it returned); gradient accumulation alternates forward and backward before the step.  The guard reads
+:attr:`PhaseTracker.phase` when a fault surfaces and :attr:`PhaseTracker.stepped` at the end of the update.
 
-The decision point of an update is the first ``optimizer.step`` of it (the step pre-hook calls
-:attr:`PhaseTracker.decide`, set by the run): every rank votes there, before any optimizer has
-stepped, so a fault anywhere in forward or backward is known to every rank while every rank still
-holds the committed state.  A decision to run the update again raises :class:`Redo` out of
-``optimizer.step`` (the update context swallows it and ``run.batches`` yields the same batch again); it
-derives from ``BaseException``, so a script's ``except Exception`` around the step cannot swallow it.
+The decision point of an update is its first ``optimizer.step`` (the step pre-hook calls :attr:`PhaseTracker.decide`):
+every rank votes there, before any optimizer stepped, so a fault anywhere in forward or backward is known to every
+rank while every rank still holds the committed state.  A decision to run the update again raises :class:`Redo` out
+of ``optimizer.step`` (the update context swallows it, ``run.batches`` yields the same batch again); a
+``BaseException``, so a script's ``except Exception`` around the step cannot swallow it.
 
-Injected faults for tests (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds
-this rank's part of the whole forward (a shard-group fault: FSDP's all-gathers), ``backward`` every
-replication all-reduce FSDP issues in this update's backward (the fault of an inter-node link: its
-replication peers wait in theirs, and the shard peers behind them), ``backward-all`` its part of
-the whole backward (a shard-group fault first), ``boundary`` its part of the guard's own collective;
-``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective while its part
-never arrives (a stalled link: every member waits in it,
-:meth:`~accelpact_slurm.runtime.detection.collectives.Detector.stall_next`).
+Injected faults (:class:`FaultInjector`) fire from the same hooks: ``forward`` withholds this rank's part of the whole
+forward (a shard-group fault), ``backward`` every replication all-reduce of this update's backward (an inter-node
+link), ``backward-all`` its part of the whole backward, ``boundary`` its part of the guard's collective;
+``backward-stuck`` and ``boundary-stuck`` keep the rank inside the replication collective while its part never
+arrives (a stalled link, :meth:`~accelpact_slurm.runtime.detection.collectives.Detector.stall_next`).
 """
 
 from __future__ import annotations
@@ -89,10 +84,9 @@ _NOT_USER = tuple(os.path.dirname(p) + os.sep for p in (os.__file__,)) + (
 def describe_exception(exc: BaseException, limit: int = 20000) -> dict[str, Any]:
     """What a ``fail_stop`` says of a training-code error: type, message, the user's frame, the traceback.
 
-    The user's frame is the innermost one outside the standard library, the installed packages and this
-    project (where the script's own line is; an error raised deep inside torch names the line that called it),
-    else the innermost one.  The traceback is the full text, chained exceptions included (at most ``limit``
-    characters, its end kept).
+    The user's frame is the innermost one outside the standard library, the installed packages and this project (where
+    the script's own line is; an error raised deep inside torch names the line that called it), else the innermost
+    one.  The traceback is the full text, chained exceptions included (at most ``limit`` characters, its end kept).
     """
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     user = [f for f in frames if not any(part in os.path.abspath(f.filename) for part in _NOT_USER)]
@@ -145,7 +139,6 @@ class PhaseTracker:
         self.step = 0
         self.phase = COMMITTED
         self.stepped = False
-        self.forwards = 0
         self.decided = False
         #: Called at the first optimizer.step of an update (set by the run): the vote; returns the outcome.
         self.decide: Any = None
@@ -158,8 +151,7 @@ class PhaseTracker:
         ]
 
     def begin(self, step: int) -> None:
-        self.active, self.step, self.phase, self.stepped, self.forwards = True, step, FORWARD, False, 0
-        self.decided = False
+        self.active, self.step, self.phase, self.stepped, self.decided = True, step, FORWARD, False, False
         self._show(FORWARD)
 
     def end(self) -> None:
@@ -187,7 +179,6 @@ class PhaseTracker:
             return
         self.phase = FORWARD
         self._show(FORWARD)
-        self.forwards += 1
         if self._slow is not None and self._slow[0] == self.step:
             step, text = self._slow
             self._slow = None

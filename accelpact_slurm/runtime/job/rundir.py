@@ -1,21 +1,15 @@
 """The start-up check of a run directory: unsafe or unusable ones stop the start in one line, exit 2.
 
-Who calls: ``accelpact-run`` on every start, before any rank or daemon starts (the embedded default) or
-before the rank joins (a Slurm task), and before anything is written into the run directory.
+Who calls: ``accelpact-run`` on every start, before any rank or daemon starts (the embedded default) or before the rank
+joins (a Slurm task), and before anything is written into the run directory.
 
-A run directory whose snapshots another user may touch cannot keep the promises of
-``docs/checkpoints.md`` ("Who may load what"), and some faults would otherwise loop through requeues or
-retrain from 0 without a word.  Each is a :class:`~accelpact_slurm.core.errors.ConfigError` naming the
-path, what is wrong and the fix (``accelpact-run`` exits 2: not requeued):
-
-- the run directory is not the job's user's, or group- or world-writable (another user could delete the
-  key, plant snapshot folders or forge event lines);
-- the key (``.accelpact-key``) has the wrong owner or mode, or is not a regular file;
-- the key is missing while snapshots exist in the run's node directories or shared tier: they could no
-  longer be authenticated, and a fresh key would reject every one of them and retrain from 0 silently;
-- the event log (``events.jsonl``) cannot be opened for appending (every rank would raise on it).
-
-Torch-free.
+A run directory whose snapshots another user may touch cannot keep the promises of ``docs/checkpoints.md`` ("Who may
+load what"), and some faults would otherwise loop through requeues or retrain from 0 without a word.  Each is a
+:class:`~accelpact_slurm.core.errors.ConfigError` naming the path, what is wrong and the fix (exit 2, not requeued):
+the run directory is not the job's user's, or is group- or world-writable (another user could delete the key, plant
+snapshots or forge event lines); the key (``.accelpact-key``) has the wrong owner or mode, or is no regular file; the
+key is missing while snapshots exist (a fresh key would reject every one and retrain from 0 silently); the event log
+(``events.jsonl``) cannot be opened for appending.  Torch-free.
 """
 
 from __future__ import annotations

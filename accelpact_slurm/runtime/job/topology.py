@@ -4,10 +4,9 @@ Replicate dimension = nodes, shard dimension = ranks of a node.  Rank ``r`` sits
 node ``r // R`` at local rank ``r % R``; its shard group is the ranks of its node
 and its replication group is the ranks with the same local rank on every node.
 
-:func:`init_runtime` builds, for one rank: the data-plane store and Gloo world,
-the 2-D device mesh or the explicit (shard, replicate) group pair, and the
-control plane on its own store.  Library code passes groups explicitly and never
-issues a collective on the default group.
+:func:`init_runtime` builds, for one rank: the data-plane store and Gloo world, the 2-D device mesh or the explicit
+(shard, replicate) group pair, and the control plane on its own store.  Library code passes groups explicitly and
+never issues a collective on the default group.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ else travels as one JSON document per snapshot (``{"run": ..., "ranks": {rank: .
 - ``ranks[r]``: rank r's RNG states (CPU and, where present, CUDA) and the ``state_dict()`` of every
   ``Stateful`` the user passed to ``job.protect`` (scheduler, data loader, own counters).
 
-:func:`encode` turns a state dict into JSON-able data (tensors as base64 with dtype and shape) and
-names the offending object and key when something cannot be saved (:class:`UsageError`).
-:func:`load` (collective) restores model and optimizer with stock ``dcp.load`` into the sharded
-state dict and ``set_state_dict``, then returns the JSON document.
+:func:`encode` turns a state dict into JSON-able data (tensors as base64 with dtype and shape) and names the offending
+object and key when something cannot be saved (:class:`UsageError`). :func:`load` (collective) restores model and
+optimizer with stock ``dcp.load`` into the sharded state dict and ``set_state_dict``, then returns the JSON document.
 """
 
 from __future__ import annotations
@@ -156,6 +155,19 @@ def rng_snapshot() -> tuple[Any, ...]:
     return (torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None, cuda)
 
 
+def keep_rng(snap: Any) -> None:
+    """Test-only (``ACCELPACT_TEST_SKIP_REDO_RNG``): a redo draws on from where the discarded attempt left the RNG."""
+
+
+def loss_value(loss: Any) -> float | None:
+    """``update.loss`` as one number (None when not set)."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise UsageError("update.loss", f"a tensor of shape {tuple(loss.shape)}", "report one number (a 0-d tensor)")
+        return float(loss.detach())
+    return None if loss is None else float(loss)
+
+
 def rng_restore(snap: tuple[Any, ...]) -> None:
     """Inverse of :func:`rng_snapshot`."""
     cpu, py, npy, cuda = snap
@@ -214,7 +226,6 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
         CheckpointError: the snapshot does not pass on the handles it was read from (e.g. replaced after the
             re-check): the start ends and the next one re-checks it.
     """
-
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
 
     def reader() -> Any:

@@ -2,23 +2,17 @@
 
 Two guarantees rest on it:
 
-- **A redo starts where the discarded attempt started.**  An update that an L1 repair discards has already run
-  its forward, which updated every batch-norm's running mean, variance and batch counter.  :meth:`ForwardState.keep`
-  copies every buffer of the model as the update begins (into copies made once and reused);
-  :meth:`ForwardState.restore` puts them back when the update is discarded, so that the update runs again over
-  the buffers it first saw.  A buffer the forward replaced (``self.buf = new``, not in place) is put back too.
-- **Per-rank buffers survive a restart.**  Each rank's batch-norm statistics differ (each sees its own batches),
-  while the sharded state dict holds one copy of a buffer (it is not a parameter: DCP writes it once).
-  :meth:`ForwardState.per_rank` returns this rank's persistent buffers that the training changed (their value
-  moved since the first update), saved in the rank's part of the snapshot and put back by
-  :meth:`ForwardState.load` after the shared copy is loaded.  Buffers that never change (a rotary table) are not
-  saved per rank.
+- **A redo starts where the discarded attempt started.**  :meth:`ForwardState.keep` copies every buffer as an update
+  begins (into copies made once and reused); :meth:`ForwardState.restore` puts them back when an L1 repair discards
+  the update, whose forward already moved them, a buffer the forward replaced (``self.buf = new``) included.
+- **Per-rank buffers survive a restart.**  Each rank's batch-norm statistics differ, while the sharded state dict
+  holds one copy of a buffer.  :meth:`ForwardState.per_rank` returns this rank's persistent buffers that training
+  changed, saved in the rank's part of the snapshot and put back by :meth:`ForwardState.load` after the shared copy
+  (a buffer that never changes, a rotary table, is not saved per rank).
 
-What it does not cover, and a script must not do: change other state inside an update outside ``state=``
-(a Python attribute of a module, a global counter, a cache on disk); ``docs/api.md`` (What "exact" covers).
-
-Names are the model's own (FSDP's and activation checkpointing's wrapper prefixes removed), so that the saved
-buffers load into the same model however it is wrapped.
+Not covered (a script must not do it): other state changed inside an update outside ``state=`` (a module's Python
+attribute, a global counter, a cache on disk); ``docs/api.md`` (What "exact" covers).  Names are the model's own
+(wrapper prefixes removed), so the buffers load into the same model however it is wrapped.
 
 Who calls: :class:`~accelpact_slurm.runtime.job.api.Run` on its own rank (nothing here is collective).
 """

@@ -66,7 +66,6 @@ def state_digests(rt: Runtime, model: Any, optimizer: Any, statefuls: dict[str, 
     nothing per rank: it names the same training state on any allocation (the number of nodes and of
     ranks per node changes the per-rank RNG and data loader states, not the model).
     """
-
     msd, osd = get_state_dict(model, optimizer)  # sharded: DTensor / ShardedTensor, nothing gathered
     ranks = rt.control.all_gather("digest-rank", rank_fingerprint(statefuls, forward))
     on_node0 = rt.node == 0

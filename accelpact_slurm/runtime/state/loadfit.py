@@ -1,24 +1,18 @@
 """Verified means loadable: whether a snapshot can be restored into this job's model, and why not, on one line.
 
 Who calls: :func:`accelpact_slurm.runtime.state.restore.reload` (through
-:class:`~accelpact_slurm.runtime.state.restore.StateIO`), on every rank, for each candidate that passed its checksums,
-before and around the load.
+:class:`~accelpact_slurm.runtime.state.restore.StateIO`), on every rank, for each candidate that passed its checksums.
 
-A snapshot's checksums prove its bytes are the ones written; they do not prove the job's model can take them.  Two
-checks close the gap:
+Checksums prove the bytes are the ones written, not that the model can take them.  Two checks close the gap:
 
-- :func:`model_fit` (before the load, no collective that depends on the snapshot): every key of the model's state
-  dict against the snapshot's DCP metadata, with its global shape and dtype.  A key the model asks for and the
-  snapshot lacks (a BatchNorm buffer a capture left out, a layer added to the model), a key the snapshot holds
-  and the model lacks (a layer removed: DCP would ignore it silently), a changed shape, a dtype the copy would
-  narrow or change the kind of (DCP would cast silently; an exact widening, :func:`widens`, is loadable) each
-  make the snapshot unloadable.  Every rank answers from the same metadata and the same
-  model, so every rank answers the same, before any rank enters the load's collectives (one rank failing inside
-  them would leave the others waiting on it until the data plane's timeout);
-- :func:`load_failure` (around the load): what the load raised, classified.  ``snapshot``: the snapshot cannot be
-  taken (DCP's planner refuses a key or a size, ``load_state_dict`` refuses a tensor, a ``Stateful`` refuses its
-  saved state, the extra document lacks a field); ``environment``: the files changed after their re-check, a
-  disk, a peer or the control plane failed -- not the snapshot's fault, the start ends as before.
+- :func:`model_fit` (before the load): every key of the model's state dict against the snapshot's DCP metadata.  A
+  key the model asks for and the snapshot lacks, a key the snapshot holds and the model lacks (DCP would ignore it),
+  a changed shape, or a dtype the copy would narrow or change the kind of (DCP would cast; an exact widening,
+  :func:`widens`, is loadable) makes it unloadable.  Every rank answers the same from the same metadata and model,
+  before any rank enters the load's collectives (one rank failing inside them would leave the others waiting);
+- :func:`load_failure` (around the load): what the load raised, classified: ``snapshot`` (DCP's planner,
+  ``load_state_dict`` or a ``Stateful`` refuses it, the extra document lacks a field) or ``environment`` (files
+  changed after their re-check, a disk, a peer or the control plane failed: the start ends, nothing is rejected).
 
 :func:`no_snapshot_line` is the one line of the stop when no candidate can be restored.
 """

@@ -1,21 +1,16 @@
 """The replay check of a resumed snapshot, on the user's own training path.
 
-When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a
-``replay_ref`` event with the job's mean loss of that update and every rank's fingerprint of its
-parameter, reduced-gradient and optimizer-state shards at the update's vote, right before
-``optimizer.step`` (:func:`fingerprint`; they determine the step).  When a later start loads S,
-its first update is the same update S + 1, from the same weights, optimizer state, data loader
-position and RNG: it must reproduce both bitwise.  A mismatch means the snapshot (or its extra
-state) does not hold the training state it claims: it is rejected and the start fails stop; the
-next start falls back to the next older snapshot.
+When a run takes snapshot S, the update that follows it (S + 1) is recorded: rank 0 writes a ``replay_ref`` event with
+the job's mean loss of that update and every rank's fingerprint of its parameter, reduced-gradient and optimizer-state
+shards at the update's vote, right before ``optimizer.step`` (:func:`fingerprint`; they determine the step).  A later
+start that loads S runs the same update S + 1 from the same state: it must reproduce both bitwise, else the snapshot
+(or its extra state) does not hold the state it claims: it is rejected (:func:`reject_loaded`) and the start fails
+stop; the next start falls back to the next older snapshot.
 
-Nothing here knows the model's class: the fingerprint reads whatever local shards the wrapped
-model's parameters are.  The fingerprints are compared only when the layout (nodes x ranks per
-node) is the one that recorded them; the loss is compared whenever both runs reported one and the
-world size is the same (with another number of ranks the update itself is another computation:
-the check is ``unconfirmed``, and the resume's equality is the loaded state's, see docs/checkpoints.md).
-When no reference was recorded (S was the last thing the run did), the check is ``unconfirmed``
-and says so in the event log.
+The fingerprints are compared only under the layout (nodes x ranks per node) that recorded them, the loss whenever
+both runs reported one at the same world size (with another number of ranks the update is another computation: the
+check is ``unconfirmed``, and the resume's equality is the loaded state's, see docs/checkpoints.md).  No reference
+recorded (S was the run's last act): ``unconfirmed``, said in the event log.
 """
 
 from __future__ import annotations
@@ -24,12 +19,18 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.events import EventLog
+from accelpact_slurm.core.rank import RankContext
 from accelpact_slurm.runtime.state.buffers import buffer_items
-from accelpact_slurm.runtime.state.restore import same_bits
+from accelpact_slurm.runtime.state.restore import reject_copy, same_bits
+from ckpt_service.index import read_record
+from ckpt_service.layout import node_dir, shared_dir, step_dirname
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +151,23 @@ def judge(reference: Mapping[str, Any] | None, loss: float | None, fingerprints:
     if not checked:
         return "unconfirmed", "the recorded update reported no loss and ran on another layout"
     return "match", f"update {reference.get('step')} reproduced bitwise: " + ", ".join(checked)
+
+
+def reject_loaded(rt: RankContext, cfg: JobConfig, run_dir: str, snap: int, why: str, events: EventLog) -> None:
+    """Reject every copy of ``snap`` this start could load: a replay mismatch cannot tell which copy held the wrong
+    state, so none of them may be loaded again (a later start would otherwise take the shared tier's copy of the same
+    step).  One writer per copy: a node's first rank for the node's own copy, rank 0 for the shared tier's."""
+    ndir = node_dir(run_dir, rt.ctx.hostname, cfg.checkpoint.local_dir)
+    shared = os.path.join(shared_dir(run_dir, cfg.checkpoint.shared_dir), step_dirname(snap))
+    mine = [os.path.join(ndir, step_dirname(snap))] if rt.local_rank == 0 else []
+    if rt.rank == 0:
+        mine.append(shared)
+    for path in mine:
+        rec = read_record(path) if os.path.isdir(path) else None
+        if rec is None or rec.state == "rejected":
+            continue
+        try:
+            reject_copy(snap, path, f"replay check failed: {why}", run_dir, ndir, rt.ctx.hostname,
+                        cfg.checkpoint.milestone_every, events, source="replay")
+        except OSError as exc:  # a read-only shared tier: the rejection still holds for this start
+            log.warning("could not record the rejection of %s: %s", path, exc)

@@ -3,58 +3,31 @@
 Who calls: every rank, before the training loop, at the same point (collective):
 ``job.protect`` -> :class:`~accelpact_slurm.runtime.job.api.Run` -> :func:`restore`.
 
-The steps, in this order on every rank (each round is one control-plane ``all_gather``):
+The steps (each round one control-plane ``all_gather``; ``docs/checkpoints.md#resume`` has them in full):
+1. **offer**: every rank lists the snapshots it can reach, node directory first, then the shared tier
+   (:func:`reachable_verified`; an entry that cannot be a snapshot of this run is skipped with one warning:
+   :func:`candidates`).  An offer names each copy by step and place (``node`` or ``shared``), never by a path:
+   every rank derives what it opens from its own layout (:meth:`StateIO.path_of`; another shape is dropped,
+   :func:`offered`); pure :func:`plan` orders the candidates, newest first, with the ranks that lack each;
+2. **copy** (a step some ranks lack): the lowest rank that holds it copies it into the shared tier
+   (:meth:`StateIO.share`: temporary name, fsync, rename; node-local disks are not visible across nodes); a copy
+   that fails moves every rank to the next older candidate;
+3. **re-check**: one rank per copy re-reads every file the manifest lists (size and SHA-256,
+   :func:`ckpt_service.verify.check_checksums`); pure :func:`agree` combines the answers;
+4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.state.loadfit`): a refused copy moves every
+   rank to the next older one, rejected once an older one loads; none loads: one stop, exit 76, nothing rejected;
+5. the replay check runs later, on the training path (:mod:`accelpact_slurm.runtime.state.replay`);
+6. rank 0 writes one ``restart_load`` event (nothing when there was no snapshot at all).
 
-1. **offer**: every rank lists the snapshots it can reach, its node directory first, then the
-   shared tier (:func:`reachable_verified`; an entry that cannot be a snapshot of this run, e.g. a step
-   name of eleven digits or a step beyond the job's last update, is skipped with one warning line:
-   :func:`candidates`), with the state of those it cannot use
-   (``rejected``, ``committed``).  An offer names each copy by its step and place (``node`` or
-   ``shared``), never by a path: every rank derives the paths it opens from its own layout
-   (:meth:`StateIO.path_of`: a real directory right inside its node directory or the shared tier), and
-   an entry of another shape is dropped with its reason (:func:`offered`); pure :func:`plan` orders the candidates: every step verified
-   on at least one rank's reach, newest first, with the ranks that lack it;
-2. **copy** (only for a step some ranks lack, e.g. a node whose directory was lost, or a requeue
-   onto a new node): the lowest rank that holds it copies its node's copy into the shared tier
-   (:meth:`StateIO.share`: temporary name, fsync, rename; the run directory is on the cluster's
-   shared file system, node-local disks are not visible across nodes), and the ranks that lacked
-   the step load that copy.  A copy that fails (the shared file system is full) moves every rank
-   to the next older candidate;
-3. **re-check** (cheap but real, before anything is loaded): for the candidate, one rank per
-   copy (the lowest rank that reaches that directory) re-reads every file the manifest lists
-   and compares size and SHA-256 (:func:`ckpt_service.verify.check_checksums`: a bit flip, a
-   truncation, a missing shard or ``.metadata`` all fail; a copy just made is checked here on
-   arrival); pure :func:`agree` combines the answers.  When one copy fails, every rank moves to
-   the next older candidate;
-4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.state.loadfit`): the copy must hold exactly the
-   model's tensors, then every rank loads it (:func:`~accelpact_slurm.runtime.state.appstate.load`: weights, optimizer
-   and extra state), one round each.  A refused copy moves every rank to the next older one, rejected once an older
-   one loads; none loads: one stop, "no snapshot can be restored: ...", exit 76, nothing rejected (a model change);
-5. the replay check runs later, on the user's own training path: the first update after the load
-   must reproduce bitwise what the run recorded for that update when it first ran
-   (:mod:`accelpact_slurm.runtime.state.replay`); a mismatch rejects the snapshot and fails stop, and the
-   next start falls back to the next older one;
-6. rank 0 writes one ``restart_load`` event: ``step`` (``None`` when nothing was loaded), ``reason``,
-   ``path``, ``copied`` (``{from, to, hosts, why}`` when step 2 ran) and ``skipped``
-   (``[{step, reason}]`` for every newer snapshot that was not taken), and ``committed``: the newest step the
-   job committed (the daemons' signed records, :mod:`ckpt_service.committed`); loading an older one is one
-   ``warning`` event besides.
-   Nothing is written when there was no snapshot at all.
+Rejections are recorded as the daemon records them: ``state.json`` beside the data
+(:func:`ckpt_service.index.record_state`, the source of truth), a ``checkpoint`` event and, for a node-local copy, a
+republished ``ckpt-index/<node>.json``.  The node's daemon may be running meanwhile:
+:func:`ckpt_service.index.publish_index` re-reads every state under a lock, so neither writer can leave an index
+older than the state files.  The daemon's in-memory state of that step stays ``verified`` until its next start;
+nothing selects from it (selection reads ``state.json``).  A load that fails for the environment (a disk, a link,
+files replaced after their re-check) is no rejection: it ends the start, and the no-progress rule bounds the retries.
 
-Rejections are recorded the way the daemon records them: ``state.json`` beside the data
-(:func:`ckpt_service.index.record_state`, the source of truth), a ``checkpoint`` event
-(``state: rejected``, ``source: restore``) and, for a node-local copy, a republished
-``ckpt-index/<node>.json``.  The node's daemon may be running meanwhile (it starts before the
-ranks); :func:`ckpt_service.index.publish_index` re-reads every state under a lock, so neither
-writer can leave an index older than the state files.  The daemon's in-memory state of that
-step stays ``verified`` until its next start; nothing selects from it (selection reads
-``state.json``), and a new snapshot of the same step replaces the rejected directory.
-
-A load that fails for the environment (a disk, a link, the files replaced after their re-check) is not
-recorded as a rejection: it ends the start on every rank and the no-progress rule bounds the retries.
-
-Test-only: ``TestFaults.skip_reload_check`` skips the re-check and the replay check (the negative
-control of the corruption test).
+Test-only: ``TestFaults.skip_reload_check`` skips the re-check and the replay check.
 """
 
 from __future__ import annotations
@@ -155,7 +128,6 @@ def offered(offer: Mapping[str, Any]) -> tuple[dict[int, str], list[str]]:
     An offer arrives through the control plane: an entry that is not a step (an integer from 0 to
     :data:`~ckpt_service.layout.MAX_STEP`) with a place in :data:`WHERE` (a path, say) is dropped.
     """
-
     out: dict[int, str] = {}
     dropped: list[str] = []
     entries = offer.get("verified") if isinstance(offer, Mapping) else None
@@ -196,11 +168,6 @@ def plan(offers: Sequence[Mapping[str, Any]]) -> tuple[list[int], dict[int, list
     if everywhere and everywhere[0] != steps[0]:
         why += f"; newest on every rank {everywhere[0]}"
     return steps, lacking, why
-
-
-def source_rank(paths: Sequence[str | None]) -> int:
-    """The rank that copies a step some ranks lack: the lowest that reaches it.  Pure."""
-    return next(r for r, p in enumerate(paths) if p is not None)
 
 
 def _names(hosts: Any) -> list[str]:
@@ -283,10 +250,9 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
            copy: bool = True, timeout_s: float | None = None) -> ReloadOutcome:
     """Collective (every rank, same order): agree on, copy where lacking, check and load the newest usable snapshot.
 
-    ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``);
-    ``timeout_s`` bounds each round (copying, re-reading or loading a large snapshot takes a while).
-    The loop is bounded by the candidates of the offer round: each is tried at most once.
-    ``copy=False`` (test-only) takes only steps every rank reaches.
+    ``control`` is the control plane (``all_gather(name, value, timeout_s=...)``); ``timeout_s`` bounds each round
+    (copying, re-reading or loading a large snapshot takes a while).  The loop is bounded by the candidates of the
+    offer round: each is tried at most once. ``copy=False`` (test-only) takes only steps every rank reaches.
     """
     mine, dropped = offered(offer)
     for step, where in list(mine.items()):  # this rank's own copies: derived from its own layout, here
@@ -447,7 +413,6 @@ class StateIO:
 
         The step directory must be a real directory right inside that base: not a link, and resolving
         (``realpath``) to the same place, so nothing outside the run's snapshot directories is opened."""
-
         base = {"node": self.ndir, "shared": self.sdir}.get(where)
         if base is None:
             return None, f"{where!r} is no place of a snapshot"
@@ -486,7 +451,6 @@ class StateIO:
         verified snapshot replaces it, as a new snapshot of the same step does in a node directory).
         The copy is re-read against the signed manifest by the check round that follows.
         """
-
         t0 = time.monotonic()
         final = os.path.join(self.sdir, os.path.basename(path.rstrip("/")))
         try:
@@ -531,10 +495,9 @@ def reject_copy(step: int, path: str, reason: str, run_dir: str, ndir: str, host
 def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int]:
     """Wait (bounded) until the node's daemon has verified or rejected every snapshot newer than the newest verified.
 
-    A snapshot committed just before a requeue is verified by the node's daemon when
-    it starts again; without this wait the ranks of a faster node would see it
-    verified and the others not, and an older step would be chosen.  Returns the
-    steps still unsettled at the deadline (then they are simply not candidates).
+    A snapshot committed just before a requeue is verified by the node's daemon when it starts again; without this
+    wait the ranks of a faster node would see it verified and the others not, and an older step would be chosen.
+    Returns the steps still unsettled at the deadline (then they are simply not candidates).
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -551,7 +514,6 @@ def settle_pending(ndir: str, timeout_s: float, poll_s: float = 0.2) -> list[int
 def _against_committed(run_dir: str, out: ReloadOutcome, events: Any) -> int | None:
     """Rank 0: the newest step the job committed (signed, :mod:`ckpt_service.committed`); one ``warning`` when this
     start loads an older one."""
-
     try:
         key = load_key(run_dir)
     except CheckpointError:  # no key yet: a first start, nothing was ever committed

@@ -1,13 +1,12 @@
 """``job.sampler(dataset)``: a deterministic, resumable, distributed sampler for map-style data sets.
 
-Every rank of the world reads a disjoint share (data parallelism spans both mesh dimensions):
-epoch ``e`` permutes the indices with a generator seeded by ``(seed, e)`` (or keeps their order),
-drops the tail that does not divide by the world size (or pads it by wrapping), and rank ``r``
-takes every ``world``-th index from ``r``.  The order is a pure function of ``(seed, epoch)``, so
-a data loader (torchdata's ``StatefulDataLoader``) that records how far it got resumes exactly.
-The sampler keeps no state of its own on purpose: the epoch is the run's (``run.batches`` calls
-``set_epoch``), and the position inside an epoch is the data loader's (a sampler with a
-``state_dict`` would make ``StatefulDataLoader`` skip its own fast-forward).
+Every rank of the world reads a disjoint share (data parallelism spans both mesh dimensions): epoch ``e`` permutes the
+indices with a generator seeded by ``(seed, e)`` (or keeps their order), drops the tail that does not divide by the
+world size (or pads it by wrapping), and rank ``r`` takes every ``world``-th index from ``r``.  The order is a pure
+function of ``(seed, epoch)``, so a data loader (torchdata's ``StatefulDataLoader``) that records how far it got
+resumes exactly.  The sampler keeps no state of its own on purpose: the epoch is the run's (``run.batches`` calls
+``set_epoch``), and the position inside an epoch is the data loader's (a sampler with a ``state_dict`` would make
+``StatefulDataLoader`` skip its own fast-forward).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Snapshots asked for, not due: ``run.save()`` at a boundary, and the final snapshot at the job's end.
 
-Who calls, on every rank, in the same order (both are collective):
+Who calls, on every rank, in the same order (both are collective): :meth:`accelpact_slurm.runtime.job.api.Run.save`
+(the script, between two updates, on a job that takes snapshots) and :meth:`accelpact_slurm.runtime.job.api.Run._final`
+(the job's end, :func:`accelpact_slurm.runtime.job.entry.run_rank`, before the digests, ``summary.json`` and
+``job_end``: no job reports that it completed before its last update is on disk, verified, or says it is not).
 
-- :meth:`accelpact_slurm.runtime.job.api.Run.save`: the script, between two updates (never inside
-  ``with run.update()``), on a job that takes snapshots;
-- :meth:`accelpact_slurm.runtime.job.api.Run._final`: the job's end
-  (:func:`accelpact_slurm.runtime.job.entry.run_rank`), after the entry point returned and before the digests,
-  ``summary.json`` and ``job_end``: no job reports that
-  it completed before the state of its last update is on disk, verified (or it says that it is not).
-
-Each call snapshots committed update ``step`` unless this start already took a snapshot of it (the cadence's,
-an earlier ``run.save()``) or loaded it (the reload chose it verified on every rank); each rank then waits,
-bounded by ``timeouts.startup_s``, until its node's daemon settled it; the ranks' answers are gathered over
-the control plane, so that every rank returns the same verdict (:func:`verdict`), and rank 0 writes one
-``saved`` event and prints one line.  A snapshot that is not verified on every node is not an error of the
-job: training is done and its result stands (``final_state_digest``); the line and the event say which node
-lacks it and why, and that a restart would resume from an older snapshot.
+Each call snapshots committed update ``step`` unless this start already took a snapshot of it or loaded it; each rank
+then waits (within ``timeouts.startup_s``) until its node's daemon settled it; the answers are gathered over the
+control plane so every rank returns the same verdict (:func:`verdict`), and rank 0 writes one ``saved`` event and
+prints one line.  A snapshot not verified on every node is no error of the job (its result stands): the line and the
+event say which node lacks it and why, and that a restart would resume from an older snapshot.
 """
 
 from __future__ import annotations

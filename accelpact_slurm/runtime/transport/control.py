@@ -2,34 +2,24 @@
 
 Built on its own client of the job's store (:mod:`.store`: only holders of the run's key get in; never the data
 plane's groups, never the default process group) with a ``PrefixStore`` per generation, so that an agreement of a
-retired generation can never be mistaken for one of the current generation.
-All calls block with a deadline and raise
-:class:`~accelpact_slurm.core.errors.ControlPlaneTimeout` naming the ranks that did
-not answer.
+retired generation can never be mistaken for one of the current one.  Every call blocks with a deadline and raises
+:class:`~accelpact_slurm.core.errors.ControlPlaneTimeout` naming the ranks that did not answer.
 
-One round of an agreement over N members costs the store O(N), not O(N^2): every member posts its value under a
-key of its own; the round's lead (its lowest member, rank 0 for the world) reads the N values in one blocking read
-and posts them, in rank order, as one combined result (``<round>/all``); every other member reads that one key.
-So a member does three requests of one key each (its value, the result, the cleanup of its value two rounds back),
-the lead one read of N keys and one write of the result.  In :meth:`ControlPlane.all_gather` what a member reads
-is the N values (an all-gather), in one item instead of N; in :meth:`ControlPlane.all_reduce` (the vote) the lead
-combines the N values once and every other member reads only the combined result, whose size does not grow with N.
-Below ``ControlPlane.LEAD_FROM`` members every member reads every value (one request of N keys) and combines
-them itself: cheaper than the lead's two extra hops while N is small.  With the job's store that request also sets
-the member's own value (``JobStore.set_multi_get``): a round costs a member one round trip, and the round's last
-member is answered before the others it releases.
+A round over N members costs the store O(N), not O(N^2): every member posts its value under a key of its own; the
+round's lead (its lowest member) reads the N values in one blocking read and posts them as one result
+(``<round>/all``), which every other member reads: three one-key requests a member, one N-key read and one write for
+the lead.  :meth:`ControlPlane.all_reduce` (the vote) combines on the lead, so what a member reads does not grow
+with N.  Below ``ControlPlane.LEAD_FROM`` members every member reads every value itself, in the same request that
+sets its own (``JobStore.set_multi_get``): one round trip a member.
 
-While a round lasts, the rank's liveness thread looks at the records of those it waits on (:mod:`..detection.liveness`):
-the lead at the members that have not joined yet, every other member at the lead.  A member that is dead, stopped or
-hung gets a stop in its place (the lead's watcher puts it there); the lead's read ends at once and the lead posts
-that stop as the round's result, so the round fails with :class:`~accelpact_slurm.core.errors.FailStop` naming
-it on every rank waiting in it, one request later than on the lead.  A lead that is dead, stopped or hung gets a
-stop in the place of its result (the members' watchers put it there), which fails them alike.  A store that is
-gone (its host, rank 0, died) fails the round at once too.  A lead that runs into the round's deadline posts
-whose values were missing, so every member raises the same :class:`ControlPlaneTimeout`.
+While a round lasts the rank's liveness thread watches those it waits on (:mod:`..detection.liveness`): the lead
+the members that have not joined, every other member the lead.  A dead, stopped or hung member gets a stop put in
+its place, which the lead posts as the round's result; a dead lead gets one in the place of its result: either way
+the round fails with :class:`~accelpact_slurm.core.errors.FailStop` naming it on every rank waiting in it.  A store
+that is gone (rank 0 died) fails the round at once; a lead past the deadline posts whose values were missing, so
+every member raises the same :class:`ControlPlaneTimeout`.
 
-Who calls: every rank of the world, the same calls in the same order (like a
-collective).  Values are JSON.
+Who calls: every rank of the world, the same calls in the same order (like a collective).  Values are JSON.
 """
 
 from __future__ import annotations
@@ -129,11 +119,10 @@ class ControlPlane:
                    timeout_s: float | None = None) -> list[Any]:
         """Every rank in ``ranks`` (default: the world) contributes ``value``; all get the list in rank order.
 
-        ``name`` must be used once per round; a sequence number is appended so a
-        name may be reused (the n-th call with a name on every rank matches).
-        This rank's value (no answer awaited), then one blocking read bounded by the deadline: of every other
-        member's value on the round's lead (which then posts the combined result), of that result on every other
-        member (see the module docstring).
+        ``name`` must be used once per round; a sequence number is appended so a name may be reused (the n-th call
+        with a name on every rank matches).  This rank's value (no answer awaited), then one blocking read bounded by
+        the deadline: of every other member's value on the round's lead (which then posts the combined result), of
+        that result on every other member (see the module docstring).
         """
         return self._round(name, value, ranks, timeout_s, None)
 
@@ -337,9 +326,8 @@ class ControlPlane:
         """Announce that this rank is leaving; the store's host (rank 0) waits, up to ``timeout_s``, for the others
         (all but ``gone``: ranks known dead or hung).
 
-        Rank 0's process hosts the store: if it exited first, a peer still reading
-        the last agreement would fail.  Returns the ranks that did not announce
-        themselves in time (rank 0 only; they are probably dead).
+        Rank 0's process hosts the store: if it exited first, a peer still reading the last agreement would fail.
+        Returns the ranks that did not announce themselves in time (rank 0 only; they are probably dead).
         """
         self._store.set(f"leave/{name}/{self.rank}", "1")
         if self.rank != 0:

@@ -1,21 +1,20 @@
 """The job's own store: a ``torch.distributed.Store`` only the job's ranks can reach.
 
-The data plane's rendezvous (Gloo, NCCL), the control plane's agreements and the ranks' heartbeats all go through
-one store, hosted by rank 0: a :class:`~.store_server.StoreServer` in a process of its own that lives exactly as long
-as rank 0 (:mod:`.store_host`; rank 0's interpreter is on no request's path).  Every connection proves, in a mutual handshake,
-that it holds the run's key (``.accelpact-key``, readable by the job's user only) and is of this job and this start
-(:mod:`.store_wire`); every frame after it carries a MAC.  So another user on a node can neither read a vote, nor
-write one, nor delete one; a server she puts on the job's port first is not believed (its answer to the handshake
-is wrong) and the ranks go on to the job's next candidate port.
+The data plane's rendezvous (Gloo, NCCL), the control plane's agreements and the ranks' heartbeats all go through one
+store, hosted by rank 0: a :class:`~.store_server.StoreServer` in a process of its own that lives exactly as long as
+rank 0 (:mod:`.store_host`).  Every connection proves, in a mutual handshake, that it holds the run's key
+(``.accelpact-key``, readable by the job's user only) and is of this job and start (:mod:`.store_wire`); every frame
+after it carries a MAC.  So another user on a node can neither read, write nor delete a vote, and a server she puts on
+the job's port first is not believed: the ranks go on to the job's next candidate port.
 
 Ports: :func:`port_candidates` derives the job's ports from the run's key and the job id (not guessable from the job
-id alone; two jobs with different keys never share their sequence), after the launcher's explicit port when it gave
-one.  Rank 0 binds the first candidate it can, on the rendezvous address only; every other rank tries the candidates
-in order until one answers with the run's key, within ``startup_s``.
+id; two keys never share a sequence), after the launcher's explicit port if any.  Rank 0 binds the first it can, on
+the rendezvous address only; every other rank tries them in order until one answers with the run's key, within
+``startup_s``.
 
-Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` (rank 0 hosts, every rank connects: one client for
-the data plane, one for the control plane) and the liveness thread (its own client).  Torch is needed for the
-``Store`` base class only; the wire is :mod:`.store_wire`.
+Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` (rank 0 hosts; every rank connects, one client for
+the data plane, one for the control plane) and the liveness thread (its own client).  Torch only for the ``Store``
+base class.
 """
 
 from __future__ import annotations

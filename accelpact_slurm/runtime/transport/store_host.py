@@ -1,24 +1,19 @@
 """The job's store served by a process of its own beside rank 0, not by a thread of rank 0.
 
-Why: a thread of rank 0 answers a request only when it holds rank 0's interpreter lock, which rank 0's own Python
-(its update's hooks and optimizer, an L1 repair's rebinding and invariant scan) holds in slices of up to the
-switch interval (5 ms); and every request served there is time rank 0's training thread waits for the lock.
-Every control-plane round, every group build of a repair and every heartbeat of every rank (N writes per
-interval: they grow with the job) went through rank 0's interpreter that way.  In its own process the server (the
-same :class:`~.store_server.StoreServer`) has an interpreter of its own.  On the 2 cores of the development
-machine, with four ranks, the difference is within the jobs' own spread (``make bench`` part ``store``, its
-*where* rows); ``ACCELPACT_STORE_THREAD=1`` serves from a thread as before.
+Why: a thread of rank 0 answers only when it holds rank 0's interpreter lock, which rank 0's own Python (its update's
+hooks and optimizer, a repair's rebinding and scan) holds in slices of up to the switch interval (5 ms), and every
+request served there is time rank 0's training thread waits for the lock; every control-plane round, repair group
+build and heartbeat of every rank went through it.  In its own process the same
+:class:`~.store_server.StoreServer` has an interpreter of its own.  On the 2 cores of the development machine with
+four ranks the difference is within the jobs' own spread (``make bench`` part ``store``); ``ACCELPACT_STORE_THREAD=1``
+serves from a thread as before.
 
-Lifetime: the store lives exactly as long as rank 0.  Rank 0 binds the listening socket (so the port is known, and
-clients that come early wait in its backlog), hands it over, and keeps the write end of a pipe whose read end is
-the server's standard input: when rank 0 exits, however it ends (``SIGKILL`` included), the pipe closes and the
-server exits at once; ``PR_SET_PDEATHSIG`` (Linux) kills it too if the spawning thread ends first (a forked child
-of rank 0 that inherited the pipe cannot keep it alive).  So the clients see the store go with rank 0, as before:
-a round waiting on it fails at once.
-
-The run's key goes over the pipe, never on the command line (``/proc/PID/cmdline`` is readable by every user).
-The server's warnings (refused connections: another user on the node) come back as lines on its standard output,
-and rank 0 reports them as before (``on_warning``).
+Lifetime: exactly rank 0's.  Rank 0 binds the listening socket (early clients wait in its backlog), hands it over,
+and keeps the write end of a pipe that is the server's standard input: however rank 0 ends (``SIGKILL`` included)
+the pipe closes and the server exits at once; ``PR_SET_PDEATHSIG`` kills it too if the spawning thread ends first.
+So a round waiting on the store fails at once when rank 0 goes.  The run's key goes over the pipe, never on the
+command line (``/proc/PID/cmdline`` is readable by every user); the server's warnings (refused connections) come
+back as lines on its standard output, and rank 0 reports them (``on_warning``).
 
 Who calls: :func:`accelpact_slurm.runtime.transport.store.host_store_process` (rank 0,
 :func:`..job.topology.build_runtime`).
