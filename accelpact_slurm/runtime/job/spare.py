@@ -14,7 +14,7 @@ numbering and store keys: :mod:`accelpact_slurm.core.spares`).  What one does, i
    request per :data:`PARK_WAIT_S` while nothing happens), until the key holds an assignment or the job's end,
    the job's store is gone (rank 0 ended), or SIGTERM/SIGINT (the launcher stops its spares at a start's end);
    every one of these ends in exit 0, and no launcher counts a spare's exit as a rank's failure;
-6. given an assignment: a ``spare_assigned`` event (:func:`take_place_stub`), then
+6. given an assignment: a ``spare_assigned`` event (:func:`record_assignment`), then
    :func:`~accelpact_slurm.runtime.job.spare_place.take_place`: the spare becomes the dead rank, runs the user's
    script on the heal's mesh and heals inside its ``job.protect`` (``docs/launch.md`` "Taking a place").  Going on
    with the loop after the heal is not wired yet: the process then exits 0, the outcome in its ``spare_end``.
@@ -119,9 +119,10 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
         def place(assignment: Assignment) -> tuple[int, str]:
             from accelpact_slurm.runtime.job.spare_place import take_place
 
-            took, why = take_place(assignment, cfg, store=store, key=key, run_dir=run_dir, job_file=job_file,
-                                   job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,
-                                   environ=environ)
+            # a failed heal is the survivors' fail stop (they see the same certificate); the spare just ends
+            _took, why = take_place(assignment, cfg, store=store, key=key, run_dir=run_dir, job_file=job_file,
+                                    job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,
+                                    environ=environ)
             return EXIT_OK, why
 
         return _park(store, events, sid=sid, node=node, local_rank=local_rank, stop=stop, park_wait_s=park_wait_s,
@@ -152,27 +153,18 @@ def _park(store: Any, events: EventLog, *, sid: int, node: int, local_rank: int,
             assignment = Assignment.from_json(value)
         except ValueError as exc:
             return EXIT_OK, f"an unreadable assignment ({exc}): {value[:200]!r}"
-        code, reason = take_place_stub(assignment, events, sid=sid, local_rank=local_rank, stub=place is None)
+        code, reason = record_assignment(assignment, events, sid=sid, local_rank=local_rank)
         return place(assignment) if place is not None else (code, reason)
     return EXIT_OK, f"stopped by {signal.Signals(stop[0]).name} (the launcher ends its spares with the start)"
 
 
-def take_place_stub(assignment: Assignment, events: EventLog, *, sid: int, local_rank: int,
-                    stub: bool = True) -> tuple[int, str]:
-    """STUB, to be filled in by the heal: this spare process takes ``assignment.ranks[local_rank]``.
-
-    What it will do (the heal's module): join generation ``assignment.generation``'s groups as that rank, receive
-    the rank's shards from the live replica and its small state from its buddy, check the certificate, and run
-    the user's loop from update ``assignment.frontier + 1``.  What it does now: a ``spare_assigned`` event, a log
-    line, and exit 0.
-    """
+def record_assignment(assignment: Assignment, events: EventLog, *, sid: int, local_rank: int) -> tuple[int, str]:
+    """This spare process was handed ``assignment.ranks[local_rank]``: a ``spare_assigned`` event, before it takes
+    the place (:func:`~accelpact_slurm.runtime.job.spare_place.take_place`)."""
     takes = assignment.ranks[local_rank] if 0 <= local_rank < len(assignment.ranks) else None
     events.emit("spare_assigned", spare=sid, local_rank=local_rank, generation=assignment.generation,
                 dead_node=assignment.dead_node, ranks=list(assignment.ranks), frontier=assignment.frontier,
-                takes_rank=takes, stub=stub)
-    if not stub:
-        return EXIT_OK, f"assigned rank {takes} of node {assignment.dead_node}"
-    log.warning("spare %d was handed rank %s of dead node %d at frontier %d (generation %d); taking a place is "
-                "under construction: exiting", sid, takes, assignment.dead_node, assignment.frontier,
-                assignment.generation)
-    return EXIT_OK, f"assigned rank {takes} of node {assignment.dead_node} (stub: the heal is under construction)"
+                takes_rank=takes)
+    log.info("spare %d was handed rank %s of dead node %d at frontier %d (generation %d)", sid, takes,
+             assignment.dead_node, assignment.frontier, assignment.generation)
+    return EXIT_OK, f"assigned rank {takes} of node {assignment.dead_node}"

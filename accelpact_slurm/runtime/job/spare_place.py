@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Mapping, TextIO
+from typing import Any, Callable, Mapping, MutableMapping, TextIO
 
 import torch
 
@@ -58,7 +58,7 @@ class TookPlace(BaseException):
         self.outcome = outcome
 
 
-def become(rank: int, plan: heal.HealPlan, environ: dict[str, str] | Any = None) -> None:
+def become(rank: int, plan: heal.HealPlan, environ: MutableMapping[str, str] | None = None) -> None:
     """The identity switch of the process environment and its log records: this process is now ``rank``."""
     env = os.environ if environ is None else environ
     env.update({"RANK": str(rank), "LOCAL_RANK": str(plan.local_of(rank)), "SLURM_PROCID": str(rank),
