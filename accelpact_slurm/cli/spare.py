@@ -50,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from accelpact_slurm.runtime.job.spare import run_spare
 
         return run_spare(cfg, args.run_dir, job_id=args.job_id, step=args.step, restart=args.restart,
-                         node=args.node, local_rank=args.local_rank, hostname=args.hostname)
+                         node=args.node, local_rank=args.local_rank, hostname=args.hostname,
+                         job_file=args.config)
     except AccelpactError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -44,6 +44,11 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     "spare_ready": ("spare", "local_rank", "pid", "warm_s"),
     "spare_assigned": ("spare", "local_rank", "generation", "dead_node", "ranks", "frontier", "takes_rank"),
     "spare_end": ("spare", "local_rank", "reason", "exit_code"),
+    # One rank's part of a heal of a lost node by a spare (``HealOutcome.event()``): its role (``source``,
+    # ``survivor``, ``spare``), each part's seconds, the bytes moved, the certificate (``certified``,
+    # ``mismatches``); a spare's also names its ``spare`` process and ``spare_node``.
+    "heal": ("role", "dead_node", "generation", "frontier", "seconds", "packet_bytes"),
+    "heal_failed": ("dead_node", "generation", "frontier", "error"),
     "step": ("step", "loss", "step_s"),
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
     "footprint": ("rank0", "groups", "tightest", "shortfalls"),

@@ -191,6 +191,36 @@ def free_spare_nodes(store: SpareStore, *, nodes: int, ranks_per_node: int, spar
     return out
 
 
+def decide_heal(dead_ranks: Iterable[int], *, nodes: int, ranks_per_node: int, free_nodes: list[int],
+                frontier: int, generation: int) -> tuple[Assignment | None, str]:
+    """Whether a loss is one a spare heals, and with which record (pure): ``(Assignment, why)`` when the dead ranks
+    are exactly one whole training node other than node 0 (whose launcher hosts the job's store) and a spare node
+    is free (the lowest), else ``(None, why)`` naming the reason (the caller then fails stop to L2 as before).
+
+    Who calls: the lead of the survivors, with the detector's dead ranks, :func:`free_spare_nodes`, the committed
+    frontier and the generation the heal's groups will be built at; then :func:`assign_spare`.
+    """
+    dead = sorted(set(dead_ranks))
+    if not dead:
+        return None, "no rank is dead"
+    dead_nodes = sorted({r // ranks_per_node for r in dead})
+    if len(dead_nodes) != 1:
+        return None, f"the dead ranks {dead} span nodes {dead_nodes}: a spare takes one whole node"
+    node = dead_nodes[0]
+    whole = list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+    if dead != whole:
+        return None, f"the dead ranks {dead} are part of node {node} ({whole}): only a whole node is healed"
+    if not 0 < node < nodes:
+        return None, (f"node {node} is lost: node 0 hosts the job's store, so its loss is not healed"
+                      if node == 0 else f"node {node} is no training node")
+    if not free_nodes:
+        return None, "no spare node is free (none configured, none warm yet, or every one used)"
+    spare = min(free_nodes)
+    return (Assignment(generation=generation, dead_node=node, spare_node=spare, ranks=tuple(whole),
+                       frontier=frontier),
+            f"spare node {spare} takes node {node}'s ranks {whole} at update {frontier}")
+
+
 def announce_end(store: SpareStore, *, nodes: int, spare_count: int) -> None:
     """Rank 0, at the job's end: tell every spare node the job ended (each of its processes then exits 0).  A spare
     node that was handed a place keeps its assignment."""

@@ -121,3 +121,23 @@ def test_launchers_that_do_not_start_spares_refuse_them():
         check_spares_started(1, "the sbatch template")
     msg = str(info.value)
     assert msg.startswith("topology.spare_nodes: invalid value 1:") and "--spare-nodes 0" in msg and "\n" not in msg
+
+
+def test_decide_heal_takes_one_whole_node_and_a_free_spare():
+    from accelpact_slurm.core.spares import decide_heal
+
+    a, why = decide_heal([3, 2], nodes=2, ranks_per_node=2, free_nodes=[3, 2], frontier=4, generation=1)
+    assert a is not None and (a.dead_node, a.spare_node, a.ranks, a.frontier, a.generation) == (1, 2, (2, 3), 4, 1)
+    assert a.check(2, 2, 2)[0] and "spare node 2 takes node 1" in why
+
+
+def test_negative_controls_decide_heal_refuses_what_a_spare_cannot_heal():
+    from accelpact_slurm.core.spares import decide_heal
+
+    kw = dict(nodes=3, ranks_per_node=2, frontier=4, generation=1)
+    assert decide_heal([], free_nodes=[3], **kw) == (None, "no rank is dead")
+    assert "span nodes" in decide_heal([2, 4], free_nodes=[3], **kw)[1]
+    assert "only a whole node" in decide_heal([2], free_nodes=[3], **kw)[1]
+    assert "node 0 hosts the job's store" in decide_heal([0, 1], free_nodes=[3], **kw)[1]
+    assert "no spare node is free" in decide_heal([4, 5], free_nodes=[], **kw)[1]
+    assert decide_heal([4, 5], free_nodes=[3], **kw)[0] is not None

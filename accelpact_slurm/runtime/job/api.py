@@ -24,13 +24,12 @@ from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, Stopped, UsageError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
-from accelpact_slurm.runtime.state import appstate, replay
-from accelpact_slurm.runtime.job import envelope as env_mod, footprint
+from accelpact_slurm.runtime.state import appstate, buddy_ring, replay
+from accelpact_slurm.runtime.job import envelope as env_mod, footprint, stopping
 from accelpact_slurm.runtime.state.buffers import forward_state
 from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Redo, Withheld, communication_fault,
                                                 log_exception)
 from accelpact_slurm.runtime.state.sampler import ShardedSampler
-from accelpact_slurm.runtime.job import stopping
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
 from accelpact_slurm.runtime.job.recovery import build_guard
@@ -236,10 +235,10 @@ class Run:
         self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
+        self._ring = buddy_ring.ring_for(cfg.topology.spare_nodes, getattr(rt, "data_store", None), model, job.rank, self._statefuls)
         footprint.check(model, optimizer, job, snapshots=cfg.checkpoint.every_steps > 0)  # a warning before an OOM
         self._replay: tuple[int, dict[str, Any] | None] | None = None
-        self._warned_no_step = False
-        self._warned_late_loss = False
+        self._warned_no_step = self._warned_late_loss = False
         self._yielded = False  # run.batches yielded an item the next update may run again
         self._redo = False  # the last update was discarded: run.batches yields its batch again
         self._current: Update | None = None
@@ -543,6 +542,7 @@ class Run:
                 print(f"[accelpact] step {self.step:>5}/{job.steps}  loss {shown}  ({dt * 1000:.0f} ms/update)",
                       file=job._out, flush=True)
         self._snapshots.after_commit(self.step)
+        self._ring.after_commit(self.step, self.epoch)  # spare nodes: the per-rank packet, for a heal
         if self._guard.stop_requested and self.step < job.steps:
             stop_for_requeue(self.step, job.config, rt.ctx, rt, self._snapshots, job.events, job._out)
         self._t_last = time.monotonic()

@@ -174,13 +174,16 @@ def heal_survivor(plan: HealPlan, rank: int, *, model: torch.nn.Module, optimize
 
 def heal_spare(plan: HealPlan, rank: int, *, build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
                base_store: dist.Store, key: bytes, timeout_s: float, device_type: str = "cpu",
-               parts: HealParts | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer, HealOutcome]:
+               parts: HealParts | None = None,
+               groups: HealGroups | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer, HealOutcome]:
     """A spare's part of the heal, taking dead ``rank``'s place (see the module docstring).
 
     ``build(mesh)`` builds and wraps the model on the spare's mesh (as the job's script does on ``job.mesh``) and
     returns it with its optimizer; their tensors are what the shard is received into.  Returns the model, the
     optimizer and the outcome; ``outcome.data_state`` is the dead rank's data position (None when no packet was
-    applied).  Raises :class:`~accelpact_slurm.core.errors.HealRefused` when the manifest is refused (no tensor
+    applied).  ``groups``: the heal's groups when the caller built them already (a spare that hands its mesh to
+    the job's script before the script builds its model); the spare's mesh is then built over them.  Raises
+    :class:`~accelpact_slurm.core.errors.HealRefused` when the manifest is refused (no tensor
     of this rank written) and :class:`~accelpact_slurm.core.errors.HealError` when a group or the packet fails.
     """
     parts = parts or HealParts()
@@ -192,7 +195,7 @@ def heal_spare(plan: HealPlan, rank: int, *, build: Callable[[Any], tuple[torch.
         # its own would wrap its model as another rank's shard
         raise HealError(f"this spare's default group makes it rank {dist.get_rank()} of {dist.get_world_size()}, "
                         f"not rank {rank} of {plan.world_size}: take a stand-in world at the assignment")
-    groups = heal.build_heal_groups(plan, rank, base_store, timeout_s)
+    groups = groups or heal.build_heal_groups(plan, rank, base_store, timeout_s)
     mesh = heal.spare_mesh(plan, groups, device_type)
     t1 = time.monotonic()
     model, optimizer = build(mesh)

@@ -14,15 +14,10 @@ numbering and store keys: :mod:`accelpact_slurm.core.spares`).  What one does, i
    request per :data:`PARK_WAIT_S` while nothing happens), until the key holds an assignment or the job's end,
    the job's store is gone (rank 0 ended), or SIGTERM/SIGINT (the launcher stops its spares at a start's end);
    every one of these ends in exit 0, and no launcher counts a spare's exit as a rank's failure;
-6. given an assignment: :func:`take_place_stub`.
-
-**Under construction.**  The heal that uses a spare (the dead node's shards streamed from the live replica, the
-groups rebuilt with the spare in them, the certificate) is being built in a module of its own; until it lands,
-:func:`take_place_stub` logs the assignment (a ``spare_assigned`` event) and exits 0.  Nor is the model's skeleton
-built yet: the plan is that the spare runs the user's script up to ``job.protect(model, opt)`` with a Job whose
-mesh is built over the groups it will join (``DeviceMesh.from_group``, no collective), so that FSDP has wrapped the
-model and the optimizer exists (their tensors to be filled in place by the heal), and parks *there* instead of
-here; taking a place then costs no import and no model build.
+6. given an assignment: a ``spare_assigned`` event (:func:`record_assignment`), then
+   :func:`~accelpact_slurm.runtime.job.spare_place.take_place`: the spare becomes the dead rank, runs the user's
+   script on the heal's mesh and heals inside its ``job.protect`` (``docs/launch.md`` "Taking a place").  Going on
+   with the loop after the heal is not wired yet: the process then exits 0, the outcome in its ``spare_end``.
 
 Who calls: :mod:`accelpact_slurm.cli.spare` (the entry the launchers start: the embedded default through
 :mod:`accelpact_slurm.launch.spares`).
@@ -37,7 +32,7 @@ import signal
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
@@ -56,9 +51,11 @@ JOIN_TRY_S = 2.0
 
 
 def run_spare(cfg: JobConfig, run_dir: str, *, job_id: str, step: str, restart: int, node: int, local_rank: int,
-              hostname: str, environ: Mapping[str, str] | None = None, park_wait_s: float = PARK_WAIT_S) -> int:
+              hostname: str, environ: Mapping[str, str] | None = None, park_wait_s: float = PARK_WAIT_S,
+              job_file: str | None = None) -> int:
     """The whole life of one spare process (see the module); returns its exit code (0, or 2 for an unusable run
-    directory key).  ``step``: the training step's id ("" when it has none), for the store's binding."""
+    directory key).  ``step``: the training step's id ("" when it has none), for the store's binding;
+    ``job_file``: the job file (its directory resolves a relative ``entry``)."""
     t0 = time.monotonic()
     environ = os.environ if environ is None else environ
     nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
@@ -72,7 +69,7 @@ def run_spare(cfg: JobConfig, run_dir: str, *, job_id: str, step: str, restart: 
         events.emit("process", role="spare", pid=os.getpid(), hostname=hostname, spare=sid, local_rank=local_rank)
         code, reason = _warm_join_park(cfg, run_dir, events, environ, job_id=job_id, step=step, restart=restart,
                                        node=node, local_rank=local_rank, hostname=hostname, sid=sid, stop=stop,
-                                       t0=t0, park_wait_s=park_wait_s)
+                                       t0=t0, park_wait_s=park_wait_s, job_file=job_file)
         log.info("spare %d (node %d, local rank %d) ends: %s", sid, node, local_rank, reason)
         events.emit("spare_end", spare=sid, local_rank=local_rank, reason=reason, exit_code=code)
         return code
@@ -82,7 +79,7 @@ def run_spare(cfg: JobConfig, run_dir: str, *, job_id: str, step: str, restart: 
 
 def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Mapping[str, str], *, job_id: str,
                     step: str, restart: int, node: int, local_rank: int, hostname: str, sid: int, stop: list[int],
-                    t0: float, park_wait_s: float) -> tuple[int, str]:
+                    t0: float, park_wait_s: float, job_file: str | None = None) -> tuple[int, str]:
     check_dependencies()  # what a rank imports first; a no-op when forked from the zygote
     import torch
     import torch.distributed as dist
@@ -119,7 +116,17 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
         warm_s = time.monotonic() - t0
         events.emit("spare_ready", spare=sid, local_rank=local_rank, pid=os.getpid(), warm_s=round(warm_s, 3),
                     hostname=hostname or socket.gethostname())
-        return _park(store, events, sid=sid, node=node, local_rank=local_rank, stop=stop, park_wait_s=park_wait_s)
+        def place(assignment: Assignment) -> tuple[int, str]:
+            from accelpact_slurm.runtime.job.spare_place import take_place
+
+            # a failed heal is the survivors' fail stop (they see the same certificate); the spare just ends
+            _took, why = take_place(assignment, cfg, store=store, key=key, run_dir=run_dir, job_file=job_file,
+                                    job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,
+                                    environ=environ)
+            return EXIT_OK, why
+
+        return _park(store, events, sid=sid, node=node, local_rank=local_rank, stop=stop, park_wait_s=park_wait_s,
+                     place=place)
     except dist.DistNetworkError as exc:
         return EXIT_OK, f"the job's store is gone (rank 0 ended): {exc}"
     finally:
@@ -127,9 +134,10 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
 
 
 def _park(store: Any, events: EventLog, *, sid: int, node: int, local_rank: int, stop: list[int],
-          park_wait_s: float) -> tuple[int, str]:
+          park_wait_s: float, place: Callable[[Assignment], tuple[int, str]] | None = None) -> tuple[int, str]:
     """Wait on ``spare/assign/<node>`` (blocking, with a deadline, re-armed) until it holds something or a stop
-    signal came; DistNetworkError (the store gone) goes to the caller."""
+    signal came; DistNetworkError (the store gone) goes to the caller.  ``place``: what takes the assignment's
+    place (:func:`~accelpact_slurm.runtime.job.spare_place.take_place`), after the ``spare_assigned`` event."""
     import torch.distributed as dist
 
     key = assign_key(node)
@@ -145,23 +153,18 @@ def _park(store: Any, events: EventLog, *, sid: int, node: int, local_rank: int,
             assignment = Assignment.from_json(value)
         except ValueError as exc:
             return EXIT_OK, f"an unreadable assignment ({exc}): {value[:200]!r}"
-        return take_place_stub(assignment, events, sid=sid, local_rank=local_rank)
+        code, reason = record_assignment(assignment, events, sid=sid, local_rank=local_rank)
+        return place(assignment) if place is not None else (code, reason)
     return EXIT_OK, f"stopped by {signal.Signals(stop[0]).name} (the launcher ends its spares with the start)"
 
 
-def take_place_stub(assignment: Assignment, events: EventLog, *, sid: int, local_rank: int) -> tuple[int, str]:
-    """STUB, to be filled in by the heal: this spare process takes ``assignment.ranks[local_rank]``.
-
-    What it will do (the heal's module): join generation ``assignment.generation``'s groups as that rank, receive
-    the rank's shards from the live replica and its small state from its buddy, check the certificate, and run
-    the user's loop from update ``assignment.frontier + 1``.  What it does now: a ``spare_assigned`` event, a log
-    line, and exit 0.
-    """
+def record_assignment(assignment: Assignment, events: EventLog, *, sid: int, local_rank: int) -> tuple[int, str]:
+    """This spare process was handed ``assignment.ranks[local_rank]``: a ``spare_assigned`` event, before it takes
+    the place (:func:`~accelpact_slurm.runtime.job.spare_place.take_place`)."""
     takes = assignment.ranks[local_rank] if 0 <= local_rank < len(assignment.ranks) else None
     events.emit("spare_assigned", spare=sid, local_rank=local_rank, generation=assignment.generation,
                 dead_node=assignment.dead_node, ranks=list(assignment.ranks), frontier=assignment.frontier,
-                takes_rank=takes, stub=True)
-    log.warning("spare %d was handed rank %s of dead node %d at frontier %d (generation %d); taking a place is "
-                "under construction: exiting", sid, takes, assignment.dead_node, assignment.frontier,
-                assignment.generation)
-    return EXIT_OK, f"assigned rank {takes} of node {assignment.dead_node} (stub: the heal is under construction)"
+                takes_rank=takes)
+    log.info("spare %d was handed rank %s of dead node %d at frontier %d (generation %d)", sid, takes,
+             assignment.dead_node, assignment.frontier, assignment.generation)
+    return EXIT_OK, f"assigned rank {takes} of node {assignment.dead_node}"
