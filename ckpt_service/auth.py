@@ -13,6 +13,7 @@ shared tier, or copied in from another run, fails authentication and is rejected
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -79,6 +80,9 @@ def load_key(run_dir: str) -> bytes:
         try:  # the same checks on the descriptor read (the name may have been replaced since the lstat)
             text = read_regular(path, 4096, owner=os.getuid()).strip()
         except NotRegular as exc:
+            if exc.errno in (errno.EFBIG, errno.EIO) and time.monotonic() <= deadline:
+                threading.Event().wait(0.01)  # a concurrent first caller writing it between our open and read
+                continue
             raise CheckpointError(f"{exc.strerror}: remove the run directory's key only if you trust every "
                                   f"snapshot in it") from None
         if len(text) == 64:

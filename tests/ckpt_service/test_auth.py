@@ -123,3 +123,38 @@ def test_negative_control_an_export_without_authentication_runs_the_planted_pick
     except Exception:  # what the unpickled object does next does not matter: it already ran
         pass
     assert marker.exists()
+
+
+def test_a_key_being_written_by_a_concurrent_first_caller_is_waited_for(tmp_path, monkeypatch):
+    """Ranks of one start race to create the key: a reader that opened the file while it was still empty and read
+    after the writer's write sees it "grew past the 0 bytes it had when opened" (seen once in 325 trials of a
+    release's envelope run: rank 0 exited 2 with that line).  That is a key being written, waited for within the
+    same deadline as an empty file, not a planted one.  The interleaving is forced here: the first read raises
+    exactly what the real one raised then.  Negative control: without the retry on EFBIG/EIO in ``load_key`` the
+    reader raises CheckpointError at once."""
+    import errno
+
+    from accelpact_slurm.core.safeopen import NotRegular
+    from ckpt_service import auth
+
+    key = load_or_create_key(str(tmp_path))
+    real, calls = auth.read_regular, []
+
+    def racing(path, limit, **kw):
+        calls.append(path)
+        if len(calls) == 1:
+            raise NotRegular(errno.EFBIG, path, "grew past the 0 bytes it had when opened: not read")
+        return real(path, limit, **kw)
+
+    monkeypatch.setattr(auth, "read_regular", racing)
+    assert load_key(str(tmp_path)) == key and len(calls) == 2
+    calls.clear()
+
+    def planted(path, limit, **kw):  # not a write in progress: still refused at once
+        calls.append(path)
+        raise NotRegular(errno.ELOOP, path, "is a symbolic link: not followed")
+
+    monkeypatch.setattr(auth, "read_regular", planted)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        load_key(str(tmp_path))
+    assert len(calls) == 1
