@@ -50,10 +50,15 @@ def _cells(line: str) -> list[str] | None:
     return cells if _row(cells) == line else None
 
 
+#: Where a quoted error was raised (`` (/abs/path/file.py:161, in pre_step)``): the run's checkout, not a figure;
+#: left out of the docs, whose path checks would take it for a file of this tree.
+CODE_LOCATION = re.compile(r" \(/[^()\s]+\.py:\d+, in \w+\)")
+
+
 def _row(cells: list[str]) -> str:
     if cells and all(re.fullmatch(r":?-+:?", c) for c in cells):
         return "|" + "|".join(cells) + "|"
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(CODE_LOCATION.sub("", c) for c in cells) + " |"
 
 
 def section_of(block: str, mark: str) -> list[Any]:
