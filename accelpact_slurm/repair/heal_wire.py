@@ -84,31 +84,33 @@ def recv_frame(pg: dist.ProcessGroup, peer: int, limit: int = MAX_FRAME) -> byte
     return buf.numpy().tobytes()
 
 
-def send_json(pg: dist.ProcessGroup, peer: int, doc: Any) -> None:
-    send_frame(pg, peer, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+def _encode(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def recv_json(pg: dist.ProcessGroup, peer: int, limit: int = MAX_FRAME) -> Any:
-    blob = recv_frame(pg, peer, limit)
+def _decode(blob: bytes, peer: int) -> Any:
     try:
         return json.loads(blob)
     except ValueError as exc:
         raise HealError(f"group rank {peer} sent a frame that is not JSON: {exc}") from exc
 
 
+def send_json(pg: dist.ProcessGroup, peer: int, doc: Any) -> None:
+    send_frame(pg, peer, _encode(doc))
+
+
+def recv_json(pg: dist.ProcessGroup, peer: int, limit: int = MAX_FRAME) -> Any:
+    return _decode(recv_frame(pg, peer, limit), peer)
+
+
 def exchange_json(pg: dist.ProcessGroup, me: int, peer: int, doc: Any, limit: int = MAX_FRAME) -> Any:
-    """Send ``doc`` to ``peer`` and receive its document; the lower group rank sends first (no two sends
-    facing each other, which Gloo may not complete for frames larger than the socket's buffers)."""
-    if me < peer:
-        send_json(pg, peer, doc)
-        return recv_json(pg, peer, limit)
-    got = recv_json(pg, peer, limit)
-    send_json(pg, peer, doc)
-    return got
+    """:func:`exchange_frame` of a JSON document."""
+    return _decode(exchange_frame(pg, me, peer, _encode(doc), limit), peer)
 
 
 def exchange_frame(pg: dist.ProcessGroup, me: int, peer: int, blob: bytes, limit: int = MAX_FRAME) -> bytes:
-    """:func:`exchange_json` for raw bytes."""
+    """Send ``blob`` to ``peer`` and receive its frame; the lower group rank sends first (no two sends facing each
+    other, which Gloo may not complete for frames larger than the socket's buffers)."""
     if me < peer:
         send_frame(pg, peer, blob)
         return recv_frame(pg, peer, limit)
