@@ -342,7 +342,7 @@ def test_a_built_runtime_satisfies_each_protocol():
 
 #: Where an object is built: the one place a test's switch may pick a collaborator (a broken one, for a negative
 #: control) instead of a branch where the work runs.
-BUILDERS = {"__init__", "forward_state", "build_guard", "run_rank", "_run_rank", "init_runtime", "main", "from_environ",
+BUILDERS = {"__init__", "forward_state", "build_guard", "run_rank", "_run_rank", "train", "init_runtime", "main", "from_environ",
             "heal_parts"}
 
 

@@ -49,6 +49,8 @@ EVENT_KINDS: dict[str, tuple[str, ...]] = {
     # ``mismatches``); a spare's also names its ``spare`` process and ``spare_node``.
     "heal": ("role", "dead_node", "generation", "frontier", "seconds", "packet_bytes"),
     "heal_failed": ("dead_node", "generation", "frontier", "error"),
+    # Rank 0 (the survivors' lead): a rank was lost and no spare heals it (why), so the survivors fail stop (L2).
+    "heal_refused": ("reason", "stop"),
     "step": ("step", "loss", "step_s"),
     "protected": ("platform", "profile", "fsdp", "mesh", "state"),
     "footprint": ("rank0", "groups", "tightest", "shortfalls"),

@@ -38,7 +38,7 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime.job.entry import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, restart_exited, start_local_daemons, stop_daemons
-from accelpact_slurm.launch.spares import SpareProcess, start_local_spares, stop_spares
+from accelpact_slurm.launch.spares import SpareProcess, start_local_spares, stop_spares, taken_places
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.detection.liveness import dump_stacks
@@ -47,6 +47,8 @@ from accelpact_slurm.runtime.detection.peers import SLACK_INTERVALS
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+#: How often the supervision reads the event log for spares that took a lost rank's place (only while one is lost).
+TAKEN_LOOK_S = 0.25
 
 
 def free_port() -> int:
@@ -250,7 +252,8 @@ def launch_local(
     try:
         # a daemon killed mid-job is started again at once (bounded): else its node takes no snapshot until the end
         code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts),
-                          tick=lambda: restart_exited(daemons, run_dir, job_id, restart_count))
+                          tick=lambda: restart_exited(daemons, run_dir, job_id, restart_count),
+                          taken=(lambda: taken_places(run_dir, restart_count, spares)) if spares else None)
         record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks],
                              {rp.rank: rp.log_path for rp in ranks})
         return code
@@ -345,9 +348,12 @@ def lost_rank_grace(timeouts: Any) -> float:
 
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None,
-               lost_grace_s: float | None = None, tick: Callable[[], None] | None = None) -> int:
+               lost_grace_s: float | None = None, tick: Callable[[], None] | None = None,
+               taken: Callable[[], dict[int, Any]] | None = None) -> int:
     """Wait for the ranks; stop the others once one failed or the launcher got a signal.  ``tick``: called at
-    every poll while every rank runs (the daemons' restarts), never once the ranks are being stopped."""
+    every poll while every rank runs (the daemons' restarts), never once the ranks are being stopped.
+    ``taken``: the spare processes handed a rank's place so far, by rank (:func:`.spares.taken_places`): a rank
+    killed by a signal whose place a spare took is no failure; the spare is supervised in its place."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):  # handlers only set a flag
@@ -360,25 +366,37 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
         if threading.current_thread() is threading.main_thread() else {}
     try:
         deadline: float | None = None
+        next_look, stopping = 0.0, False
         while True:
             codes = [rp.proc.poll() for rp in ranks]
             if all(c is not None for c in codes):
                 break
             failed = [(rp.rank, c) for rp, c in zip(ranks, codes) if c not in (None, 0)]
+            if failed and taken is not None and stop["signal"] is None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + TAKEN_LOOK_S  # the event log is read a few times a second at most
+                healed = _take_places(ranks, [r for r, c in failed if c < 0], taken(), out)
+                if healed:
+                    failed = [(r, c) for r, c in failed if r not in healed]
+                    if not failed and deadline is not None and not stopping:
+                        deadline = None  # every lost rank has a spare in its place: the job goes on
+                    continue
             if stop.get("usr2"):  # pre-timeout warning: every rank snapshots at its next boundary and requeues
                 stop["usr2"] = False
                 for rp in ranks:
                     if rp.proc.poll() is None:
                         rp.proc.send_signal(signal.SIGUSR2)
-            if stop["signal"] is not None and deadline is None:
+            if stop["signal"] is not None and not stopping:
+                stopping = True
                 for rp in ranks:
                     if rp.proc.poll() is None:
                         rp.proc.send_signal(stop["signal"])
                 deadline = time.monotonic() + shutdown_s
             if failed and deadline is None:
+                stopping = taken is None  # with spares, a lost node may yet be healed within the grace
                 r, c = failed[0]
-                print(f"[accelpact] rank {r} exited with code {c}; stopping the other ranks "
-                      f"(grace {lost_grace_s or shutdown_s:g} s, log {ranks[r].log_path})", file=out, flush=True)
+                then = "stopping the other ranks" if stopping else "a spare may take its place, else stopping the others"
+                print(f"[accelpact] rank {r} exited with code {c}; {then} (grace {lost_grace_s or shutdown_s:g} s, "
+                      f"log {ranks[r].log_path})", file=out, flush=True)
                 deadline = time.monotonic() + (lost_grace_s or shutdown_s)
             if deadline is not None and time.monotonic() > deadline:
                 _terminate(ranks, grace_s=shutdown_s)
@@ -401,6 +419,21 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
               f"exit {128 + stop['signal']}", file=out, flush=True)
         return 128 + stop["signal"]
     return combine_exit_codes([rp.proc.returncode for rp in ranks])
+
+
+def _take_places(ranks: list[RankProcess], lost: list[int], spares: dict[int, Any], out: TextIO) -> list[int]:
+    """Put the spare that took a lost rank's place where the rank was (its exit is the rank's from now on); the
+    ranks so replaced."""
+    done = []
+    for r in lost:
+        sp = spares.get(r)
+        if sp is None or ranks[r].proc is sp.proc:
+            continue
+        print(f"[accelpact] rank {r} was lost with its node; spare {sp.node}/{sp.local_rank} (pid {sp.proc.pid}) "
+              f"takes its place (log {sp.log_path})", file=out, flush=True)
+        ranks[r] = RankProcess(r, sp.proc, sp.log_path)
+        done.append(r)
+    return done
 
 
 def _terminate(ranks: list[RankProcess], grace_s: float) -> None:

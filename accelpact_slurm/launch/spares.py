@@ -4,8 +4,9 @@
 (:mod:`accelpact_slurm.runtime.job.spare`: warm, in the job's store, parked).  They are started after the ranks of
 every start (forked from the zygote where the ranks are, so torch and the runtime come imported), with the same
 rendezvous as the ranks and their own place as arguments (:func:`.ranks.spare_args`); each one's output goes to
-``RUN_DIR/logs/spare-<node>-<local>.log``.  Nothing waits on a spare while the ranks run, and a spare's exit,
-however it ends, is no rank's failure: the supervision loop looks at the ranks only.  Once the ranks have ended,
+``RUN_DIR/logs/spare-<node>-<local>.log``.  Nothing waits on a parked spare while the ranks run, and a parked
+spare's exit, however it ends, is no rank's failure.  A spare handed a dead rank's place (:func:`taken_places`)
+is supervised in that rank's place from then on: its exit is the rank's.  Once the ranks have ended,
 :func:`stop_spares` sends the spares still running SIGTERM (each exits 0 within one park wait) and SIGKILLs any
 left after the grace.  With ``spare_nodes: 0`` (the default) nothing here runs.
 
@@ -26,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
+from accelpact_slurm.core.events import EVENTS_FILE, read_events
 from accelpact_slurm.core.safeopen import open_writable
 from accelpact_slurm.core.spares import spare_hostname, spare_nodes
 from accelpact_slurm.launch.ranks import SPARE_MODULE, spare_args, spare_environ
@@ -79,6 +81,20 @@ def _spawn(args: list[str], env: Mapping[str, str], log_path: str, zygote: Any) 
     with os.fdopen(open_writable(log_path, append=True, mode=0o644)[0], "ab") as fh:  # never through a link
         return subprocess.Popen([sys.executable, "-m", SPARE_MODULE, *args], env=dict(env), stdout=fh,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def taken_places(run_dir: str, restart: int, spares: Sequence[SpareProcess]) -> dict[int, SpareProcess]:
+    """The spare processes of start ``restart`` that were handed a rank's place (their ``spare_assigned`` events),
+    by the rank they took: the launcher supervises each in the dead rank's place."""
+    by_place = {(sp.node, sp.local_rank): sp for sp in spares}
+    out: dict[int, SpareProcess] = {}
+    for e in read_events(os.path.join(run_dir, EVENTS_FILE)):
+        if e.get("event") != "spare_assigned" or int(e.get("restart") or 0) != restart:
+            continue
+        sp = by_place.get((e.get("node"), e.get("local_rank")))
+        if sp is not None and isinstance(e.get("takes_rank"), int):
+            out[e["takes_rank"]] = sp
+    return out
 
 
 def stop_spares(spares: Sequence[SpareProcess], grace_s: float = STOP_GRACE_S) -> None:

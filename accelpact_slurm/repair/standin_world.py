@@ -15,7 +15,10 @@ the C++ ``FakeProcessGroup``; both are private, hence this module, re-exported b
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 
 def _fake_backend() -> None:
@@ -42,3 +45,19 @@ def init_standin_world(rank: int, world_size: int) -> None:
 def is_standin_world() -> bool:
     """True when the default group is a stand-in (:func:`init_standin_world`)."""
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def adopt_world(store: dist.Store, name: str, timeout_s: float) -> dist.ProcessGroup:
+    """After a heal, a real default group over the whole world again: every rank of the job (survivors and the
+    spares in the dead ranks' places) calls this with the same ``store`` (a fresh prefix) and ``name``.  The new
+    Gloo group (every global rank, in order) becomes the default group in place of the old one: a survivor's,
+    which held the dead ranks, or a spare's stand-in.  FSDP1's optimizer state dict gathers over the default
+    group (``FSDP.optim_state_dict`` with no group).  Returns the group it replaced (the caller retires it)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    members = list(range(world))
+    pg, _ = c10d._new_process_group_helper(world, me, members, "gloo", store, group_name=name,
+                                           timeout=timedelta(seconds=timeout_s), group_desc=name)
+    c10d._world.pg_group_ranks[pg] = {r: r for r in members}
+    old = c10d._world.default_pg
+    c10d._world.default_pg = pg
+    return old

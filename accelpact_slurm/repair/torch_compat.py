@@ -41,7 +41,7 @@ from accelpact_slurm.repair.collective_tap import (  # noqa: F401 - re-exported:
 from accelpact_slurm.repair.group_reconfigure import (  # noqa: F401 - re-exported: the one shim
     can_reconfigure, reconfigure_group, reconfigured_uuid)
 from accelpact_slurm.repair.standin_world import (  # noqa: F401 - re-exported: the one shim
-    init_standin_world, is_standin_world)
+    adopt_world, init_standin_world, is_standin_world)
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, _runtime_utils
 

@@ -16,6 +16,8 @@ from datetime import timedelta
 
 import pytest
 
+from accelpact_slurm.core.errors import EXIT_REQUEUE
+
 from accelpact_slurm.core.events import read_events
 from accelpact_slurm.core.spares import (Assignment, announce_end, assign_spare, free_spare_nodes, ready_key,
                                          spare_pool)
@@ -91,8 +93,8 @@ def test_spares_park_warm_then_take_an_assignment_or_the_end(job):
 
     a = Assignment(generation=1, dead_node=1, spare_node=2, ranks=(2, 3), frontier=5)
     assert assign_spare(client, a, nodes=NODES, ranks_per_node=RPN, spare_count=SPARES)[0]
-    for local in range(RPN):
-        assert procs[(2, local)].wait(timeout=DEADLINE_S) == 0
+    for local in range(RPN):  # handed a rank's place, a spare ends as that rank would: no heal, a requeue
+        assert procs[(2, local)].wait(timeout=DEADLINE_S) == EXIT_REQUEUE
     assert procs[(3, 0)].poll() is None  # the other spare node parks on
     announce_end(client, nodes=NODES, spare_count=SPARES)
     for local in range(RPN):
@@ -103,7 +105,7 @@ def test_spares_park_warm_then_take_an_assignment_or_the_end(job):
     assert taken == [(0, 2, 1, 5), (1, 3, 1, 5)]
     ends = _ends(run_dir)
     # no survivor builds the heal's groups here: the spare gives up after control_s (the survivors' side and a
-    # certified heal: tests/runtime/test_spare_take_place.py)
+    # certified heal: tests/e2e/test_heal_local.py)
     assert "the heal of rank 2 failed" in ends[(2, 0)]["reason"] and "heal's groups" in ends[(2, 0)]["reason"]
     assert ends[(3, 0)]["reason"] == ends[(3, 1)]["reason"] == "the job ended"
     assert spare_pool(events)["nodes"] == {"2": "used", "3": "ended"}

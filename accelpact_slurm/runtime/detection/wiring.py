@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 
 from accelpact_slurm.runtime.detection import liveness as lv
@@ -21,10 +21,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def start_detector(rt: Runtime, timeouts: Any, *, detect: bool = True) -> Detector:
+def start_detector(rt: Runtime, timeouts: Any, *, detect: bool = True,
+                   pid_ranks: Sequence[int] | None = None) -> Detector:
     """Start this rank's heartbeat (its own connection to the control plane's store), watch its node peers'
     processes, install the collective tap, and give the control plane its eyes (``detect=False``: the
-    heartbeat runs, but every wait stays blind, as before the detector)."""
+    heartbeat runs, but every wait stays blind, as before the detector).  ``pid_ranks``: the ranks that exchange
+    their pids (default: every rank; a spare taking a node's place: that node's ranks, which start together)."""
     from accelpact_slurm.repair import torch_compat as tc
 
     lv.install_dump_handler()
@@ -42,8 +44,10 @@ def start_detector(rt: Runtime, timeouts: Any, *, detect: bool = True) -> Detect
     if rt.rank == 0:  # the notice exists (empty) before any rank can read it: the pid exchange below orders it
         rt.control.base_store.set(lv.NOTICE_KEY, b"")
     host_name = rt.ctx.hostname or os.uname().nodename
-    pids = rt.control.all_gather("liveness-pids", {"pid": os.getpid(), "host": host_name})
-    peers = {r: int(p["pid"]) for r, p in enumerate(pids)
+    ranks = list(range(layout.world_size)) if pid_ranks is None else sorted(pid_ranks)
+    pids = rt.control.all_gather("liveness-pids", {"pid": os.getpid(), "host": host_name},
+                                 ranks=None if pid_ranks is None else ranks)
+    peers = {r: int(p["pid"]) for r, p in zip(ranks, pids)
              if r != rt.rank and layout.node_of(r) == rt.node and p.get("host") == host_name}
     publisher.watch_peers(peers)
     tc.install_collective_tap(detector.on_call)

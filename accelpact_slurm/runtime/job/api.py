@@ -32,6 +32,8 @@ from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Red
 from accelpact_slurm.runtime.state.sampler import ShardedSampler
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
+from accelpact_slurm.runtime.detection.peers import GONE_CAUSES
+from accelpact_slurm.runtime.job.heal_run import SurvivorHeal
 from accelpact_slurm.runtime.job.recovery import build_guard
 from accelpact_slurm.runtime.state.restore import restore
 from accelpact_slurm.runtime.state.digest import state_digests
@@ -70,8 +72,12 @@ class Job:
 
     def __init__(self, cfg: JobConfig, rt: Runtime, run_dir: str, events: EventLog, *, out: TextIO,
                  faults: TestFaults = NO_FAULTS, environ: Mapping[str, str] | None = None,
-                 stop: Callable[[BaseException], Any] = lambda exc: None) -> None:
+                 stop: Callable[[BaseException], Any] = lambda exc: None,
+                 resume: Callable[["Run"], None] | None = None) -> None:
         self.config = cfg
+        #: How ``protect`` takes up the state: None reloads the newest verified snapshot; a spare that took a dead
+        #: rank's place heals it from the live replica instead (:class:`..heal_run.SpareResume`).
+        self._resume = resume
         #: Fails the rank stop on a stop or a lost control plane (the entry's rule), raising ``Stopped``.
         self._stop = stop
         self._rt = rt
@@ -236,7 +242,10 @@ class Run:
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
         self._ring = buddy_ring.ring_for(cfg.topology.spare_nodes, getattr(rt, "data_store", None), model, job.rank, self._statefuls)
-        footprint.check(model, optimizer, job, snapshots=cfg.checkpoint.every_steps > 0)  # a warning before an OOM
+        if job._resume is None:  # collective; a spare taking a place joins the job without it
+            footprint.check(model, optimizer, job, snapshots=cfg.checkpoint.every_steps > 0)  # before an OOM
+        #: Spare nodes: the survivors' side of a heal when a node is lost (:mod:`..heal_run`).
+        self._healer = SurvivorHeal(self, load_or_create_key(job.run_dir)) if cfg.topology.spare_nodes > 0 else None
         self._replay: tuple[int, dict[str, Any] | None] | None = None
         self._warned_no_step = self._warned_late_loss = False
         self._yielded = False  # run.batches yielded an item the next update may run again
@@ -254,18 +263,22 @@ class Run:
                 if note:  # said at the start, not first at a fault
                     print(f"[accelpact] warning: {note}", file=job._out, flush=True)
                     job.events.emit("warning", step=None, reason=note)
-        try:
-            out = restore(rt, cfg, job.run_dir, self._load, job.events, check=self._checked,
-                          copy=not job._faults.no_restore_copy, model=self._model)
-        except FailStop as stop:  # no snapshot can be restored (76), or the requeue its exit code asks for
-            job._fail_stop(stop)
-        self._loaded_step = out.step
-        if out.step is not None and self._checked:
+        loaded: int | None = None
+        if job._resume is not None:  # a spare in a dead rank's place: healed from the live replica, not reloaded
+            job._resume(self)
+        else:
+            try:
+                loaded = restore(rt, cfg, job.run_dir, self._load, job.events, check=self._checked,
+                                 copy=not job._faults.no_restore_copy, model=self._model).step
+            except FailStop as stop:  # no snapshot can be restored (76), or the requeue its exit code asks for
+                job._fail_stop(stop)
+        self._loaded_step = loaded
+        if loaded is not None and self._checked:
             ref = None
             if job.is_lead:
-                ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), out.step,
+                ref = replay.find_reference(read_events(f"{job.run_dir}/{EVENTS_FILE}"), loaded,
                                             load_key(job.run_dir))
-            self._replay = (out.step, rt.control.broadcast("replay-ref", ref))
+            self._replay = (loaded, rt.control.broadcast("replay-ref", ref))
         self._t_last = time.monotonic()
         if job.is_lead:
             start = f", resumed at update {self.step}" if self.step else ""
@@ -461,7 +474,11 @@ class Run:
                                                     redoable=update._redoable, optimizer=self._optimizer,
                                                     exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
-            job._fail_stop(as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step))
+            stop = as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step)
+            if self._healer is None or stop.cause not in GONE_CAUSES:
+                job._fail_stop(stop)
+            self._healer.heal_or_stop(stop, update.step)  # spare nodes: a lost node healed, the update runs again
+            outcome, mean, fps = "redo", None, []
         update._decided, update._mean = outcome, mean
         if outcome == "redo":
             self._rng_restore(update._rng)

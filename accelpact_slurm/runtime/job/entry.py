@@ -171,7 +171,6 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
 
-    from accelpact_slurm.runtime.job.api import Job
     from accelpact_slurm.runtime.job.topology import init_runtime
 
     out = out or sys.stdout
@@ -219,6 +218,19 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     check_progress(cfg, ctx, rt, run_dir, events, out)
+    return train(cfg, ctx, rt, run_dir, events, out, environ, entry, faults, wall0)
+
+
+def train(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run_dir: str, events: EventLog, out: TextIO,
+          environ: Mapping[str, str], entry: Callable[[Any], Any], faults: TestFaults, wall0: float, *,
+          resume: Callable[[Any], None] | None = None) -> int:
+    """Call the entry point with this rank's :class:`~accelpact_slurm.runtime.job.api.Job` and end the job
+    (collective); fails stop on anything the project raises.  ``resume``: how ``job.protect`` takes up the state
+    instead of reloading the newest snapshot (a spare taking a dead rank's place heals it from the live replica:
+    :mod:`accelpact_slurm.runtime.job.spare_place`)."""
+    from accelpact_slurm.runtime.job.api import Job
+
+    lead = rt.rank == 0
     peer_stop = _no_peer_check if faults.dead_peer_as_bug else _peer_stop
 
     def stop_on(exc: BaseException, phase: str = "script", frontier: int | None = None) -> NoReturn:
@@ -226,7 +238,7 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
         fail_stop(peer_stop(exc, rt, phase, job) or as_fail_stop(exc, phase=phase, frontier=frontier), events, out,
                   lead, rt.control, ctx, environ)
 
-    job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ, stop=stop_on)
+    job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ, stop=stop_on, resume=resume)
     train_t0 = time.monotonic()
     try:
         entry(job)

@@ -119,11 +119,13 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
         def place(assignment: Assignment) -> tuple[int, str]:
             from accelpact_slurm.runtime.job.spare_place import take_place
 
-            # a failed heal is the survivors' fail stop (they see the same certificate); the spare just ends
-            _took, why = take_place(assignment, cfg, store=store, key=key, run_dir=run_dir, job_file=job_file,
-                                    job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,
-                                    environ=environ)
-            return EXIT_OK, why
+            # the spare trains on as the dead rank to the job's end, or stops as a rank does
+            def connect(timeout_s: float) -> Any:
+                return JobStore(host, ports, key, bind_to, world + sid, timedelta(seconds=timeout_s))
+
+            return take_place(assignment, cfg, store=store, connect=connect, key=key, run_dir=run_dir,
+                              job_file=job_file, job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,
+                              environ=environ)
 
         return _park(store, events, sid=sid, node=node, local_rank=local_rank, stop=stop, park_wait_s=park_wait_s,
                      place=place)

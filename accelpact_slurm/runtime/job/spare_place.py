@@ -1,172 +1,123 @@
-"""A spare process takes a dead rank's place: the identity switch, the heal's groups and mesh, the user's script
-up to ``job.protect``, and the spare's part of the heal there.
+"""A spare process takes a dead rank's place: the identity switch, the heal's groups and mesh, its runtime, and the
+user's script from ``job.protect`` on as that rank.
 
 Who calls: :func:`accelpact_slurm.runtime.job.spare.run_spare`, once the spare's node was handed an
 :class:`~accelpact_slurm.core.spares.Assignment` (the spare process of local rank ``l`` takes
 ``assignment.ranks[l]``).  In order:
 
-1. **Identity switch**: the process becomes rank ``r`` of the dead node: ``RANK``, ``LOCAL_RANK``,
-   ``SLURM_PROCID``, ``SLURM_LOCALID`` and ``SLURM_NODEID`` in its environment; its log records labelled
-   ``[rank r]``; from here its events carry ``rank`` ``r`` and ``node`` the dead node's.  Its log file stays
-   the spare's own (the launcher opened it), and the dead node's checkpoint daemon is not taken over: a healed
-   node takes no snapshots (``docs/heal.md``).
-2. **Stand-in world and the heal's groups**: a stand-in default group as rank ``r`` of the job's world
-   (:func:`~accelpact_slurm.repair.heal.init_spare_world`), then the heal's replication and shard groups of the
-   assignment's generation over the job's store, and the spare's (replicate, shard) mesh over them.
-3. **The user's script** (the job's entry point) with a :class:`SpareJob`: its ``mesh`` and ``groups`` are the
-   heal's, so the script wraps its model exactly as the dead rank did (same shard layout), and its
-   :meth:`SpareJob.protect` runs the spare's part of the heal (:func:`~accelpact_slurm.runtime.job.healing.heal_spare`)
-   instead of a reload: the shard received in place from the live replica, the dead rank's per-rank packet
-   applied (RNG states, buffers), its ``Stateful`` states (data position, scheduler) loaded from the packet's
-   ``data_state``, the certificate checked, a ``heal`` event and one console line.
-
-**Not yet**: going on with the user's loop after the heal (a ``Run`` for a spare: the control plane, the guard
-and the detector joined as rank ``r``).  :meth:`SpareJob.protect` ends the script there (:class:`TookPlace`), and
-the spare process exits 0 with the outcome in its ``spare_end`` reason.
+1. **Identity switch** (:func:`become`): the process becomes rank ``r`` of the dead node: the emulated task
+   environment of rank ``r`` (``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``...;
+   the spare node's host name in the dead node's place), its log records labelled ``[rank r]``, its events carry
+   ``rank`` ``r`` and ``node`` the dead node's.  Its log file stays the spare's own (the launcher opened it).
+2. **Stand-in world, runtime and groups**: a stand-in default group as rank ``r`` of the job's world
+   (:func:`~accelpact_slurm.repair.heal.init_spare_world`); the heal's replication and shard groups of the
+   assignment's generation over the job's store, and the spare's (replicate, shard) mesh over them; the control
+   plane at that generation (where the survivors move once healed); its heartbeat and fault detector (before the
+   transfer: the survivors see it alive when they next wait on it).
+3. **The user's script** (the job's entry point) through the rank's usual path
+   (:func:`~accelpact_slurm.runtime.job.entry.train`): its ``mesh`` and ``groups`` are the heal's, so the script
+   wraps its model exactly as the dead rank did, and ``job.protect`` heals instead of reloading
+   (:class:`~accelpact_slurm.runtime.job.heal_run.SpareResume`: the shard received in place from the live replica,
+   the dead rank's per-rank packet applied, the certificate checked); the loop then goes on as rank ``r`` to the
+   job's end (the final digest, the job's last rounds) or its stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Mapping, MutableMapping, TextIO
 
-import torch
-
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import HealError, UsageError
+from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, HealError, Stopped
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
-from accelpact_slurm.core.spares import Assignment
+from accelpact_slurm.core.spares import Assignment, spare_hostname
 from accelpact_slurm.repair import heal
-from accelpact_slurm.runtime.job.entry import label_log_records, resolve_entry
-from accelpact_slurm.runtime.job.healing import HealOutcome, heal_parts, heal_spare
-from accelpact_slurm.runtime.state import appstate
-from accelpact_slurm.runtime.state.buddy_ring import restore_data_state
-from accelpact_slurm.runtime.state.sampler import ShardedSampler
+from accelpact_slurm.repair.torch_compat import set_group_timeout
+from accelpact_slurm.runtime.detection.wiring import start_detector
+from accelpact_slurm.runtime.job.entry import label_log_records, resolve_entry, train
+from accelpact_slurm.runtime.job.heal_run import SpareResume
+from accelpact_slurm.runtime.job.stopping import exit_stopped
+from accelpact_slurm.runtime.job.topology import Layout, Runtime
+from accelpact_slurm.runtime.transport.control import ControlPlane
+from accelpact_slurm.slurm.env import SlurmContext, emulated_environ
 
 log = logging.getLogger(__name__)
 
 
-class TookPlace(BaseException):
-    """Raised out of :meth:`SpareJob.protect` once the heal is certified: ends the user's script on the spare (a
-    ``BaseException``, as the API's ``Redo``: a script's ``except Exception`` must not swallow it)."""
-
-    def __init__(self, outcome: HealOutcome) -> None:
-        super().__init__(f"rank {outcome.rank} healed at update {outcome.plan.frontier}")
-        self.outcome = outcome
-
-
-def become(rank: int, plan: heal.HealPlan, environ: MutableMapping[str, str] | None = None) -> None:
-    """The identity switch of the process environment and its log records: this process is now ``rank``."""
+def become(rank: int, plan: heal.HealPlan, *, job_id: str, restart: int, host: str,
+           environ: MutableMapping[str, str] | None = None) -> SlurmContext:
+    """The identity switch of the process environment and its log records: this process is now ``rank``, on
+    ``host`` in the dead node's place (the emulated task environment of that rank); returns its task context."""
     env = os.environ if environ is None else environ
-    env.update({"RANK": str(rank), "LOCAL_RANK": str(plan.local_of(rank)), "SLURM_PROCID": str(rank),
-                "SLURM_LOCALID": str(plan.local_of(rank)), "SLURM_NODEID": str(plan.dead_node)})
+    hosts = [spare_hostname(n) for n in range(plan.nodes)]
+    hosts[plan.dead_node] = host
+    env.update(emulated_environ(job_id, rank, plan.nodes, plan.ranks_per_node, restart_count=restart,
+                                hostnames=hosts))
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(plan.local_of(rank)),
+                "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(plan.ranks_per_node)})
     label_log_records(rank, env)
+    return SlurmContext.from_environ(env)
 
 
-class SpareJob:
-    """The :class:`~accelpact_slurm.runtime.job.api.Job` a spare hands the user's script: the dead rank's place,
-    the heal's mesh and groups, and a :meth:`protect` that heals instead of reloading."""
-
-    def __init__(self, cfg: JobConfig, plan: heal.HealPlan, rank: int, groups: heal.HealGroups, mesh: Any, *,
-                 run_dir: str, events: EventLog, base_store: Any, key: bytes, faults: TestFaults,
-                 out: TextIO, extra_event: Mapping[str, Any]) -> None:
-        self.config, self._plan, self._groups = cfg, plan, groups
-        self._store, self._key, self._faults, self._out = base_store, key, faults, out
-        self._extra_event = dict(extra_event)
-        self.rank, self.world_size = rank, plan.world_size
-        self.node, self.num_nodes = plan.dead_node, plan.nodes
-        self.local_rank, self.ranks_per_node = plan.local_of(rank), plan.ranks_per_node
-        self.device = torch.device("cpu")  # the heal builds Gloo groups: NCCL is not covered yet
-        self.mesh = mesh
-        self.run_dir, self.events = run_dir, events
-        self.params: dict[str, Any] = dict(cfg.params)
-        self.seed, self.steps = cfg.seed, cfg.steps
-        self.run: Any = None
-        self.outcome: HealOutcome | None = None
-
-    @property
-    def groups(self) -> tuple[Any, Any]:
-        return self._groups.shard, self._groups.replicate
-
-    @property
-    def is_lead(self) -> bool:
-        return False  # rank 0 is never healed (its node hosts the store)
-
-    def log(self, message: str) -> None:
-        return None
-
-    def on_stop(self, hook: Callable[[Any], Any]) -> None:
-        return None
-
-    def sampler(self, dataset: Any, *, shuffle: bool = True, seed: int | None = None,
-                drop_last: bool = True) -> ShardedSampler:
-        return ShardedSampler(dataset, rank=self.rank, world_size=self.world_size, shuffle=shuffle,
-                              seed=self.seed if seed is None else seed, drop_last=drop_last)
-
-    def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
-                state: Mapping[str, Any] | None = None, exact: bool = True) -> Any:
-        """The spare's part of the heal, into ``model`` and ``optimizer`` as the script built them on the heal's
-        mesh; raises :class:`TookPlace` once certified, :class:`HealError` (or ``HealRefused``) otherwise."""
-        if self.outcome is not None:
-            raise UsageError("job.protect", "a second call", "call job.protect once per job, after wrapping")
-        if exact:
-            torch.use_deterministic_algorithms(True)
-        statefuls = appstate.statefuls(scheduler, dict(state or {}))
-        plan, cfg = self._plan, self.config
-        _, _, outcome = heal_spare(plan, self.rank, build=lambda _mesh: (model, optimizer), base_store=self._store,
-                                   key=self._key, timeout_s=cfg.timeouts.control_s, parts=heal_parts(self._faults),
-                                   groups=self._groups)
-        self.outcome = outcome
-        missing = restore_data_state(outcome.data_state, statefuls) if outcome.data_state is not None else []
-        cert = outcome.certificate
-        ok = cert is not None and cert.ok
-        self.events.emit("heal", **outcome.event(), **self._extra_event, state_missing=missing)
-        moved = outcome.transfer.as_dict() if outcome.transfer is not None else {}
-        print(f"[accelpact] heal: rank {self.rank} of node {plan.dead_node} taken by spare node "
-              f"{self._extra_event.get('spare_node')} at update {plan.frontier} (generation {plan.generation}): "
-              f"{'certified' if ok else 'certificate FAILED'}, {moved.get('tensor_bytes', 0):.0f} bytes in "
-              f"{outcome.seconds.get('total', 0.0):.3f} s", file=self._out, flush=True)
-        if cert is not None:
-            cert.raise_if_failed()
-        raise TookPlace(outcome)
-
-
-def take_place(assignment: Assignment, cfg: JobConfig, *, store: Any, key: bytes, run_dir: str,
-               job_file: str | None, job_id: str, restart: int, local_rank: int, sid: int,
-               out: TextIO | None = None, environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """This spare process takes ``assignment.ranks[local_rank]`` (see the module): ``(True, why)`` once the heal's
-    certificate passed, ``(False, why)`` when the heal failed (a group not built, the manifest refused, the
-    certificate failed; the survivors fail stop on the same)."""
+def take_place(assignment: Assignment, cfg: JobConfig, *, store: Any, connect: Callable[[float], Any], key: bytes,
+               run_dir: str, job_file: str | None, job_id: str, restart: int, local_rank: int, sid: int,
+               out: TextIO | None = None, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """This spare process takes ``assignment.ranks[local_rank]`` (see the module) and trains as that rank to the
+    job's end: ``(0, why)``.  A stop (a failed heal included) ends the process with the stop's exit code, as a
+    rank's would (the launcher supervises it in the dead rank's place).  ``store``: this process's client of the
+    job's store; ``connect(timeout_s)``: another one (the control plane and the heartbeat each have their own)."""
     nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
     rank = assignment.ranks[local_rank]
     plan = heal.HealPlan(nodes, rpn, assignment.dead_node, assignment.generation, assignment.frontier)
-    become(rank, plan)
+    ctx = become(rank, plan, job_id=job_id, restart=restart, host=spare_hostname(assignment.spare_node))
+    out = out or sys.stdout
     events = EventLog(os.path.join(run_dir, EVENTS_FILE), job_id=job_id, restart=restart, rank=rank,
                       node=plan.dead_node)
+    events.emit("process", role="rank", pid=os.getpid(), hostname=ctx.hostname, spare=sid,
+                spare_node=assignment.spare_node, local_rank=plan.local_of(rank), healed=True)
+    # a test's node kill points up to the update being redone fired on the node this spare replaces, not here
+    faults = TestFaults.from_environ(environ)
+    faults = dataclasses.replace(faults, kill_node=tuple(k for k in faults.kill_node if k[1] > plan.frontier + 1))
+    wall0 = time.monotonic()
     try:
-        events.emit("process", role="rank", pid=os.getpid(), spare=sid, spare_node=assignment.spare_node,
-                    local_rank=plan.local_of(rank), healed=True)
-        try:
-            entry = resolve_entry(cfg.entry, job_file)
-            heal.init_spare_world(rank, plan.world_size)
-            groups = heal.build_heal_groups(plan, rank, store, cfg.timeouts.control_s)
-            mesh = heal.spare_mesh(plan, groups)
-            job = SpareJob(cfg, plan, rank, groups, mesh, run_dir=run_dir, events=events, base_store=store,
-                           key=key, faults=TestFaults.from_environ(environ), out=out or sys.stdout,
-                           extra_event={"spare": sid, "spare_node": assignment.spare_node})
-            entry(job)
-        except TookPlace as done:
-            return True, (f"took rank {rank}'s place at update {plan.frontier} (certified in "
-                          f"{done.outcome.seconds.get('total', 0.0):.3f} s); going on with the loop after a heal "
-                          f"is not wired yet")
-        except HealError as exc:
-            log.error("rank %d: the heal failed: %s", rank, exc)
-            events.emit("heal_failed", dead_node=plan.dead_node, generation=plan.generation,
-                        frontier=plan.frontier, error=f"{type(exc).__name__}: {exc}")
-            return False, f"the heal of rank {rank} failed: {exc}"
-        return False, f"the entry point {cfg.entry} returned without calling job.protect"
-    finally:
+        entry = resolve_entry(cfg.entry, job_file)
+        heal.init_spare_world(rank, plan.world_size)
+        groups = heal.build_heal_groups(plan, rank, store, cfg.timeouts.control_s)
+        rt = spare_runtime(cfg, ctx, plan, groups, store=store, connect=connect)
+    except (HealError, FailStop) as exc:
+        log.error("rank %d: the heal failed: %s", rank, exc)
+        events.emit("heal_failed", dead_node=plan.dead_node, generation=plan.generation, frontier=plan.frontier,
+                    error=f"{type(exc).__name__}: {exc}")
         events.close()
+        return EXIT_REQUEUE, f"the heal of rank {rank} failed: {exc}"
+    resume = SpareResume(plan, groups, store=store, key=key, timeout_s=cfg.timeouts.control_s, faults=faults,
+                         out=out, extra_event={"spare": sid, "spare_node": assignment.spare_node})
+    try:
+        code = train(cfg, ctx, rt, run_dir, events, out, os.environ if environ is None else environ, entry, faults,
+                     wall0, resume=resume)
+    except Stopped as stop:
+        exit_stopped(stop)
+    return code, f"took rank {rank}'s place at update {plan.frontier} and trained to the job's end"
+
+
+def spare_runtime(cfg: JobConfig, ctx: SlurmContext, plan: heal.HealPlan, groups: heal.HealGroups, *, store: Any,
+                  connect: Callable[[float], Any]) -> Runtime:
+    """The runtime of a spare in rank ``ctx.rank``'s place: the heal's groups and mesh, the control plane at the
+    heal's generation, its heartbeat and detector (the pid exchange among the spare node's ranks only)."""
+    rank = ctx.rank
+    layout = Layout(plan.nodes, plan.ranks_per_node)
+    control = ControlPlane(connect(max(cfg.timeouts.control_s, 1.0)), rank, layout.world_size,
+                           cfg.timeouts.control_s, generation=plan.generation)
+    rt = Runtime(ctx=ctx, layout=layout, rank=rank, node=plan.dead_node, local_rank=plan.local_of(rank),
+                 data_store=store, control=control, shard_group=groups.shard, replicate_group=groups.replicate,
+                 mesh=heal.spare_mesh(plan, groups), collective_timeout_s=cfg.timeouts.collective_s,
+                 store_client=lambda timeout: connect(timeout.total_seconds()))
+    for g in (groups.shard, groups.replicate):
+        set_group_timeout(g, cfg.timeouts.collective_s)
+    rt.detector = start_detector(rt, cfg.timeouts, pid_ranks=plan.dead_ranks())
+    return rt

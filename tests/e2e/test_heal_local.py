@@ -1,0 +1,117 @@
+"""Lose a node, lose nothing, on the embedded default: every rank of node 1 is SIGKILLed at the vote of update 4
+(``ACCELPACT_TEST_KILL_NODE=vote:4:1``: the ranks kill themselves there, as a node that dies takes them all), and
+the warm spare node takes the node's place from the live replica: the update in flight is discarded and run again,
+and the job ends in exactly the training state of the uninterrupted run, with no restart.
+
+Each case is one run of the decoder example (2 nodes x 2 ranks, one spare node; no snapshots, so an L2 restart
+starts from update 1 and the difference is plain in the restart count).  The uninterrupted references run once
+per FSDP flavour, shared through a module fixture.
+
+Negative controls: the shard transfer skipped (the spare keeps its fresh weights) and the buddy's per-rank packet
+skipped both fail the certificate on both sides, and the job goes to L2 with the cause named; with no spare node
+the same loss is L2 as before; a second loss of the same node, with the only spare used, is L2 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from accelpact_slurm.core.events import read_events
+from tests.conftest import job_text, run_cli
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 7
+KILL = "vote:4:1"  # node 1's ranks die at the vote of update 4: the survivors hold update 3
+
+
+def _job(tmp, fsdp: str, spares: int) -> str:
+    text = job_text()
+    text = text.replace("  every_steps: 10 ", "  every_steps: 0 ")
+    # a node lost whole has no witness on its node: its ranks are named gone once their heartbeat stops
+    text = text.replace("  shutdown_s: 10\n", "  shutdown_s: 10\n  heartbeat_s: 2\n  heartbeat_interval_s: 0.5\n")
+    text = text.replace("  nodes: 2\n", f"  nodes: 2\n  spare_nodes: {spares}\n")
+    text = text.replace("  fsdp: fsdp1 ", f"  fsdp: {fsdp} ")
+    path = os.path.join(tmp, f"job-{fsdp}-{spares}.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return path
+
+
+def _run(tmp, name: str, *, fsdp: str = "fsdp1", spares: int = 1, env: dict | None = None):
+    run_dir = os.path.join(tmp, name)
+    proc = run_cli(["accelpact_slurm.cli.run", _job(tmp, fsdp, spares), "--run-dir", run_dir, "--steps", str(STEPS)],
+                   env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+        summary = json.load(fh)
+    return proc.stdout, summary, list(read_events(os.path.join(run_dir, "events.jsonl")))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("heal"))
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    return {fsdp: _run(base, f"ref-{fsdp}", fsdp=fsdp, spares=0)[1]["final_state_digest"]
+            for fsdp in ("fsdp1", "fsdp2")}
+
+
+@pytest.mark.parametrize("fsdp", ["fsdp1", "fsdp2"])
+def test_a_node_lost_at_the_vote_is_healed_by_the_spare_bitwise_without_a_restart(base, reference, fsdp):
+    out, summary, events = _run(base, f"healed-{fsdp}", fsdp=fsdp, env={"ACCELPACT_TEST_KILL_NODE": KILL})
+    assert summary["final_state_digest"] == reference[fsdp]
+    assert summary["restart_count"] == 0 and summary["final_step"] == STEPS
+    assert not [e for e in events if e["event"] == "fail_stop"]
+    heals = {e["rank"]: e for e in events if e["event"] == "heal"}
+    assert sorted(heals) == [0, 1, 2, 3], heals
+    assert all(h["certified"] and h["generation"] == 1 and h["frontier"] == 3 and h["dead_node"] == 1
+               for h in heals.values()), heals
+    assert {heals[r]["role"] for r in (0, 1)} == {"source"} and {heals[r]["role"] for r in (2, 3)} == {"spare"}
+    assert heals[0]["transfer"]["tensor_bytes"] > 0 and heals[2]["packet_bytes"] > 0
+    assert {"detect", "membership", "groups", "transfer", "certificate"} <= set(heals[0]["seconds"])
+    taken = [e for e in events if e["event"] == "process" and e.get("healed")]
+    assert sorted((e["rank"], e["node"], e["spare_node"]) for e in taken) == [(2, 1, 2), (3, 1, 2)]
+    assert "heal: node 1 lost in update 4" in out and "update 4 runs again" in out
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps == list(range(1, STEPS + 1))  # update 4 committed once, after the heal
+
+
+@pytest.mark.parametrize("part", ["skip_transfer", "skip_packet"])
+def test_negative_control_a_heal_missing_a_part_fails_its_certificate_and_goes_to_l2(base, reference, part):
+    """Without the shard (or the per-rank packet) the spare's state differs from the live replica's: the
+    certificate names it on both sides, nobody trains on it, and the job restarts (L2) with the cause named."""
+    _out, summary, events = _run(base, f"broken-{part}",
+                                 env={"ACCELPACT_TEST_KILL_NODE": KILL, "ACCELPACT_TEST_HEAL_FAULT": part})
+    assert summary["restart_count"] == 1 and summary["final_state_digest"] == reference["fsdp1"]
+    heals = [e for e in events if e["event"] == "heal"]
+    assert heals and not any(h["certified"] for h in heals if "certified" in h)
+    named = "packet" if part == "skip_packet" else "the spare's bytes differ"
+    assert any(named in m for h in heals for m in h.get("mismatches", [])), heals
+    stops = [e for e in events if e["event"] == "fail_stop" and e.get("restart", 0) == 0]
+    assert any(e["cause"] == "heal" and "certificate failed" in e["reason"] for e in stops), stops
+
+
+def test_negative_control_without_a_spare_node_the_same_loss_is_l2_as_before(base, reference):
+    _out, summary, events = _run(base, "no-spare", spares=0, env={"ACCELPACT_TEST_KILL_NODE": KILL})
+    assert summary["restart_count"] == 1 and summary["final_state_digest"] == reference["fsdp1"]
+    assert not [e for e in events if e["event"] in ("heal", "heal_refused")]
+    stop = next(e for e in events if e["event"] == "fail_stop" and e.get("rank") == 0)
+    assert stop["lost_nodes"] == [1] and stop["decision"] == "restart"
+
+
+def test_a_second_loss_with_the_only_spare_used_is_l2_naming_it(base, reference):
+    """Node 1 is lost at update 4 (healed), then again at update 6 (the spare in its place): no spare node is left,
+    so the job restarts, the stop saying so."""
+    _out, summary, events = _run(base, "twice", env={"ACCELPACT_TEST_KILL_NODE": f"{KILL},vote:6:1"})
+    assert summary["restart_count"] == 1 and summary["final_state_digest"] == reference["fsdp1"]
+    assert any(e["event"] == "heal" and e.get("certified") for e in events)
+    refused = [e for e in events if e["event"] == "heal_refused"]
+    assert refused and "no spare node is free" in refused[0]["reason"]
+    stop = next(e for e in events if e["event"] == "fail_stop" and e.get("rank") == 0)
+    assert "no spare node is free" in stop["reason"] and stop["frontier"] == 5
