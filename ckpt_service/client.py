@@ -105,6 +105,16 @@ class SnapshotClient:
 
     # ------------------------------------------------------------------ snapshots
 
+    @property
+    def proved(self) -> bool:
+        """Whether this start's capture was proven against the live state dict (then no rank proves it again)."""
+        return self._proved
+
+    def adopt_proof(self, proved: bool) -> None:
+        """A rank that joins a running job (a spare in a lost rank's place) takes the others' proof state: the
+        proof is collective, and every rank must decide it alike."""
+        self._proved = proved
+
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 

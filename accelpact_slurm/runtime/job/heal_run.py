@@ -50,14 +50,32 @@ def decision_key(generation: int) -> str:
     return f"heal/decision/g{generation}"
 
 
+#: How many looks at the others' records a survivor takes to see a lost node whole (its ranks die together, but
+#: one may be seen alive a moment longer: it wrote once more, or marked its node peer dead, before it died).
+GONE_LOOKS = 3
+
+
 def gone_ranks(detector: Any, world_size: int, ranks_per_node: int) -> tuple[list[int], str]:
-    """The ranks that will never answer again, as this rank's detector tells them, and the words for them."""
-    verdict = peers.look(detector, world_size, adopt=False)
-    if verdict is None:
-        return [], "no detector to tell which ranks are gone"
-    if verdict.kind != "gone":
-        return [], f"the other ranks are {verdict.kind}{': ' + verdict.reason if verdict.reason else ''}"
-    where, _how, ranks, _lost = peers.gone_names(verdict.verdicts, ranks_per_node)
+    """The ranks that will never answer again, as this rank's detector tells them, and the words for them.
+
+    Looks again while the ranks seen gone are part of a node whose other ranks were still seen alive (at most
+    :data:`GONE_LOOKS` looks): a lost node is seen whole, a single dead rank beside live node peers stays single."""
+    gone: dict[int, Any] = {}
+    for _ in range(GONE_LOOKS):
+        verdict = peers.look(detector, world_size, adopt=False)
+        if verdict is None:
+            return [], "no detector to tell which ranks are gone"
+        if verdict.kind != "gone":
+            if gone:
+                break
+            return [], f"the other ranks are {verdict.kind}{': ' + verdict.reason if verdict.reason else ''}"
+        before = set(gone)
+        gone.update({v.rank: v for v in verdict.verdicts})
+        nodes = {r // ranks_per_node for r in gone}
+        whole = all(set(range(n * ranks_per_node, (n + 1) * ranks_per_node)) <= set(gone) for n in nodes)
+        if whole or (before and set(gone) == before):
+            break
+    where, _how, ranks, _lost = peers.gone_names(list(gone.values()), ranks_per_node)
     return ranks, where
 
 
@@ -161,7 +179,8 @@ class SurvivorHeal:
                 if not ok:
                     assignment, why = None, why2
             store.set(key, json.dumps({"assignment": assignment.to_json().decode() if assignment else None,
-                                       "why": why}))
+                                       "why": why, "proved": self.run._snapshots.proved,
+                                       "fingerprint": frontier in self.run._snapshots.taken}))
             return assignment, why
         try:
             store.wait([key], timedelta(seconds=cfg.timeouts.control_s))
@@ -195,6 +214,11 @@ class SpareResume:
                                    base_store=self._store, key=self._key, timeout_s=self._timeout_s,
                                    parts=heal_parts(self._faults), groups=self.groups)
         self.outcome = outcome
+        # the survivors' snapshot client proved its capture already or not: this one decides alike (collective)
+        decided = json.loads(self._store.get(decision_key(plan.generation)))
+        run._snapshots.adopt_proof(bool(decided.get("proved")))
+        if decided.get("fingerprint"):  # the update after a snapshot records every rank's fingerprint (replay check)
+            run._snapshots.taken.add(plan.frontier)
         if run._wrapping[0] == "fsdp1" and outcome.certificate is not None and outcome.certificate.ok:
             outcome.seconds["world"] = adopt_world(plan, self._store, self._timeout_s)
         data = outcome.data_state or {}

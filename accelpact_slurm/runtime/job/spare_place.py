@@ -74,11 +74,13 @@ def take_place(assignment: Assignment, cfg: JobConfig, *, store: Any, connect: C
     nodes, rpn = cfg.topology.nodes, cfg.topology.ranks_per_node
     rank = assignment.ranks[local_rank]
     plan = heal.HealPlan(nodes, rpn, assignment.dead_node, assignment.generation, assignment.frontier)
-    ctx = become(rank, plan, job_id=job_id, restart=restart, host=spare_hostname(assignment.spare_node))
+    # the node's name stays the dead node's: its node-local snapshot directory and daemon (the launcher starts a
+    # lost node's daemon again), its place in the snapshot rules (verified on every node, the shared-tier rotation)
+    ctx = become(rank, plan, job_id=job_id, restart=restart, host=spare_hostname(plan.dead_node))
     out = out or sys.stdout
     events = EventLog(os.path.join(run_dir, EVENTS_FILE), job_id=job_id, restart=restart, rank=rank,
                       node=plan.dead_node)
-    events.emit("process", role="rank", pid=os.getpid(), hostname=ctx.hostname, spare=sid,
+    events.emit("process", role="rank", pid=os.getpid(), hostname=spare_hostname(assignment.spare_node), spare=sid,
                 spare_node=assignment.spare_node, local_rank=plan.local_of(rank), healed=True)
     # a test's node kill points up to the update being redone fired on the node this spare replaces, not here
     faults = TestFaults.from_environ(environ)
