@@ -24,6 +24,7 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, A
                                          ConfigError, FailStop, Stopped, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.core.script import ScriptSpec, is_script_entry
 from accelpact_slurm.core.spares import announce_end
 from accelpact_slurm.runtime.detection.peers import dead_peer_stop
 from accelpact_slurm.runtime.job.phases import log_exception
@@ -153,24 +154,29 @@ def warn_at_start(cfg: JobConfig, events: EventLog, out: TextIO) -> None:
 
 
 def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None = None,
-             out: TextIO | None = None, job_file: str | None = None) -> int:
+             out: TextIO | None = None, job_file: str | None = None, script: ScriptSpec | None = None) -> int:
     """Run the job's entry point on this rank to its end; return the process exit code (0).
+
+    ``entry: PATH.py:__main__`` (script mode) runs the script as ``__main__`` with ``script``'s arguments; either
+    way the package's ``init()`` returns this rank's Job, checked against the values ``script`` says the job's
+    side fixed (:mod:`accelpact_slurm.runtime.job.script`; None: those the job file sets).
 
     A stop unwinds the script as :class:`Stopped` (its ``finally`` blocks and context managers run) and ends here:
     the stop hooks, then the rank exits with the stop's code (75, 76, 2) and never returns.
     """
     try:
-        return _run_rank(cfg, ctx, run_dir, environ, out, job_file)
+        return _run_rank(cfg, ctx, run_dir, environ, out, job_file, script)
     except Stopped as stop:
         exit_stopped(stop)
 
 
 def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None,
-              out: TextIO | None, job_file: str | None) -> int:
+              out: TextIO | None, job_file: str | None, script: ScriptSpec | None) -> int:
     check_dependencies()  # before joining: a node without the train extra fails now, not at the first snapshot
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
 
+    from accelpact_slurm.runtime.job import script as script_mode
     from accelpact_slurm.runtime.job.api import Job
     from accelpact_slurm.runtime.job.topology import init_runtime
 
@@ -188,8 +194,10 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                       rank=ctx.rank, node=ctx.node_index)
     hostname = ctx.hostname or socket.gethostname()
     events.emit("process", role="rank", pid=os.getpid(), hostname=hostname)  # before joining: findable at once
-    try:
-        entry = resolve_entry(cfg.entry, job_file)  # before joining: a bad entry fails fast on every rank
+    as_script = is_script_entry(cfg.entry)
+    spec = script if script is not None else script_mode.spec_of(job_file)
+    try:  # before joining: a bad entry fails fast on every rank
+        entry = script_mode.program(cfg.entry, job_file, spec) if as_script else resolve_entry(cfg.entry, job_file)
     except FailStop as stop:  # every rank imports the same module and stops the same way: nobody to tell
         fail_stop(stop, events, out, ctx.rank == 0, None, ctx, environ)
     except ConfigError as exc:
@@ -207,7 +215,11 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     if lead and rt.store_server is not None:  # the job's store: a process beside rank 0 (a thread of it: its pid)
         events.emit("process", role="store", pid=getattr(rt.store_server, "pid", os.getpid()), hostname=hostname,
                     thread=not hasattr(rt.store_server, "pid"))
-    if lead:
+
+    def announce(cfg: JobConfig) -> None:
+        """Rank 0: the job's start, with the effective config (in script mode: once the script's values are in)."""
+        if not lead:
+            return
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,
                     nodes=rt.layout.num_nodes, ranks_per_node=rt.layout.ranks_per_node,
                     hostnames=list(ctx.nodelist), run_dir=os.path.abspath(run_dir), entry=cfg.entry,
@@ -215,6 +227,9 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                     versions=rt.hardware.versions,
                     store_port=getattr(rt.data_store, "port", None))  # the candidate the job's store took
         warn_at_start(cfg, events, out)
+
+    if not as_script:
+        announce(cfg)
     events.emit("membership", local_rank=rt.local_rank, hostname=hostname,
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
@@ -227,6 +242,7 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                   lead, rt.control, ctx, environ)
 
     job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ, stop=stop_on)
+    script_mode.serve(job, spec, (lambda j: announce(j.config)) if as_script else None)  # accelpact_slurm.init()
     train_t0 = time.monotonic()
     try:
         entry(job)
@@ -246,11 +262,14 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                            decided_at=time.monotonic(), rank=rt.rank, exception=info),
                   events, out, lead, rt.control, ctx, environ)
     reraise()  # the script caught its stop and returned: the stop stands
+    script_mode.announce(job)  # a script that never called accelpact_slurm.init(): its start is on record all the same
     run = job.run
     if run is None:
-        fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling job.protect(model, "
+        how = "job = accelpact_slurm.init(steps=..., seed=...) and " if as_script else ""
+        fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling {how}job.protect(model, "
                            f"optimizer)", EXIT_USAGE, cause="config", phase="script", frontier=None,
                            decided_at=time.monotonic()), events, out, lead, rt.control, ctx, environ)
+    cfg = job.config  # the script's steps and seed (accelpact_slurm.init)
     try:  # the job's end is collective too: a rank lost now fails the others stop, with the reason
         return _end(cfg, ctx, rt, run, run_dir, events, out, lead, wall0, time.monotonic() - train_t0)
     except AccelpactError as exc:
