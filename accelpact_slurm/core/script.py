@@ -78,8 +78,9 @@ def fixed_values(raw: Mapping[str, Any] | None, source: str, flags: Mapping[str,
     for key in FIXABLE:
         if raw is not None and isinstance(raw.get(key), int) and not isinstance(raw.get(key), bool):
             out[key] = Fixed(raw[key], f"the job file {source}")
-        if flags.get(key) is not None:
-            out[key] = Fixed(int(flags[key]), f"--{key}")  # type: ignore[arg-type]
+        flag = flags.get(key)
+        if flag is not None:
+            out[key] = Fixed(int(flag), f"--{key}")
     return out
 
 

@@ -131,7 +131,7 @@ class PlainRun:
         while self.step < self.job.steps:
             sampler = getattr(iterable, "sampler", None)
             if callable(getattr(sampler, "set_epoch", None)):
-                sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
+                sampler.set_epoch(self.epoch)
             empty = True
             for item in iterable:
                 empty = False

@@ -140,7 +140,10 @@ def spec_of(job_file: str | None) -> ScriptSpec:
     """What a job file fixes (its own ``steps:`` and ``seed:``), where no launcher said (submitit's tasks)."""
     if not job_file:
         return ScriptSpec()
-    return ScriptSpec(fixed=fixed_values(read_mapping(job_file), job_file, {}))
+    try:
+        return ScriptSpec(fixed=fixed_values(read_mapping(job_file), job_file, {}))
+    except ConfigError:  # the job's config came from elsewhere (a caller's own JobConfig): nothing fixed by a file
+        return ScriptSpec()
 
 
 def program(entry: str, job_file: str | None, spec: ScriptSpec) -> Callable[[Job], None]:
