@@ -27,6 +27,7 @@ from accelpact_slurm.core.errors import EXIT_CODES, EXIT_USAGE, AccelpactError, 
 from accelpact_slurm.launch import script as script_form
 from accelpact_slurm.launch.core import (  # noqa: F401 - TRAINING_FILE, check_same_training: also this module's API
     TRAINING_FILE, add_job_flags, check_same_training, job_config, worker_args)
+from accelpact_slurm.launch.local import job_id_for, run_local
 from accelpact_slurm.launch.run_lock import claim
 from accelpact_slurm.runtime.job.rundir import check_run_dir
 from accelpact_slurm.slurm.env import in_slurm
@@ -115,8 +116,6 @@ def _launch(cfg: JobConfig, job_file: Callable[[str], str], run_dir: str | None,
                           "accelpact_slurm.cli.worker) or use accelpact-submit")
     run_dir = run_dir or default_run_dir(cfg, None)
     os.makedirs(run_dir, exist_ok=True)
-    from accelpact_slurm.launch.local import job_id_for, run_local
-
     # one job per run directory: the launcher holds the lock across every relaunch, before any rank starts
     lock = claim(os.path.abspath(run_dir), job_id_for(env), hold=True)  # noqa: F841 - held until main returns
     check_same_training(cfg, run_dir, allow_config_change)

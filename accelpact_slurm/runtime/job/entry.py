@@ -27,6 +27,7 @@ from accelpact_slurm.core.faults import TestFaults
 from accelpact_slurm.core.script import ScriptSpec, is_script_entry
 from accelpact_slurm.core.spares import announce_end
 from accelpact_slurm.runtime.detection.peers import dead_peer_stop
+from accelpact_slurm.runtime.job import script as script_mode
 from accelpact_slurm.runtime.job.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, check_progress, exit_stopped, fail_stop, reraise
@@ -176,7 +177,6 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
 
-    from accelpact_slurm.runtime.job import script as script_mode
     from accelpact_slurm.runtime.job.api import Job
     from accelpact_slurm.runtime.job.topology import init_runtime
 

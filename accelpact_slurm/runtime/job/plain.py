@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import UsageError
@@ -74,8 +75,6 @@ class PlainJob:
         """The 2-D ``DeviceMesh`` ``("replicate", "shard")``, built at its first use (a script that builds its own
         makes no second one)."""
         if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self._mesh = init_device_mesh(self.device.type, (self.num_nodes, self.ranks_per_node),
                                           mesh_dim_names=("replicate", "shard"))
         return self._mesh
@@ -148,7 +147,8 @@ class PlainRun:
         yield update
         self.step += 1
         if update.loss is not None:
-            self.losses.append(float(update.loss))
+            loss = update.loss
+            self.losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
             if self.job.is_lead and (self.step % 5 == 0 or self.step == self.job.steps):
                 print(f"[accelpact] step {self.step:>5}/{self.job.steps}  loss {self.losses[-1]:.4f} "
                       f"(unprotected)", flush=True)
