@@ -91,6 +91,9 @@ def test_negative_controls_a_conflicting_job_file_and_a_world_of_the_scripts_own
     assert conflict["proc"].returncode == 2, conflict["out"][-3000:]
     assert "steps=7" in conflict["out"] and "steps: 20" in conflict["out"], conflict["out"][-3000:]
     assert conflict["summary"] is None and not [e for e in conflict["events"] if e["event"] == "step"]
+    for r in (conflict, mine):  # a start that stopped before (or without) init() is on record all the same
+        kinds = [e["event"] for e in r["events"] if e.get("rank") == 0]
+        assert "job_start" in kinds and kinds.index("job_start") < kinds.index("fail_stop"), kinds
     assert mine["proc"].returncode == 2, mine["out"][-3000:]
     assert "accelpact_slurm.init(" in mine["out"] and "trained alone" not in mine["out"], mine["out"][-3000:]
 

@@ -161,7 +161,9 @@ def run_script(job: Job, entry: str, job_file: str | None, spec: ScriptSpec) -> 
     """Run the script of ``entry`` as ``__main__`` on this rank, as ``torchrun`` would: its own ``sys.argv``,
     torchrun's variables, its directory first on ``sys.path``; ``torch.distributed.init_process_group`` answered
     (:func:`_guard_init`).  A ``sys.exit(0)`` (or ``None``) is a normal end; another status is the script's error:
-    2 (its argument parser refused its arguments) a :class:`ConfigError`, any other a ``RuntimeError``.
+    2 (its argument parser refused its arguments) a :class:`ConfigError`, any other a ``RuntimeError``.  The job's
+    start (``job_start``, rank 0) is recorded at the script's first ``init()``, else when the script ends or raises,
+    so that every start that reached the script is on record (the requeue's frontier history counts starts).
     """
     target, module = script_target(entry, job_file)
     os.environ.update(torchrun_environ(job))
@@ -187,6 +189,7 @@ def run_script(job: Job, entry: str, job_file: str | None, spec: ScriptSpec) -> 
                 raise RuntimeError(f"{os.path.basename(target)} exited with status {code}") from None
     finally:
         sys.argv = argv0
+        announce(job)  # a script that stopped before its init() call: this start is on record before its stop
 
 
 @contextmanager
