@@ -47,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "the worker runs as one task of a job: start the job with accelpact-run, "
                               "accelpact-submit or sbatch sbatch_templates/hsdp.sbatch")
         cfg = core.job_config(args)
-        code, _ = core.run_task(cfg, args.config, args.run_dir, env, allow_config_change=args.allow_config_change)
+        code, _ = core.run_task(cfg, args.config, args.run_dir, env, allow_config_change=args.allow_config_change,
+                                script=core.script_spec(args))
         return code
     except AccelpactError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -171,6 +171,23 @@ def load_config(path: str | os.PathLike[str]) -> JobConfig:
     return parse_config(text, source=path)
 
 
+def read_mapping(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The job file's top level as written (which keys it sets); ``{}`` when it is not a mapping.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed (as :func:`load_config` says it).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError):
+        load_config(path)  # raises the one-line error
+        raise
+    data = _load_yaml(text, path)
+    return data if isinstance(data, Mapping) else {}
+
+
 def parse_config(text: str, source: str = "<string>") -> JobConfig:
     data = _load_yaml(text, source)
     if data is None:

@@ -37,7 +37,8 @@ from typing import Any, Iterable, Mapping, Sequence, TextIO
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_USAGE, ConfigError
 from accelpact_slurm.core.atomic import write_json_atomic
-from accelpact_slurm.core.config import load_config, training_diff, training_part, with_overrides
+from accelpact_slurm.core.config import load_config, read_mapping, training_diff, training_part, with_overrides
+from accelpact_slurm.core.script import ScriptSpec, fixed_values
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, parse_json, read_events
 from accelpact_slurm.core.safeopen import NotRegular, check_dir, open_writable, read_regular
 from accelpact_slurm.launch.daemons import DAEMON_RESTARTS, record_restart, worth_restarting
@@ -87,6 +88,9 @@ def add_job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="test only: make RANK withhold its part of the replication collective: PHASE boundary (at "
                         "the committed boundary after update STEP), forward or backward (of update STEP); "
                         "repeatable, added to the file's faults")
+    # The launcher's word to the ranks in script mode (core.script.ScriptSpec): the script's own arguments and the
+    # values of steps and seed the job's side fixed.  Not a user flag: accelpact-run [flags] SCRIPT.py [args].
+    p.add_argument("--script-spec", metavar="JSON", help=argparse.SUPPRESS)
     return p
 
 
@@ -123,7 +127,18 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         out += ["--inject-fault", f]
     if args.allow_config_change:
         out += ["--allow-config-change"]
+    if getattr(args, "script_spec", None):
+        out += [f"--script-spec={args.script_spec}"]
     return out
+
+
+def script_spec(args: argparse.Namespace) -> ScriptSpec:
+    """What the rank's ``init()`` (the package's) checks the script's values against: the launcher's word
+    (``--script-spec``), else the job file's own ``steps:``/``seed:`` and the ``--steps``/``--seed`` flags."""
+    if getattr(args, "script_spec", None):
+        return ScriptSpec.from_json(args.script_spec)
+    return ScriptSpec(fixed=fixed_values(read_mapping(args.config), args.config,
+                                         {"steps": args.steps, "seed": args.seed}))
 
 
 # --------------------------------------------------------------------------- start-up checks
@@ -195,7 +210,8 @@ def install_signals(emulated: bool) -> None:
 
 def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, str], *,
              allow_config_change: bool = False, node_daemon: Any = None,
-             runs_root: str | None = None, drain_s: float = 120.0) -> tuple[int, RankStart]:
+             runs_root: str | None = None, drain_s: float = 120.0,
+             script: ScriptSpec | None = None) -> tuple[int, RankStart]:
     """A whole rank: :func:`start_rank`, the node's daemon where the rank starts it (``node_daemon(start)``
     returns a daemon for :func:`~accelpact_slurm.launch.daemons.stop_daemons`, or None), then training.
 
@@ -204,7 +220,7 @@ def run_task(cfg, config_path: str, run_dir: str | None, environ: Mapping[str, s
     start = start_rank(cfg, run_dir, environ, allow_config_change=allow_config_change, runs_root=runs_root)
     daemon = node_daemon(start) if node_daemon is not None else None
     try:
-        code = run_rank(start.cfg, start.ctx, start.run_dir, job_file=config_path)
+        code = run_rank(start.cfg, start.ctx, start.run_dir, job_file=config_path, script=script)
     finally:
         if daemon is not None:
             from accelpact_slurm.launch.daemons import stop_daemons

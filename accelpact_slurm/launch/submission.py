@@ -195,7 +195,7 @@ class RankTask(submitit.helpers.Checkpointable):
             cfg, spec.config_path, spec.run_dir, os.environ, allow_config_change=args.allow_config_change,
             runs_root=spec.runs_root,
             node_daemon=lambda st: start_node_daemon(spec, st.cfg, st.run_dir, st.ctx) if st.ctx.local_rank == 0
-            else None, drain_s=spec.drain_s)
+            else None, drain_s=spec.drain_s, script=core.script_spec(args))
         ctx = start.ctx
         return {"rank": ctx.rank, "exit_code": code, "job_id": ctx.job_id, "restart": ctx.restart_count,
                 "run_dir": start.run_dir}

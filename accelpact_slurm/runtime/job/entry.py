@@ -24,8 +24,10 @@ from accelpact_slurm.core.errors import (EXIT_NO_REQUEUE, EXIT_OK, EXIT_USAGE, A
                                          ConfigError, FailStop, Stopped, UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, SUMMARY_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.core.script import ScriptSpec, is_script_entry
 from accelpact_slurm.core.spares import announce_end
 from accelpact_slurm.runtime.detection.peers import dead_peer_stop
+from accelpact_slurm.runtime.job import script as script_mode
 from accelpact_slurm.runtime.job.phases import log_exception
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, check_progress, exit_stopped, fail_stop, reraise
@@ -153,20 +155,24 @@ def warn_at_start(cfg: JobConfig, events: EventLog, out: TextIO) -> None:
 
 
 def run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None = None,
-             out: TextIO | None = None, job_file: str | None = None) -> int:
+             out: TextIO | None = None, job_file: str | None = None, script: ScriptSpec | None = None) -> int:
     """Run the job's entry point on this rank to its end; return the process exit code (0).
+
+    ``entry: PATH.py:__main__`` (script mode) runs the script as ``__main__`` with ``script``'s arguments; either
+    way the package's ``init()`` returns this rank's Job, checked against the values ``script`` says the job's
+    side fixed (:mod:`accelpact_slurm.runtime.job.script`; None: those the job file sets).
 
     A stop unwinds the script as :class:`Stopped` (its ``finally`` blocks and context managers run) and ends here:
     the stop hooks, then the rank exits with the stop's code (75, 76, 2) and never returns.
     """
     try:
-        return _run_rank(cfg, ctx, run_dir, environ, out, job_file)
+        return _run_rank(cfg, ctx, run_dir, environ, out, job_file, script)
     except Stopped as stop:
         exit_stopped(stop)
 
 
 def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[str, str] | None,
-              out: TextIO | None, job_file: str | None) -> int:
+              out: TextIO | None, job_file: str | None, script: ScriptSpec | None) -> int:
     check_dependencies()  # before joining: a node without the train extra fails now, not at the first snapshot
     # torch is imported here, not at module level, so the CLI's --help stays fast.
     import torch
@@ -187,8 +193,10 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                       rank=ctx.rank, node=ctx.node_index)
     hostname = ctx.hostname or socket.gethostname()
     events.emit("process", role="rank", pid=os.getpid(), hostname=hostname)  # before joining: findable at once
-    try:
-        entry = resolve_entry(cfg.entry, job_file)  # before joining: a bad entry fails fast on every rank
+    as_script = is_script_entry(cfg.entry)
+    spec = script if script is not None else script_mode.spec_of(job_file)
+    try:  # before joining: a bad entry fails fast on every rank
+        entry = script_mode.program(cfg.entry, job_file, spec) if as_script else resolve_entry(cfg.entry, job_file)
     except FailStop as stop:  # every rank imports the same module and stops the same way: nobody to tell
         fail_stop(stop, events, out, ctx.rank == 0, None, ctx, environ)
     except ConfigError as exc:
@@ -206,7 +214,11 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     if lead and rt.store_server is not None:  # the job's store: a process beside rank 0 (a thread of it: its pid)
         events.emit("process", role="store", pid=getattr(rt.store_server, "pid", os.getpid()), hostname=hostname,
                     thread=not hasattr(rt.store_server, "pid"))
-    if lead:
+
+    def announce(cfg: JobConfig) -> None:
+        """Rank 0: the job's start, with the effective config (in script mode: once the script's values are in)."""
+        if not lead:
+            return
         events.emit("job_start", config=cfg.to_dict(), config_digest=cfg.digest(), world_size=rt.layout.world_size,
                     nodes=rt.layout.num_nodes, ranks_per_node=rt.layout.ranks_per_node,
                     hostnames=list(ctx.nodelist), run_dir=os.path.abspath(run_dir), entry=cfg.entry,
@@ -214,20 +226,27 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
                     versions=rt.hardware.versions,
                     store_port=getattr(rt.data_store, "port", None))  # the candidate the job's store took
         warn_at_start(cfg, events, out)
+
+    if not as_script:
+        announce(cfg)
     events.emit("membership", local_rank=rt.local_rank, hostname=hostname,
                 pid=os.getpid(), shard_ranks=rt.layout.shard_ranks(rt.node),
                 replicate_ranks=rt.layout.replicate_ranks(rt.local_rank))
     check_progress(cfg, ctx, rt, run_dir, events, out)
-    return train(cfg, ctx, rt, run_dir, events, out, environ, entry, faults, wall0)
+    return train(cfg, ctx, rt, run_dir, events, out, environ, entry, faults, wall0, spec=spec,
+                 announce=(lambda j: announce(j.config)) if as_script else None)
 
 
 def train(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run_dir: str, events: EventLog, out: TextIO,
           environ: Mapping[str, str], entry: Callable[[Any], Any], faults: TestFaults, wall0: float, *,
-          resume: Callable[[Any], None] | None = None) -> int:
+          resume: Callable[[Any], None] | None = None, spec: ScriptSpec | None = None,
+          announce: Callable[[Any], None] | None = None) -> int:
     """Call the entry point with this rank's :class:`~accelpact_slurm.runtime.job.api.Job` and end the job
     (collective); fails stop on anything the project raises.  ``resume``: how ``job.protect`` takes up the state
     instead of reloading the newest snapshot (a spare taking a dead rank's place heals it from the live replica:
-    :mod:`accelpact_slurm.runtime.job.spare_place`)."""
+    :mod:`accelpact_slurm.runtime.job.spare_place`).  ``spec`` and ``announce``: what ``accelpact_slurm.init()``
+    checks and, in script mode, the job's start recorded once the script's values are in
+    (:mod:`accelpact_slurm.runtime.job.script`)."""
     from accelpact_slurm.runtime.job.api import Job
 
     lead = rt.rank == 0
@@ -239,6 +258,7 @@ def train(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run_dir: str, events: 
                   lead, rt.control, ctx, environ)
 
     job = Job(cfg, rt, run_dir, events, out=out, faults=faults, environ=environ, stop=stop_on, resume=resume)
+    script_mode.serve(job, spec if spec is not None else ScriptSpec(), announce)  # accelpact_slurm.init()
     train_t0 = time.monotonic()
     try:
         entry(job)
@@ -258,11 +278,14 @@ def train(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run_dir: str, events: 
                            decided_at=time.monotonic(), rank=rt.rank, exception=info),
                   events, out, lead, rt.control, ctx, environ)
     reraise()  # the script caught its stop and returned: the stop stands
+    script_mode.announce(job)  # a script that never called accelpact_slurm.init(): its start is on record all the same
     run = job.run
     if run is None:
-        fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling job.protect(model, "
+        how = "job = accelpact_slurm.init(steps=..., seed=...) and " if is_script_entry(cfg.entry) else ""
+        fail_stop(FailStop(f"entry: the entry point {cfg.entry} returned without calling {how}job.protect(model, "
                            f"optimizer)", EXIT_USAGE, cause="config", phase="script", frontier=None,
                            decided_at=time.monotonic()), events, out, lead, rt.control, ctx, environ)
+    cfg = job.config  # the script's steps and seed (accelpact_slurm.init)
     try:  # the job's end is collective too: a rank lost now fails the others stop, with the reason
         return _end(cfg, ctx, rt, run, run_dir, events, out, lead, wall0, time.monotonic() - train_t0)
     except AccelpactError as exc:

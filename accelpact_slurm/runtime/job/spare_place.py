@@ -35,10 +35,12 @@ from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_REQUEUE, FailStop, HealError, Stopped
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import TestFaults
+from accelpact_slurm.core.script import is_script_entry
 from accelpact_slurm.core.spares import Assignment, spare_hostname
 from accelpact_slurm.repair import heal
 from accelpact_slurm.repair.torch_compat import set_group_timeout
 from accelpact_slurm.runtime.detection.wiring import start_detector
+from accelpact_slurm.runtime.job import script as script_mode
 from accelpact_slurm.runtime.job.entry import label_log_records, resolve_entry, train
 from accelpact_slurm.runtime.job.heal_run import SpareResume
 from accelpact_slurm.runtime.job.stopping import exit_stopped
@@ -87,7 +89,9 @@ def take_place(assignment: Assignment, cfg: JobConfig, *, store: Any, connect: C
     faults = dataclasses.replace(faults, kill_node=tuple(k for k in faults.kill_node if k[1] > plan.frontier + 1))
     wall0 = time.monotonic()
     try:
-        entry = resolve_entry(cfg.entry, job_file)
+        spec = script_mode.spec_of(job_file)
+        entry = script_mode.program(cfg.entry, job_file, spec) if is_script_entry(cfg.entry) else \
+            resolve_entry(cfg.entry, job_file)
         heal.init_spare_world(rank, plan.world_size)
         groups = heal.build_heal_groups(plan, rank, store, cfg.timeouts.control_s)
         rt = spare_runtime(cfg, ctx, plan, groups, store=store, connect=connect)
@@ -101,7 +105,7 @@ def take_place(assignment: Assignment, cfg: JobConfig, *, store: Any, connect: C
                          out=out, extra_event={"spare": sid, "spare_node": assignment.spare_node})
     try:
         code = train(cfg, ctx, rt, run_dir, events, out, os.environ if environ is None else environ, entry, faults,
-                     wall0, resume=resume)
+                     wall0, resume=resume, spec=spec)
     except Stopped as stop:
         exit_stopped(stop)
     return code, f"took rank {rank}'s place at update {plan.frontier} and trained to the job's end"
