@@ -244,7 +244,7 @@ def train(cfg: JobConfig, ctx: SlurmContext, rt: Runtime, run_dir: str, events: 
     """Call the entry point with this rank's :class:`~accelpact_slurm.runtime.job.api.Job` and end the job
     (collective); fails stop on anything the project raises.  ``resume``: how ``job.protect`` takes up the state
     instead of reloading the newest snapshot (a spare taking a dead rank's place heals it from the live replica:
-    :mod:`accelpact_slurm.runtime.job.spare_place`).  ``spec`` and ``announce``: what ``accelpact_slurm.init()``
+    :mod:`accelpact_slurm.runtime.job.spare_place`).  ``spec`` and ``announce``: what the package's ``init()``
     checks and, in script mode, the job's start recorded once the script's values are in
     (:mod:`accelpact_slurm.runtime.job.script`)."""
     from accelpact_slurm.runtime.job.api import Job
