@@ -175,6 +175,10 @@ def render_job(j: dict[str, Any]) -> str:
             line("", f"  {name:<18} last {p['last']:.3g} s  median {p['median']:.3g} s  max {p['max']:.3g} s")
     if j.get("spares"):
         line("spare pool", pool_line(j["spares"]))
+        for h in j["spares"].get("heals", [])[-_L2_SHOWN:]:
+            line("heal", heal_line(h))
+        for r in j["spares"].get("refused", [])[-_L2_SHOWN:]:
+            line("no heal", f"start {r['restart']}: {r['reason']}")
     l2 = j["l2"]
     line("L2 restarts", str(l2["count"]))
     for text in _l2_lines(l2)[-_L2_SHOWN:]:
@@ -217,6 +221,14 @@ def render_job(j: dict[str, Any]) -> str:
     if len(j["bad_lines"]) > 10:
         line("skipped", f"... and {len(j['bad_lines']) - 10} more")
     return "\n".join(out)
+
+
+def heal_line(h: dict[str, Any]) -> str:
+    """One heal in one line (pure): ``node 1 -> spare node 2 at update 3 (start 0, generation 1): certified, 1.64 s``."""
+    verdict = {True: "certified", False: "certificate FAILED", None: "not certified"}[h.get("certified")]
+    return (f"node {_v(h.get('dead_node'))} -> spare node {_v(h.get('spare_node'))} at update {_v(h.get('frontier'))} "
+            f"(start {_v(h.get('restart'))}, generation {_v(h.get('generation'))}): {verdict}, "
+            f"{float(h.get('seconds') or 0):.2f} s")
 
 
 def pool_line(pool: dict[str, Any]) -> str:

@@ -234,10 +234,13 @@ def announce_end(store: SpareStore, *, nodes: int, spare_count: int) -> None:
 def spare_pool(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The spare pool of the newest start that had spares, from the event log (pure); None when no start had any.
 
-    ``{"restart", "configured", "per_node", "nodes": {node: state}, "free", "used", "starting", "ended"}``: a spare
+    ``{"restart", "configured", "per_node", "nodes": {node: state}, "free", "used", "starting", "ended", "heals",
+    "refused"}``: a spare
     node is ``used`` once its assignment reached a process of it (``spare_assigned``), ``free`` when every process
     of it is ready and none has ended, ``ended`` when its processes have exited unassigned (the job's end), else
-    ``starting``.  ``free``/``used``/``starting``/``ended``: how many spare nodes are so.
+    ``starting``.  ``free``/``used``/``starting``/``ended``: how many spare nodes are so.  ``heals``: every heal of
+    every start (dead node, spare node, frontier, generation, certified, seconds); ``refused``: every loss no spare
+    healed, with why.
     """
     pool = SparePool()
     for rec in events:
@@ -253,10 +256,15 @@ class SparePool:
         self.configured = 0
         self.per_node = 0
         self._procs: dict[tuple[int, int], str] = {}
+        self._heals: dict[tuple[int, Any], dict[str, Any]] = {}
+        self.refused: list[dict[str, Any]] = []
 
     def feed(self, rec: dict[str, Any]) -> None:
         kind = rec.get("event")
         restart = rec.get("restart") if isinstance(rec.get("restart"), int) else 0
+        if kind in ("heal", "heal_refused"):
+            self._heal(rec, kind, restart)
+            return
         if kind == "job_start":
             topo = (rec.get("config") or {}).get("topology") if isinstance(rec.get("config"), dict) else None
             if isinstance(topo, dict) and isinstance(topo.get("spare_nodes"), int) and topo["spare_nodes"] > 0:
@@ -279,6 +287,22 @@ class SparePool:
             return  # a process that took its place and then ended keeps its node counted as used
         self._procs[(node, local)] = state
 
+    def _heal(self, rec: dict[str, Any], kind: str, restart: int) -> None:
+        """One heal per (start, generation), from its ranks' ``heal`` events (certified when every pair was); a
+        refusal (no spare, two nodes...) from rank 0's ``heal_refused``."""
+        if kind == "heal_refused":
+            self.refused.append({"restart": restart, "reason": str(rec.get("reason"))})
+            return
+        key = (restart, rec.get("generation"))
+        h = self._heals.setdefault(key, {"restart": restart, "generation": rec.get("generation"),
+                                         "dead_node": rec.get("dead_node"), "spare_node": rec.get("spare_node"),
+                                         "frontier": rec.get("frontier"), "certified": None, "seconds": 0.0})
+        if "certified" in rec:
+            h["certified"] = bool(rec["certified"]) and h["certified"] is not False
+        took = (rec.get("seconds") or {}).get("total") if isinstance(rec.get("seconds"), dict) else None
+        if isinstance(took, (int, float)):
+            h["seconds"] = max(h["seconds"], float(took))
+
     def _at(self, restart: int) -> None:
         if self.restart is None or restart > self.restart:
             self.restart, self._procs = restart, {}
@@ -293,4 +317,5 @@ class SparePool:
             nodes[node] = state if prev is None else min(prev, state, key=order.index)
         counts = {s: sum(v == s for v in nodes.values()) for s in ("free", "used", "starting", "ended")}
         return {"restart": self.restart, "configured": self.configured, "per_node": self.per_node,
-                "nodes": {str(n): s for n, s in nodes.items()}, **counts}
+                "nodes": {str(n): s for n, s in nodes.items()}, **counts,
+                "heals": list(self._heals.values()), "refused": self.refused}

@@ -98,7 +98,7 @@ def test_the_pool_from_events():
     ready = [_ev("spare_ready", node=n, local_rank=l) for n in (2, 3) for l in (0, 1)]
     assert spare_pool([start, *procs]) == {"restart": 0, "configured": 2, "per_node": 2,
                                            "nodes": {"2": "starting", "3": "starting"}, "free": 0, "used": 0,
-                                           "starting": 2, "ended": 0}
+                                           "starting": 2, "ended": 0, "heals": [], "refused": []}
     pool = spare_pool([start, *procs, *ready[:3]])
     assert pool["nodes"] == {"2": "free", "3": "starting"} and pool["free"] == 1
     taken = _ev("spare_assigned", node=2, local_rank=0)
@@ -141,3 +141,18 @@ def test_negative_controls_decide_heal_refuses_what_a_spare_cannot_heal():
     assert "node 0 hosts the job's store" in decide_heal([0, 1], free_nodes=[3], **kw)[1]
     assert "no spare node is free" in decide_heal([4, 5], free_nodes=[], **kw)[1]
     assert decide_heal([4, 5], free_nodes=[3], **kw)[0] is not None
+
+
+def test_the_pool_keeps_every_heal_and_every_refusal():
+    """Negative control: a heal one of whose pairs failed its certificate is not certified."""
+    from accelpact_slurm.core.spares import spare_pool
+
+    start = {"event": "job_start", "restart": 0, "config": {"topology": {"spare_nodes": 1, "ranks_per_node": 2}}}
+    heal = {"event": "heal", "restart": 0, "generation": 1, "dead_node": 1, "spare_node": 2, "frontier": 3}
+    ok = [{**heal, "role": r, "certified": True, "seconds": {"total": t}} for r, t in (("source", 1.5), ("spare", 0.1))]
+    pool = spare_pool([start, *ok, {"event": "heal_refused", "restart": 0, "reason": "no heal: no spare node is free"}])
+    assert pool["heals"] == [{"restart": 0, "generation": 1, "dead_node": 1, "spare_node": 2, "frontier": 3,
+                              "certified": True, "seconds": 1.5}]
+    assert pool["refused"] == [{"restart": 0, "reason": "no heal: no spare node is free"}]
+    bad = spare_pool([start, ok[0], {**ok[1], "certified": False}])
+    assert bad["heals"][0]["certified"] is False

@@ -84,6 +84,8 @@ def test_a_node_lost_at_the_vote_is_healed_by_the_spare_bitwise_without_a_restar
     assert summary["final_snapshot"]["verified"] and summary["final_snapshot"]["step"] == STEPS
     refs = [e for e in events if e["event"] == "replay_ref" and e["snapshot"] == 6]
     assert refs and all(refs[0]["fingerprints"])  # the snapshot after the heal holds every rank's part
+    status = run_cli(["accelpact_slurm.cli.status", os.path.join(base, f"healed-{fsdp}")], timeout=60)
+    assert "node 1 -> spare node 2 at update 3 (start 0, generation 1): certified" in status.stdout, status.stdout
 
 
 @pytest.mark.parametrize("part", ["skip_transfer", "skip_packet"])
@@ -117,5 +119,9 @@ def test_a_second_loss_with_the_only_spare_used_is_l2_naming_it(base, reference)
     assert any(e["event"] == "heal" and e.get("certified") for e in events)
     refused = [e for e in events if e["event"] == "heal_refused"]
     assert refused and "no spare node is free" in refused[0]["reason"]
+    status = run_cli(["accelpact_slurm.cli.status", os.path.join(base, "twice"), "--json"], timeout=60)
+    pool = json.loads(status.stdout)["jobs"][0]["spares"]
+    assert [(h["dead_node"], h["certified"]) for h in pool["heals"]] == [(1, True)]
+    assert "no spare node is free" in pool["refused"][0]["reason"]
     stop = next(e for e in events if e["event"] == "fail_stop" and e.get("rank") == 0)
     assert "no spare node is free" in stop["reason"] and stop["frontier"] == 5
