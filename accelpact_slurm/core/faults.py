@@ -50,7 +50,7 @@ RETRY_REPEATED = "ACCELPACT_TEST_RETRY_REPEATED"
 NO_LAUNCHER_PORT = "ACCELPACT_TEST_NO_LAUNCHER_PORT"
 #: Where ``ACCELPACT_TEST_KILL_NODE`` may kill: the capture proof of snapshot STEP, the snapshot's hand-off to the
 #: daemon, the vote of update STEP, the restore of snapshot STEP (after the start's first restore round).
-NODE_KILL_PHASES = ("proof", "handoff", "vote", "restore")
+NODE_KILL_PHASES = ("forward", "backward", "vote", "proof", "handoff", "restore")
 CKPTD_KILL_AT = "ACCELPACT_CKPTD_KILL_AT"
 #: One part a heal leaves out or breaks (the heal's negative controls): see :data:`HEAL_FAULTS`.
 HEAL_FAULT = "ACCELPACT_TEST_HEAL_FAULT"

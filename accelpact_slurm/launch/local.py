@@ -38,7 +38,7 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.safeopen import open_regular, open_writable
 from accelpact_slurm.runtime.job.entry import record_label
 from accelpact_slurm.launch.daemons import drop_leftover_staging, restart_exited, start_local_daemons, stop_daemons
-from accelpact_slurm.launch.spares import SpareProcess, start_local_spares, stop_spares, taken_places
+from accelpact_slurm.launch.spares import SpareProcess, TakenPlaces, start_local_spares, stop_spares
 from accelpact_slurm.launch.zygote import Zygote
 from accelpact_slurm.ops.stops import read_tail
 from accelpact_slurm.runtime.detection.liveness import dump_stacks
@@ -253,7 +253,7 @@ def launch_local(
         # a daemon killed mid-job is started again at once (bounded): else its node takes no snapshot until the end
         code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts),
                           tick=lambda: restart_exited(daemons, run_dir, job_id, restart_count),
-                          taken=(lambda: taken_places(run_dir, restart_count, spares)) if spares else None)
+                          taken=TakenPlaces(run_dir, restart_count, spares) if spares else None)
         record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks],
                              {rp.rank: rp.log_path for rp in ranks})
         return code
@@ -372,9 +372,10 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
             if all(c is not None for c in codes):
                 break
             failed = [(rp.rank, c) for rp, c in zip(ranks, codes) if c not in (None, 0)]
-            if failed and taken is not None and stop["signal"] is None and time.monotonic() >= next_look:
-                next_look = time.monotonic() + TAKEN_LOOK_S  # the event log is read a few times a second at most
-                healed = _take_places(ranks, [r for r, c in failed if c < 0], taken(), out)
+            if taken is not None and stop["signal"] is None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + TAKEN_LOOK_S  # the event log's new lines, a few times a second
+                lost = [r for r, c in failed if c < 0] + [r for r, c in enumerate(codes) if c is None]
+                healed = _take_places(ranks, lost, taken(), out)
                 if healed:
                     failed = [(r, c) for r, c in failed if r not in healed]
                     if not failed and deadline is not None and not stopping:
@@ -423,12 +424,17 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
 
 def _take_places(ranks: list[RankProcess], lost: list[int], spares: dict[int, Any], out: TextIO) -> list[int]:
     """Put the spare that took a lost rank's place where the rank was (its exit is the rank's from now on); the
-    ranks so replaced."""
+    ranks so replaced.  A rank whose place was taken while its process still runs (a node that hangs: named gone
+    by its silence) is killed first, so that it can never come back beside the spare in its place."""
     done = []
     for r in lost:
         sp = spares.get(r)
         if sp is None or ranks[r].proc is sp.proc:
             continue
+        if ranks[r].proc.poll() is None:
+            ranks[r].proc.kill()  # SIGKILL ends a stopped process too
+            print(f"[accelpact] rank {r} (pid {ranks[r].proc.pid}) was named gone and its place taken: killed",
+                  file=out, flush=True)
         print(f"[accelpact] rank {r} was lost with its node; spare {sp.node}/{sp.local_rank} (pid {sp.proc.pid}) "
               f"takes its place (log {sp.log_path})", file=out, flush=True)
         ranks[r] = RankProcess(r, sp.proc, sp.log_path)

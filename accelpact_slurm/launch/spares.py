@@ -5,7 +5,7 @@
 every start (forked from the zygote where the ranks are, so torch and the runtime come imported), with the same
 rendezvous as the ranks and their own place as arguments (:func:`.ranks.spare_args`); each one's output goes to
 ``RUN_DIR/logs/spare-<node>-<local>.log``.  Nothing waits on a parked spare while the ranks run, and a parked
-spare's exit, however it ends, is no rank's failure.  A spare handed a dead rank's place (:func:`taken_places`)
+spare's exit, however it ends, is no rank's failure.  A spare handed a dead rank's place (:class:`TakenPlaces`)
 is supervised in that rank's place from then on: its exit is the rank's.  Once the ranks have ended,
 :func:`stop_spares` sends the spares still running SIGTERM (each exits 0 within one park wait) and SIGKILLs any
 left after the grace.  With ``spare_nodes: 0`` (the default) nothing here runs.
@@ -16,6 +16,7 @@ spares are not started yet (:func:`accelpact_slurm.core.spares.check_spares_star
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.events import EVENTS_FILE, read_events
+from accelpact_slurm.core.events import EVENTS_FILE
 from accelpact_slurm.core.safeopen import open_writable
 from accelpact_slurm.core.spares import spare_hostname, spare_nodes
 from accelpact_slurm.launch.ranks import SPARE_MODULE, spare_args, spare_environ
@@ -83,18 +84,40 @@ def _spawn(args: list[str], env: Mapping[str, str], log_path: str, zygote: Any) 
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def taken_places(run_dir: str, restart: int, spares: Sequence[SpareProcess]) -> dict[int, SpareProcess]:
-    """The spare processes of start ``restart`` that were handed a rank's place (their ``spare_assigned`` events),
-    by the rank they took: the launcher supervises each in the dead rank's place."""
-    by_place = {(sp.node, sp.local_rank): sp for sp in spares}
-    out: dict[int, SpareProcess] = {}
-    for e in read_events(os.path.join(run_dir, EVENTS_FILE)):
-        if e.get("event") != "spare_assigned" or int(e.get("restart") or 0) != restart:
-            continue
-        sp = by_place.get((e.get("node"), e.get("local_rank")))
-        if sp is not None and isinstance(e.get("takes_rank"), int):
-            out[e["takes_rank"]] = sp
-    return out
+class TakenPlaces:
+    """The spare processes of start ``restart`` handed a rank's place so far (their ``spare_assigned`` events), by
+    the rank they took: the launcher supervises each in the dead rank's place.  Each call reads only what the event
+    log gained since the last one."""
+
+    def __init__(self, run_dir: str, restart: int, spares: Sequence[SpareProcess]) -> None:
+        self._path = os.path.join(run_dir, EVENTS_FILE)
+        self._restart = restart
+        self._by_place = {(sp.node, sp.local_rank): sp for sp in spares}
+        self._offset = 0
+        self.taken: dict[int, SpareProcess] = {}
+
+    def __call__(self) -> dict[int, SpareProcess]:
+        try:
+            with open(self._path, "rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+        except OSError:
+            return self.taken
+        end = chunk.rfind(b"\n") + 1  # a line still being written is read next time
+        self._offset += end
+        for line in chunk[:end].splitlines():
+            if b'"spare_assigned"' not in line:
+                continue
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") != "spare_assigned" or int(e.get("restart") or 0) != self._restart:
+                continue
+            sp = self._by_place.get((e.get("node"), e.get("local_rank")))
+            if sp is not None and isinstance(e.get("takes_rank"), int):
+                self.taken[e["takes_rank"]] = sp
+        return self.taken
 
 
 def stop_spares(spares: Sequence[SpareProcess], grace_s: float = STOP_GRACE_S) -> None:

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from accelpact_slurm.core.events import read_events
-from tests.conftest import job_text, run_cli
+from tests.conftest import REPO, job_text, run_cli, wait_for
+from tests.node_procs import alive, kill_node
 
 pytestmark = pytest.mark.multiproc
 
@@ -125,3 +129,38 @@ def test_a_second_loss_with_the_only_spare_used_is_l2_naming_it(base, reference)
     assert "no spare node is free" in pool["refused"][0]["reason"]
     stop = next(e for e in events if e["event"] == "fail_stop" and e.get("rank") == 0)
     assert "no spare node is free" in stop["reason"] and stop["frontier"] == 5
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_node_lost_whole_while_training_is_healed(base, reference, sig):
+    """Every process of node 1 (its two ranks and its checkpoint daemon, found in the event log) gets ``sig`` from
+    outside while the job trains (each update paced to 0.3 s): SIGKILL (the survivors see it in the update's
+    collectives) or SIGSTOP (a node that hangs: named gone by its silence after ``heartbeat_s``, and its processes
+    killed by the launcher once a spare took their place).  The job ends in the reference state with no restart,
+    and nothing of the lost node is left running."""
+    run_dir = os.path.join(base, f"outside-{sig.name}")
+    env = {**os.environ, "PYTHONPATH": REPO, "ACCELPACT_TEST_PACE": "0.3"}
+    proc = subprocess.Popen([sys.executable, "-m", "accelpact_slurm.cli.run", _job(base, "fsdp1", 1), "--run-dir",
+                             run_dir, "--steps", str(STEPS)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        def trained():
+            events = list(read_events(os.path.join(run_dir, "events.jsonl")))
+            return events if any(e["event"] == "step" and e["step"] >= 2 for e in events) else None
+
+        wait_for(trained, 300, "update 2 committed")
+        lost = kill_node(run_dir, 1, sig=sig)
+        assert sorted(lost.values()) == ["daemon", "rank", "rank"]
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        kill_node(run_dir, 1, sig=signal.SIGKILL)  # whatever of it is left, not to outlive the test
+    assert proc.returncode == 0, out[-4000:]
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+        summary = json.load(fh)
+    assert summary["final_state_digest"] == reference["fsdp1"] and summary["restart_count"] == 0, out[-3000:]
+    events = list(read_events(os.path.join(run_dir, "events.jsonl")))
+    assert any(e["event"] == "heal" and e.get("certified") for e in events)
+    assert not any(alive(pid) for pid in lost if lost[pid] == "rank")

@@ -21,7 +21,8 @@ import torch
 
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
-from accelpact_slurm.core.errors import EXIT_REQUEUE, ControlPlaneError, FailStop, Stopped, UsageError
+from accelpact_slurm.core.errors import (EXIT_REQUEUE, CollectiveAbandoned, ControlPlaneError, FailStop, Stopped,
+                                         UsageError)
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.runtime.state import appstate, buddy_ring, replay
@@ -237,7 +238,8 @@ class Run:
         detector = getattr(rt, "detector", None)
         self._tracker = PhaseTracker(model, optimizer, self._guard.injector, fsdp=self._wrapping[0],
                                      state=getattr(detector, "state", None), detector=detector,
-                                     slow=job._faults.slow_forward(job.rank))
+                                     slow=job._faults.slow_forward(job.rank),
+                                     lose_node=lambda phase, step: job._faults.kill_node_at(phase, step, job.node))
         self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
@@ -440,7 +442,11 @@ class Run:
     def _stopped(self, exc: BaseException) -> None:
         """A stop on its way into the script (the detector's, the control plane's): the rank fails stop, raising
         ``Stopped`` (a script's ``except Exception`` cannot swallow it); not in the vote, whose guard and repair take
-        a stop found in their own collectives."""
+        a stop found in their own collectives.  With spare nodes, a rank gone in the middle of an update is a fault
+        of that update instead: its vote then heals the lost node or fails stop (:mod:`..heal_run`)."""
+        if self._healer is not None and self._current is not None and not self._current._decided \
+                and isinstance(exc, FailStop) and exc.cause in GONE_CAUSES:
+            raise CollectiveAbandoned(f"a member of the collective is gone: {exc.reason}")
         if not self._voting:
             self._current = None
             self._tracker.end()

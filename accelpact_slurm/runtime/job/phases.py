@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from accelpact_slurm.core.errors import CollectiveAbandoned
 
 FORWARD, BACKWARD, OPTIMIZER, COMMITTED = "forward", "backward", "optimizer", "committed"
@@ -127,8 +127,12 @@ class PhaseTracker:
     """Hooks on the protected model and optimizer; see the module docstring."""
 
     def __init__(self, model: Any, optimizer: Any, injector: FaultInjector | None = None, fsdp: str = "fsdp1",
-                 state: Any = None, detector: Any = None, slow: tuple[int, str] | None = None) -> None:
+                 state: Any = None, detector: Any = None, slow: tuple[int, str] | None = None,
+                 lose_node: Callable[[str, int], None] | None = None) -> None:
         self.injector = injector
+        #: Test-only: ``lose_node(phase, update)`` kills this rank's node where the test asked (``forward``: as the
+        #: update's forward begins; ``backward``: as its backward begins) and does nothing elsewhere.
+        self._lose_node = lose_node or (lambda phase, step: None)
         self._slow = slow  # test-only: (update, seconds) this rank computes longer in its forward (a straggler)
         #: This rank's heartbeat record (:class:`~accelpact_slurm.runtime.detection.liveness.LocalState`): update and
         #: phase.
@@ -179,6 +183,7 @@ class PhaseTracker:
             return
         self.phase = FORWARD
         self._show(FORWARD)
+        self._lose_node(FORWARD, self.step)
         if self._slow is not None and self._slow[0] == self.step:
             step, text = self._slow
             self._slow = None
@@ -197,6 +202,7 @@ class PhaseTracker:
             return
         self.phase = BACKWARD
         self._show(BACKWARD)
+        self._lose_node(BACKWARD, self.step)
         if self.injector is None:
             return
         if self.injector.fires("backward-all", self.step):
