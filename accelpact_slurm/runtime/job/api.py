@@ -33,7 +33,6 @@ from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Red
 from accelpact_slurm.runtime.state.sampler import ShardedSampler
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
-from accelpact_slurm.runtime.detection.peers import GONE_CAUSES
 from accelpact_slurm.runtime.job.heal_run import SurvivorHeal
 from accelpact_slurm.runtime.job.recovery import build_guard
 from accelpact_slurm.runtime.state.restore import restore
@@ -228,7 +227,7 @@ class Run:
         #: What a test's negative controls turn off, picked here, not branched on where it runs.
         self._checked = not job._faults.skip_reload_check  # restore re-checks checksums; the replay check runs
         self._rng_restore = appstate.rng_restore if not job._faults.skip_redo_rng else appstate.keep_rng
-        self._extra_restore = self._restore_extra if not job._faults.skip_extra_restore else _skip_extra
+        self._extra_restore = self._restore_extra if not job._faults.skip_extra_restore else appstate.skip_extra
         self.step, self.epoch = 0, 0
         self.losses: list[float | None] = []
         # RNG states are the project's: every rank draws its own stream from the job's seed (a reload overrides it).
@@ -445,7 +444,7 @@ class Run:
         a stop found in their own collectives.  With spare nodes, a rank gone in the middle of an update is a fault
         of that update instead: its vote then heals the lost node or fails stop (:mod:`..heal_run`)."""
         if self._healer is not None and self._current is not None and not self._current._decided \
-                and isinstance(exc, FailStop) and exc.cause in GONE_CAUSES:
+                and isinstance(exc, FailStop) and self._healer.covers(exc):
             raise CollectiveAbandoned(f"a member of the collective is gone: {exc.reason}")
         if not self._voting:
             self._current = None
@@ -481,7 +480,7 @@ class Run:
                                                     exception=update._exception)
         except (FailStop, ControlPlaneError) as exc:  # a Restart decision, or no vote could be taken at all
             stop = as_fail_stop(exc, phase=self._tracker.phase, frontier=self.step)
-            if self._healer is None or stop.cause not in GONE_CAUSES:
+            if self._healer is None or not self._healer.covers(stop):
                 job._fail_stop(stop)
             self._healer.heal_or_stop(stop, update.step)  # spare nodes: a lost node healed, the update runs again
             outcome, mean, fps = "redo", None, []
@@ -564,18 +563,21 @@ class Run:
                 shown = f"{mean:.4f}" if mean is not None else "-"
                 print(f"[accelpact] step {self.step:>5}/{job.steps}  loss {shown}  ({dt * 1000:.0f} ms/update)",
                       file=job._out, flush=True)
-        self._snapshots.after_commit(self.step)
-        self._ring.after_commit(self.step, self.epoch)  # spare nodes: the per-rank packet, for a heal
+        self._ring.after_commit(self.step, self.epoch)  # spare nodes: the per-rank packet, first (a heal needs it)
+        try:
+            self._snapshots.after_commit(self.step)
+        except (FailStop, RuntimeError) as exc:  # spare nodes: a node lost in the snapshot's collectives is healed
+            if self._healer is None or not self._healer.covers(exc):
+                raise
+            self._healer.heal_or_stop(as_fail_stop(exc, phase="snapshot", frontier=self.step), self.step + 1)
         if self._guard.stop_requested and self.step < job.steps:
             stop_for_requeue(self.step, job.config, rt.ctx, rt, self._snapshots, job.events, job._out)
         self._t_last = time.monotonic()
         return True
 
     def _replay_bookkeeping(self, prev: int, step: int, mean: float | None, fps: list[str | None]) -> None:
-        """Record the update after a snapshot; check the first update after a load (see :mod:`..state.replay`).
-
-        At the update's vote, before its optimizer step: ``fps`` fingerprint each rank's weights, optimizer
-        state and reduced gradients, which determine the step."""
+        """Record the update after a snapshot; check the first update after a load (:mod:`..state.replay`).  At the
+        vote: ``fps`` fingerprint each rank's weights, optimizer state and reduced gradients (they decide the step)."""
         job, rt = self.job, self.job._rt
         layout = [rt.layout.num_nodes, rt.layout.ranks_per_node]
         record = prev in self._snapshots.taken
@@ -596,8 +598,3 @@ class Run:
             ref = {"snapshot": prev, "step": step, "loss": mean, "fingerprints": fps, "layout": layout}
             # MAC'd under the run's key: a line another user appends to the log cannot reject the snapshot
             job.events.emit("replay_ref", **ref, mac=replay.ref_mac(load_or_create_key(job.run_dir), ref))
-
-
-def _skip_extra(path: str, mine: Any, rng: Any) -> None:
-    """Test-only (``ACCELPACT_TEST_SKIP_EXTRA_RESTORE``): the extra state of a snapshot is not restored."""
-    log.warning("extra state not restored (test-only fault injection)")

@@ -41,6 +41,7 @@ from accelpact_slurm.repair import heal, torch_compat as tc
 from accelpact_slurm.repair.discard import discard_update
 from accelpact_slurm.runtime.detection import peers
 from accelpact_slurm.runtime.job.healing import heal_parts, heal_spare, heal_survivor
+from accelpact_slurm.runtime.job.phases import communication_fault
 from accelpact_slurm.runtime.state.buddy_ring import collect, restore_data_state
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,15 @@ class SurvivorHeal:
         self.key = key
         self.heals = 0
 
+    @staticmethod
+    def covers(exc: BaseException) -> bool:
+        """Whether ``exc`` may be a lost node's doing: a stop naming a rank gone, or a failed collective."""
+        return exc.cause in peers.GONE_CAUSES if isinstance(exc, FailStop) else communication_fault(exc)
+
     def heal_or_stop(self, stop: FailStop, step: int) -> None:
-        """The vote of update ``step`` failed with ``stop`` (a rank gone): return once the lost node is healed (the
-        update then runs again); else fail the rank stop (L2), saying why no heal, or naming the heal that failed."""
+        """The vote of update ``step`` failed with ``stop`` (a rank gone), or the snapshot of update ``step - 1``
+        did: return once the lost node is healed (the update then runs again, or runs first); else fail the rank
+        stop (L2), saying why no heal, or naming the heal that failed."""
         job = self.run.job
         try:
             healed, why = self.attempt(stop, step)

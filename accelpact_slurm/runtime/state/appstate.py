@@ -294,3 +294,8 @@ def _checkpoint_error(exc: BaseException) -> BaseException | None:
         if isinstance(inner, CheckpointError):
             return inner
     return None
+
+
+def skip_extra(path: str, mine: Any, rng: Any) -> None:
+    """Test-only (``ACCELPACT_TEST_SKIP_EXTRA_RESTORE``): the extra state of a snapshot is not restored."""
+    log.warning("extra state not restored (test-only fault injection)")
