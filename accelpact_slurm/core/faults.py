@@ -166,7 +166,8 @@ class TestFaults:
     def kill_node_at(self, phase: str, step: int | None, node: int) -> None:
         """Every rank of the node the test named SIGKILLs itself here (``phase`` of ``step``); nothing otherwise."""
         if (phase, step, node) in self.kill_node:
-            log.warning("fault injection: node %d loses this rank (SIGKILL) in %s of %s", node, phase, step)
+            log.warning("fault injection: node %d loses this rank (SIGKILL) in %s of %s at %.6f", node, phase, step,
+                        time.time())
             os.kill(os.getpid(), signal.SIGKILL)
 
     def reported_frontier(self, rank: int, step: int, frontier: int) -> int:

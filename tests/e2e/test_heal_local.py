@@ -123,6 +123,18 @@ def test_negative_control_without_a_spare_node_the_same_loss_is_l2_as_before(bas
     assert stop["decision"] == "restart" and stop["cause"] in ("dead-rank", "hung-rank") and "(node 1)" in stop["reason"]
 
 
+def test_a_second_loss_with_a_spare_left_heals_twice(base, reference):
+    """Two spare nodes: node 1 is lost at update 4 (spare node 2 takes it), then again at update 6 (the spare in
+    its place is lost; spare node 3 takes it): two certified heals, no restart, the reference state."""
+    _out, summary, events = _run(base, "twice-healed", spares=2, env={"ACCELPACT_TEST_KILL_NODE": f"{KILL},vote:6:1"})
+    assert summary["restart_count"] == 0 and summary["final_state_digest"] == reference["fsdp1"]
+    heals = {(e["generation"], e["rank"]): e for e in events if e["event"] == "heal"}
+    assert sorted(heals) == [(g, r) for g in (1, 2) for r in range(4)], sorted(heals)
+    assert all(h["certified"] for h in heals.values())
+    assert {heals[(1, 0)]["spare_node"], heals[(2, 0)]["spare_node"]} == {2, 3}
+    assert (heals[(1, 0)]["frontier"], heals[(2, 0)]["frontier"]) == (3, 5)
+
+
 def test_a_second_loss_with_the_only_spare_used_is_l2_naming_it(base, reference):
     """Node 1 is lost at update 4 (healed), then again at update 6 (the spare in its place): no spare node is left,
     so the job restarts, the stop saying so."""
