@@ -47,7 +47,7 @@ from accelpact_slurm.runtime.detection.peers import SLACK_INTERVALS
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-#: How often the supervision reads the event log for spares that took a lost rank's place (only while one is lost).
+#: How often the supervision reads the event log's new lines for spares that took a rank's place (jobs with spares).
 TAKEN_LOOK_S = 0.25
 
 
@@ -352,8 +352,9 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
                taken: Callable[[], dict[int, Any]] | None = None) -> int:
     """Wait for the ranks; stop the others once one failed or the launcher got a signal.  ``tick``: called at
     every poll while every rank runs (the daemons' restarts), never once the ranks are being stopped.
-    ``taken``: the spare processes handed a rank's place so far, by rank (:func:`.spares.taken_places`): a rank
-    killed by a signal whose place a spare took is no failure; the spare is supervised in its place."""
+    ``taken``: the spare processes handed a rank's place so far, by rank (:class:`.spares.TakenPlaces`): a rank
+    killed by a signal whose place a spare took is no failure; the spare is supervised in its place, and a rank
+    still running whose place was taken (a hung node) is killed."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):  # handlers only set a flag

@@ -100,7 +100,6 @@ class SurvivorHeal:
     def __init__(self, run: Any, key: bytes) -> None:
         self.run = run
         self.key = key
-        self.heals = 0
 
     @staticmethod
     def covers(exc: BaseException) -> bool:
@@ -153,7 +152,6 @@ class SurvivorHeal:
         rt.control.set_generation(generation)
         run._guard.engine.generation = generation
         outcome.seconds.update({"detect": detect_s, "membership": membership_s})
-        self.heals += 1
         ok = outcome.certificate.ok if outcome.certificate is not None else None
         job.events.emit("heal", **outcome.event(), spare_node=assignment.spare_node, ranks=list(assignment.ranks),
                         step=step, discarded=discarded, gone=where)

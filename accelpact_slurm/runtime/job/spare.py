@@ -15,9 +15,9 @@ numbering and store keys: :mod:`accelpact_slurm.core.spares`).  What one does, i
    the job's store is gone (rank 0 ended), or SIGTERM/SIGINT (the launcher stops its spares at a start's end);
    every one of these ends in exit 0, and no launcher counts a spare's exit as a rank's failure;
 6. given an assignment: a ``spare_assigned`` event (:func:`record_assignment`), then
-   :func:`~accelpact_slurm.runtime.job.spare_place.take_place`: the spare becomes the dead rank, runs the user's
-   script on the heal's mesh and heals inside its ``job.protect`` (``docs/launch.md`` "Taking a place").  Going on
-   with the loop after the heal is not wired yet: the process then exits 0, the outcome in its ``spare_end``.
+   :func:`~accelpact_slurm.runtime.job.spare_place.take_place`: the spare becomes the dead rank, heals inside the
+   user's script's ``job.protect`` and trains on as that rank to the job's end (its exit code is the rank's; the
+   launcher supervises it in that rank's place).  ``docs/launch.md#spare-nodes``.
 
 Who calls: :mod:`accelpact_slurm.cli.spare` (the entry the launchers start: the embedded default through
 :mod:`accelpact_slurm.launch.spares`).

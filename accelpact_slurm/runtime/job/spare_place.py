@@ -6,9 +6,9 @@ Who calls: :func:`accelpact_slurm.runtime.job.spare.run_spare`, once the spare's
 ``assignment.ranks[l]``).  In order:
 
 1. **Identity switch** (:func:`become`): the process becomes rank ``r`` of the dead node: the emulated task
-   environment of rank ``r`` (``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``...;
-   the spare node's host name in the dead node's place), its log records labelled ``[rank r]``, its events carry
-   ``rank`` ``r`` and ``node`` the dead node's.  Its log file stays the spare's own (the launcher opened it).
+   environment of rank ``r`` (``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``...,
+   the dead node's host name: its node-local snapshot directory and daemon), its log records labelled ``[rank
+   r]``, its events carry ``rank`` ``r`` and ``node`` the dead node's.  Its log file stays the spare's own (the launcher opened it).
 2. **Stand-in world, runtime and groups**: a stand-in default group as rank ``r`` of the job's world
    (:func:`~accelpact_slurm.repair.heal.init_spare_world`); the heal's replication and shard groups of the
    assignment's generation over the job's store, and the spare's (replicate, shard) mesh over them; the control
@@ -51,15 +51,12 @@ from accelpact_slurm.slurm.env import SlurmContext, emulated_environ
 log = logging.getLogger(__name__)
 
 
-def become(rank: int, plan: heal.HealPlan, *, job_id: str, restart: int, host: str,
+def become(rank: int, plan: heal.HealPlan, *, job_id: str, restart: int,
            environ: MutableMapping[str, str] | None = None) -> SlurmContext:
-    """The identity switch of the process environment and its log records: this process is now ``rank``, on
-    ``host`` in the dead node's place (the emulated task environment of that rank); returns its task context."""
+    """The identity switch of the process environment and its log records: this process is now ``rank`` (the
+    emulated task environment of that rank, the dead node's host name included); returns its task context."""
     env = os.environ if environ is None else environ
-    hosts = [spare_hostname(n) for n in range(plan.nodes)]
-    hosts[plan.dead_node] = host
-    env.update(emulated_environ(job_id, rank, plan.nodes, plan.ranks_per_node, restart_count=restart,
-                                hostnames=hosts))
+    env.update(emulated_environ(job_id, rank, plan.nodes, plan.ranks_per_node, restart_count=restart))
     env.update({"RANK": str(rank), "LOCAL_RANK": str(plan.local_of(rank)),
                 "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(plan.ranks_per_node)})
     label_log_records(rank, env)
@@ -78,7 +75,7 @@ def take_place(assignment: Assignment, cfg: JobConfig, *, store: Any, connect: C
     plan = heal.HealPlan(nodes, rpn, assignment.dead_node, assignment.generation, assignment.frontier)
     # the node's name stays the dead node's: its node-local snapshot directory and daemon (the launcher starts a
     # lost node's daemon again), its place in the snapshot rules (verified on every node, the shared-tier rotation)
-    ctx = become(rank, plan, job_id=job_id, restart=restart, host=spare_hostname(plan.dead_node))
+    ctx = become(rank, plan, job_id=job_id, restart=restart)
     out = out or sys.stdout
     events = EventLog(os.path.join(run_dir, EVENTS_FILE), job_id=job_id, restart=restart, rank=rank,
                       node=plan.dead_node)
