@@ -169,7 +169,7 @@ class BuddyRing:
         vote, states = self._vote, self._encoded()
         full: RankPacket | None = None
         if vote is None or vote.frontier != step:
-            full, moved, other = self._pack(step, epoch, states), {}, ("no packet at the vote",)
+            full, moved, other = self._pack(step, epoch, states), {}, ()
         else:
             moved = {n: e for n, e in states.items() if part_digest(e) != vote.states.get(n)}
             other = tuple(what for what, changed in (
