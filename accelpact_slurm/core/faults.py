@@ -48,15 +48,19 @@ KILL_NODE = "ACCELPACT_TEST_KILL_NODE"
 DEAD_PEER_AS_BUG = "ACCELPACT_TEST_DEAD_PEER_AS_BUG"
 RETRY_REPEATED = "ACCELPACT_TEST_RETRY_REPEATED"
 NO_LAUNCHER_PORT = "ACCELPACT_TEST_NO_LAUNCHER_PORT"
-#: Where ``ACCELPACT_TEST_KILL_NODE`` may kill: the capture proof of snapshot STEP, the snapshot's hand-off to the
-#: daemon, the vote of update STEP, the restore of snapshot STEP (after the start's first restore round).
-NODE_KILL_PHASES = ("forward", "backward", "vote", "proof", "handoff", "restore")
+#: Where ``ACCELPACT_TEST_KILL_NODE`` may kill: as the forward or the backward of update STEP begins, at its vote,
+#: in its ``optimizer.step`` (``step``: after the vote decided the update commits, before the rank stepped), the
+#: capture proof of snapshot STEP, the snapshot's hand-off to the daemon, the restore of snapshot STEP (after the
+#: start's first restore round).
+NODE_KILL_PHASES = ("forward", "backward", "vote", "step", "proof", "handoff", "restore")
 CKPTD_KILL_AT = "ACCELPACT_CKPTD_KILL_AT"
 #: One part a heal leaves out or breaks (the heal's negative controls): see :data:`HEAL_FAULTS`.
 HEAL_FAULT = "ACCELPACT_TEST_HEAL_FAULT"
 #: ``skip_transfer``: no shard is sent (the spare keeps its fresh weights); ``skip_packet``: the spare never applies
-#: the dead rank's per-rank packet; ``tamper_manifest``: the source changes its manifest after signing it.
-HEAL_FAULTS = ("skip_transfer", "skip_packet", "tamper_manifest")
+#: the dead rank's per-rank packet; ``tamper_manifest``: the source changes its manifest after signing it;
+#: ``skip_vote_packet``: every rank hands its per-rank packet at each commit only, none at the vote (a rank lost
+#: in the optimizer step leaves no packet of the update the survivors commit).
+HEAL_FAULTS = ("skip_transfer", "skip_packet", "tamper_manifest", "skip_vote_packet")
 
 
 @dataclass(frozen=True)

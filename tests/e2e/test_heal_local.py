@@ -1,5 +1,5 @@
 """Lose a node, lose nothing, on the embedded default: every rank of node 1 is SIGKILLed at the vote of update 4, in
-its forward, in its backward, or in the snapshot of update 3 (``ACCELPACT_TEST_KILL_NODE``: the ranks kill
+its forward, in its backward, in its optimizer step (after the vote), or in the snapshot of update 3 (``ACCELPACT_TEST_KILL_NODE``: the ranks kill
 themselves there, as a node that dies takes them all), or every process of node 1 gets SIGKILL or SIGSTOP from
 outside while it trains, and the warm spare node takes the node's place from the live replica: the update in flight
 is discarded and run again, and the job ends in exactly the training state of the uninterrupted run, with no
@@ -12,7 +12,8 @@ per FSDP flavour, shared through a module fixture.
 
 Negative controls: the shard transfer skipped (the spare keeps its fresh weights) and the buddy's per-rank packet
 skipped both fail the certificate on both sides, and the job goes to L2 with the cause named; with no spare node
-the same loss is L2 as before; a second loss of the same node, with the only spare used, is L2 naming it.
+the same loss is L2 as before; a second loss of the same node, with the only spare used, is L2 naming it; per-rank
+packets handed at the commit only (not at the vote) leave a loss in the optimizer step to L2, naming the packet.
 """
 
 from __future__ import annotations
@@ -78,26 +79,62 @@ def test_a_lost_node_is_healed_by_the_spare_bitwise_without_a_restart(base, refe
     at update 3, before update 4 begins)."""
     name = f"healed-{kill.split(':')[0]}-{fsdp}"
     out, summary, events = _run(base, name, fsdp=fsdp, env={"ACCELPACT_TEST_KILL_NODE": kill})
-    assert summary["final_state_digest"] == reference[fsdp]
+    _assert_healed(base, name, out, summary, events, reference[fsdp], frontier=3)
+
+
+def _assert_healed(base, name, out, summary, events, digest, *, frontier):
+    """The job ends in the reference state, no restart, one certified heal at ``frontier`` on every rank, the
+    update after it committed once, and the snapshot after the heal holds every rank's part."""
+    assert summary["final_state_digest"] == digest
     assert summary["restart_count"] == 0 and summary["final_step"] == STEPS
     assert not [e for e in events if e["event"] == "fail_stop"]
     heals = {e["rank"]: e for e in events if e["event"] == "heal"}
     assert sorted(heals) == [0, 1, 2, 3], heals
-    assert all(h["certified"] and h["generation"] == 1 and h["frontier"] == 3 and h["dead_node"] == 1
+    assert all(h["certified"] and h["generation"] == 1 and h["frontier"] == frontier and h["dead_node"] == 1
                for h in heals.values()), heals
     assert {heals[r]["role"] for r in (0, 1)} == {"source"} and {heals[r]["role"] for r in (2, 3)} == {"spare"}
     assert heals[0]["transfer"]["tensor_bytes"] > 0 and heals[2]["packet_bytes"] > 0
     assert {"detect", "membership", "groups", "transfer", "certificate"} <= set(heals[0]["seconds"])
     taken = [e for e in events if e["event"] == "process" and e.get("healed")]
     assert sorted((e["rank"], e["node"], e["spare_node"]) for e in taken) == [(2, 1, 2), (3, 1, 2)]
-    assert "heal: node 1 lost in update 4" in out
+    assert f"heal: node 1 lost in update {frontier + 1}" in out
     steps = [e["step"] for e in events if e["event"] == "step"]
-    assert steps == list(range(1, STEPS + 1))  # update 4 committed once, after the heal
+    assert steps == list(range(1, STEPS + 1))  # every update committed once, the one after the heal included
     assert summary["final_snapshot"]["verified"] and summary["final_snapshot"]["step"] == STEPS
     refs = [e for e in events if e["event"] == "replay_ref" and e["snapshot"] == 6]
     assert refs and all(refs[0]["fingerprints"])  # the snapshot after the heal holds every rank's part
     status = run_cli(["accelpact_slurm.cli.status", os.path.join(base, name)], timeout=60)
-    assert "node 1 -> spare node 2 at update 3 (start 0, generation 1): certified" in status.stdout, status.stdout
+    assert f"node 1 -> spare node 2 at update {frontier} (start 0, generation 1): certified" in status.stdout, \
+        status.stdout
+    return heals
+
+
+@pytest.mark.parametrize("kill,fsdp", [("step:4:1", "fsdp2"), ("step:3:1", "fsdp1")], ids=["step", "step-snapshot"])
+def test_a_node_lost_in_the_optimizer_step_is_healed_from_its_vote_packet(base, reference, kill, fsdp):
+    """Node 1's ranks die in ``optimizer.step`` of update K, after the vote decided K commits: the survivors step
+    and commit K (the loss is found in update K+1's backward, or in snapshot 3's collectives), so the heal resumes
+    from K.  The dead ranks handed the packet of K at the vote; the LR scheduler the example steps after
+    ``opt.step()`` changed after it, and held the same value on every rank at the vote (replica-identical): the
+    lead's value at K is theirs.  Bitwise the uninterrupted run, no restart, K committed once."""
+    k = int(kill.split(":")[1])
+    name = f"healed-step{k}-{fsdp}"
+    out, summary, events = _run(base, name, fsdp=fsdp, env={"ACCELPACT_TEST_KILL_NODE": kill})
+    heals = _assert_healed(base, name, out, summary, events, reference[fsdp], frontier=k)
+    assert heals[0]["packets"] == {str(r): "its vote's; 'scheduler' as rank 0's" for r in (2, 3)}, heals[0]
+
+
+def test_negative_control_without_the_vote_packet_a_loss_in_the_step_is_l2(base, reference):
+    """Packets handed at each commit only, as before the two phases (``skip_vote_packet``): the dead ranks' newest
+    packets are of update K-1 while the survivors committed K, so no heal (the reason named) and L2, as before."""
+    _out, summary, events = _run(base, "step-vote-less",
+                                 env={"ACCELPACT_TEST_KILL_NODE": "step:4:1",
+                                      "ACCELPACT_TEST_HEAL_FAULT": "skip_vote_packet"})
+    assert summary["restart_count"] == 1 and summary["final_state_digest"] == reference["fsdp1"]
+    assert not [e for e in events if e["event"] == "heal"]
+    refused = [e for e in events if e["event"] == "heal_refused"]
+    assert refused and "no per-rank packet of rank 2 at update 4" in refused[0]["reason"], refused
+    stop = next(e for e in events if e["event"] == "fail_stop" and e.get("rank") == 0)
+    assert stop["frontier"] == 4 and "no per-rank packet" in stop["reason"]
 
 
 @pytest.mark.parametrize("part", ["skip_transfer", "skip_packet"])

@@ -61,3 +61,23 @@ def test_only_rank_0_sends_the_loss_history_in_a_snapshots_extra_state():
         assert len(json.dumps(extras[r])) < len(json.dumps(extras[0])) - 50_000
     doc = {"run": extras[0]["run"]}  # ckpt_service.client.SnapshotClient._meta: extras[0]'s run
     assert doc["run"]["losses"] == losses and doc["run"]["step"] == len(losses)
+
+
+def test_lists_of_ints_encode_as_element_by_element_and_round_trip():
+    """An RNG state's long lists of ints take a short way; the form is the one element by element gives."""
+    value = {"keys": list(range(5)), "t": (1, 2), "mixed": [1, True, 2.5], "state": random.getstate()}
+    enc = appstate.encode(value, "v")
+    assert enc["__dict__"]["s:keys"] == {"__list__": [0, 1, 2, 3, 4], "tuple": False}
+    assert enc["__dict__"]["s:t"] == {"__list__": [1, 2], "tuple": True}
+    assert enc["__dict__"]["s:mixed"]["__list__"] == [1, True, 2.5]
+    assert appstate.decode(enc) == value
+
+
+def test_rng_equal_tells_whether_a_random_number_was_drawn():
+    before = appstate.rng_snapshot()
+    assert appstate.rng_equal(before, appstate.rng_snapshot())
+    for draw in (lambda: torch.rand(1), random.random, lambda: __import__("numpy").random.rand()):
+        draw()
+        after = appstate.rng_snapshot()
+        assert not appstate.rng_equal(before, after)
+        before = after

@@ -33,7 +33,7 @@ from accelpact_slurm.runtime.job.phases import (TRAINING_CODE, PhaseTracker, Red
 from accelpact_slurm.runtime.state.sampler import ShardedSampler
 from accelpact_slurm.runtime.job.stopping import as_fail_stop, fail_stop, reraise, stop_for_requeue
 from accelpact_slurm.repair import torch_compat as tc
-from accelpact_slurm.runtime.job.heal_run import SurvivorHeal
+from accelpact_slurm.runtime.job.heal_run import SurvivorHeal, snapshot_after_commit
 from accelpact_slurm.runtime.job.recovery import build_guard
 from accelpact_slurm.runtime.state.restore import restore
 from accelpact_slurm.runtime.state.digest import state_digests
@@ -242,7 +242,8 @@ class Run:
         self._tracker.decide = lambda: self._decide(self._current, None, None) if self._current else "continue"
         self._snapshots = SnapshotClient(cfg, rt, job.run_dir, job.events, model, optimizer, self._extra,
                                          faults=job._faults)
-        self._ring = buddy_ring.ring_for(cfg.topology.spare_nodes, getattr(rt, "data_store", None), model, job.rank, self._statefuls)
+        self._ring = buddy_ring.ring_for(cfg.topology.spare_nodes, getattr(rt, "data_store", None), model, job.rank,
+                                         self._statefuls, heal_fault=job._faults.heal_fault)
         if job._resume is None:  # collective; a spare taking a place joins the job without it
             footprint.check(model, optimizer, job, snapshots=cfg.checkpoint.every_steps > 0)  # before an OOM
         #: Spare nodes: the survivors' side of a heal when a node is lost (:mod:`..heal_run`).
@@ -489,7 +490,9 @@ class Run:
             self._rng_restore(update._rng)
             self._forward.restore()
             self._redo = True
-        elif update._need_fp:
+            return outcome
+        self._ring.at_vote(update.step, self.epoch)  # spare nodes: the packet of the state this update commits
+        if update._need_fp:
             self._replay_bookkeeping(self.step, update.step, mean, fps)
         return outcome
 
@@ -563,13 +566,8 @@ class Run:
                 shown = f"{mean:.4f}" if mean is not None else "-"
                 print(f"[accelpact] step {self.step:>5}/{job.steps}  loss {shown}  ({dt * 1000:.0f} ms/update)",
                       file=job._out, flush=True)
-        self._ring.after_commit(self.step, self.epoch)  # spare nodes: the per-rank packet, first (a heal needs it)
-        try:
-            self._snapshots.after_commit(self.step)
-        except (FailStop, RuntimeError) as exc:  # spare nodes: a node lost in the snapshot's collectives is healed
-            if self._healer is None or not self._healer.covers(exc):
-                raise
-            self._healer.heal_or_stop(as_fail_stop(exc, phase="snapshot", frontier=self.step), self.step + 1)
+        self._ring.after_commit(self.step, self.epoch)  # spare nodes: what changed since the vote, first
+        snapshot_after_commit(self)  # spare nodes: a node lost in the snapshot's collectives is healed
         if self._guard.stop_requested and self.step < job.steps:
             stop_for_requeue(self.step, job.config, rt.ctx, rt, self._snapshots, job.events, job._out)
         self._t_last = time.monotonic()

@@ -1,15 +1,19 @@
 """A heal inside a running job: the survivors' side at the vote, and the spare's start in the dead rank's place.
 
 When a whole node dies, its ranks stop answering; the survivors learn it at the next vote (the round cannot
-complete: the detector names the ranks gone).  With ``topology.spare_nodes > 0``, instead of failing stop:
+complete: the detector names the ranks gone), or in the snapshot's collectives after a commit
+(:func:`snapshot_after_commit`).  With ``topology.spare_nodes > 0``, instead of failing stop:
 
 1. **Who is gone** (:func:`gone_ranks`): every survivor asks the detector which ranks will never answer again.
 2. **One decision**: the survivors' lead (the lowest surviving rank) decides with
    :func:`~accelpact_slurm.core.spares.decide_heal` (exactly one whole node other than node 0, a free warm spare
-   node), hands the spare node the place (:func:`~accelpact_slurm.core.spares.assign_spare`, one compare-and-set)
-   and posts the decision under ``heal/decision/g<generation>``; every other survivor reads it there.  No
-   decision (no spare left, two nodes lost, node 0 lost): every survivor fails stop to L2 as before, the reason
-   named in its stop.
+   node), resolves every dead rank's per-rank packet at the survivors' frontier
+   (:meth:`~accelpact_slurm.runtime.state.buddy_ring.BuddyRing.resolve`: a rank lost in the optimizer step, after
+   the vote, included) and posts them, hands the spare node the place
+   (:func:`~accelpact_slurm.core.spares.assign_spare`, one compare-and-set) and posts the decision under
+   ``heal/decision/g<generation>``; every other survivor reads it there.  No decision (no spare left, two nodes
+   lost, node 0 lost, a dead rank's per-rank state at the frontier not known): every survivor fails stop to L2 as
+   before, the reason named in its stop.
 3. **The heal** (:func:`~accelpact_slurm.runtime.job.healing.heal_survivor`): the update in flight is discarded
    (as L1 discards a backward fault's), the replication group rebuilt with the spare at the new generation and
    every reference FSDP cached to the old one rebound, the shard and the dead rank's per-rank packet sent, the
@@ -42,7 +46,8 @@ from accelpact_slurm.repair.discard import discard_update
 from accelpact_slurm.runtime.detection import peers
 from accelpact_slurm.runtime.job.healing import heal_parts, heal_spare, heal_survivor
 from accelpact_slurm.runtime.job.phases import communication_fault
-from accelpact_slurm.runtime.state.buddy_ring import collect, restore_data_state
+from accelpact_slurm.runtime.job.stopping import as_fail_stop
+from accelpact_slurm.runtime.state.buddy_ring import collect, post_resolved, restore_data_state
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,17 @@ def adopt_world(plan: heal.HealPlan, store: Any, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
+def snapshot_after_commit(run: Any) -> None:
+    """The snapshot rules after ``run`` committed an update (a snapshot when one is due); with spare nodes, a node
+    lost in the snapshot's collectives is healed at that update (or the rank fails stop, saying why not)."""
+    try:
+        run._snapshots.after_commit(run.step)
+    except (FailStop, RuntimeError) as exc:
+        if run._healer is None or not run._healer.covers(exc):
+            raise
+        run._healer.heal_or_stop(as_fail_stop(exc, phase="snapshot", frontier=run.step), run.step + 1)
+
+
 class SurvivorHeal:
     """The survivors' side of a heal, for one rank's run (``Run`` builds one when the job has spare nodes).
 
@@ -100,6 +116,8 @@ class SurvivorHeal:
     def __init__(self, run: Any, key: bytes) -> None:
         self.run = run
         self.key = key
+        #: The lead: how it resolved each dead rank's per-rank packet at the last heal (for its ``heal`` event).
+        self.packets: dict[str, str] = {}
 
     @staticmethod
     def covers(exc: BaseException) -> bool:
@@ -143,7 +161,7 @@ class SurvivorHeal:
         plan = heal.HealPlan(layout.num_nodes, layout.ranks_per_node, assignment.dead_node, generation, frontier)
         membership_s = time.monotonic() - t0 - detect_s
         discarded = discard_update(run._model, run._optimizer, run._wrapping[0])
-        buddies = collect(rt.data_store, plan.dead_ranks())
+        buddies = collect(rt.data_store, plan.dead_ranks(), generation)
         outcome = heal_survivor(plan, rt.rank, model=run._model, optimizer=run._optimizer, fsdp=run._wrapping[0],
                                 mesh=rt.mesh if run._wrapping[1] == "device_mesh" else None,
                                 replicate_group=rt.replicate_group, base_store=rt.data_store, key=self.key,
@@ -154,7 +172,8 @@ class SurvivorHeal:
         outcome.seconds.update({"detect": detect_s, "membership": membership_s})
         ok = outcome.certificate.ok if outcome.certificate is not None else None
         job.events.emit("heal", **outcome.event(), spare_node=assignment.spare_node, ranks=list(assignment.ranks),
-                        step=step, discarded=discarded, gone=where)
+                        step=step, discarded=discarded, gone=where,
+                        **({"packets": self.packets} if rt.rank == min(alive) else {}))
         if job.is_lead:
             moved = outcome.transfer.as_dict().get("tensor_bytes", 0) if outcome.transfer is not None else 0
             print(f"[accelpact] heal: node {plan.dead_node} lost in update {step} ({where}); spare node "
@@ -179,6 +198,10 @@ class SurvivorHeal:
             free = free_spare_nodes(store, nodes=nodes, ranks_per_node=rpn, spare_count=spares)
             assignment, why = decide_heal(dead, nodes=nodes, ranks_per_node=rpn, free_nodes=free,
                                           frontier=frontier, generation=generation)
+            if assignment is not None:  # every dead rank's per-rank state at the frontier known, or no heal
+                why2 = self._resolve(assignment.ranks, frontier, generation)
+                if why2:
+                    assignment, why = None, why2
             if assignment is not None:
                 ok, why2 = assign_spare(store, assignment, nodes=nodes, ranks_per_node=rpn, spare_count=spares)
                 if not ok:
@@ -194,6 +217,18 @@ class SurvivorHeal:
             return None, f"the survivors' lead (rank {min(alive)}) posted no decision: {type(exc).__name__}: {exc}"
         raw = doc.get("assignment")
         return (Assignment.from_json(raw) if raw else None), str(doc.get("why"))
+
+    def _resolve(self, ranks: tuple[int, ...], frontier: int, generation: int) -> str:
+        """The lead: every dead rank's per-rank packet at ``frontier`` from the buddy ring (this rank stands
+        witness for what changes after a vote), posted for the sources; ``""``, or why one is not known."""
+        packets, self.packets = {}, {}
+        for rank in ranks:
+            packet, how = self.run._ring.resolve(rank, frontier)
+            if packet is None:
+                return f"the per-rank state of rank {rank} at update {frontier} is not known: {how}"
+            packets[rank], self.packets[str(rank)] = packet, how
+        post_resolved(self.run.job._rt.data_store, generation, packets)
+        return ""
 
     def _refused(self, stop: FailStop, why: str) -> tuple[bool, str]:
         log.warning("rank %d: %s; failing stop", self.run.job.rank, why)

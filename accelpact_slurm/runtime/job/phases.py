@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable
 from accelpact_slurm.core.errors import CollectiveAbandoned
 
 FORWARD, BACKWARD, OPTIMIZER, COMMITTED = "forward", "backward", "optimizer", "committed"
+#: The test kill point in ``optimizer.step`` after the vote (``ACCELPACT_TEST_KILL_NODE=step:K:NODE``).
+STEP = "step"
 
 
 class Withheld(Exception):
@@ -131,7 +133,8 @@ class PhaseTracker:
                  lose_node: Callable[[str, int], None] | None = None) -> None:
         self.injector = injector
         #: Test-only: ``lose_node(phase, update)`` kills this rank's node where the test asked (``forward``: as the
-        #: update's forward begins; ``backward``: as its backward begins) and does nothing elsewhere.
+        #: update's forward begins; ``backward``: as its backward begins; ``step``: in ``optimizer.step``, after the
+        #: vote decided the update commits) and does nothing elsewhere.
         self._lose_node = lose_node or (lambda phase, step: None)
         self._slow = slow  # test-only: (update, seconds) this rank computes longer in its forward (a straggler)
         #: This rank's heartbeat record (:class:`~accelpact_slurm.runtime.detection.liveness.LocalState`): update and
@@ -224,6 +227,7 @@ class PhaseTracker:
             self.decided = True
             if self.decide() == "redo":
                 raise Redo()
+            self._lose_node(STEP, self.step)  # test-only: the vote decided the update commits; the step begins
 
     def _post_step(self, *_: Any) -> None:
         if self.active:

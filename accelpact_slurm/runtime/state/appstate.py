@@ -56,6 +56,8 @@ def encode(value: Any, where: str) -> Any:
             out[("i:" if isinstance(k, int) else "s:") + str(k)] = encode(v, f"{where}.{k}")
         return {"__dict__": out}
     if isinstance(value, (list, tuple)):
+        if all(type(v) is int for v in value):  # the same, at once: an RNG state is a list of 625 ints
+            return {"__list__": list(value), "tuple": isinstance(value, tuple)}
         return {"__list__": [encode(v, f"{where}[{i}]") for i, v in enumerate(value)],
                 "tuple": isinstance(value, tuple)}
     raise UsageError(where, type(value).__name__,
@@ -129,7 +131,7 @@ def rng_state() -> dict[str, Any]:
     np = _numpy()
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        out["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]  # uint32: Python ints
     return out
 
 
@@ -153,6 +155,17 @@ def rng_snapshot() -> tuple[Any, ...]:
     cuda = (torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else None)  # pragma: no branch - GPU only
     return (torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None, cuda)
+
+
+def rng_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two :func:`rng_snapshot` results are the same states (no random number drawn between them)."""
+    (cpu, py, npy, cuda), (cpu2, py2, npy2, cuda2) = a, b
+    if not torch.equal(cpu, cpu2) or py != py2 or (npy is None) != (npy2 is None) or (cuda is None) != (cuda2 is None):
+        return False
+    if npy is not None and (npy[0] != npy2[0] or tuple(npy[2:]) != tuple(npy2[2:]) or
+                            not (npy[1] == npy2[1]).all()):
+        return False
+    return cuda is None or torch.equal(cuda, cuda2)
 
 
 def keep_rng(snap: Any) -> None:

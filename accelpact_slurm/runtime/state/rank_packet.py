@@ -4,9 +4,11 @@ With HSDP every shard of the weights and optimizer state lives on one rank of ev
 from a live replica (:mod:`accelpact_slurm.repair.heal_transfer`).  What lives nowhere else: the rank's RNG states
 (torch CPU and, where present, CUDA; Python's ``random``; NumPy's global), its module buffers (batch-norm running
 statistics differ per rank: each sees its own batches) and its data position (the loader's ``state_dict()`` or
-whatever the caller passes).  :func:`pack_rank_state` takes them as they are at a committed update; a buddy on
-another node keeps the packet (:class:`BuddyCopies`); the spare applies it (:func:`apply_rank_state`) and packs
-itself again to show, in the heal's certificate, that it now holds exactly what the buddy recorded.
+whatever the caller passes).  :func:`pack_rank_state` takes them as they are at an update's vote (or its commit:
+:mod:`.buddy_ring`); a buddy on another node keeps the packet (:class:`BuddyCopies`); the spare applies it
+(:func:`apply_rank_state`) and packs itself again to show, in the heal's certificate, that it now holds exactly
+what the buddy recorded.  :func:`with_states` replaces the ``Stateful`` states of a packet (the ones changed after
+the vote), keeping the rest.
 
 The packet, no pickle: ``MAGIC``, the header's length (8 bytes, big-endian), the header (JSON: rank, frontier,
 the RNG states as :func:`~accelpact_slurm.runtime.state.appstate.rng_state` writes them, the data state as
@@ -14,8 +16,9 @@ the RNG states as :func:`~accelpact_slurm.runtime.state.appstate.rng_state` writ
 length), then the buffers' raw bytes.  Its digest is the SHA-256 of all of it.  Packing the same state twice gives
 the same bytes (sorted keys, buffers by name), which is what the certificate compares.
 
-Who calls: every rank at each committed update (pack, hand to the buddy); the buddy (:meth:`BuddyCopies.keep`);
-the spare during a heal (:func:`apply_rank_state`, then :func:`pack_rank_state` for the certificate).
+Who calls: every rank at each update's vote (pack, hand to the job's store: :mod:`.buddy_ring`); the buddy
+(:meth:`BuddyCopies.keep`); the spare during a heal (:func:`apply_rank_state`, then :func:`pack_rank_state` for the
+certificate).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -46,6 +49,8 @@ class RankPacket:
     frontier: int
     blob: bytes
     digest: str
+    #: :func:`buffers_digest` of the model it was packed from ("" where not known: a packet read back).
+    buffers: str = field(default="", compare=False)
 
 
 def digest_of(blob: bytes) -> str:
@@ -56,13 +61,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def pack_rank_state(model: torch.nn.Module, *, rank: int, frontier: int,
-                    data_state: Mapping[str, Any] | None = None) -> RankPacket:
-    """This rank's RNG states, persistent module buffers and ``data_state`` (the data position: a loader's
-    ``state_dict()``, or any state dict of numbers, strings, lists, dicts and tensors) as one packet."""
-    entries = []
-    chunks = []
-    offset = 0
+def _buffer_bytes(model: torch.nn.Module) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Every persistent buffer's entry (name, dtype, shape, offset, length) and raw bytes, by name."""
+    entries, chunks, offset = [], [], 0
     with torch.no_grad():
         for name, buf in buffer_items(model):
             t = _local(buf).detach().to("cpu").contiguous().reshape(-1)
@@ -71,11 +72,71 @@ def pack_rank_state(model: torch.nn.Module, *, rank: int, frontier: int,
                             "shape": list(_local(buf).shape), "offset": offset, "nbytes": len(raw)})
             chunks.append(raw)
             offset += len(raw)
+    return entries, chunks
+
+
+def buffers_digest(model: torch.nn.Module) -> str:
+    """The digest of this rank's persistent buffers as a packet holds them (whether they moved between two looks)."""
+    return _buffers_digest(*_buffer_bytes(model))
+
+
+def _buffers_digest(entries: list[dict[str, Any]], chunks: list[bytes]) -> str:
+    h = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
+    for raw in chunks:
+        h.update(raw)
+    return h.hexdigest()
+
+
+def pack_rank_state(model: torch.nn.Module, *, rank: int, frontier: int,
+                    data_state: Mapping[str, Any] | None = None, encoded_data: Any = None) -> RankPacket:
+    """This rank's RNG states, persistent module buffers and ``data_state`` (the data position: a loader's
+    ``state_dict()``, or any state dict of numbers, strings, lists, dicts and tensors) as one packet.
+    ``encoded_data``: the data state already as :func:`~accelpact_slurm.runtime.state.appstate.encode` writes it
+    (the caller encoded its parts once for its own use), in place of ``data_state``."""
+    entries, chunks = _buffer_bytes(model)
+    data = encoded_data if encoded_data is not None else appstate.encode(dict(data_state or {}), "data_state")
     header = {"format": "accelpact-rank-state/1", "rank": rank, "frontier": frontier, "rng": appstate.rng_state(),
-              "data": appstate.encode(dict(data_state or {}), "data_state"), "buffers": entries}
+              "data": data, "buffers": entries}
+    return _assemble(rank, frontier, header, chunks, _buffers_digest(entries, chunks))
+
+
+def _assemble(rank: int, frontier: int, header: dict[str, Any], chunks: list[Any], buffers: str = "") -> RankPacket:
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     blob = b"".join([MAGIC, len(head).to_bytes(_LEN, "big"), head, *chunks])
-    return RankPacket(rank, frontier, blob, digest_of(blob))
+    return RankPacket(rank, frontier, blob, digest_of(blob), buffers)
+
+
+# A packet's data state is ``{"run": ..., "state": {name: state_dict}}`` as appstate.encode writes a dict:
+# ``{"__dict__": {"s:<key>": ...}}``; the three functions below are the only ones that read or write that form.
+def encoded_states(data: Any) -> dict[str, Any]:
+    """The encoded ``state_dict()`` of every ``Stateful`` in an encoded data state, by name (empty if none)."""
+    try:
+        held = data["__dict__"]["s:state"]["__dict__"]
+    except (KeyError, TypeError):
+        return {}
+    return {k[2:]: v for k, v in held.items() if isinstance(k, str) and k.startswith("s:")}
+
+
+def encoded_data_state(run: Mapping[str, Any], states: Mapping[str, Any]) -> Any:
+    """The encoded data state ``{"run": run, "state": ...}`` from ``states`` already encoded (name -> encoded)."""
+    data = appstate.encode({"run": dict(run)}, "data_state")
+    data["__dict__"]["s:state"] = {"__dict__": {f"s:{n}": v for n, v in states.items()}}
+    return data
+
+
+def with_states(packet: RankPacket, states: Mapping[str, Any]) -> RankPacket:
+    """``packet`` with the encoded states of some ``Stateful`` objects replaced (name -> encoded
+    ``state_dict()``): the same RNG states, buffers and position, a new digest.  :class:`HealError` when the
+    packet is malformed or holds no such ``Stateful``."""
+    header, payload = read_packet(packet.blob, expect_digest=packet.digest)
+    held = encoded_states(header.get("data"))
+    unknown = sorted(set(states) - set(held))
+    if unknown:
+        raise HealError(f"rank {packet.rank}'s packet holds no state {', '.join(map(repr, unknown))}")
+    if not states:
+        return packet
+    header["data"]["__dict__"]["s:state"] = {"__dict__": {f"s:{n}": v for n, v in {**held, **states}.items()}}
+    return _assemble(packet.rank, packet.frontier, header, [payload])
 
 
 def read_packet(blob: bytes, *, expect_digest: str | None = None) -> tuple[dict[str, Any], memoryview]:
