@@ -228,6 +228,9 @@ def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, wh
         print(f"{PROG}: note: --partition applies to Slurm only; ignored on the local executor", file=sys.stderr)
     if args.cpus_per_task and backend == "local":
         print(f"{PROG}: note: --cpus-per-task applies to Slurm only; ignored on the local executor", file=sys.stderr)
+    if getattr(args, "max_restarts", None) is not None and backend == "slurm":
+        print(f"{PROG}: note: --max-restarts bounds the local executor's relaunches; on Slurm the cluster requeues "
+              f"the job (bounded by recovery.max_stalled_restarts, the no-progress rule)", file=sys.stderr)
     for note in gpu_notes(args.gpus_per_node, cfg, backend):
         print(f"{PROG}: note: {note}", file=sys.stderr)
     runs_root = os.path.abspath(settings.runs_root())

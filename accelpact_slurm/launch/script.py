@@ -332,8 +332,8 @@ def template_job(argv: Sequence[str], environ: Mapping[str, str], cwd: str | Non
 
     Raises:
         ConfigError: no arguments, a job-file form with more than ``CONFIG [RUN_DIR]``, a flag refused (as by
-            ``accelpact-run``), ``--nnodes``/``--nproc-per-node`` other than the allocation's, spare nodes (the
-            template does not start them yet), no ``SLURM_JOB_ID``.
+            ``accelpact-run``), ``--max-restarts`` (Slurm requeues, not a launcher), ``--nnodes``/``--nproc-per-node``
+            other than the allocation's, spare nodes (the template does not start them yet), no ``SLURM_JOB_ID``.
     """
     cwd = cwd or os.getcwd()
     argv = list(argv)
@@ -354,6 +354,11 @@ def template_job(argv: Sequence[str], environ: Mapping[str, str], cwd: str | Non
     if not args.module and args.script.endswith(JOB_SUFFIXES):
         raise ConfigError("SCRIPT", args.script, f"a job file comes first and alone ({TEMPLATE} CONFIG [RUN_DIR]); "
                                                  f"flags go with a script: {TEMPLATE} [flags] SCRIPT.py [args]")
+    if args.max_restarts is not None:
+        raise ConfigError("--max-restarts", args.max_restarts, "under the template Slurm requeues the job, not a "
+                                                               "launcher: the cluster's requeue policy and the "
+                                                               "no-progress rule (recovery.max_stalled_restarts) bound "
+                                                               "its restarts; drop --max-restarts")
     nodes, per_node = allocation_sizes(environ)
     for flag, given, size, sbatch in (("--nnodes", args.nnodes, nodes, "--nodes"),
                                       ("--nproc-per-node", args.nproc_per_node, per_node, "--ntasks-per-node")):

@@ -309,6 +309,7 @@ def test_the_script_form_hands_every_rank_the_script_and_its_own_arguments(tmp_p
     (("--nnodes", "3", "train.py", "--steps", "9"), ["--nnodes: invalid value 3", "the allocation has 2",
                                                      "--nodes=3"]),
     (("--master-port", "29500", "train.py"), ["--master-port: invalid value '29500': not supported by hsdp.sbatch"]),
+    (("--max-restarts", "3", "train.py"), ["--max-restarts: invalid value 3: under the template Slurm requeues"]),
     (("--run-dir", "d", "job.yaml"), ["SCRIPT: invalid value 'job.yaml'", "a job file comes first"]),
     (("job.yaml", "run", "extra"), ["the job-file form takes CONFIG [RUN_DIR] only"]),
     (("--help",), ["usage: hsdp.sbatch"]),
