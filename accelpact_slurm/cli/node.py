@@ -1,8 +1,13 @@
-"""``python -m accelpact_slurm.cli.node {gpus,serve,usr2,settle}``: the sbatch template's hooks into the launch core.
+"""``python -m accelpact_slurm.cli.node {job,gpus,serve,usr2,settle}``: the sbatch template's hooks into the launch core.
 
 Not a user command: ``sbatch_templates/hsdp.sbatch`` spells no protocol itself and calls these instead (Slurm's
 variables give the rest):
 
+* ``job ARGS...``: the template's own arguments, in either form -- ``CONFIG [RUN_DIR]`` or the torchrun form
+  ``[flags] SCRIPT.py [script args]`` (:func:`accelpact_slurm.launch.script.template_job`: the effective job file
+  written into the run directory) -- checked with the GPUs before anything starts; prints ``CONFIG``, ``RUN_DIR``
+  and ``WORKER_ARGS`` as bash assignments, every value quoted, for the template to ``eval``; exit 2 with one line
+  (a help or a usage message on stderr) otherwise.
 * ``gpus [--job-file CONFIG]``: print the allocation's GPUs per node (0: a CPU job); exit 2 with one line when they
   differ from the tasks per node (:func:`accelpact_slurm.launch.core.gpus_per_node`) or the job file is one the
   workers would refuse.  Checked in the batch shell before any step: ``srun --kill-on-bad-exit`` would end the slower
@@ -18,6 +23,7 @@ variables give the rest):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Sequence
@@ -26,6 +32,7 @@ from accelpact_slurm.core.config import load_config
 from accelpact_slurm.core.errors import EXIT_USAGE, AccelpactError
 from accelpact_slurm.core.spares import check_spares_started
 from accelpact_slurm.launch import core
+from accelpact_slurm.launch import script as script_form
 
 PROG = "accelpact_slurm.cli.node"
 
@@ -33,6 +40,9 @@ PROG = "accelpact_slurm.cli.node"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     sub = p.add_subparsers(dest="what", required=True)
+    job = sub.add_parser("job", help="the template's arguments (CONFIG [RUN_DIR], or [flags] SCRIPT.py [args]) as "
+                                     "bash assignments of CONFIG, RUN_DIR and WORKER_ARGS; checked first")
+    job.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the template's arguments, as given")
     gpus = sub.add_parser("gpus", help="the allocation's GPUs per node, checked against its tasks per node")
     gpus.add_argument("--job-file", metavar="CONFIG", help="also check the job file as the workers will load it")
     serve = sub.add_parser("serve", help="this node's checkpoint daemon, then its leftover staging")
@@ -55,7 +65,30 @@ def _int_env(name: str, default: int) -> int:
         return default
 
 
+def job(argv: Sequence[str]) -> int:
+    """The ``job`` hook: one GPU per rank and the template's arguments checked, the effective job file written
+    (the script form), and the template's variables printed; nothing else goes to stdout (the template evals it)."""
+    cwd = os.getcwd()
+    pwd = os.environ.get("PWD")  # the batch shell's $PWD, as the template used to join relative paths to it
+    if pwd and os.path.isabs(pwd) and os.path.isdir(pwd) and os.path.samefile(pwd, cwd):
+        cwd = pwd
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # a --help or argparse's usage: to the job's output, not eval
+            core.gpus_per_node(os.environ)
+            found = script_form.template_job(argv, os.environ, cwd)
+    except (ValueError, AccelpactError) as exc:
+        print(f"hsdp.sbatch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit:  # argparse printed a --help or a usage error: nothing runs (2, not worth a requeue)
+        return EXIT_USAGE
+    sys.stdout.write(found.shell())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["job"]:  # everything after it is the template's, flags included: never parsed as this command's
+        return job(argv[1:])
     args = build_parser().parse_args(argv)
 
     restart = _int_env("SLURM_RESTART_COUNT", 0)

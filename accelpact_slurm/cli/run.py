@@ -8,7 +8,8 @@ calls the job file's ``entry: module:function`` with its Job (the public API, do
 command launches the job itself: nodes x ranks per node local processes (``python -m
 accelpact_slurm.cli.worker``, the same worker entry the sbatch template's ranks run) with an emulated Slurm
 environment, and relaunches it in place where Slurm would requeue it.  On Slurm, submit
-sbatch_templates/hsdp.sbatch or use accelpact-submit (docs/launch.md#which-command-does-what).
+sbatch_templates/hsdp.sbatch or use accelpact-submit; both take the torchrun form too
+(docs/launch.md#which-command-does-what).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _launch(cfg: JobConfig, job_file: Callable[[str], str], run_dir: str | None,
         raise ConfigError("SLURM_JOB_ID", env.get("SLURM_JOB_ID"),
                           "accelpact-run launches a job on this machine and is not a task of one: on Slurm, "
                           "submit sbatch_templates/hsdp.sbatch (its ranks run python -m "
-                          "accelpact_slurm.cli.worker) or use accelpact-submit")
+                          "accelpact_slurm.cli.worker) or use accelpact-submit; both take the torchrun "
+                          "form too: [flags] SCRIPT.py [its args]")
     run_dir = run_dir or default_run_dir(cfg, None)
     os.makedirs(run_dir, exist_ok=True)
     # one job per run directory: the launcher holds the lock across every relaunch, before any rank starts

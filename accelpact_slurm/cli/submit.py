@@ -1,8 +1,11 @@
-"""``accelpact-submit CONFIG``: submit the job through submitit, on Slurm or on submitit's local executor.
+"""``accelpact-submit CONFIG`` or ``accelpact-submit [flags] SCRIPT.py [args]``: submit the job through submitit, on Slurm or on submitit's local executor.
 
-One submitit task per rank (``nodes x ranks_per_node``, defaults from the job file's topology); each task joins as
-its rank exactly as the sbatch template's ranks do (the launch core), with ``accelpact-run``'s job flags.  Slurm
-is used when ``sbatch`` is on the PATH, else submitit's local executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
+One submitit task per rank (``nodes x ranks_per_node``, defaults from the job file's topology, else 2 x 2); each
+task joins as its rank exactly as the sbatch template's ranks do (the launch core), with ``accelpact-run``'s job
+flags.  Both of ``accelpact-run``'s forms: a job file, or a training script with its own arguments after its path
+(the torchrun form: every rank runs it as __main__ with them as sys.argv; no job file needed, the effective one
+is written to RUN_DIR/script-job.yaml).  Slurm is used when ``sbatch`` is on the PATH, else submitit's local
+executor with an emulated Slurm environment; ``--slurm`` or ``--local`` forces one.
 ``--gpus-per-node`` equal to the ranks per node makes it a GPU job, one GPU per rank.  With
 ``--wait`` the command waits (with a deadline) and prints the summary's ``final_state_digest``.  The mapping of
 submitit's Checkpointable requeue onto the snapshot-then-requeue path is in :mod:`accelpact_slurm.launch.submission`.
@@ -19,12 +22,15 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
+from accelpact_slurm.cli.run import default_run_dir
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig, with_overrides
 from accelpact_slurm.launch.core import add_job_flags, check_same_training, job_config, worker_args
 from accelpact_slurm.core.errors import EXIT_CODES, EXIT_OK, EXIT_USAGE, AccelpactError, ConfigError, LaunchError
 from accelpact_slurm.core.events import SUMMARY_FILE, parse_json, read_file
+from accelpact_slurm.core.script import ScriptSpec
 from accelpact_slurm.core.spares import check_spares_started
+from accelpact_slurm.launch import script as script_form
 from accelpact_slurm.launch.local import free_port_pair
 
 log = logging.getLogger("accelpact_slurm.cli.submit")
@@ -49,6 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive, metavar="N", help="nodes (default: the file's topology.nodes)")
     p.add_argument("--ranks-per-node", type=_positive, metavar="R",
                    help="ranks (tasks) per node (default: the file's topology.ranks_per_node)")
+    return _where_flags(p)
+
+
+def build_script_parser() -> argparse.ArgumentParser:
+    """The torchrun form's parser: ``accelpact-run``'s (:mod:`accelpact_slurm.launch.script`), where to submit."""
+    p = script_form.build_parser(
+        prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()),
+        epilog=f"the job-file form: {PROG} JOB.yaml [job flags] ({PROG} JOB.yaml --help); both forms: "
+               f"docs/launch.md#two-ways-to-start-a-job\n\n" + EPILOG,
+        nodes="nodes (Slurm's, or emulated ones on the local executor)")
+    p.add_argument("--nodes", dest="nnodes", metavar="N", help="the same as --nnodes")
+    p.add_argument("--ranks-per-node", dest="nproc_per_node", metavar="R", help="the same as --nproc-per-node")
+    return _where_flags(p)
+
+
+def _where_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Where and how to submit: the same in both forms."""
     p.add_argument("--gpus-per-node", type=_non_negative, default=0, metavar="G",
                    help="GPUs per node (default: %(default)s, a CPU job). One GPU per rank: G must equal the ranks "
                         "per node; every rank sees its node's G GPUs and takes cuda:LOCAL_RANK (topology.device "
@@ -169,38 +192,63 @@ def make_executor(backend: str, folder: str, cfg: JobConfig, args: argparse.Name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        script = script_form.script_mode(argv, build_parser(), build_script_parser())
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    args = None if script else build_parser().parse_args(argv)
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = effective_config(args)
+        spec: ScriptSpec | None = None
+        if args is None:  # the torchrun form: the effective job, as accelpact-run makes it (launch.script)
+            args = script_form.parse(build_script_parser(), argv)
+            cfg, spec = script_form.script_job(args)
+            check_spares_started(cfg.topology.spare_nodes, PROG)  # refused before submitting
+        else:
+            cfg = effective_config(args)
         check_gpus(args.gpus_per_node, cfg)
         backend, why = detect_backend(args.backend)
-        return submit_and_report(args, cfg, backend, why)
+        return submit_and_report(args, cfg, backend, why, script=spec)
     except AccelpactError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, (ConfigError, ValueError)) else EXIT_NOT_COMPLETED
 
 
-def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, why: str) -> int:
+def submit_and_report(args: argparse.Namespace, cfg: JobConfig, backend: str, why: str,
+                      script: ScriptSpec | None = None) -> int:
+    """Submit and, with ``--wait``, report.  ``script``: the torchrun form (its spec for the ranks): the effective
+    job file is written into the run directory -- ``--run-dir``, else ``RUNS_ROOT/<script name>-<time>-<pid>``, as
+    ``accelpact-run``'s -- before anything is submitted, and every task reads it (a requeue too)."""
     from accelpact_slurm.launch.submission import TaskSpec, submit_until_settled
 
     if args.partition and backend == "local":
         print(f"{PROG}: note: --partition applies to Slurm only; ignored on the local executor", file=sys.stderr)
     if args.cpus_per_task and backend == "local":
         print(f"{PROG}: note: --cpus-per-task applies to Slurm only; ignored on the local executor", file=sys.stderr)
+    if getattr(args, "max_restarts", None) is not None and backend == "slurm":
+        print(f"{PROG}: note: --max-restarts bounds the local executor's relaunches; on Slurm the cluster requeues "
+              f"the job (bounded by recovery.max_stalled_restarts, the no-progress rule)", file=sys.stderr)
     for note in gpu_notes(args.gpus_per_node, cfg, backend):
         print(f"{PROG}: note: {note}", file=sys.stderr)
     runs_root = os.path.abspath(settings.runs_root())
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else None
+    if script is not None and run_dir is None:
+        run_dir = os.path.abspath(default_run_dir(cfg, None))
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
         check_same_training(cfg, run_dir, args.allow_config_change)  # refused before submitting, as by accelpact-run
+    if script is not None and run_dir is not None:  # the file the tasks, the daemons and a requeue read
+        config_path, task_args = script_form.write_job_file(cfg, run_dir), script_form.worker_args(args, script)
+    else:
+        config_path, task_args = os.path.abspath(args.config), worker_args(args)
     folder = os.path.abspath(args.folder) if args.folder else (
         os.path.join(run_dir, "submitit") if run_dir else os.path.join(runs_root, "submitit", "%j"))
-    spec = TaskSpec(backend=backend, config_path=os.path.abspath(args.config), runs_root=runs_root,
+    spec = TaskSpec(backend=backend, config_path=config_path, runs_root=runs_root,
                     run_dir=run_dir, nodes=cfg.topology.nodes, ranks_per_node=cfg.topology.ranks_per_node,
-                    worker_args=tuple(worker_args(args)))
+                    worker_args=tuple(task_args))
     executor = make_executor(backend, folder, cfg, args)
     deadline_s = args.wait_timeout or args.time_min * 60 + 600
     outcome, spec, job = submit_until_settled(lambda s: _submit(executor, s), spec, backend=backend, why=why,

@@ -1,4 +1,4 @@
-"""Script mode of ``accelpact-run``: torchrun's command line, and the job it starts.
+"""Script mode of the launchers: torchrun's command line, and the job it starts.
 
 ``accelpact-run [--nnodes N] [--nproc-per-node P] [accelpact's flags] train.py --its --own --args`` reads the
 launcher's flags up to the script's path, as ``torchrun`` does, and leaves everything after it to the script
@@ -13,13 +13,21 @@ every field has its default.  :func:`script_job` makes the effective configurati
 ranks, the daemons and a relaunch read it.  The steps and seed of the training are the script's
 (``init(steps=..., seed=...)`` of the package); the values a job file sets travel to the ranks as the
 :class:`~accelpact_slurm.core.script.ScriptSpec` that checks them.
+
+The same command line, parsed here, starts the script on Slurm too: ``accelpact-submit [flags] train.py [args]``
+(submitit, one task per rank) and ``sbatch ... sbatch_templates/hsdp.sbatch [flags] train.py [args]``
+(:func:`template_job`: the allocation's sizes are the topology).  Each writes the same effective job file into the
+run directory and hands every rank the same ``--script-spec``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Sequence
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -27,6 +35,7 @@ from accelpact_slurm.core.atomic import write_atomic
 from accelpact_slurm.core.config import FaultSpec, JobConfig, load_config, read_mapping, with_overrides
 from accelpact_slurm.core.errors import ConfigError
 from accelpact_slurm.core.script import ScriptSpec, fixed_values, script_entry
+from accelpact_slurm.core.spares import check_spares_started
 
 #: The effective job file of a script-mode run, in its run directory.
 JOB_FILE = "script-job.yaml"
@@ -78,15 +87,18 @@ class _Refuse(argparse.Action):
         setattr(namespace, "refused", refused)
 
 
-def build_parser(prog: str = "accelpact-run", description: str = "", epilog: str = "") -> argparse.ArgumentParser:
-    """The script form's parser: torchrun's flags, this launcher's own, the script and its arguments."""
+def build_parser(prog: str = "accelpact-run", description: str = "", epilog: str = "",
+                 nodes: str = "emulated nodes on this machine") -> argparse.ArgumentParser:
+    """The script form's parser: torchrun's flags, this launcher's own, the script and its arguments.  ``nodes``:
+    what a node is where ``prog`` starts the job (the help's words)."""
     p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage=f"{prog} [--nnodes N] [--nproc-per-node P] [--spare-nodes K] [--run-dir DIR] "
                                       f"[...] SCRIPT.py [script args ...]\n       {prog} JOB.yaml [job flags] "
                                       f"(see {prog} JOB.yaml --help)")
     t = p.add_argument_group("torchrun's flags (the same meaning)")
-    t.add_argument("--nnodes", metavar="N", help=TORCHRUN_FLAGS["--nnodes"])
+    t.add_argument("--nnodes", metavar="N", help=TORCHRUN_FLAGS["--nnodes"].replace("emulated nodes on this machine",
+                                                                                   nodes))
     t.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", metavar="P",
                    help=TORCHRUN_FLAGS["--nproc-per-node"])
     t.add_argument("--standalone", action="store_true", help=TORCHRUN_FLAGS["--standalone"])
@@ -173,7 +185,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     for flag, value in getattr(args, "refused", None) or []:
         key = flag.replace("_", "-") if flag.startswith("--") else flag
         reason = REFUSED.get(key, "not supported here")
-        raise ConfigError(flag, value if value not in (None, []) else "(set)", f"not supported by accelpact-run: "
+        raise ConfigError(flag, value if value not in (None, []) else "(set)", f"not supported by {parser.prog}: "
                                                                                f"{reason}")
     args.nnodes = _size("--nnodes", args.nnodes)
     args.nproc_per_node = _size("--nproc-per-node", args.nproc_per_node)
@@ -254,8 +266,9 @@ def script_job(args: argparse.Namespace, cwd: str | None = None) -> tuple[JobCon
 def write_job_file(cfg: JobConfig, run_dir: str) -> str:
     """The effective configuration as a job file in ``run_dir`` (:data:`JOB_FILE`), written atomically; its path."""
     path = os.path.join(os.path.abspath(run_dir), JOB_FILE)
-    text = ("# written by accelpact-run for a script started in its torchrun form: the effective job (defaults, "
-            "the --config file, the flags)\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    text = ("# written by the launcher (accelpact-run, accelpact-submit or the sbatch template) for a script started "
+            "in its torchrun form: the effective job (defaults, the --config file, the flags)\n"
+            + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     write_atomic(path, lambda fh: fh.write(text.encode()))
     return path
 
@@ -264,3 +277,97 @@ def worker_args(args: argparse.Namespace, spec: ScriptSpec) -> list[str]:
     """What every rank (and spare) of the script form takes after the job file and ``--run-dir`` (pure)."""
     out = ["--allow-config-change"] if args.allow_config_change else []
     return out + [f"--script-spec={spec.to_json()}"]
+
+
+# --------------------------------------------------------------------------- the sbatch template's two forms
+
+TEMPLATE = "hsdp.sbatch"
+TEMPLATE_USAGE = (f"sbatch --nodes=N --ntasks-per-node=M [...] {TEMPLATE} CONFIG [RUN_DIR]  or  sbatch --nodes=N "
+                  f"--ntasks-per-node=M [...] {TEMPLATE} [--run-dir DIR] [--config JOB.yaml] [...] SCRIPT.py "
+                  f"[script args ...]")
+
+
+@dataclass(frozen=True)
+class TemplateJob:
+    """What the sbatch template's steps take: the job file the daemons and ranks read, the run directory, and what
+    every rank takes after them (the script form's ``--script-spec``; nothing in the job-file form)."""
+
+    config: str
+    run_dir: str
+    worker_args: tuple[str, ...] = ()
+
+    def shell(self) -> str:
+        """Bash assignments of ``CONFIG``, ``RUN_DIR`` and the array ``WORKER_ARGS``, every value quoted (pure):
+        what the template's ``eval`` takes."""
+        words = " ".join(shlex.quote(w) for w in self.worker_args)
+        return f"CONFIG={shlex.quote(self.config)}\nRUN_DIR={shlex.quote(self.run_dir)}\nWORKER_ARGS=({words})\n"
+
+
+def allocation_sizes(environ: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """The allocation's nodes and tasks per node from Slurm's variables (pure); None where they do not say, or
+    where the nodes' task counts differ (``SLURM_TASKS_PER_NODE=3,1``)."""
+    def number(text: str | None) -> int | None:
+        return int(text) if text and re.fullmatch(r"[0-9]+", text) else None
+
+    nodes = number(environ.get("SLURM_JOB_NUM_NODES")) or number(environ.get("SLURM_NNODES"))
+    per_node = number(environ.get("SLURM_NTASKS_PER_NODE"))
+    if per_node is None and environ.get("SLURM_TASKS_PER_NODE"):
+        counts = {part.split("(", 1)[0] for part in environ["SLURM_TASKS_PER_NODE"].split(",")}
+        per_node = number(counts.pop()) if len(counts) == 1 else None
+    return nodes, per_node
+
+
+def template_job(argv: Sequence[str], environ: Mapping[str, str], cwd: str | None = None) -> TemplateJob:
+    """The sbatch template's job from its arguments: a job file (``CONFIG [RUN_DIR]``), or -- the torchrun form --
+    this module's flags, a script and its own arguments (``[--run-dir DIR] [--config JOB.yaml] [...] train.py
+    --its --args``; ``-m pkg.train`` for a module).  Told apart by the first argument: a flag or a ``.py`` path
+    starts the script form.
+
+    The script form makes the effective job as ``accelpact-run`` does (:func:`script_job`, with the allocation's
+    sizes as its topology) and writes it into the run directory (:func:`write_job_file`); every rank gets the
+    script's arguments in its ``--script-spec`` (:func:`worker_args`).  The run directory defaults to
+    ``$SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID`` in both forms: a requeued job (same id, same arguments) writes the same
+    job file there again and finds its snapshots.  Relative paths are taken from ``cwd`` (the job's working
+    directory).
+
+    Raises:
+        ConfigError: no arguments, a job-file form with more than ``CONFIG [RUN_DIR]``, a flag refused (as by
+            ``accelpact-run``), ``--max-restarts`` (Slurm requeues, not a launcher), ``--nnodes``/``--nproc-per-node``
+            other than the allocation's, spare nodes (the template does not start them yet), no ``SLURM_JOB_ID``.
+    """
+    cwd = cwd or os.getcwd()
+    argv = list(argv)
+    if not argv or not argv[0]:
+        raise ConfigError("arguments", "(none)", f"give a job file or a training script: {TEMPLATE_USAGE}")
+    job_id = environ.get("SLURM_JOB_ID")
+    if not job_id:
+        raise ConfigError("SLURM_JOB_ID", None, f"{TEMPLATE} runs as a Slurm batch job: submit it with sbatch")
+    default = os.path.join(environ.get("SLURM_SUBMIT_DIR") or cwd, "runs", job_id)
+    if not (argv[0].startswith("-") or argv[0].endswith(SCRIPT_SUFFIXES)):
+        if len(argv) > 2:
+            raise ConfigError("arguments", " ".join(argv), f"the job-file form takes CONFIG [RUN_DIR] only; a "
+                                                           f"script's own arguments follow its path (.py, or -m "
+                                                           f"MODULE): {TEMPLATE_USAGE}")
+        run_dir = argv[1] if len(argv) == 2 and argv[1] else default
+        return TemplateJob(os.path.join(cwd, argv[0]), os.path.join(cwd, run_dir))
+    args = parse(build_parser(prog=TEMPLATE, nodes="the allocation's nodes, which sbatch --nodes sets"), argv)
+    if not args.module and args.script.endswith(JOB_SUFFIXES):
+        raise ConfigError("SCRIPT", args.script, f"a job file comes first and alone ({TEMPLATE} CONFIG [RUN_DIR]); "
+                                                 f"flags go with a script: {TEMPLATE} [flags] SCRIPT.py [args]")
+    if args.max_restarts is not None:
+        raise ConfigError("--max-restarts", args.max_restarts, "under the template Slurm requeues the job, not a "
+                                                               "launcher: the cluster's requeue policy and the "
+                                                               "no-progress rule (recovery.max_stalled_restarts) bound "
+                                                               "its restarts; drop --max-restarts")
+    nodes, per_node = allocation_sizes(environ)
+    for flag, given, size, sbatch in (("--nnodes", args.nnodes, nodes, "--nodes"),
+                                      ("--nproc-per-node", args.nproc_per_node, per_node, "--ntasks-per-node")):
+        if given is not None and size is not None and given != size:
+            raise ConfigError(flag, given, f"the allocation has {size} (sbatch {sbatch}={size}), and the template "
+                                           f"runs on it as it is: drop {flag}, or submit with {sbatch}={given}")
+    args.nnodes, args.nproc_per_node = nodes or args.nnodes, per_node or args.nproc_per_node
+    cfg, spec = script_job(args, cwd)
+    check_spares_started(cfg.topology.spare_nodes, f"the sbatch template ({TEMPLATE})")
+    run_dir = os.path.join(cwd, args.run_dir or default)
+    os.makedirs(run_dir, exist_ok=True)
+    return TemplateJob(write_job_file(cfg, run_dir), os.path.abspath(run_dir), tuple(worker_args(args, spec)))

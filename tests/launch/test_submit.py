@@ -102,6 +102,36 @@ def test_errors_are_one_line_with_exit_2(tmp_path, capsys):
         "or use --local for submitit's local executor"]
 
 
+def test_the_script_form_hands_every_task_the_script_and_its_own_arguments(tmp_path, monkeypatch, capsys):
+    """``accelpact-submit [flags] train.py [its args]``, no job file: the effective one is written into the run
+    directory before anything is submitted, and each task, parsing its TaskSpec as ``RankTask`` does, gets the
+    script as its entry and the script's arguments untouched (``--nodes`` among them is the script's).  Spare
+    nodes are refused as for a job file: exit 2, one line, nothing written."""
+    import argparse
+
+    from accelpact_slurm.launch import core, submission
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    seen = {}
+    monkeypatch.setattr(submission, "submit_until_settled", lambda submit, spec, **kw: (seen.update(spec=spec) or
+                                                                                        (None, spec, None)))
+    run_dir = tmp_path / "run"
+    assert cli.main(["--local", "--nodes", "3", "--nproc-per-node", "1", "--checkpoint-every", "4", "--run-dir",
+                     str(run_dir), str(script), "--steps", "9", "--nodes", "x y"]) == 0
+    spec = seen["spec"]
+    assert spec.config_path == str(run_dir / "script-job.yaml") and (spec.nodes, spec.ranks_per_node) == (3, 1)
+    args = core.add_job_flags(argparse.ArgumentParser()).parse_args([spec.config_path, *spec.worker_args])
+    assert core.script_spec(args).argv == ("--steps", "9", "--nodes", "x y")
+    cfg = core.job_config(args)
+    assert cfg.entry == f"{script}:__main__" and cfg.checkpoint.every_steps == 4
+    capsys.readouterr()
+    assert cli.main(["--local", "--spare-nodes", "1", "--run-dir", str(tmp_path / "spares"), str(script)]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("accelpact-submit: error: topology.spare_nodes:") and "\n" not in err
+    assert not (tmp_path / "spares").exists()
+
+
 # --------------------------------------------------------------------------- the task side, pure parts
 
 

@@ -1,5 +1,5 @@
-"""sbatch_templates/hsdp.sbatch without Slurm: its syntax, its GPU check alone, the steps it would start, and
-what it makes of the training step's status.
+"""sbatch_templates/hsdp.sbatch without Slurm: its syntax, its GPU check alone, the steps it would start (in the
+job-file form and in the torchrun form), and what it makes of the training step's status.
 
 The template runs under bash with a made-up Slurm environment, a stand-in ``srun`` on the PATH that records its
 arguments instead of starting anything (and ends the training step with ``$FAKE_STEP_STATUS``) and a stand-in
@@ -9,6 +9,7 @@ real.  The tests on the real dev cluster are in tests/e2e.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from accelpact_slurm.cli import worker
+from accelpact_slurm.launch import core
 from tests.conftest import DECODER_JOB, job_text
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch_templates" / "hsdp.sbatch"
@@ -122,10 +125,13 @@ def test_the_first_check_refuses_a_job_file_the_workers_would_refuse(tmp_path: P
     assert _check_gpus({}).returncode == 0  # the control: without the job file nothing sees it
 
 
-def _run_template(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
-    """The whole template with a stand-in srun; returns the process and where srun's arguments are."""
+def _run_template(tmp_path: Path, env: dict[str, str], args: tuple[str, ...] = ("job.yaml",),
+                  template: Path = TEMPLATE) -> tuple[subprocess.CompletedProcess, Path]:
+    """The whole template (``template`` with ``args``) with a stand-in srun; returns the process and where srun's
+    arguments are."""
     bin_dir, log = tmp_path / "bin", tmp_path / "srun"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
+    shutil.rmtree(log, ignore_errors=True)
     log.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
@@ -138,7 +144,7 @@ def _run_template(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Compl
             "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node[1-2]",
             "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4",
             "SLURM_TASKS_PER_NODE": "4(x2)", "ACCELPACT_PYTHON": "python-on-the-nodes", **env}
-    proc = subprocess.run(["bash", str(TEMPLATE), "job.yaml"], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(["bash", str(template), *args], capture_output=True, text=True, timeout=60,
                           env=full, cwd=tmp_path)
     return proc, log
 
@@ -202,7 +208,7 @@ def test_template_spells_no_protocol():
                     "accelpact_slurm.slurm.requeue", "printf '{"):
         assert spelled not in code, f"the template spells {spelled!r} itself"
     # every decision goes through the core's hooks; every rank's line is labelled
-    for hook in ("gpus", "serve", "usr2", "settle"):
+    for hook in ("job", "gpus", "serve", "usr2", "settle"):
         assert f"accelpact_slurm.cli.node {hook}" in code
     assert "STEP_OPTS=(--label" in code
 
@@ -250,3 +256,71 @@ def test_a_crash_while_slurm_ends_the_job_is_not_requeued(tmp_path):
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "Slurm is ending this job" in proc.stderr and "not requeued here" in proc.stderr
     assert not (log / "scontrol").exists() and _events(tmp_path / "runs" / "42") == []
+
+
+# --------------------------------------------------------------------------- the torchrun form
+
+#: The script's own arguments: a value with a space, quotes and a command substitution, and flags the launcher has
+#: too (--run-dir, --nnodes): all the script's, as they are.
+SCRIPT_ARGS = ("--steps", "9", "--lr=0.003", "a b 'c' $(touch pwned)", "--run-dir", "theirs", "--nnodes", "7")
+
+
+def _rank_command(log: Path) -> argparse.Namespace:
+    """The training step's command after ``python -m accelpact_slurm.cli.worker``, parsed as every rank parses it."""
+    argv = (log / "training").read_text().splitlines()
+    return worker.build_parser().parse_args(argv[argv.index("accelpact_slurm.cli.worker") + 1:])
+
+
+def test_the_script_form_hands_every_rank_the_script_and_its_own_arguments(tmp_path):
+    """``hsdp.sbatch [flags] train.py [its args]``: the core writes the effective job file (the script as the entry,
+    the flags, the allocation's sizes) into the run directory, the daemons and ranks read it, and every rank gets
+    the script's arguments untouched (its sys.argv[1:]).  A requeue (the same arguments, restart 1) gives the same
+    file and command line.  Negative control: the template with the ranks' WORKER_ARGS left off its srun line --
+    the ranks get no script arguments (the script's --steps 9 would not reach it: 20 updates, its default)."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = ("--checkpoint-every", "4", "--inject-fault", "boundary:3:1", "train.py", *SCRIPT_ARGS)
+    proc, log = _run_template(tmp_path, {}, args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "runs" / "42"
+    rank = _rank_command(log)
+    assert (rank.config, rank.run_dir) == (str(run_dir / "script-job.yaml"), str(run_dir))
+    assert core.script_spec(rank).argv == SCRIPT_ARGS
+    cfg = core.job_config(rank)
+    assert cfg.entry == f"{script}:__main__" and cfg.checkpoint.every_steps == 4
+    assert [str(f) for f in cfg.faults] == ["boundary:3:1"]
+    assert (cfg.topology.nodes, cfg.topology.ranks_per_node) == (2, 4)  # the allocation's (2 nodes, 4 per node)
+    assert (log / "daemons").read_text().splitlines()[-3:] == [rank.config, "--run-dir", str(run_dir)]
+    assert not list(tmp_path.rglob("pwned"))  # the values went through the template's eval as values
+    first, command = Path(rank.config).read_text(), (log / "training").read_text()
+    again, log = _run_template(tmp_path, {"SLURM_RESTART_COUNT": "1"}, args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (log / "training").read_text() == command and Path(rank.config).read_text() == first
+    text = TEMPLATE.read_text()
+    assert text.count(' "${WORKER_ARGS[@]}" &') == 1
+    mutant = tmp_path / "mutant.sbatch"
+    mutant.write_text(text.replace(' "${WORKER_ARGS[@]}" &', " &"))
+    _, log = _run_template(tmp_path, {}, args, template=mutant)
+    assert core.script_spec(_rank_command(log)).argv == ()
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--spare-nodes", "1", "train.py"), ["topology.spare_nodes: invalid value 1", "sbatch template"]),
+    (("--nnodes", "3", "train.py", "--steps", "9"), ["--nnodes: invalid value 3", "the allocation has 2",
+                                                     "--nodes=3"]),
+    (("--master-port", "29500", "train.py"), ["--master-port: invalid value '29500': not supported by hsdp.sbatch"]),
+    (("--max-restarts", "3", "train.py"), ["--max-restarts: invalid value 3: under the template Slurm requeues"]),
+    (("--run-dir", "d", "job.yaml"), ["SCRIPT: invalid value 'job.yaml'", "a job file comes first"]),
+    (("job.yaml", "run", "extra"), ["the job-file form takes CONFIG [RUN_DIR] only"]),
+    (("--help",), ["usage: hsdp.sbatch"]),
+])
+def test_the_script_form_refuses_before_anything_starts(tmp_path, args, words):
+    """Exit 2 (a requeue would not help) with the reason, before a daemon or a rank starts or a run directory is
+    made; a --help goes to the job's output, never run as shell."""
+    (tmp_path / "train.py").write_text("")
+    proc, log = _run_template(tmp_path, {}, args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for w in words:
+        assert w in proc.stderr, proc.stderr
+    assert list(log.iterdir()) == [] and not (tmp_path / "runs").exists()
+    assert "command not found" not in proc.stderr and "hsdp.sbatch: job" not in proc.stdout
