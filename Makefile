@@ -49,7 +49,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_PINNED)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[train,test,plot]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[train,test,plot,hydra]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
