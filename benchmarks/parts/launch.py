@@ -158,6 +158,20 @@ SEGMENTS = ("update", "hooks", "step", "outside", "update_cpu", "hooks_cpu", "st
             "others_cpu")
 
 
+def apart(ranks: dict[int, dict[str, Any]], warmup: int) -> dict[str, float | None]:
+    """How far apart the ranks are at each update, in ms (pure; median over the updates after the warm-up): as
+    they reach ``optimizer.step()`` (``pre``) and as they begin the step itself, the optimizer's pre-hooks done
+    (``mid``: under ``accelpact-run`` as they leave the vote).  ``perf_counter`` is the machine's monotonic clock,
+    the same in every process of this machine."""
+    n = min(len(d.get("post") or []) for d in ranks.values())
+    out: dict[str, float | None] = {}
+    for where in ("pre", "mid"):
+        spans = [max(d[where][k][0] for d in ranks.values()) - min(d[where][k][0] for d in ranks.values())
+                 for k in range(warmup, n)]
+        out[where] = st.med([x * 1000 for x in spans])
+    return out
+
+
 def run_once(where: Path, name: str, arm: str, example: str, steps: int, warmup: int) -> dict[str, Any]:
     """One job of ``arm``, every rank timed; its per-rank and pooled medians (ms), or its error."""
     times, run_dir = where / f"{name}-times", where / f"{name}-run"
@@ -192,7 +206,8 @@ def run_once(where: Path, name: str, arm: str, example: str, steps: int, warmup:
                pooled={k: st.med([x for m in ms.values() for x in m[k]]) for k in SEGMENTS},
                updates=len(ms[0]["update"]), threads=sorted({d.get("threads") for d in ranks.values()}, key=str),
                deterministic=sorted({d.get("deterministic") for d in ranks.values()}, key=str),
-               raw_update_ms={str(r): [round(x, 3) for x in m["update"]] for r, m in ms.items()})
+               raw_update_ms={str(r): [round(x, 3) for x in m["update"]] for r, m in ms.items()},
+               apart_ms=apart(ranks, warmup))
     if arm == "protected":
         events = h.read_jsonl(run_dir / "events.jsonl")
         step_s = [e["step_s"] for e in events if e.get("event") == "step" and e.get("rank") == 0
@@ -257,6 +272,8 @@ def figures_of(res: dict[str, Any]) -> dict[str, Any]:
         out[f"{seg}_ms"] = {arm: st.spread([r["pooled"][seg] for r in _arm_runs(res, arm)]) for arm in ARMS}
     out["ref_1x4"] = st.ratio_stats(pairs(res, "plain1x4", "plain"))
     out["cpu_ratio"] = st.ratio_stats(pairs(res, key="update_cpu"))
+    out["apart_ms"] = {arm: {w: st.spread([(r.get("apart_ms") or {}).get(w) for r in _arm_runs(res, arm)])
+                             for w in ("pre", "mid")} for arm in ARMS}
     prot = _arm_runs(res, "protected")
     out["events_vs_hook"] = st.spread([r["events_rank0_ms"] / r["per_rank"]["0"]["update"] for r in prot
                                        if r.get("events_rank0_ms") and r["per_rank"]["0"]["update"]])
@@ -289,6 +306,19 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def together(f: dict[str, Any]) -> str:
+    """What the result says of the step's wait: how far apart the ranks begin it, and its wall time over its CPU
+    time, under each launcher."""
+    def begin(arm: str) -> str:
+        return st.fmt(f["apart_ms"][arm]["mid"].get("median"), "{:.1f}")
+
+    def stretch(arm: str) -> str:
+        return st.fmt(st.ratio(f["step_ms"][arm].get("median"), f["step_cpu_ms"][arm].get("median")))
+    return (f"the step's wall time is {stretch('protected')}x its CPU time against {stretch('plain')}x under "
+            f"torchrun (the same work, more waiting for a core: the ranks begin it {begin('protected')} ms apart as "
+            f"they leave the vote, {begin('plain')} ms apart under torchrun)")
+
+
 def verdict(res: dict[str, Any]) -> tuple[str, str]:
     """The per-update goal's verdict and what the result says of its cause.  Decided only where every pair agrees
     (each ratio at most the goal: met; each above it: not met): on this shared machine the load moves one run's
@@ -305,7 +335,7 @@ def verdict(res: dict[str, Any]) -> tuple[str, str]:
     cause = (f"added per update {added('update')}: the vote (the optimizer's pre-hooks) {added('hooks')}, the step "
              f"{added('step')}, the rest (forward, backward, the update's end, the next batch) {added('outside')}; "
              f"the rank's other threads {st.fmt(f['added_others_cpu_ms'].get('median'), '{:+.1f}')} ms CPU per update "
-             "(wall time beyond CPU time is waiting: for peers, or for a core of this 2-core machine)")
+             f"(wall time beyond CPU time is waiting: for peers, or for a core of this 2-core machine); {together(f)}")
     if r["max"] <= GOAL:
         return "met", cause
     if r["min"] > GOAL:
@@ -328,9 +358,10 @@ def readme_bullet(res: dict[str, Any]) -> str:
             f"the plain script's under torchrun on the same 2 x 2 mesh: {st.fmt_spread(r)}x in wall time "
             f"({st.fmt(r.get('abs_test'), '{:.1f}')} ms against {st.fmt(r.get('abs_base'), '{:.1f}')} ms; goal ≤ "
             f"{GOAL}x {v}), {st.fmt_spread(c)}x in the training thread's CPU time ({ms('added_update_cpu_ms')} ms "
-            f"per update; the rank's other threads {ms('added_others_cpu_ms')} ms); the vote takes "
-            f"{ms('added_hooks_ms')} ms of wall time, {ms('added_hooks_cpu_ms')} ms of it CPU, the rest waiting for "
-            f"peers.")
+            f"per update; the rank's other threads {ms('added_others_cpu_ms')} ms). The vote adds "
+            f"{ms('added_hooks_ms')} ms of wall time, {ms('added_hooks_cpu_ms')} ms of it CPU (the rest waiting for "
+            f"peers), the step after it {ms('added_step_ms')} ms for {ms('added_step_cpu_ms')} ms of CPU: "
+            f"{together(f)}.")
 
 
 def goal_rows(res: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -369,14 +400,15 @@ def markdown(res: dict[str, Any]) -> str:
               "(`--with-1x4` runs it beside them as a reference).", "",
               "| run | per-update ms, median (min–max over runs) | every rank's median ms (median over runs) | the "
               "optimizer's pre-hooks (the vote) ms | the step ms | the rest ms | the training thread's CPU ms per "
-              "update | the other threads' CPU ms per update | runs |",
-              "|---|---|---|---|---|---|---|---|---:|"]
+              "update | the other threads' CPU ms per update | the ranks reach the step / begin it, ms apart | runs |",
+              "|---|---|---|---|---|---|---|---|---|---:|"]
     for arm in arms:
         rs = _arm_runs(res, arm)
         per_rank = ", ".join(f"{st.fmt(st.med([r['per_rank'][k]['update'] for r in rs]), '{:.1f}')}"
                              for k in ("0", "1", "2", "3")) if rs else "n/a"
         cells = [st.fmt_spread(f[f"{seg}_ms"][arm], "{:.1f}")
                  for seg in ("hooks", "step", "outside", "update_cpu", "others_cpu")]
+        cells.append(" / ".join(st.fmt(f["apart_ms"][arm][w].get("median"), "{:.1f}") for w in ("pre", "mid")))
         lines.append(f"| {ARMS[arm]} | {st.fmt_spread(st.spread([r['pooled']['update'] for r in rs]), '{:.1f}')} | "
                      f"{per_rank} | {' | '.join(cells)} | {len(rs)} |")
     v, cause = verdict(res)
