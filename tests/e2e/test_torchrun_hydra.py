@@ -3,7 +3,7 @@
 ``accelpact-run --nnodes 2 --nproc-per-node 2 --checkpoint-every 5 [--inject-fault F] train_hydra.py steps=20``:
 every rank runs the ``@hydra.main`` function with the script's own overrides; the uninterrupted run and an L1
 boundary fault end with the same final_state_digest; ``steps=7`` gives 7 updates, and the job's steps and seed are
-the Hydra config's (``accelpact_slurm.init(steps=cfg.steps, seed=cfg.seed)``), also when Hydra changes the working
+the Hydra config's (the package's ``init(steps=cfg.steps, seed=cfg.seed)``), also when Hydra changes the working
 directory (``hydra.job.chdir=true``) and writes its outputs there.  A job file that fixes another seed stops the
 job with both values named (exit 2): the launcher runs the script with ``HYDRA_FULL_ERROR=1``; the negative
 control (``HYDRA_FULL_ERROR=0``) shows that without it Hydra turns that error into an exit 1 of the script, and
