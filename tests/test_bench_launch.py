@@ -1,8 +1,8 @@
 """The launch benchmark's reduction, on records made up here (pure: nothing runs).
 
-An update's segments come from the timing hook's three marks per optimizer step; the per-update goal is decided
-only where every pair of runs agrees, since this machine's load moves one run's wall time by more than the goal's
-1%; the plain baseline runs the same 2 x 2 mesh as the protected job (two torchrun agents), both through the hook.
+An update's segments come from the timing hook's three marks per optimizer step; the per-update goal is met only
+where every pair of runs agrees, since this machine's load moves one run's wall time by more than the goal's 1%;
+the plain baseline runs the same 2 x 2 mesh as the protected job (two torchrun agents), both through the hook.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _result(ratios: list[float]) -> dict:
 
 
 @pytest.mark.parametrize("ratios, verdict", [([1.00, 1.005, 0.99], "met"), ([1.05, 1.2, 1.02], "not met"),
-                                             ([0.8, 1.3, 0.95], "not decided")])
-def test_the_per_update_goal_is_decided_only_where_every_pair_agrees(ratios, verdict):
+                                             ([0.9, 1.1, 1.2], "not met"), ([0.8, 1.3, 0.95], "not decided")])
+def test_the_per_update_goal_is_met_only_where_every_pair_agrees(ratios, verdict):
     """Negative control: the median alone (0.95 in the last case) would call the goal met."""
     res = _result(ratios)
     assert launch.verdict(res)[0] == verdict
