@@ -140,6 +140,10 @@ def readme_lines(results: dict[str, tuple[dict[str, Any], str]], gpu: dict[str, 
                    f"{R['nodeloss'].get('heartbeat')} s): from the loss to update K committed, {each}; the heal "
                    f"restarts nothing, L2 once. Most of either is the silence that names a lost node (heartbeat_s); "
                    f"the heal's own part is about 1 s here, nearly all of it the spare building its model.")
+    if "launch" in R:
+        from benchmarks.parts.launch import readme_bullet
+
+        out.append(readme_bullet(R["launch"]))
     if "recovery" in R:
         res = R["recovery"]
         sm = res["summary"]
@@ -362,6 +366,11 @@ def goal_lines(results: dict[str, tuple[dict[str, Any], str]], results_dir: Path
             line("ckpt", g.get("goal", key), "met" if g.get("pass") else "not met",
                  ckpt_goal_figure(key, g) + ("" if g.get("pass") else "; the cause, measured: " + (
                      g.get("cause") or "the ckpt section's *Where `ours` blocks* and the daemons' CPU per GiB")))
+    if "launch" in R:
+        from benchmarks.parts.launch import goal_rows
+
+        for goal, verdict, why in goal_rows(R["launch"]):
+            line("launch", goal, verdict, why)
     if "recovery" in R:
         for part, goal, verdict, why in recovery_goals(R["recovery"]):
             line(part, goal, verdict, why)

@@ -65,9 +65,9 @@ class Part(NamedTuple):
 # so that the parts fit the budget (a part run alone with ``python -m benchmarks.parts.<part>`` keeps its
 # defaults).  Seconds per part on this machine, from the committed runs (2026-11-30..12-05; a loaded day about
 # 2x): status 8, repair 50-95, guard 41-85, store 133-250, control 70-198, paper 93-150, peers 151-235,
-# l1backward 62-94, ckpt 315-590, shared 53-116, restore 63-153, recovery 387-618: about 26 minutes; the fault
-# campaign's 50 runs about 20 more.  Every goal stays decidable and every median keeps >= 2 samples (the
-# reasons for each trim are in the git history of these lines).
+# l1backward 62-94, ckpt 315-590, shared 53-116, restore 63-153, recovery 387-618, nodeloss 261, launch 300-390:
+# about 35 minutes; the fault campaign's 50 runs about 20 more.  Every goal stays decidable and every median keeps
+# >= 2 samples (the reasons for each trim are in the git history of these lines).
 PARTS = {p.name: p for p in (
     Part("repair", "<!-- repair-bench -->", 240, "L1 repair",
          ("--repairs", "24", "--rebind-reps", "2", "--guard-pairs", "8")),
@@ -95,23 +95,25 @@ PARTS = {p.name: p for p in (
          "The control plane at scale: one decision with 4 to 1,024 members", ("--samples", "3")),
     Part("nodeloss", "<!-- nodeloss-bench -->", 600, "Node loss: a spare's heal against L2",
          ("--trials", "3")),
+    Part("launch", "<!-- launch-bench -->", 540, "The torchrun drop-in: changed lines and per-update cost",
+         ("--trials", "5")),
     # 50 runs of 14-27 s each here (tests/test_campaign.py's sample: 143-266 s for ten), one per kind in turn
     Part("campaign", "<!-- campaign-bench -->", 2100, "Fault campaign: one fault per run, every run checked",
          ("--runs", "50", "--seed", "7")),
 )}
 # Cheap and certain first; the checkpoint benchmark (the longest, the one that may run out of memory) after them;
 # the fault campaign last.
-RUN_ORDER = ["status", "repair", "guard", "store", "control", "paper", "peers", "l1backward", "ckpt", "shared",
-             "restore", "recovery", "nodeloss", "campaign"]
+RUN_ORDER = ["status", "repair", "guard", "store", "control", "launch", "paper", "peers", "l1backward", "ckpt",
+             "shared", "restore", "recovery", "nodeloss", "campaign"]
 #: The README's bullets, in this order.
-README_ORDER = ["store", "recovery", "nodeloss", "l1backward", "repair", "paper", "guard", "peers", "ckpt", "shared", "restore",
-                "status", "control", "campaign"]
+README_ORDER = ["store", "recovery", "nodeloss", "l1backward", "repair", "paper", "guard", "launch", "peers", "ckpt",
+                "shared", "restore", "status", "control", "campaign"]
 #: The goals table, in this order.
-GOALS_ORDER = ["repair", "store", "l1backward", "ckpt", "recovery", "control", "status", "campaign"]
+GOALS_ORDER = ["repair", "store", "launch", "l1backward", "ckpt", "recovery", "control", "status", "campaign"]
 #: Parts whose block also shows another part's result: the peers' table of every system on every fault class
 #: takes the recovery part's trials too (its newest raw result on this machine, when there is one).
 RELATED = {"peers": ("recovery",)}
-TOTAL_BUDGET_S = 4410  # a cap, not the usual time (~55 min): the parts' 38.5 min budget and the campaign's 35
+TOTAL_BUDGET_S = 4950  # a cap, not the usual time (~55 min): the parts' 47.5 min budget and the campaign's 35
 KILL_GRACE_S = 45
 MIN_START_S = 60  # a part is skipped when less time than this is left
 
@@ -298,14 +300,16 @@ def run_all(names: list[str], budget_s: float) -> dict[str, Any]:
 
 
 def carry_over(record: dict[str, Any], path: Path) -> None:
-    """Parts run earlier the same day and not now keep their run records (marked carried)."""
+    """Parts run earlier the same day and not now keep their run records (marked carried, with the start of the
+    run that measured them: a record carried twice keeps the first one's)."""
     try:
         old = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         return
     for name, run in (old.get("runs") or {}).items():
         if name not in record["runs"] and run.get("status") in ("ok", "carried"):
-            record["runs"][name] = dict(run, status="carried", carried_from=old.get("started"))
+            first = run.get("carried_from") or old.get("started")
+            record["runs"][name] = dict(run, status="carried", carried_from=first)
 
 
 # ====================================================================== rendering from the summaries
@@ -349,8 +353,8 @@ def render(summaries: Path = S.SUMMARIES) -> str:
         f"{n} {r.get('status')} ({r.get('wall_s', 0):.0f} s"
         + (f", commit `{r['commit']}`" if r.get("commit") else "")
         + (f", `{' '.join(r['args'])}`" if r.get("args") else "") + ")" for n, r in runs.items())
-    how = ("`make bench` runs every benchmark below on this machine, one part after the other (about 50 minutes: the "
-           "parts under 30, the fault campaign's 50 runs about 20), writes each part's raw result outside git "
+    how = ("`make bench` runs every benchmark below on this machine, one part after the other (about 55 minutes: the "
+           "parts about 35, the fault campaign's 50 runs about 20), writes each part's raw result outside git "
            "(`runs/bench/<date>/<part>.json`, or under `$ACCELPACT_BENCH_RAW`) and its summary (the figures below, "
            "each with its spread and sample count) to `benchmarks/summaries/<date>/<part>.json`, and regenerates "
            "this file from the committed summaries alone. `make bench BENCH_ARGS=\"--parts store,control\"` runs "

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 #: torchrun's variables a script reads, set from the rank's place in the job.
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "ROLE_WORLD_SIZE", "ROLE_NAME")
+#: Set for the script where the environment does not set them.  Hydra's ``@hydra.main`` prints an exception of
+#: the decorated function and exits 1; with ``HYDRA_FULL_ERROR=1`` it raises it, so that the job sees what the
+#: script raised: ``init()``'s ConfigError stays a configuration error (exit 2, its line), the training code's
+#: error keeps its traceback in the ``fail_stop`` event.
+SCRIPT_DEFAULTS = {"HYDRA_FULL_ERROR": "1"}
 
 
 class _Served:
@@ -159,14 +164,16 @@ def program(entry: str, job_file: str | None, spec: ScriptSpec) -> Callable[[Job
 
 def run_script(job: Job, entry: str, job_file: str | None, spec: ScriptSpec) -> None:
     """Run the script of ``entry`` as ``__main__`` on this rank, as ``torchrun`` would: its own ``sys.argv``,
-    torchrun's variables, its directory first on ``sys.path``; ``torch.distributed.init_process_group`` answered
-    (:func:`_guard_init`).  A ``sys.exit(0)`` (or ``None``) is a normal end; another status is the script's error:
+    torchrun's variables (and :data:`SCRIPT_DEFAULTS`), its directory first on ``sys.path``;
+    ``torch.distributed.init_process_group`` answered (:func:`_guard_init`).  A ``sys.exit(0)`` (or ``None``) is a normal end; another status is the script's error:
     2 (its argument parser refused its arguments) a :class:`ConfigError`, any other a ``RuntimeError``.  The job's
     start (``job_start``, rank 0) is recorded at the script's first ``init()``, else when the script ends or raises,
     so that every start that reached the script is on record (the requeue's frontier history counts starts).
     """
     target, module = script_target(entry, job_file)
     os.environ.update(torchrun_environ(job))
+    for key, value in SCRIPT_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     argv0 = sys.argv
     sys.argv = [target, *spec.argv]
     try:
