@@ -33,9 +33,10 @@ import yaml
 
 from accelpact_slurm.core.atomic import write_atomic
 from accelpact_slurm.core.config import FaultSpec, JobConfig, load_config, read_mapping, with_overrides
-from accelpact_slurm.core.errors import ConfigError
+from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
 from accelpact_slurm.core.script import ScriptSpec, fixed_values, script_entry
 from accelpact_slurm.core.spares import check_spares_started
+from accelpact_slurm.slurm.hostlist import parse_tasks_per_node
 
 #: The effective job file of a script-mode run, in its run directory.
 JOB_FILE = "script-job.yaml"
@@ -312,8 +313,11 @@ def allocation_sizes(environ: Mapping[str, str]) -> tuple[int | None, int | None
     nodes = number(environ.get("SLURM_JOB_NUM_NODES")) or number(environ.get("SLURM_NNODES"))
     per_node = number(environ.get("SLURM_NTASKS_PER_NODE"))
     if per_node is None and environ.get("SLURM_TASKS_PER_NODE"):
-        counts = {part.split("(", 1)[0] for part in environ["SLURM_TASKS_PER_NODE"].split(",")}
-        per_node = number(counts.pop()) if len(counts) == 1 else None
+        try:
+            counts = set(parse_tasks_per_node(environ["SLURM_TASKS_PER_NODE"]))
+        except SlurmEnvError:
+            counts = set()
+        per_node = counts.pop() if len(counts) == 1 else None
     return nodes, per_node
 
 

@@ -259,7 +259,8 @@ def ring_for(spare_nodes: int, store: Any, model: torch.nn.Module, rank: int, st
     :class:`NoRing` (as when the rank has no store: a test's runtime); ``heal_fault`` (a test's) may pick
     :class:`VoteLessRing`."""
     if spare_nodes > 0 and store is not None:
-        return {"skip_vote_packet": VoteLessRing}.get(heal_fault or "", BuddyRing)(store, model, rank, statefuls)
+        ring = VoteLessRing if heal_fault == "skip_vote_packet" else BuddyRing
+        return ring(store, model, rank, statefuls)
     return NoRing()
 
 
