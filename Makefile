@@ -1,7 +1,7 @@
 # The two commands of the README quick start, and the benchmarks; all set up everything themselves.
 #   make demo   run the reference job on the embedded default (2 emulated nodes x 2 ranks, CPU)
-#   make test   run the whole test suite (installs Slurm for the end-to-end tests), then the torch-internals
-#               tests on every other supported torch release (make test-releases)
+#   make test   run the whole test suite (installs Slurm for the end-to-end tests) in two lanes side by side,
+#               then the torch-internals tests on every other supported torch release (make test-releases)
 #   make check  in minutes: mypy over accelpact_slurm and ckpt_service (pyproject.toml [tool.mypy]), then the
 #               unit lane
 # The lanes of make test, each test in exactly one (pytest markers, pyproject.toml):
@@ -55,8 +55,27 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/accelpact-run examples/decoder/job.yaml --run-dir $(RUN_DIR) --inject-fault boundary:15:1
 
+# make test runs the suite in two pytest processes side by side (every test once): the side lane takes the Slurm
+# lane (mostly waiting on Slurm's scheduling and requeues), then SIDE_FILES; the main lane everything else. The side
+# lane's output follows the main lane's; make test fails when either fails. Then make test-releases.
+SIDE_FILES := tests/e2e/test_examples.py tests/e2e/test_bn_models.py tests/e2e/test_l2_reload_e2e.py tests/test_campaign.py
+SIDE_LOG   := runs/test/side-lane.log
+
 test: $(STAMP)
-	ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} $(PY) -m pytest tests --ignore=$(EARNED_TEST) --durations=30 $(PYTEST_ARGS)
+	@mkdir -p $(dir $(SIDE_LOG))
+	@export ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1}; start=$$(date +%s); \
+	( $(PY) -m pytest tests --ignore=$(EARNED_TEST) -m slurm --durations=15 -p no:cacheprovider $(PYTEST_ARGS); a=$$?; \
+	  $(PY) -m pytest $(SIDE_FILES) -m "not slurm" --durations=15 -p no:cacheprovider $(PYTEST_ARGS); b=$$?; \
+	  test $$a -eq 0 -a $$b -eq 0 ) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	trap 'kill $$side 2>/dev/null' INT TERM; \
+	echo "== make test: the main lane here; the side lane (-m slurm, then $(SIDE_FILES)) beside it, in $(SIDE_LOG)"; \
+	$(PY) -m pytest tests --ignore=$(EARNED_TEST) $(foreach f,$(SIDE_FILES),--ignore=$(f)) -m "not slurm" \
+	  --durations=30 -p no:cacheprovider $(PYTEST_ARGS); main=$$?; \
+	echo "== the main lane ended ($$main) after $$(( $$(date +%s) - start )) s; waiting for the side lane"; \
+	wait $$side; side_rc=$$?; \
+	echo "== the side lane ($$side_rc), its output:"; cat $(SIDE_LOG); \
+	echo "== both lanes ended after $$(( $$(date +%s) - start )) s"; \
+	test $$main -eq 0 -a $$side_rc -eq 0
 	$(MAKE) test-releases
 
 test-unit: $(STAMP)
