@@ -2,7 +2,7 @@
 
 The same file is the entry point of the jobs of both library versions measured: the current code and
 the code of an earlier commit (a worktree first on ``PYTHONPATH``).  It uses only the public API both
-versions have (``job.protect``, ``run.update``, ``update.loss``) and the control plane's ``barrier``.
+versions have (``job.protect``, ``run.update``, ``update.loss``) and torch's ``dist.barrier`` on the default group.
 Each rank builds what the decoder example builds (``benchmarks.parts.workload.decoder_parts``: the model wrapped
 on the job's mesh, AdamW, its schedule and data), hands them to ``job.protect`` and then runs
 interleaved segments of
@@ -13,7 +13,7 @@ interleaved segments of
 
 ``steps`` updates each, the order alternating from round to round, after ``warmup`` plain and
 ``warmup`` guarded updates.  Rank 0 times each update of a segment (its forward waits for its shard peers
-in FSDP's all-gathers) and the whole segment, from a control-plane barrier to the next one (the same two
+in FSDP's all-gathers) and the whole segment, from a barrier to the next one (the same two
 barriers in both modes, so the segment ends when its slowest rank is done).  No snapshots: the guard's
 cost alone.  Rank 0 appends one JSON line per segment to the plan's ``out``.
 """
@@ -30,8 +30,18 @@ from typing import Any
 
 sys.path[:0] = [p for p in (str(Path(__file__).resolve().parents[2]),) if p not in sys.path]
 
-from accelpact_slurm.runtime.job import instrument  # noqa: E402
 from benchmarks.harness import common as h  # noqa: E402
+
+
+class _Barrier:
+    """The barriers that delimit a segment, the same in both modes and in both library versions: torch's own on the
+    job's default group (public API; the earlier commit has no ``instrument`` hook, imported only where the current
+    code's toggles need it)."""
+
+    def barrier(self, _name: str) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def main(job: Any) -> None:
@@ -41,7 +51,7 @@ def main(job: Any) -> None:
     h.guard_rank(plan["deadline_s"])
     parts = decoder_parts(job)
     run = job.protect(parts.model, parts.optimizer, scheduler=parts.scheduler)
-    control = instrument.runtime(job).control  # the barriers that delimit a segment (the same in both modes)
+    control = _Barrier()  # the barriers that delimit a segment (the same in both modes)
     batches = batches_forever(parts.loader)
     fd = os.open(plan["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if job.is_lead else None
 
@@ -99,6 +109,8 @@ def _alternate(job: Any, guarded: Any, plan: dict[str, Any], switch: Any, probe:
     times, the order swapped every other time (ABBA), every rank timing its own updates; every rank decides from
     the update's index alone when to switch (the ranks are in lock step at every update's vote: no round of its
     own).  ``probe()``: a number read before and after (its difference is returned).  Every rank's times."""
+    from accelpact_slurm.runtime.job import instrument  # the current code only (toggles)
+
     control = instrument.runtime(job).control
     k, n = int(plan.get("k", 2)), int(plan.get("alternations", 60))
     times: dict[str, list[float]] = {"on": [], "off": []}
@@ -129,6 +141,7 @@ def toggle_store(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, Any]
 
     import torch.distributed as dist
 
+    from accelpact_slurm.runtime.job import instrument
     from accelpact_slurm.runtime.transport.control import ControlPlane
 
     rt = instrument.runtime(job)
@@ -161,6 +174,7 @@ def toggle_detector(job: Any, guarded: Any, plan: dict[str, Any]) -> dict[str, A
     heartbeat in both (a rank without it would be called hung): its CPU seconds over the whole section are measured
     apart (``/proc/self/task/<tid>/schedstat``)."""
     from accelpact_slurm.repair import torch_compat as tc
+    from accelpact_slurm.runtime.job import instrument
 
     rt = instrument.runtime(job)
     det, control = rt.detector, rt.control
