@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import time
 from typing import Any, Mapping
 
 import torch
@@ -227,7 +228,8 @@ def _numpy() -> Any:
     return numpy
 
 
-def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True) -> dict[str, Any]:
+def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True,
+         parts: dict[str, float] | None = None) -> dict[str, Any]:
     """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document.
 
     DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
@@ -238,8 +240,14 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     Raises:
         CheckpointError: the snapshot does not pass on the handles it was read from (e.g. replaced after the
             re-check): the start ends and the next one re-checks it.
+
+    ``parts`` gets the seconds of each part (``metadata_s``, ``extra_s``, ``state_dict_s``, ``read_s``,
+    ``set_state_dict_s``).
     """
+    parts = {} if parts is None else parts
+    t0 = time.monotonic()
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
+    t0 = _lap(parts, "metadata_s", t0)
 
     def reader() -> Any:
         return VerifiedReader(path, key, checked) if verified else dcp.FileSystemReader(path)
@@ -256,14 +264,25 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     ex = {EXTRA: {"json": ""}}
     run(ex)
     doc = json.loads(ex[EXTRA]["json"])
+    t0 = _lap(parts, "extra_s", t0)
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
         kept = _buffers_from_ranks(model, msd, _saved_keys(path, checked, verified), doc, path)
         sd = {"model": {k: v for k, v in msd.items() if k not in kept}, "optim": osd}
+        t0 = _lap(parts, "state_dict_s", t0)
         run(sd)
+        t0 = _lap(parts, "read_s", t0)
         sd["model"].update(kept)  # as they are: every rank's own copy is put in place after this load
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        _lap(parts, "set_state_dict_s", t0)
     return doc
+
+
+def _lap(parts: dict[str, float], name: str, since: float) -> float:
+    """Record the seconds since ``since`` as ``parts[name]``; return now."""
+    now = time.monotonic()
+    parts[name] = round(parts.get(name, 0.0) + now - since, 4)
+    return now
 
 
 def _saved_keys(path: str, checked: Any, verified: bool) -> set[str]:
