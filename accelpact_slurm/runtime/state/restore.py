@@ -12,8 +12,9 @@ The steps (each round one control-plane ``all_gather``; ``docs/checkpoints.md#re
 2. **copy** (a step some ranks lack): the lowest rank that holds it copies it into the shared tier
    (:meth:`StateIO.share`: temporary name, fsync, rename; node-local disks are not visible across nodes); a copy
    that fails moves every rank to the next older candidate;
-3. **re-check**: one rank per copy re-reads every file the manifest lists (size and SHA-256,
-   :func:`ckpt_service.verify.check_checksums`); pure :func:`agree` combines the answers;
+3. **re-check**: one rank per copy re-reads every file the manifest lists (size and digest,
+   :func:`ckpt_service.verify.check_checksums`) but a file that is still the inode its node's daemon hashed
+   (:mod:`ckpt_service.seal`); pure :func:`agree` combines the answers;
 4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.state.loadfit`): a refused copy moves every
    rank to the next older one, rejected once an older one loads; none loads: one stop, exit 76, nothing rejected;
 5. the replay check runs later, on the training path (:mod:`accelpact_slurm.runtime.state.replay`);
@@ -323,6 +324,7 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                     res = [*io.check(path), copies[rank]] if path is not None else \
                         [False, "the copy does not resolve inside the run's directories", copies[rank]]
                     _add(parts, "check_s", t0)
+                    parts["check"] = res[1]
                 ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
                 _add(parts, "check_round_s", t0)
                 failed = {c for _r, c, _why in bad}
@@ -351,7 +353,8 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                 f"verified on {copied['from']}, copied to the shared tier for {', '.join(copied['hosts'])}"
             if failed_check:
                 where += f" (after {failed_check})"
-            why = (f"step {step} is the newest snapshot {where}, its checksums re-read" if check
+            why = (f"step {step} is the newest snapshot {where}, its checksums re-read (or its files still those "
+                   f"its node's daemon verified)" if check
                    else f"step {step} ({where}) loaded without re-check (test-only switch)")
             out = _done(step, path, why, skipped)
             out.copied, out.parts = copied, parts
@@ -437,9 +440,10 @@ class StateIO:
         return path, "inside the run's snapshot directories"
 
     def check(self, path: str) -> tuple[bool, str]:
-
+        """The copy's checksums; a file that is still the inode its daemon hashed (:mod:`ckpt_service.seal`) is not
+        read again (a copy in another tier, or made at this start, is another inode: always hashed)."""
         try:
-            return check_checksums(path, load_or_create_key(self.run_dir))
+            return check_checksums(path, load_or_create_key(self.run_dir), trust_seal=True)
         except OSError as exc:  # unreadable: as bad as corrupted
             return False, f"cannot re-read: {exc}"
 
