@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -137,6 +138,41 @@ def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = Fal
         raise
 
 
+#: How far one request of the read-ahead reaches.
+_AHEAD = 32 << 20
+
+
+@contextlib.contextmanager
+def _reading_ahead(fd: int, size: int) -> Iterator[None]:
+    """While DCP reads the file open on ``fd`` item by item (each read waits for the disk, then the CPU copies the
+    item while the disk waits), a thread asks the kernel to read the whole file ahead (``POSIX_FADV_WILLNEED``,
+    :data:`_AHEAD` at a time, from the start), so the disk and the copies overlap.  On a descriptor of its own,
+    stopped and joined when the stream closes; where the kernel cannot, nothing happens."""
+    if not hasattr(os, "posix_fadvise"):
+        yield
+        return
+    own = os.dup(fd)
+    stop = threading.Event()
+
+    def ahead() -> None:
+        try:
+            for offset in range(0, size, _AHEAD):
+                if stop.is_set():
+                    break
+                os.posix_fadvise(own, offset, min(_AHEAD, size - offset), os.POSIX_FADV_WILLNEED)
+        except OSError:  # a file system without read-ahead: the reads still read
+            pass
+
+    t = threading.Thread(target=ahead, name="ckpt-read-ahead", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        os.close(own)
+
+
 def verified_metadata_bytes(path: str, key: bytes | None) -> tuple[dict[str, Any], bytes]:
     """``(manifest, the bytes of .metadata)``: authenticated, and checked on the one read they came from."""
     manifest, why = read_manifest(path, key)
@@ -178,7 +214,7 @@ def _verified_reader_class() -> type:
             if name == METADATA:
                 raise CheckpointError(f"{path}: .metadata is read once, from its verified bytes")
             fd, _ = open_checked(self.root, name, self.files[name], sealed=self.sealed)
-            with os.fdopen(fd, "rb") as fh:
+            with os.fdopen(fd, "rb") as fh, _reading_ahead(fd, int(self.files[name]["size"])):
                 yield fh
 
     class VerifiedReader(FileSystemReader):
