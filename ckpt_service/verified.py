@@ -143,7 +143,7 @@ _AHEAD = 32 << 20
 
 
 @contextlib.contextmanager
-def _reading_ahead(fd: int, size: int) -> Iterator[None]:
+def reading_ahead(fd: int, size: int) -> Iterator[None]:
     """While DCP reads the file open on ``fd`` item by item (each read waits for the disk, then the CPU copies the
     item while the disk waits), a thread asks the kernel to read the whole file ahead (``POSIX_FADV_WILLNEED``,
     :data:`_AHEAD` at a time, from the start), so the disk and the copies overlap.  On a descriptor of its own,
@@ -201,8 +201,9 @@ def _verified_reader_class() -> type:
     class _CheckedFS(FileSystem):
         """DCP's file system whose read streams are descriptors checked against the manifest when opened."""
 
-        def __init__(self, root: str, files: dict[str, Any], sealed: Mapping[str, seal.Identity] | None) -> None:
-            self.root, self.files, self.sealed = root, files, sealed
+        def __init__(self, root: str, files: dict[str, Any], sealed: Mapping[str, seal.Identity] | None,
+                     opened: Mapping[str, int] | None) -> None:
+            self.root, self.files, self.sealed, self.opened = root, files, sealed, opened or {}
 
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -213,18 +214,22 @@ def _verified_reader_class() -> type:
                 raise CheckpointError(f"{path}: .metadata names a file the manifest does not list")
             if name == METADATA:
                 raise CheckpointError(f"{path}: .metadata is read once, from its verified bytes")
+            if name in self.opened:  # checked by the caller on this descriptor already
+                with os.fdopen(os.dup(self.opened[name]), "rb") as fh:
+                    yield fh
+                return
             fd, _ = open_checked(self.root, name, self.files[name], sealed=self.sealed)
-            with os.fdopen(fd, "rb") as fh, _reading_ahead(fd, int(self.files[name]["size"])):
+            with os.fdopen(fd, "rb") as fh, reading_ahead(fd, int(self.files[name]["size"])):
                 yield fh
 
     class VerifiedReader(FileSystemReader):
         """``FileSystemReader`` over a snapshot checked on the handles it is read from (see the module)."""
 
         def __init__(self, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes] | None = None,
-                     sealed: Mapping[str, seal.Identity] | None = None) -> None:
+                     sealed: Mapping[str, seal.Identity] | None = None, opened: Mapping[str, int] | None = None) -> None:
             super().__init__(path)
             manifest, self._metadata_bytes = checked or verified_metadata_bytes(str(path), key)
-            self.fs = _CheckedFS(str(path), manifest["files"], sealed)
+            self.fs = _CheckedFS(str(path), manifest["files"], sealed, opened)
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:
@@ -243,12 +248,13 @@ _READER: type | None = None
 
 def VerifiedReader(path: str, key: bytes | None,  # noqa: N802 - a class, built on first use
                    checked: tuple[dict[str, Any], bytes] | None = None,
-                   sealed: Mapping[str, seal.Identity] | None = None) -> Any:
+                   sealed: Mapping[str, seal.Identity] | None = None, opened: Mapping[str, int] | None = None) -> Any:
     """A DCP ``StorageReader`` for the snapshot at ``path``, verified under ``key`` (see the module docstring).
 
     ``checked``: what :func:`verified_metadata_bytes` returned for ``path`` (several loads of one snapshot
     read ``.metadata`` once).  ``sealed``: what :func:`ckpt_service.seal.read` returned for it (a reload): a
-    data file that is still the inode its daemon hashed is read without a second hash.
+    data file that is still the inode its daemon hashed is read without a second hash.  ``opened``: ``{name:
+    descriptor}`` of data files the caller opened with :func:`open_checked` (read through a duplicate of it).
 
     Raises:
         CheckpointError: the manifest or ``.metadata`` does not pass (nothing was unpickled).
@@ -256,4 +262,4 @@ def VerifiedReader(path: str, key: bytes | None,  # noqa: N802 - a class, built 
     global _READER
     if _READER is None:
         _READER = _verified_reader_class()
-    return _READER(path, key, checked, sealed)
+    return _READER(path, key, checked, sealed, opened)

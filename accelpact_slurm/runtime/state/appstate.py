@@ -27,7 +27,7 @@ import torch
 from accelpact_slurm.core.errors import CheckpointError, UsageError
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime.state.buffers import buffer_items
-from ckpt_service import seal
+from ckpt_service import inplace, seal
 from ckpt_service.verified import VerifiedReader, unpickle_metadata, verified_metadata_bytes
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 import torch.distributed.checkpoint as dcp
@@ -236,8 +236,11 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
     run's ``key``, ``.metadata`` unpickled from the very bytes checked against it, every data file hashed
     on the descriptor DCP then reads, but for a file that is still the inode the node's daemon hashed when it
-    verified the snapshot (:mod:`ckpt_service.seal`).  One pass over the files: the extra state is read with
-    the tensors (first, on its own, only for a snapshot whose model state lacks some of the model's keys).
+    verified the snapshot (:mod:`ckpt_service.seal`).  Where this rank's sharding is the one that saved the
+    snapshot (FSDP1), its own boxes are read straight into its live tensors (:mod:`ckpt_service.inplace`: no
+    state-dict round trip, no collective; ``parts["inplace"]`` has its parts).  Else one pass over the files:
+    the extra state is read with the tensors (first, on its own, only for a snapshot whose model state lacks some
+    of the model's keys).
     ``verified=False`` (test-only: the negative control of the corruption test, with
     ``TestFaults.skip_reload_check``) reads with stock ``FileSystemReader``.  ``parts`` gets the seconds of
     each part (``metadata_s``, ``state_dict_s``, ``extra_s``, ``read_s``, ``set_state_dict_s``).
@@ -264,6 +267,13 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
                 raise
             raise CheckpointError(f"{path}: {ours}") from exc
 
+    if checked is not None:  # this rank's own boxes straight into its live tensors, where the sharding is the same
+        fast: dict[str, Any] = {}
+        extra = inplace.load(model, optimizer, path, key, checked, sealed, fast)
+        parts["inplace"] = fast
+        if extra is not None:
+            return json.loads(extra["json"])
+        t0 = time.monotonic()
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
         t0 = _lap(parts, "state_dict_s", t0)
