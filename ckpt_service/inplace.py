@@ -54,32 +54,34 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tupl
     """
     parts = {} if parts is None else parts
     t0 = time.monotonic()
-    compat.init_optim_state(optimizer)  # AdamW's moments exist after its first step only; get_state_dict does the same
-    plan = fsdp1_plan(model, optimizer)
-    if plan is None:
+    if not compat.fsdp1_flat_params(model):
         return None
     manifest, metadata_bytes = checked
     metadata = unpickle_metadata(metadata_bytes)
-    reads = _reads(plan, metadata)
-    if reads is None or not _small_keys(plan) <= set(metadata.state_dict_metadata):
-        return None
-    names = sorted({name for _d, name, _a, _n in reads})
+    names = sorted({info.relative_path for info in metadata.storage_data.values()})
     if any(name not in manifest["files"] for name in names):
         return None
-    t0 = _lap(parts, "plan_s", t0)
     with contextlib.ExitStack() as stack:
         opened: dict[str, int] = {}
         for name in names:
             fd, _ = open_checked(path, name, manifest["files"][name], sealed=sealed)
             stack.callback(os.close, fd)
             opened[name] = fd
+        for name in names:  # the kernel reads every file ahead (both at once) while this rank does the rest
+            stack.enter_context(reading_ahead(opened[name], int(manifest["files"][name]["size"])))
         t0 = _lap(parts, "open_s", t0)
+        compat.init_optim_state(optimizer)  # AdamW's moments exist after a step only; get_state_dict does the same
+        plan = fsdp1_plan(model, optimizer)
+        reads = _reads(plan, metadata) if plan is not None else None
+        if plan is None or reads is None or not _small_keys(plan) <= set(metadata.state_dict_metadata):
+            return None
         located: list[tuple[str, int, torch.Tensor]] = []
         for dst, name, offset, length in reads:
             at = _payload(opened[name], offset, length, dst)
             if at is None:
                 return None
             located.append((name, at, dst))
+        t0 = _lap(parts, "plan_s", t0)
         groups = [list(g["params"]) for g in plan.plain["optim"]["param_groups"]]
         small: dict[str, Any] = {"model": plan.plain["model"], "optim": plan.plain["optim"], "extra": {"json": ""}}
         import torch.distributed.checkpoint as dcp
@@ -88,8 +90,6 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tupl
         if [g.get("params") if isinstance(g, dict) else None for g in small["optim"]["param_groups"]] != groups:
             return None  # other parameter groups: the general load says what differs
         t0 = _lap(parts, "small_s", t0)
-        for name in names:  # the kernel reads each file ahead of the copies, both files at once
-            stack.enter_context(reading_ahead(opened[name], int(manifest["files"][name]["size"])))
         for name, at, dst in sorted(located, key=lambda x: (x[0], x[1])):
             _read_into(opened[name], dst, at, name)
         t0 = _lap(parts, "read_s", t0)
