@@ -120,8 +120,10 @@ def _reads(plan: Plan, metadata: Any) -> list[Read] | None:
             return None
         chunks = {tuple(c.offsets): list(c.sizes) for c in item.chunks}
         for b in e.boxes:
-            if b.src is None or not math.prod(b.sizes):
+            if not math.prod(b.sizes):
                 continue
+            if b.src is None:
+                return None
             if chunks.get(tuple(b.offsets)) != list(b.sizes):
                 return None
             info = metadata.storage_data.get(MetadataIndex(fqn, torch.Size(b.offsets)))
