@@ -414,11 +414,11 @@ class Run:
             rank["buffers"] = appstate.encode(own, "buffers")
         return {"run": run, "rank": rank}
 
-    def _load(self, path: str) -> dict[str, float]:
+    def _load(self, path: str) -> dict[str, Any]:
         """Collective: load one snapshot into the model, the optimizer and the extra state; the seconds of its parts."""
         verified = self._checked
         self.job._faults.kill_node_at("restore", snapshot_step(path), self.job._rt.node)
-        parts: dict[str, float] = {}
+        parts: dict[str, Any] = {}
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
                             verified=verified, parts=parts)
         run = doc["run"]

@@ -230,7 +230,7 @@ def _numpy() -> Any:
 
 
 def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True,
-         parts: dict[str, float] | None = None) -> dict[str, Any]:
+         parts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document.
 
     DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
@@ -294,7 +294,7 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     return doc
 
 
-def _lap(parts: dict[str, float], name: str, since: float) -> float:
+def _lap(parts: dict[str, Any], name: str, since: float) -> float:
     """Record the seconds since ``since`` as ``parts[name]``; return now."""
     now = time.monotonic()
     parts[name] = round(parts.get(name, 0.0) + now - since, 4)
