@@ -12,7 +12,8 @@ Entry points (torch 2.13-2.15): writing, :func:`zstd_extensions`, :func:`filesys
 (each unit's ``_handle``), :func:`flat_param_parts` (``_params``, ``_shard_param_infos``, ``_shapes``),
 :func:`persistent_buffers` (``Module._buffers``, ``_non_persistent_buffers_set``), :func:`canonical_fqn`
 (``state_dict._get_fqns``), :func:`sharded_tensor_type`; export, :func:`load_everything` (``_load_state_dict`` with
-``_EmptyStateDictLoadPlanner``).
+``_EmptyStateDictLoadPlanner``); the reload in place, :func:`init_optim_state` (``state_dict._init_optim_state``),
+:func:`record_reader` (``torch._C.PyTorchFileReader``).
 """
 
 from __future__ import annotations
@@ -154,3 +155,23 @@ def load_everything(reader) -> dict:
     sd: dict = {}
     _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return sd
+
+
+# ------------------------------------------------------------------ the reload in place
+
+
+def init_optim_state(optim) -> None:
+    """Create an optimizer's per-parameter state as ``get_state_dict`` does before a load: one step with zero
+    gradients at learning rate 0 (``state_dict._init_optim_state``; nothing when it has state already)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optim)
+
+
+def record_reader(stream) -> Any:
+    """torch's reader of one ``torch.save`` archive on a seekable binary ``stream`` (``torch._C.PyTorchFileReader``):
+    ``get_all_records()``, ``get_record_offset(name)`` (in the archive), ``get_record_size(name)``,
+    ``get_record(name)`` (the bytes of a small record)."""
+    import torch
+
+    return torch._C.PyTorchFileReader(stream)

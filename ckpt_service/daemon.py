@@ -32,7 +32,7 @@ from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
 from accelpact_slurm.core.safeopen import open_writable
 
-from ckpt_service import committed, faults, staging
+from ckpt_service import committed, faults, seal, staging
 from ckpt_service.index import dir_size, publish_index, read_indexes, read_record, record_state, scan
 from ckpt_service.layout import DEL_PREFIX, LOCK, MAX_STEP, daemon_failed_marker, private_dir, shared_dir as default_shared, socket_path, staging_root
 from ckpt_service.protocol import FINAL, peer_allowed, peer_uid, recv_line, send_line
@@ -430,9 +430,10 @@ class Daemon:
         if rec is None or not os.path.isdir(rec.path):
             return
         faults.slow_verify(self.o.node, self.o.faults)
-        ok, reason = verify_snapshot(rec.path, self.key)
+        sealed: dict[str, Any] = {}  # the files it hashed: a reload of them unchanged needs no second hash
+        ok, reason = verify_snapshot(rec.path, self.key, seal_out=sealed)
         state = "verified" if ok else "rejected"
-        self._record_state(rec.path, state, None if ok else reason)
+        self._record_state(rec.path, state, None if ok else reason, **({seal.KEY: sealed} if ok and sealed else {}))
         self._set_state(step, state, None if ok else reason, rec.path, rec.size_bytes)
         if ok:
             o = self.o
@@ -447,14 +448,14 @@ class Daemon:
                 self.q_tier.put((step, rec.path, why))
         self.q_delete.put(None)
 
-    def _record_state(self, path: str, state: str, reason: str | None) -> None:
+    def _record_state(self, path: str, state: str, reason: str | None, **extra: Any) -> None:
         """``record_state``; on a full disk, once more after the writes in flight now have ended.
 
         A write that fills the disk fails and gives its space back (its temporary directory is removed): a
         verification that finished meanwhile must not leave a good snapshot recorded as merely committed.
         """
         try:
-            record_state(path, state, reason)
+            record_state(path, state, reason, **extra)
             return
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
@@ -468,7 +469,7 @@ class Daemon:
                 if left <= 0:
                     break
                 self._changed.wait(left)
-        record_state(path, state, reason)
+        record_state(path, state, reason, **extra)
 
     def _delete_loop(self, _item: Any) -> None:
         records = scan(self.ndir, self.o.milestone_every)

@@ -8,7 +8,8 @@ the step the directory is named after (an authentic older snapshot renamed to a 
 :func:`open_checked` opens one listed file and checks on that descriptor that it is a regular file of the job's user
 that nobody else may write, of the listed size, and hashes it there; :class:`VerifiedReader` is DCP's
 ``FileSystemReader`` whose ``read_metadata`` unpickles the verified bytes held in memory and whose every data stream
-is a descriptor that passed :func:`open_checked`.
+is a descriptor that passed :func:`open_checked`.  A file that is still the inode the node's daemon hashed when it
+verified the snapshot (:mod:`.seal`) passes :func:`open_checked` without a second hash (every other check runs).
 
 Who calls: the reload (:func:`accelpact_slurm.runtime.state.appstate.load`) and the verification
 (:func:`ckpt_service.verify.verify_snapshot`).
@@ -19,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from accelpact_slurm.core.errors import CheckpointError
-from ckpt_service import digest
+from ckpt_service import digest, seal
 from ckpt_service.auth import authenticate
 from ckpt_service.layout import MANIFEST, step_of
 from ckpt_service.safeio import JSON_LIMIT, NotRegular, open_regular, read_fd, read_json_why
@@ -83,12 +85,16 @@ def _hash_fd(fd: int, drop: bool, algorithm: str) -> str:
     return h.hexdigest()
 
 
-def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = False,
-                 keep_bytes: bool = False) -> tuple[int, bytes | None]:
+def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = False, keep_bytes: bool = False,
+                 sealed: Mapping[str, seal.Identity] | None = None,
+                 hashed: dict[str, seal.Identity] | None = None) -> tuple[int, bytes | None]:
     """``(fd, bytes or None)`` of the listed file ``name`` in ``path``, checked on that descriptor.
 
     ``keep_bytes``: the file is read into memory once and those bytes are hashed and returned (for
-    ``.metadata``, which is unpickled from exactly them).  The caller closes ``fd``.
+    ``.metadata``, which is unpickled from exactly them).  ``sealed``: what :func:`ckpt_service.seal.read`
+    returned for ``path``; a file whose descriptor shows the inode the daemon hashed, unchanged, is not hashed
+    again (every other check still runs).  ``hashed``: gets ``name``'s identity when it was hashed and matched,
+    and the inode did not change meanwhile (what a seal records).  The caller closes ``fd``.
 
     Raises:
         CheckpointError: naming the file and what is wrong with it (missing, not a regular file, not the
@@ -111,6 +117,8 @@ def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = Fal
             raise CheckpointError(f"{name} has {st.st_size} bytes, the manifest says {want['size']} "
                                   f"(truncated or grown)")
         data = None
+        if not keep_bytes and sealed and sealed.get(name) == seal.identity(st):
+            return fd, None  # the inode the daemon hashed, unchanged since (ckpt_service.seal)
         algorithm, expected = digest.entry(want)
         if keep_bytes:
             data = read_fd(fd, st.st_size, p)
@@ -119,6 +127,8 @@ def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = Fal
             got = _hash_fd(fd, drop, algorithm)
         if got != expected:
             raise CheckpointError(f"{name} fails its {NAMES.get(algorithm, algorithm)} checksum (corrupted)")
+        if hashed is not None and seal.identity(os.fstat(fd)) == seal.identity(st):
+            hashed[name] = seal.identity(st)
         return fd, data
     except NotRegular as exc:
         os.close(fd)
@@ -126,6 +136,41 @@ def open_checked(path: str, name: str, want: dict[str, Any], *, drop: bool = Fal
     except BaseException:
         os.close(fd)
         raise
+
+
+#: How far one request of the read-ahead reaches.
+_AHEAD = 32 << 20
+
+
+@contextlib.contextmanager
+def reading_ahead(fd: int, size: int) -> Iterator[None]:
+    """While DCP reads the file open on ``fd`` item by item (each read waits for the disk, then the CPU copies the
+    item while the disk waits), a thread asks the kernel to read the whole file ahead (``POSIX_FADV_WILLNEED``,
+    :data:`_AHEAD` at a time, from the start), so the disk and the copies overlap.  On a descriptor of its own,
+    stopped and joined when the stream closes; where the kernel cannot, nothing happens."""
+    if not hasattr(os, "posix_fadvise"):
+        yield
+        return
+    own = os.dup(fd)
+    stop = threading.Event()
+
+    def ahead() -> None:
+        try:
+            for offset in range(0, size, _AHEAD):
+                if stop.is_set():
+                    break
+                os.posix_fadvise(own, offset, min(_AHEAD, size - offset), os.POSIX_FADV_WILLNEED)
+        except OSError:  # a file system without read-ahead: the reads still read
+            pass
+
+    t = threading.Thread(target=ahead, name="ckpt-read-ahead", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        os.close(own)
 
 
 def verified_metadata_bytes(path: str, key: bytes | None) -> tuple[dict[str, Any], bytes]:
@@ -156,8 +201,9 @@ def _verified_reader_class() -> type:
     class _CheckedFS(FileSystem):
         """DCP's file system whose read streams are descriptors checked against the manifest when opened."""
 
-        def __init__(self, root: str, files: dict[str, Any]) -> None:
-            self.root, self.files = root, files
+        def __init__(self, root: str, files: dict[str, Any], sealed: Mapping[str, seal.Identity] | None,
+                     opened: Mapping[str, int] | None) -> None:
+            self.root, self.files, self.sealed, self.opened = root, files, sealed, opened or {}
 
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -168,17 +214,22 @@ def _verified_reader_class() -> type:
                 raise CheckpointError(f"{path}: .metadata names a file the manifest does not list")
             if name == METADATA:
                 raise CheckpointError(f"{path}: .metadata is read once, from its verified bytes")
-            fd, _ = open_checked(self.root, name, self.files[name])
-            with os.fdopen(fd, "rb") as fh:
+            if name in self.opened:  # checked by the caller on this descriptor already
+                with os.fdopen(os.dup(self.opened[name]), "rb") as fh:
+                    yield fh
+                return
+            fd, _ = open_checked(self.root, name, self.files[name], sealed=self.sealed)
+            with os.fdopen(fd, "rb") as fh, reading_ahead(fd, int(self.files[name]["size"])):
                 yield fh
 
     class VerifiedReader(FileSystemReader):
         """``FileSystemReader`` over a snapshot checked on the handles it is read from (see the module)."""
 
-        def __init__(self, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes] | None = None) -> None:
+        def __init__(self, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes] | None = None,
+                     sealed: Mapping[str, seal.Identity] | None = None, opened: Mapping[str, int] | None = None) -> None:
             super().__init__(path)
             manifest, self._metadata_bytes = checked or verified_metadata_bytes(str(path), key)
-            self.fs = _CheckedFS(str(path), manifest["files"])
+            self.fs = _CheckedFS(str(path), manifest["files"], sealed, opened)
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:
@@ -196,11 +247,14 @@ _READER: type | None = None
 
 
 def VerifiedReader(path: str, key: bytes | None,  # noqa: N802 - a class, built on first use
-                   checked: tuple[dict[str, Any], bytes] | None = None) -> Any:
+                   checked: tuple[dict[str, Any], bytes] | None = None,
+                   sealed: Mapping[str, seal.Identity] | None = None, opened: Mapping[str, int] | None = None) -> Any:
     """A DCP ``StorageReader`` for the snapshot at ``path``, verified under ``key`` (see the module docstring).
 
     ``checked``: what :func:`verified_metadata_bytes` returned for ``path`` (several loads of one snapshot
-    read ``.metadata`` once).
+    read ``.metadata`` once).  ``sealed``: what :func:`ckpt_service.seal.read` returned for it (a reload): a
+    data file that is still the inode its daemon hashed is read without a second hash.  ``opened``: ``{name:
+    descriptor}`` of data files the caller opened with :func:`open_checked` (read through a duplicate of it).
 
     Raises:
         CheckpointError: the manifest or ``.metadata`` does not pass (nothing was unpickled).
@@ -208,4 +262,4 @@ def VerifiedReader(path: str, key: bytes | None,  # noqa: N802 - a class, built 
     global _READER
     if _READER is None:
         _READER = _verified_reader_class()
-    return _READER(path, key, checked)
+    return _READER(path, key, checked, sealed, opened)

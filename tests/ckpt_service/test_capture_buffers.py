@@ -9,7 +9,8 @@ rank's own batches (the ranks' batch-norm statistics differ), the capture plan t
 proof against ``get_state_dict``, the node's snapshot written by the daemon's writer from the staging slots, and
 a stock ``appstate.load`` into a fresh model: every key of the unwrapped model's ``state_dict()`` (and no
 non-persistent buffer) is in the plan, the proof passes, the reload restores the weights, the optimizer state
-and the node's first rank's buffers bitwise.
+and the node's first rank's buffers bitwise (FSDP1 with ``use_orig_params``: each rank's own boxes read in place,
+``ckpt_service.inplace``; the others through ``set_state_dict``).
 
 Negative control (in the test): the same plan without its buffers (what ``fsdp1_plan`` captured before) fails the
 capture proof naming a buffer, and its snapshot's reload raises ``Missing key in checkpoint state_dict`` when no
@@ -236,7 +237,10 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             fresh = _wrap(build(kind, classes=5, width=4, seed=1), flavour, uop, wrap, mesh)
             fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, foreach=False)
             _train(fresh, fresh_opt, rank + 7)
-            appstate.load(fresh, fresh_opt, path, KEY)
+            parts: dict = {}
+            appstate.load(fresh, fresh_opt, path, KEY, parts=parts)
+            # FSDP1 with use_orig_params reads its own boxes in place (ckpt_service.inplace); the others, generally
+            assert ("read_s" in parts["inplace"]) == bool(uop and flavour == "fsdp1"), (name, parts)
             back = plan_fingerprints(state_dict_plan(fresh, fresh_opt))
             mine = {k: v for k, v in live.items() if not k.startswith("plain:model/")}
             assert {k: v for k, v in back.items() if k in mine} == mine, f"{name}: weights or optimizer state differ"

@@ -301,6 +301,10 @@ def test_an_l2_restart_resumes_bitwise_with_the_extra_state(e2e):
     assert [(e["snapshot"], e["step"]) for e in _events(d, "replay_ref", restart=0)] == [(5, 6), (10, 11)]
     (load,) = _events(d, "restart_load")
     assert (load["restart"], load["step"], load["skipped"]) == (1, 10, [])
+    # the relaunch reads the files node1's daemon verified, unchanged: none is hashed twice (ckpt_service.seal)
+    check = load["parts"]["check"]
+    assert " match: 0 hashed, " in check and "still the files the daemon hashed" in check, load["parts"]
+    assert "read_s" in load["parts"]["restore"]["inplace"], load["parts"]  # each rank's own boxes, in place
     (chk,) = _events(d, "replay_check")
     assert (chk["restart"], chk["snapshot"], chk["step"], chk["verdict"]) == (1, 10, 11, "match")
     assert chk["reason"] == (f"update 11 reproduced bitwise: loss {_summary(a)['losses'][10]!r}, "

@@ -414,17 +414,19 @@ class Run:
             rank["buffers"] = appstate.encode(own, "buffers")
         return {"run": run, "rank": rank}
 
-    def _load(self, path: str) -> None:
-        """Collective: load one snapshot into the model, the optimizer and the extra state."""
+    def _load(self, path: str) -> dict[str, Any]:
+        """Collective: load one snapshot into the model, the optimizer and the extra state; the seconds of its parts."""
         verified = self._checked
         self.job._faults.kill_node_at("restore", snapshot_step(path), self.job._rt.node)
+        parts: dict[str, Any] = {}
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
-                            verified=verified)
+                            verified=verified, parts=parts)
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]
         mine, rng = appstate.rank_state(doc["ranks"], self.job.rank, self.job.seed, self.step)
         self._extra_restore(path, mine, rng)
+        return parts
 
     def _restore_extra(self, path: str, mine: dict[str, Any], rng: dict[str, Any]) -> None:
         """This rank's RNG, Stateful states and own buffers from the snapshot at ``path``."""

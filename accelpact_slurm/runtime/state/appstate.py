@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import time
 from typing import Any, Mapping
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from accelpact_slurm.core.errors import CheckpointError, UsageError
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime.state.buffers import buffer_items
+from ckpt_service import inplace, seal
 from ckpt_service.verified import VerifiedReader, unpickle_metadata, verified_metadata_bytes
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 import torch.distributed.checkpoint as dcp
@@ -227,22 +229,34 @@ def _numpy() -> Any:
     return numpy
 
 
-def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True) -> dict[str, Any]:
+def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True,
+         parts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document.
 
     DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
     run's ``key``, ``.metadata`` unpickled from the very bytes checked against it, every data file hashed
-    on the descriptor DCP then reads.  ``verified=False`` (test-only: the negative control of the
-    corruption test, with ``TestFaults.skip_reload_check``) reads with stock ``FileSystemReader``.
+    on the descriptor DCP then reads, but for a file that is still the inode the node's daemon hashed when it
+    verified the snapshot (:mod:`ckpt_service.seal`).  Where this rank's sharding is the one that saved the
+    snapshot (FSDP1), its own boxes are read straight into its live tensors (:mod:`ckpt_service.inplace`: no
+    state-dict round trip, no collective; ``parts["inplace"]`` has its parts).  Else one pass over the files:
+    the extra state is read with the tensors (first, on its own, only for a snapshot whose model state lacks some
+    of the model's keys).
+    ``verified=False`` (test-only: the negative control of the corruption test, with
+    ``TestFaults.skip_reload_check``) reads with stock ``FileSystemReader``.  ``parts`` gets the seconds of
+    each part (``metadata_s``, ``state_dict_s``, ``extra_s``, ``read_s``, ``set_state_dict_s``).
 
     Raises:
         CheckpointError: the snapshot does not pass on the handles it was read from (e.g. replaced after the
             re-check): the start ends and the next one re-checks it.
     """
+    parts = {} if parts is None else parts
+    t0 = time.monotonic()
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
+    sealed = seal.read(path, key, checked[0]) if checked is not None else None
+    t0 = _lap(parts, "metadata_s", t0)
 
     def reader() -> Any:
-        return VerifiedReader(path, key, checked) if verified else dcp.FileSystemReader(path)
+        return VerifiedReader(path, key, checked, sealed) if verified else dcp.FileSystemReader(path)
 
     def run(state: dict[str, Any]) -> None:
         try:
@@ -253,17 +267,38 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
                 raise
             raise CheckpointError(f"{path}: {ours}") from exc
 
-    ex = {EXTRA: {"json": ""}}
-    run(ex)
-    doc = json.loads(ex[EXTRA]["json"])
+    if checked is not None:  # this rank's own boxes straight into its live tensors, where the sharding is the same
+        fast: dict[str, Any] = {}
+        extra = inplace.load(model, optimizer, path, key, checked, sealed, fast)
+        parts["inplace"] = fast
+        if extra is not None:
+            return json.loads(extra["json"])
+        t0 = time.monotonic()
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
-        kept = _buffers_from_ranks(model, msd, _saved_keys(path, checked, verified), doc, path)
+        t0 = _lap(parts, "state_dict_s", t0)
+        saved = _saved_keys(path, checked, verified)
+        ex: dict[str, Any] = {EXTRA: {"json": ""}}
+        kept: dict[str, Any] = {}
+        if any(f"model.{k}" not in saved for k in msd):  # the extra state first: it may hold what the model lacks
+            run(ex)
+            kept = _buffers_from_ranks(model, msd, saved, json.loads(ex[EXTRA]["json"]), path)
+            t0 = _lap(parts, "extra_s", t0)
         sd = {"model": {k: v for k, v in msd.items() if k not in kept}, "optim": osd}
-        run(sd)
+        run(sd if ex[EXTRA]["json"] else {**sd, **ex})  # one pass over the files, the extra state with the tensors
+        doc = json.loads(ex[EXTRA]["json"])
+        t0 = _lap(parts, "read_s", t0)
         sd["model"].update(kept)  # as they are: every rank's own copy is put in place after this load
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        _lap(parts, "set_state_dict_s", t0)
     return doc
+
+
+def _lap(parts: dict[str, Any], name: str, since: float) -> float:
+    """Record the seconds since ``since`` as ``parts[name]``; return now."""
+    now = time.monotonic()
+    parts[name] = round(parts.get(name, 0.0) + now - since, 4)
+    return now
 
 
 def _saved_keys(path: str, checked: Any, verified: bool) -> set[str]:

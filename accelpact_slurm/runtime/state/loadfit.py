@@ -19,6 +19,7 @@ Checksums prove the bytes are the ones written, not that the model can take them
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping, Sequence
 
 from accelpact_slurm.core.errors import AccelpactError, CheckpointError, ConfigError
@@ -180,7 +181,8 @@ def no_snapshot_line(unloadable: Mapping[int, str], model_change: bool) -> str:
 
 
 def load_agreed(rank: int, step: int, path: str, copy_id: str | None, io: Any, control: Any,
-                hosts: Sequence[str], timeout_s: float | None) -> tuple[str, list[tuple[int, str, str]], bool] | None:
+                hosts: Sequence[str], timeout_s: float | None,
+                parts: dict[str, Any] | None = None) -> tuple[str, list[tuple[int, str, str]], bool] | None:
     """Collective: check that the snapshot fits the model, then load it; ``None`` when every rank loaded it, else
     ``(reason, [(rank, copy, why)], the model's keys differ)``.
 
@@ -188,18 +190,25 @@ def load_agreed(rank: int, step: int, path: str, copy_id: str | None, io: Any, c
     from the same metadata and model, before any rank enters the load's collectives), then the load's outcome.
     A failure that is the environment's (a disk, a link, the files replaced after their re-check) ends the
     start on every rank: the rank that met it raises its exception, the others a :class:`CheckpointError`
-    naming it; the snapshot is not rejected.
+    naming it; the snapshot is not rejected.  ``parts`` gets the seconds of this rank's fit and load (``fit_s``,
+    ``restore_s``, the load's own parts under ``restore``) and of each round (``fit_round_s``, ``load_round_s``).
     """
     fits = getattr(io, "fits", None)
+    parts = {} if parts is None else parts
     for name in ("reload-fit", "reload-load"):
         res: list[Any] = [True, "", copy_id, None]
         error: BaseException | None = None
+        t0 = time.monotonic()
         try:
             if name == "reload-load":
-                io.load(path)
+                inner = io.load(path)
+                parts["restore_s"] = round(time.monotonic() - t0, 4)
+                if isinstance(inner, Mapping):
+                    parts["restore"] = dict(inner)
             elif fits is not None:
                 ok, why = fits(path)
                 res = [ok, why, copy_id, None if ok else "model"]
+                parts["fit_s"] = round(time.monotonic() - t0, 4)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException: a crash, not a decision
@@ -207,6 +216,7 @@ def load_agreed(rank: int, step: int, path: str, copy_id: str | None, io: Any, c
             kind, why = load_failure(exc)
             res = [False, why, copy_id, kind]
         got = control.all_gather(name, res, timeout_s=timeout_s)
+        parts[f"{name.removeprefix('reload-')}_round_s"] = round(time.monotonic() - t0, 4)
         env = [(r, g) for r, g in enumerate(got) if isinstance(g, list) and len(g) == 4 and not g[0]
                and g[3] == ENVIRONMENT]
         if env:

@@ -12,8 +12,9 @@ The steps (each round one control-plane ``all_gather``; ``docs/checkpoints.md#re
 2. **copy** (a step some ranks lack): the lowest rank that holds it copies it into the shared tier
    (:meth:`StateIO.share`: temporary name, fsync, rename; node-local disks are not visible across nodes); a copy
    that fails moves every rank to the next older candidate;
-3. **re-check**: one rank per copy re-reads every file the manifest lists (size and SHA-256,
-   :func:`ckpt_service.verify.check_checksums`); pure :func:`agree` combines the answers;
+3. **re-check**: one rank per copy re-reads every file the manifest lists (size and digest,
+   :func:`ckpt_service.verify.check_checksums`) but a file that is still the inode its node's daemon hashed
+   (:mod:`ckpt_service.seal`); pure :func:`agree` combines the answers;
 4. **load** (verified means loadable, :mod:`~accelpact_slurm.runtime.state.loadfit`): a refused copy moves every
    rank to the next older one, rejected once an older one loads; none loads: one stop, exit 76, nothing rejected;
 5. the replay check runs later, on the training path (:mod:`accelpact_slurm.runtime.state.replay`);
@@ -222,8 +223,8 @@ class ReloadIO(Protocol):
     def check(self, path: str) -> tuple[bool, str]:
         """Re-read the copy at ``path`` (no loading); ``(ok, reason)``."""
 
-    def load(self, path: str) -> None:
-        """Load the copy into the protected state (collective)."""
+    def load(self, path: str) -> Mapping[str, float] | None:
+        """Load the copy into the protected state (collective); the seconds of its parts, when it measured them."""
 
     def fits(self, path: str) -> tuple[bool, str]:
         """Whether the copy holds exactly the model's tensors (:func:`loadfit.model_fit`); optional."""
@@ -244,6 +245,7 @@ class ReloadOutcome:
     offered: bool = False  # some rank could reach a verified snapshot
     copied: dict[str, Any] | None = None  # {from, to, hosts, why}: the step was copied for ranks that lacked it
     stop: str | None = None  # no candidate could be restored: the stop's one line (nothing to resume, no restart)
+    parts: dict[str, Any] = field(default_factory=dict)  # where this rank's time went (seconds; restart_load.parts)
 
 
 def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, check: bool = True,
@@ -260,7 +262,10 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
             dropped.append(f"step {step} in {where}: {io.path_of(step, where)[1]}")
             del mine[step]
     offer = {**offer, "verified": sorted([s, w] for s, w in mine.items())}
+    parts: dict[str, Any] = {}
+    t0 = time.monotonic()
     offers = control.all_gather("reload-offer", dict(offer), timeout_s=timeout_s)
+    _add(parts, "offer_round_s", t0)
     hosts = [str(o.get("host")) if isinstance(o, Mapping) else f"rank {r}" for r, o in enumerate(offers)]
     offers = [offer if r == rank else (o if isinstance(o, Mapping) else {}) for r, o in enumerate(offers)]
     for r, o in enumerate(offers):
@@ -290,10 +295,12 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                     skipped[step] = "offered in the shared tier, but some ranks cannot see it there"
                     break
                 res = None
+                t0 = time.monotonic()
                 if src == rank:
                     res = list(io.share(step, str(path)))[:2] if path is not None else \
                         [False, "this rank's copy does not resolve inside the run's directories"]
                 answer = control.all_gather("reload-copy", res, timeout_s=timeout_s)[src]
+                _add(parts, "copy_round_s", t0)
                 ok, why = (bool(answer[0]), str(answer[1])) if isinstance(answer, list) and len(answer) >= 2 \
                     else (False, f"no answer from {hosts[src]}")
                 if not ok:
@@ -312,10 +319,14 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
             if check:
                 checker = checker_ranks(copies)
                 res = None
+                t0 = time.monotonic()
                 if checker[copies[rank]] == rank and copies[rank] not in passed:
                     res = [*io.check(path), copies[rank]] if path is not None else \
                         [False, "the copy does not resolve inside the run's directories", copies[rank]]
+                    _add(parts, "check_s", t0)
+                    parts["check"] = res[1]
                 ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
+                _add(parts, "check_round_s", t0)
                 failed = {c for _r, c, _why in bad}
                 passed |= {str(c) for c in copies if c not in failed}
                 if not ok:
@@ -330,7 +341,7 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
             if path is None:  # unreachable with an honest control plane: checked above
                 skipped[step] = "this rank's copy does not resolve inside the run's directories"
                 break
-            refused = loadfit.load_agreed(rank, step, path, copies[rank], io, control, hosts, timeout_s)
+            refused = loadfit.load_agreed(rank, step, path, copies[rank], io, control, hosts, timeout_s, parts)
             if refused is not None:  # rejected once an older one loads (the model is then not what changed)
                 unloadable[step] = (*refused, copies[rank], path)
                 skipped[step] = f"cannot be restored: {refused[0]}"
@@ -342,18 +353,24 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                 f"verified on {copied['from']}, copied to the shared tier for {', '.join(copied['hosts'])}"
             if failed_check:
                 where += f" (after {failed_check})"
-            why = (f"step {step} is the newest snapshot {where}, its checksums re-read" if check
+            why = (f"step {step} is the newest snapshot {where}, its checksums re-read (or its files still those "
+                   f"its node's daemon verified)" if check
                    else f"step {step} ({where}) loaded without re-check (test-only switch)")
             out = _done(step, path, why, skipped)
-            out.copied = copied
+            out.copied, out.parts = copied, parts
             return out
     offered_any = bool(order)
     why = summary if not skipped else f"every candidate was rejected ({summary})"
-    out = ReloadOutcome(None, None, why, _skipped(None, skipped), offered_any)
+    out = ReloadOutcome(None, None, why, _skipped(None, skipped), offered_any, parts=parts)
     if unloadable:  # starting over from update 0 would discard the run's progress for a model that changed
         out.stop = loadfit.no_snapshot_line({s: u[0] for s, u in unloadable.items()},
                                             any(u[2] for u in unloadable.values()))
     return out
+
+
+def _add(parts: dict[str, Any], name: str, since: float) -> None:
+    """Add the seconds since ``since`` (``time.monotonic()``) to ``parts[name]``."""
+    parts[name] = round(parts.get(name, 0.0) + time.monotonic() - since, 4)
 
 
 def _copy_id(where: str | None, host: str) -> str | None:
@@ -423,14 +440,16 @@ class StateIO:
         return path, "inside the run's snapshot directories"
 
     def check(self, path: str) -> tuple[bool, str]:
-
+        """The copy's checksums; a file that is still the inode its daemon hashed (:mod:`ckpt_service.seal`) is not
+        read again (a copy in another tier, or made at this start, is another inode: always hashed)."""
         try:
-            return check_checksums(path, load_or_create_key(self.run_dir))
+            return check_checksums(path, load_or_create_key(self.run_dir), trust_seal=True)
         except OSError as exc:  # unreadable: as bad as corrupted
             return False, f"cannot re-read: {exc}"
 
-    def load(self, path: str) -> None:
-        self.load_fn(path)
+    def load(self, path: str) -> Mapping[str, float] | None:
+        parts = self.load_fn(path)
+        return parts if isinstance(parts, Mapping) else None
 
     def fits(self, path: str) -> tuple[bool, str]:
         if self.model is None:
@@ -543,15 +562,19 @@ def restore(rt: RankContext, cfg: Any, run_dir: str, load_fn: Any, events: Any =
         log.warning("reload re-check and replay disabled (test-only fault injection)")
     timeout = max(cfg.timeouts.control_s, cfg.timeouts.startup_s)
     settle_pending(ndir, timeout)
+    t_settled = time.monotonic()
     steps = getattr(cfg, "steps", None)  # the job's number of updates: its last snapshot is of that step
     offer = make_offer(rt.ctx.hostname, ndir, sdir, steps if isinstance(steps, int) and steps >= 0 else None)
     io = StateIO(load_fn, run_dir, ndir, rt.ctx.hostname, cfg.checkpoint.milestone_every, events, sdir, model, check)
+    t_offer = time.monotonic()
     out = reload(rt.rank, offer, rt.control, io, check=check, copy=copy, timeout_s=timeout)
+    out.parts = {"settle_s": round(t_settled - t0, 4), "offer_s": round(t_offer - t_settled, 4), **out.parts}
     if rt.rank == 0 and events is not None:
         newest_committed = _against_committed(run_dir, out, events)
         if out.offered:
             events.emit("restart_load", step=out.step, reason=out.reason, skipped=out.skipped, path=out.path,
-                        checked=check, copied=out.copied, load_s=time.monotonic() - t0, committed=newest_committed)
+                        checked=check, copied=out.copied, load_s=time.monotonic() - t0, committed=newest_committed,
+                        parts=out.parts)
     if out.stop is not None:  # every rank: the same rounds gave every rank the same line
         raise FailStop(out.stop, EXIT_NO_REQUEUE, cause="checkpoint", phase="restore", frontier=None,
                        decided_at=time.monotonic())
