@@ -3,7 +3,7 @@
 Who calls (every rank, same order, from :class:`accelpact_slurm.runtime.job.api.Run`): ``SnapshotClient(cfg, rt,
 run_dir, events, model, optimizer, extra)`` after ``job.protect`` (``rt``: :class:`accelpact_slurm.core.rank.RankContext`);
 ``after_commit(step)`` after each committed update (collective on snapshot steps: the extra-state exchange over the
-control plane, and on a start's first snapshot the capture proof, an FSDP collective); ``settle(step, timeout_s)``
+control plane, and on a start's first snapshot the capture proof's round); ``settle(step, timeout_s)``
 where ``run.save()`` or the job's end asks for a verified snapshot (collective likewise); ``close()`` at the end.
 
 A snapshot (:meth:`SnapshotClient.snapshot`) plans the boxes of the tensors this rank holds (:mod:`.capture`) and
@@ -20,7 +20,7 @@ timeout the other nodes' ranks would hit first.
 
 ``extra()`` is this rank's non-tensor state as JSON (the frontier, every ``Stateful``'s state, the RNG states); the
 client stores every rank's as one document beside the tensors.  Nothing here knows the model's class: the capture
-proof (:mod:`.proof`) compares staged bytes with the framework's own state dict.
+proof (:mod:`.proof`) compares staged bytes with the live state, located without the plan (no copy of it).
 """
 
 from __future__ import annotations
@@ -128,8 +128,7 @@ class SnapshotClient:
 
     def snapshot(self, step: int) -> bool:
         """Collective: stage this rank's state at committed step ``step``; False when it was skipped."""
-        from ckpt_service.capture import plan_for, state_dict_plan
-        from ckpt_service.proof import compare, plan_fingerprints
+        from ckpt_service.capture import plan_for
 
         rt, cfg = self.rt, self.cfg
         t0 = time.monotonic()
@@ -200,16 +199,11 @@ class SnapshotClient:
                                      f"({len(signatures)} plans, {proof_cache.FILE})"}
                 self._proved = True
             else:
-                staged = plan_fingerprints(plan, self.slots[slot].buf)
                 self.faults.kill_node_at("proof", step, rt.node)
-                live = plan_fingerprints(state_dict_plan(self.model, self.optimizer))  # collective
-                both = rt.control.all_gather("ckpt-proof", {"staged": staged, "live": live})
-                verdicts = [compare([both[r]["staged"] for r in rt.layout.shard_ranks(n)],
-                                    [both[r]["live"] for r in rt.layout.shard_ranks(n)])
-                            for n in range(rt.layout.num_nodes)]
-                ok, why = verdicts[rt.node]
+                ok, why = self._prove(plan, slot)
+                passed = rt.control.all_gather("ckpt-proof", ok)  # every rank's node's verdict
                 capture = {"ok": ok, "reason": why, "step": step}
-                self._proved = all(v[0] for v in verdicts)  # the same on every rank: the next proof is collective too
+                self._proved = all(passed)  # the same on every rank: the next proof is collective too
                 if self._proved and rt.rank == 0:
                     proof_cache.record(self.run_dir, signatures, step, rt.ctx.restart_count)
                 if not ok:
@@ -237,6 +231,21 @@ class SnapshotClient:
         faults_mod.kill_after_staged(self, step, self.faults)
         self.faults.kill_node_at("handoff", step, rt.node)  # its hand-off to the daemon in flight
         return True
+
+    def _prove(self, plan: Any, slot: int) -> tuple[bool, str]:
+        """This rank's part of the capture proof (:mod:`.proof`): the slot's bytes against a reference of the live
+        state (views, no copy), over two rounds of its node's ranks on the control plane; the node's verdict."""
+        from ckpt_service import proof
+
+        rt = self.rt
+        node = rt.layout.shard_ranks(rt.node)
+        live: proof.Side | str
+        try:
+            live = proof.reference(self.model, self.optimizer, plan)
+        except Exception as exc:  # noqa: BLE001 - the proof fails with the reason; training goes on
+            live = f"no reference of the live state on rank {rt.rank}: {type(exc).__name__}: {exc}"
+        return proof.prove(proof.staged(plan, self.slots[slot].buf), live,
+                           lambda tag, value: rt.control.all_gather(f"ckpt-proof-{tag}/{rt.node}", value, ranks=node))
 
     def _prepare_slots(self) -> None:
         """After the start's first committed update (every tensor of the state exists by then): size the slot the

@@ -10,6 +10,7 @@ Entry points (torch 2.13-2.15): writing, :func:`zstd_extensions`, :func:`filesys
 (``FileSystemWriter``'s ``_extensions`` and ``_write_data``), :func:`write_item` (``filesystem._write_item``),
 :func:`can_place_items` (and ``torch.serialization._get_storage_alignment``); capture, :func:`fsdp1_flat_params`
 (each unit's ``_handle``), :func:`flat_param_parts` (``_params``, ``_shard_param_infos``, ``_shapes``),
+:func:`fsdp1_flat_layouts` (``_numels_with_padding``, ``_is_padding_mask``),
 :func:`persistent_buffers` (``Module._buffers``, ``_non_persistent_buffers_set``), :func:`canonical_fqn`
 (``state_dict._get_fqns``), :func:`sharded_tensor_type`; export, :func:`load_everything` (``_load_state_dict`` with
 ``_EmptyStateDictLoadPlanner``); the reload in place, :func:`init_optim_state` (``state_dict._init_optim_state``),
@@ -116,6 +117,41 @@ def flat_param_parts(fp) -> list[tuple[Any, Any, Any]] | None:
     if params is None:
         return None
     return list(zip(params, fp._shard_param_infos, fp._shapes))
+
+
+def fsdp1_flat_layouts(model) -> list[tuple[Any, int, list[tuple[Any, list[int], int]] | None]]:
+    """For every FSDP1 unit's ``FlatParameter`` under ``model`` (module order, each once): ``(flat parameter, this
+    rank's index in the group it is sharded over, its unflattening layout)``; the layout lists ``(original parameter,
+    its shape, the offset of its first element in the unsharded flat parameter)`` for every parameter it holds, in
+    order, alignment padding skipped, or is None when it keeps no original parameters (``use_orig_params=False``).
+
+    The layout is FSDP's own unflattening (``_numels_with_padding``, ``_is_padding_mask``, ``_shapes``, the
+    handle's ``rank``): where forward finds each parameter in the unsharded flat parameter, not the per-rank shard
+    info (``_shard_param_infos``) the capture plan reads."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return []
+    out, seen = [], set()
+    for unit in FSDP.fsdp_modules(model):
+        handle = getattr(unit, "_handle", None)
+        fp = getattr(handle, "flat_param", None)
+        if fp is None or id(fp) in seen:
+            continue
+        seen.add(id(fp))
+        params = getattr(fp, "_params", None)
+        layout: list[tuple[Any, list[int], int]] | None = None
+        if params is not None:
+            starts, at = [], 0
+            for numel, padding in zip(fp._numels_with_padding, fp._is_padding_mask):
+                if not padding:
+                    starts.append(at)
+                at += numel
+            if not len(starts) == len(params) == len(fp._shapes):
+                raise ValueError(f"FSDP1 flat parameter: {len(starts)} unpadded entries for {len(params)} parameters")
+            layout = [(p, list(shape), start) for p, shape, start in zip(params, fp._shapes, starts)]
+        out.append((fp, int(handle.rank), layout))
+    return out
 
 
 def persistent_buffers(module) -> list[tuple[str, Any]]:

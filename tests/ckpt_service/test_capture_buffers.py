@@ -6,8 +6,8 @@ torchvision's (``examples/vision/bn_models.py``: MobileNetV3-small and ResNet in
 every wrapping: FSDP1 with ``use_orig_params`` True (the capture's fast path) and False, with and without an
 auto-wrap policy, and FSDP2 with and without per-block ``fully_shard``.  For each: two AdamW updates on each
 rank's own batches (the ranks' batch-norm statistics differ), the capture plan the client takes, its capture
-proof against ``get_state_dict``, the node's snapshot written by the daemon's writer from the staging slots, and
-a stock ``appstate.load`` into a fresh model: every key of the unwrapped model's ``state_dict()`` (and no
+proof (against the client's reference of the live state and against ``get_state_dict``), the node's snapshot
+written by the daemon's writer from the staging slots, and a stock ``appstate.load`` into a fresh model: every key of the unwrapped model's ``state_dict()`` (and no
 non-persistent buffer) is in the plan, the proof passes, the reload restores the weights, the optimizer state
 and the node's first rank's buffers bitwise (FSDP1 with ``use_orig_params``: each rank's own boxes read in place,
 ``ckpt_service.inplace``; the others through ``set_state_dict``).
@@ -95,6 +95,19 @@ def _write(plan, slot, step, rank, local, ndir, shard, meta):
     return path
 
 
+def _digests(plan):
+    """Every tensor of a plan, exactly: the bytes of each box (by key and offsets) and of each plain tensor."""
+    import hashlib
+
+    from ckpt_service.proof import PLAIN, plain_tensors
+
+    out = {f"{'/'.join(e.key)}@{b.offsets}": hashlib.sha256(bytes(_bits(b.src).numpy())).hexdigest()
+           for e in plan.entries for b in e.boxes}
+    out.update((PLAIN + path, hashlib.sha256(bytes(_bits(t).numpy())).hexdigest()) for path, t in
+               plain_tensors(plan.plain))
+    return out
+
+
 def _bits(t):
     """A tensor's bytes: equal bits, not merely equal values."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -168,7 +181,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     from accelpact_slurm.runtime.state.buffers import ForwardState
     from ckpt_service import staging
     from ckpt_service.capture import Plan, plan_for, state_dict_plan
-    from ckpt_service.proof import compare, plan_fingerprints
+    from ckpt_service.proof import planned, prove, reference, staged
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -177,6 +190,11 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         shard = mesh.get_group("shard")
+
+        def gather(_tag, value):  # the proof's rounds over the node, as the client's control plane gives them
+            out: list = [None] * 2
+            dist.all_gather_object(out, value, group=shard)
+            return out
         meta = {"job_id": "t", "config_digest": "0" * 64, "config": {}, "world_size": world, "layout": [2, 2],
                 "extra_json": json.dumps({"run": {}, "ranks": {}}), "capture": None}
         slot = staging.Slot(staging.slot_path(os.path.join(out_dir, f"shm-{node}"), local, 0))
@@ -199,21 +217,25 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             assert set(msd) == want_keys, f"{name}: the state dict itself: {sorted(set(msd) ^ want_keys)[:4]}"
             bufs = {k: v for k, v in plan.plain["model"].items() if "running_mean" in k}
             assert bufs, name
-            # the capture proof: the staged plan (read back from the slot) against get_state_dict, per node
+            # the capture proof: the staged plan (read back from the slot) against the client's reference of the
+            # live state, and against get_state_dict itself, per node
             ndir = os.path.join(out_dir, f"{n}-node{node}")
             path = _write(plan, slot, 2, rank, local, ndir, shard, meta)
-            staged = plan_fingerprints(plan, slot.buf)
-            live = plan_fingerprints(state_dict_plan(model, opt))
-            both: list = [None] * 2
-            dist.all_gather_object(both, (staged, live, bufs), group=shard)
-            ok, proven = compare([b[0] for b in both], [b[1] for b in both])
+            sd = state_dict_plan(model, opt)
+            ok, proven = prove(staged(plan, slot.buf), reference(model, opt, plan), gather)
             assert ok and "plain tensors" in proven, f"{name}: {proven}"
-            assert any(not torch.equal(both[0][2][k], both[1][2][k]) for k in bufs), f"{name}: per-rank statistics"
+            ok, why = prove(staged(plan, slot.buf), planned(sd), gather)
+            assert ok, f"{name}: against get_state_dict: {why}"
+            live = _digests(sd)
+            both: list = [None] * 2
+            dist.all_gather_object(both, (live, bufs), group=shard)
+            assert any(not torch.equal(both[0][1][k], both[1][1][k]) for k in bufs), f"{name}: per-rank statistics"
             # negative control: the plan without its buffers fails the proof, naming one, and its reload raises
             old = Plan(plan.entries, {**plan.plain, "model": {}}, plan.source)
-            dist.all_gather_object(both, (plan_fingerprints(old), live), group=shard)
-            ok, why = compare([b[0] for b in both], [b[1] for b in both])
-            assert not ok and "missing ['plain:model/" in why, f"{name}: {why}"
+            refs = (reference(model, opt, plan), planned(sd)) if plan.source == "fsdp1" else (planned(sd),)
+            for ref in refs:
+                ok, why = prove(planned(old), ref, gather)
+                assert not ok and "missing ['plain:model/" in why, f"{name}: {why}"
             old_path = _write(old, slot, 3, rank, local, ndir, shard, meta)
             bare = dict(meta, extra_json=json.dumps({"run": {}, "ranks": {str(r): {} for r in range(world)}}))
             bare_path = _write(old, slot, 4, rank, local, ndir, shard, bare)  # no rank's own copy either
@@ -232,7 +254,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             # changed buffers restores exactly: each rank its own
             doc = appstate.load(fresh, fresh_opt, old_path, KEY)
             assert ForwardState(fresh).load(appstate.decode(doc["ranks"][str(rank)]["buffers"])) == [], name
-            back = plan_fingerprints(state_dict_plan(fresh, fresh_opt))
+            back = _digests(state_dict_plan(fresh, fresh_opt))
             assert back == live, f"{name}: the snapshot without shared buffers did not restore this rank's state"
             fresh = _wrap(build(kind, classes=5, width=4, seed=1), flavour, uop, wrap, mesh)
             fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, foreach=False)
@@ -241,10 +263,10 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             appstate.load(fresh, fresh_opt, path, KEY, parts=parts)
             # FSDP1 with use_orig_params reads its own boxes in place (ckpt_service.inplace); the others, generally
             assert ("read_s" in parts["inplace"]) == bool(uop and flavour == "fsdp1"), (name, parts)
-            back = plan_fingerprints(state_dict_plan(fresh, fresh_opt))
+            back = _digests(state_dict_plan(fresh, fresh_opt))
             mine = {k: v for k, v in live.items() if not k.startswith("plain:model/")}
             assert {k: v for k, v in back.items() if k in mine} == mine, f"{name}: weights or optimizer state differ"
-            first = {k: v for k, v in both[0][1].items() if k.startswith("plain:model/")}  # local rank 0's buffers
+            first = {k: v for k, v in both[0][0].items() if k.startswith("plain:model/")}  # local rank 0's buffers
             assert {k: v for k, v in back.items() if k.startswith("plain:model/")} == first, f"{name}: buffers"
             _check_export(kind, model, rank, os.path.join(out_dir, f"{n}-node1", "step-0000000002"), plan,
                           os.path.join(out_dir, f"{n}-export"))

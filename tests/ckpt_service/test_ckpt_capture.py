@@ -1,5 +1,6 @@
 """The FSDP1 capture path reads FSDP's flat-parameter shards directly: it must hold exactly what
-``get_state_dict`` holds (same keys, same values, same plain state), on a real 2 x 2 HSDP world over Gloo.
+``get_state_dict`` holds (same keys, same values, same plain state), on a real 2 x 2 HSDP world over Gloo; and so
+must the capture proof's FSDP1 reference, which finds the same values by FSDP's unflattening layout instead.
 
 One spawned group of 4 ranks checks both FSDP1 wirings (2-D device mesh and the group pair); the box
 arithmetic is checked exhaustively on small shapes in one process.
@@ -61,6 +62,21 @@ def _full(plan, key, shape, dtype, group):
     return full, count
 
 
+def _full_flat(part, shape, dtype, group):
+    """The node's full tensor from every rank's flat boxes of one reference part, and how often each element came."""
+    import torch.distributed as dist
+
+    full = torch.zeros(math.prod(shape), dtype=dtype)
+    count = torch.zeros(math.prod(shape), dtype=torch.int32)
+    assert part is None or (part.flat and list(part.shape) == list(shape))
+    for (start,), (n,), values in part.boxes if part is not None else ():
+        full[start:start + n] += values
+        count[start:start + n] += 1
+    dist.all_reduce(full, group=group)
+    dist.all_reduce(count, group=group)
+    return full.reshape(shape), count.reshape(shape)
+
+
 class Block(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -99,7 +115,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from ckpt_service.capture import fsdp1_plan, state_dict_plan
-    from ckpt_service.proof import compare, plan_fingerprints
+    from ckpt_service.proof import fsdp1_reference, planned, prove
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
@@ -150,17 +166,33 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             dist.all_gather_object(gathered, fast_steps)
             merged = {k: v for d in gathered[rank - rank % 2:rank - rank % 2 + 2] for k, v in d.items()}
             assert merged == ref_steps
-            # the capture proof: per node, the fast plan's fingerprints equal the state dict's ...
-            both: list = [None] * 2
-            dist.all_gather_object(both, (plan_fingerprints(fast), plan_fingerprints(ref)), group=shard)
-            ok, why = compare([b[0] for b in both], [b[1] for b in both])
+            # the proof's FSDP1 reference (FSDP's unflattening layout, views of the flat parameters) holds exactly
+            # what get_state_dict holds: every tensor of the node, every element once
+            live = fsdp1_reference(model, opt)
+            assert sorted(live.parts) == sorted("/".join(e.key) for e in fast.entries), "other tensors than the plan's"
+            for key in keys:
+                e = next(x for x in ref.entries if x.key == key)
+                want, _wc = _full(ref, key, e.shape, e.dtype, shard)
+                got, gc = _full_flat(live.parts.get("/".join(key)), e.shape, e.dtype, shard)
+                assert torch.equal(gc, torch.ones_like(gc)), f"{key}: the reference's boxes overlap or leave holes"
+                assert torch.equal(got, want), f"{key}: the reference's values differ from get_state_dict's"
+
+            def gather(_tag, value):  # the proof's rounds over the node
+                out: list = [None] * 2
+                dist.all_gather_object(out, value, group=shard)
+                return out
+
+            # the capture proof: per node, the fast plan against the reference and against the state dict itself
+            ok, why = prove(planned(fast), live, gather)
+            assert ok, why
+            ok, why = prove(planned(fast), planned(ref), gather)
             assert ok, why
             # ... and a box read at the wrong place (a wrong mapping) does not pass it
             box = next(b for e in fast.entries if e.key[0] == "model" for b in e.boxes if b.src.numel() > 1)
             box.src = box.src.flip(0)
-            dist.all_gather_object(both, (plan_fingerprints(fast), plan_fingerprints(ref)), group=shard)
-            ok, why = compare([b[0] for b in both], [b[1] for b in both])
-            assert not ok and "differs from the live" in why, why
+            for other in (live, planned(ref)):
+                ok, why = prove(planned(fast), other, gather)
+                assert not ok and "differs from the live" in why, why
             result.append(f"{wiring}: {len(keys)} tensors match")
     except BaseException as exc:  # reported to the test through the result file
         result.append(f"FAIL {type(exc).__name__}: {exc}")

@@ -227,7 +227,7 @@ def test_write_item_serialises_one_item_as_dcp_does(tmp_path):
 
 
 def test_capture_entry_points_on_a_real_fsdp1_model():
-    """``fsdp1_flat_params``, ``flat_param_parts`` and ``canonical_fqn`` on FSDP1 (``use_orig_params=True``) in a
+    """``fsdp1_flat_params``, ``flat_param_parts``, ``fsdp1_flat_layouts`` and ``canonical_fqn`` on FSDP1 (``use_orig_params=True``) in a
     one-rank Gloo world: every original parameter once, with its shape, its shard info covering its elements, and
     its wrapper-free name; ``persistent_buffers`` leaves out non-persistent and unset buffers."""
     torch = pytest.importorskip("torch")
@@ -267,6 +267,14 @@ def test_capture_entry_points_on_a_real_fsdp1_model():
             assert list(shape) == list(dict(Net().named_parameters())[compat.canonical_fqn(model, names[id(p)])].shape)
             assert info.in_shard and info.intra_param_end_idx + 1 - info.intra_param_start_idx == p.numel()
         assert compat.fsdp1_flat_params(torch.nn.Linear(2, 2)) == []
+        # the unflattening layout: each parameter's elements where FSDP's flat layout puts them (one rank: all)
+        (fp, rank, layout), = compat.fsdp1_flat_layouts(model)
+        assert fp is flats[0] and rank == 0 and layout is not None and len(layout) == 4
+        assert sorted(start for _p, _s, start in layout) == [start for _p, _s, start in layout]
+        for p, shape, start in layout:
+            assert list(shape) == list(dict(Net().named_parameters())[compat.canonical_fqn(model, names[id(p)])].shape)
+            assert fp.detach()[start:start + p.numel()].data_ptr() == p.detach().data_ptr()
+        assert compat.fsdp1_flat_layouts(torch.nn.Linear(2, 2)) == []
     finally:
         if own:
             dist.destroy_process_group()
