@@ -273,7 +273,8 @@ def parse_cases(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     h.output_args(ap, None, "where the result goes (default runs/bench/<date>/launch.json)")
-    ap.add_argument("--trials", type=int, default=4, help="ABBA trials, each a plain and a protected run of every case (default 4)")
+    ap.add_argument("--trials", type=int, default=4,
+                    help="ABBA trials, each a plain and a protected run of every case (default 4)")
     ap.add_argument("--steps", type=int, default=40, help="updates per run (default 40)")
     ap.add_argument("--warmup", type=int, default=5, help="first updates left out of every run (default 5)")
     ap.add_argument("--example", choices=sorted(EXAMPLES), default="hydra",
