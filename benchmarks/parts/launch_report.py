@@ -48,7 +48,7 @@ class Case(NamedTuple):
 
 
 #: The wide case's update: a wider and deeper model (about 5.4 M parameters, not the example's 40 k) on longer,
-#: larger batches; about 200-300 ms of one core per update here.
+#: larger batches; about 250 ms of the training thread's CPU per update here (plain torchrun, 2026-12-07).
 WIDE_ARGS = ("model.width=384", "model.layers=4", "batch=12", "data.length=32")
 CASES: dict[str, Case] = {c.name: c for c in (
     Case("tiny-2x2", 2, 2, {"argparse": (), "hydra": ()}, {},
