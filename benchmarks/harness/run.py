@@ -95,7 +95,7 @@ PARTS = {p.name: p for p in (
          "The control plane at scale: one decision with 4 to 1,024 members", ("--samples", "3")),
     Part("nodeloss", "<!-- nodeloss-bench -->", 600, "Node loss: a spare's heal against L2",
          ("--trials", "3")),
-    Part("launch", "<!-- launch-bench -->", 540, "The torchrun drop-in: changed lines and per-update cost",
+    Part("launch", "<!-- launch-bench -->", 720, "The torchrun drop-in: changed lines and per-update cost",
          ("--trials", "5")),
     # 50 runs of 14-27 s each here (tests/test_campaign.py's sample: 143-266 s for ten), one per kind in turn
     Part("campaign", "<!-- campaign-bench -->", 2100, "Fault campaign: one fault per run, every run checked",
