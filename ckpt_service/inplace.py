@@ -33,6 +33,8 @@ import time
 from typing import Any, Mapping
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from accelpact_slurm.core.errors import CheckpointError
 from ckpt_service import compat
@@ -84,8 +86,6 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tupl
         t0 = _lap(parts, "plan_s", t0)
         groups = [list(g["params"]) for g in plan.plain["optim"]["param_groups"]]
         small: dict[str, Any] = {"model": plan.plain["model"], "optim": plan.plain["optim"], "extra": {"json": ""}}
-        import torch.distributed.checkpoint as dcp
-
         dcp.load(small, storage_reader=VerifiedReader(path, key, checked, sealed, opened), no_dist=True)
         if [g.get("params") if isinstance(g, dict) else None for g in small["optim"]["param_groups"]] != groups:
             return None  # other parameter groups: the general load says what differs
@@ -107,8 +107,6 @@ def _lap(parts: dict[str, Any], name: str, since: float) -> float:
 def _reads(plan: Plan, metadata: Any) -> list[Read] | None:
     """Every non-empty box of the plan with the file, offset and length of its chunk; None when one has none, or the
     snapshot holds a sharded tensor (optimizer state included) the plan does not."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
     out: list[Read] = []
     keys = set()
     for e in plan.entries:

@@ -50,6 +50,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ckpt_service.compat import canonical_fqn, fsdp1_flat_layouts, persistent_buffers
+
 #: Elements sampled per tensor besides every box's first, middle and last.
 SPREAD = 16
 #: Key prefix of a plain tensor: the node keeps its first rank's (the daemon's merge), compared whole.
@@ -99,8 +101,6 @@ def reference(model: Any, optimizer: Any, plan: Any) -> Side:
 
 def fsdp1_reference(model: Any, optimizer: Any) -> Side:
     """FSDP1's live state located by its unflattening layout, not by the shard info the plan reads (flat boxes)."""
-    from ckpt_service.compat import canonical_fqn, fsdp1_flat_layouts, persistent_buffers
-
     names = {id(p): n for n, p in model.named_parameters()}
     parts: dict[str, Part] = {}
     optim: dict[str, Any] = {}
