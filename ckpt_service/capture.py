@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from ckpt_service.compat import (canonical_fqn, flat_param_parts, fsdp1_flat_params, persistent_buffers,
-                                 sharded_tensor_type)
+                                 sharded_tensor_type, writes_own_state_dict)
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -257,10 +257,14 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 def _fast_path_fits(model: torch.nn.Module) -> bool:
     """Whether the model holds nothing the FSDP1 plan would miss or change: no module with its own extra state
-    (``get_extra_state``: not a tensor of ``named_buffers``), no unit casting its buffers for compute
+    (``get_extra_state``: not a tensor of ``named_buffers``), none outside FSDP's own writing its state dict itself
+    (:func:`ckpt_service.compat.writes_own_state_dict`: state the plan would not see, nor the capture proof, whose
+    reference reads the same parameters and buffers), no unit casting its buffers for compute
     (``MixedPrecision(buffer_dtype=...)``: the state dict casts them back)."""
     for mod in model.modules():
         if type(mod).get_extra_state is not torch.nn.Module.get_extra_state:
+            return False
+        if not isinstance(mod, FSDP) and writes_own_state_dict(mod):
             return False
         if isinstance(mod, FSDP) and getattr(getattr(mod, "mixed_precision", None), "buffer_dtype", None) is not None:
             return False

@@ -240,11 +240,13 @@ class SnapshotClient:
         rt = self.rt
         node = rt.layout.shard_ranks(rt.node)
         live: proof.Side | str
-        try:
+        staged = proof.Side({}, {})
+        try:  # nothing raises out of here: every rank of the node enters both rounds
+            staged = proof.staged(plan, self.slots[slot].buf)
             live = proof.reference(self.model, self.optimizer, plan)
         except Exception as exc:  # noqa: BLE001 - the proof fails with the reason; training goes on
             live = f"no reference of the live state on rank {rt.rank}: {type(exc).__name__}: {exc}"
-        return proof.prove(proof.staged(plan, self.slots[slot].buf), live,
+        return proof.prove(staged, live,
                            lambda tag, value: rt.control.all_gather(f"ckpt-proof-{tag}/{rt.node}", value, ranks=node))
 
     def _prepare_slots(self) -> None:

@@ -11,7 +11,8 @@ Entry points (torch 2.13-2.15): writing, :func:`zstd_extensions`, :func:`filesys
 :func:`can_place_items` (and ``torch.serialization._get_storage_alignment``); capture, :func:`fsdp1_flat_params`
 (each unit's ``_handle``), :func:`flat_param_parts` (``_params``, ``_shard_param_infos``, ``_shapes``),
 :func:`fsdp1_flat_layouts` (``_numels_with_padding``, ``_is_padding_mask``),
-:func:`persistent_buffers` (``Module._buffers``, ``_non_persistent_buffers_set``), :func:`canonical_fqn`
+:func:`persistent_buffers` (``Module._buffers``, ``_non_persistent_buffers_set``), :func:`writes_own_state_dict`
+(``Module._save_to_state_dict``, ``_state_dict_hooks``, ``_state_dict_pre_hooks``), :func:`canonical_fqn`
 (``state_dict._get_fqns``), :func:`sharded_tensor_type`; export, :func:`load_everything` (``_load_state_dict`` with
 ``_EmptyStateDictLoadPlanner``); the reload in place, :func:`init_optim_state` (``state_dict._init_optim_state``),
 :func:`record_reader` (``torch._C.PyTorchFileReader``).
@@ -152,6 +153,18 @@ def fsdp1_flat_layouts(model) -> list[tuple[Any, int, list[tuple[Any, list[int],
             layout = [(p, list(shape), start) for p, shape, start in zip(params, fp._shapes, starts)]
         out.append((fp, int(handle.rank), layout))
     return out
+
+
+def writes_own_state_dict(module) -> bool:
+    """Whether ``module`` puts into its ``state_dict()`` what its parameters and persistent buffers alone do not give:
+    its class overrides ``Module._save_to_state_dict``, or it carries state-dict hooks (``_state_dict_hooks``,
+    ``_state_dict_pre_hooks``).  FSDP1's plan reads parameters and buffers directly, so such a model is planned from
+    ``get_state_dict`` instead."""
+    import torch
+
+    if type(module)._save_to_state_dict is not torch.nn.Module._save_to_state_dict:
+        return True
+    return bool(getattr(module, "_state_dict_hooks", None)) or bool(getattr(module, "_state_dict_pre_hooks", None))
 
 
 def persistent_buffers(module) -> list[tuple[str, Any]]:

@@ -30,7 +30,7 @@ import math
 import os
 import pickle
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,56 +46,96 @@ Read = tuple[torch.Tensor, str, int, int]
 
 
 def load(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes],
-         sealed: Mapping[str, Any] | None, parts: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Collective in name only (no rank waits for another): restore ``model`` and ``optimizer`` from the snapshot at
-    ``path`` in place and return its extra state (``{"json": ...}``), or None when the fast path does not apply
-    (nothing changed; see the module).  ``checked``: :func:`ckpt_service.verified.verified_metadata_bytes` of it.
+         sealed: Mapping[str, Any] | None, parts: dict[str, Any] | None = None,
+         gather: Callable[[str], Sequence[Any]] | None = None) -> dict[str, Any] | None:
+    """Restore ``model`` and ``optimizer`` from the snapshot at ``path`` in place and return its extra state
+    (``{"json": ...}``), or None when the fast path does not apply (nothing changed; see the module).
+    ``checked``: :func:`ckpt_service.verified.verified_metadata_bytes` of it.
+
+    ``gather``: every rank's word on the fast path (``"ok"``, ``"no"`` or what went wrong), in one round of the job
+    (the control plane).  The ranks then take the same way: in place on every rank or on none, since the general load
+    is collective (FSDP's all-gathers) and a rank that took the fast path alone would leave its peers waiting there.
+    Without it (one process, a test) this rank decides alone.
 
     Raises:
-        CheckpointError: a file fails its check or ends early (the environment's: the start ends).
+        CheckpointError: a file fails its check or ends early, here or (``gather``) on another rank (the
+            environment's: the start ends on every rank).
     """
     parts = {} if parts is None else parts
-    t0 = time.monotonic()
-    if not compat.fsdp1_flat_params(model):
-        return None
-    manifest, metadata_bytes = checked
-    metadata = unpickle_metadata(metadata_bytes)
-    names = sorted({info.relative_path for info in metadata.storage_data.values()})
-    if any(name not in manifest["files"] for name in names):
-        return None
     with contextlib.ExitStack() as stack:
-        opened: dict[str, int] = {}
-        for name in names:
-            fd, _ = open_checked(path, name, manifest["files"][name], sealed=sealed)
-            stack.callback(os.close, fd)
-            opened[name] = fd
-        for name in names:  # the kernel reads every file ahead (both at once) while this rank does the rest
-            stack.enter_context(reading_ahead(opened[name], int(manifest["files"][name]["size"])))
-        t0 = _lap(parts, "open_s", t0)
-        compat.init_optim_state(optimizer)  # AdamW's moments exist after a step only; get_state_dict does the same
-        plan = fsdp1_plan(model, optimizer)
-        reads = _reads(plan, metadata) if plan is not None else None
-        if plan is None or reads is None or not _small_keys(plan) <= set(metadata.state_dict_metadata):
-            return None
-        located: list[tuple[str, int, torch.Tensor]] = []
-        for dst, name, offset, length in reads:
-            at = _payload(opened[name], offset, length, dst)
-            if at is None:
+        try:
+            ready = _prepare(model, optimizer, path, key, checked, sealed, parts, stack)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            if gather is not None:  # the others must not wait for this rank's word, nor go on without it
+                gather(f"{type(exc).__name__}: {exc}")
+            raise
+        if gather is not None:
+            words = list(gather("ok" if ready is not None else "no"))
+            failed = [(r, w) for r, w in enumerate(words) if w not in ("ok", "no")]
+            if failed:
+                raise CheckpointError(f"the reload in place failed on rank {failed[0][0]}: {failed[0][1]}")
+            if any(w != "ok" for w in words):
                 return None
-            located.append((name, at, dst))
-        t0 = _lap(parts, "plan_s", t0)
-        groups = [list(g["params"]) for g in plan.plain["optim"]["param_groups"]]
-        small: dict[str, Any] = {"model": plan.plain["model"], "optim": plan.plain["optim"], "extra": {"json": ""}}
-        dcp.load(small, storage_reader=VerifiedReader(path, key, checked, sealed, opened), no_dist=True)
-        if [g.get("params") if isinstance(g, dict) else None for g in small["optim"]["param_groups"]] != groups:
-            return None  # other parameter groups: the general load says what differs
-        t0 = _lap(parts, "small_s", t0)
+        if ready is None:
+            return None
+        located, small, opened = ready
+        t0 = time.monotonic()
         for name, at, dst in sorted(located, key=lambda x: (x[0], x[1])):
             _read_into(opened[name], dst, at, name)
         t0 = _lap(parts, "read_s", t0)
     _put_small(model, optimizer, small)
     _lap(parts, "put_s", t0)
     return small["extra"]
+
+
+def _prepare(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes],
+             sealed: Mapping[str, Any] | None, parts: dict[str, Any], stack: contextlib.ExitStack
+             ) -> tuple[list[tuple[str, int, torch.Tensor]], dict[str, Any], dict[str, int]] | None:
+    """Everything :func:`load` needs before it writes a live tensor: ``(the boxes located in the files, the small
+    rest loaded, the descriptors open on ``stack``)``, or None when the fast path does not apply.  Only the files
+    that hold this rank's boxes or the small rest are opened (and checked)."""
+    t0 = time.monotonic()
+    if not compat.fsdp1_flat_params(model):
+        return None
+    manifest, _metadata_bytes = checked
+    metadata = unpickle_metadata(checked[1])
+    compat.init_optim_state(optimizer)  # AdamW's moments exist after a step only; get_state_dict does the same
+    plan = fsdp1_plan(model, optimizer)
+    reads = _reads(plan, metadata) if plan is not None else None
+    if plan is None or reads is None:
+        return None
+    small_keys = _small_keys(plan)
+    if not small_keys <= set(metadata.state_dict_metadata):
+        return None
+    names = sorted({name for _dst, name, _o, _n in reads} |
+                   {info.relative_path for index, info in metadata.storage_data.items()
+                    if index.fqn in small_keys or not index.fqn.startswith(("model.", "optim.state."))})
+    if any(name not in manifest["files"] for name in names):
+        return None
+    opened: dict[str, int] = {}
+    for name in names:
+        fd, _ = open_checked(path, name, manifest["files"][name], sealed=sealed)
+        stack.callback(os.close, fd)
+        opened[name] = fd
+    for name in names:  # the kernel reads every file ahead (all at once) while this rank does the rest
+        stack.enter_context(reading_ahead(opened[name], int(manifest["files"][name]["size"])))
+    t0 = _lap(parts, "open_s", t0)
+    located: list[tuple[str, int, torch.Tensor]] = []
+    for dst, name, offset, length in reads:
+        at = _payload(opened[name], offset, length, dst)
+        if at is None:
+            return None
+        located.append((name, at, dst))
+    t0 = _lap(parts, "plan_s", t0)
+    groups = [list(g["params"]) for g in plan.plain["optim"]["param_groups"]]
+    small: dict[str, Any] = {"model": plan.plain["model"], "optim": plan.plain["optim"], "extra": {"json": ""}}
+    dcp.load(small, storage_reader=VerifiedReader(path, key, checked, sealed, opened), no_dist=True)
+    if [g.get("params") if isinstance(g, dict) else None for g in small["optim"]["param_groups"]] != groups:
+        return None  # other parameter groups: the general load says what differs
+    _lap(parts, "small_s", t0)
+    return located, small, opened
 
 
 def _lap(parts: dict[str, Any], name: str, since: float) -> float:

@@ -280,6 +280,43 @@ def test_capture_entry_points_on_a_real_fsdp1_model():
             dist.destroy_process_group()
 
 
+def test_a_module_that_writes_its_own_state_dict_is_planned_from_get_state_dict():
+    """``writes_own_state_dict``: a class overriding ``_save_to_state_dict`` or a state-dict hook puts state into the
+    state dict that FSDP1's plan (parameters and persistent buffers read directly) would not see, nor the capture
+    proof; such a model is planned from ``get_state_dict``.  Negative control: the same model without the override
+    takes the FSDP1 plan."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ckpt_service import compat
+    from ckpt_service.capture import fsdp1_plan
+
+    class Observer(torch.nn.Linear):
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            destination[prefix + "scale"] = torch.ones(1)
+
+    plain, own_sd, hooked = torch.nn.Linear(2, 2), Observer(2, 2), torch.nn.Linear(2, 2)
+    hooked._register_state_dict_hook(lambda module, sd, prefix, local: sd)
+    assert [compat.writes_own_state_dict(m) for m in (plain, own_sd, hooked, torch.nn.BatchNorm1d(2))] == [
+        False, True, True, False]
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # FSDP at world size 1: NO_SHARD
+            for inner, planned in ((torch.nn.Linear(2, 2), True), (Observer(2, 2), False)):
+                model = FSDP(torch.nn.Sequential(inner, torch.nn.ReLU()), use_orig_params=True,
+                             device_id=torch.device("cpu"))
+                opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+                assert (fsdp1_plan(model, opt) is not None) == planned, type(inner).__name__
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 def test_sharded_tensor_type_is_torchs_class():
     torch = pytest.importorskip("torch")
     from ckpt_service import compat

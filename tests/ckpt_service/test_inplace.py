@@ -146,3 +146,44 @@ def test_a_chunk_that_is_not_its_boxs_record_changes_nothing(world, tmp_path):
     finally:
         inplace._payload = real
     assert len(calls) == 2 and _same(_state(fresh, fresh_opt), before)
+
+
+def test_the_ranks_take_one_way_in_place_everywhere_or_nowhere(world, tmp_path, monkeypatch):
+    """The general load is collective (FSDP's all-gathers): a rank that read in place alone would leave its peers
+    waiting there.  With ``gather`` (one round of the job's control plane), this rank reads in place only when every
+    rank can; another rank's failure ends the load here too; this rank's own failure is told before it raises.
+    Negative control: the same rank, the same snapshot, every rank saying ``ok``: it reads in place."""
+    from accelpact_slurm.core.errors import CheckpointError
+    from ckpt_service.verified import verified_metadata_bytes
+
+    model, opt = _fsdp(seed=1, steps=2)
+    path = _snapshot(tmp_path, model, opt)
+    checked = verified_metadata_bytes(path, KEY)
+    said: list = []
+
+    def peers(*others):
+        def gather(word):
+            said.append(word)
+            return [word, *others]
+        return gather
+
+    fresh, fresh_opt = _fsdp(seed=2, steps=1)
+    before = _state(fresh, fresh_opt)
+    assert inplace.load(fresh, fresh_opt, path, KEY, checked, None, {}, peers("no")) is None
+    assert said == ["ok"] and _same(_state(fresh, fresh_opt), before)  # this rank could, another could not
+    with pytest.raises(CheckpointError, match="the reload in place failed on rank 1: OSError: disk"):
+        inplace.load(fresh, fresh_opt, path, KEY, checked, None, {}, peers("OSError: disk"))
+    assert _same(_state(fresh, fresh_opt), before)
+
+    def broken(*_a, **_k):
+        raise CheckpointError("x.distcp fails its checksum (corrupted)")
+
+    monkeypatch.setattr(inplace, "open_checked", broken)
+    said.clear()
+    with pytest.raises(CheckpointError, match="corrupted"):
+        inplace.load(fresh, fresh_opt, path, KEY, checked, None, {}, peers("ok"))
+    assert said == ["CheckpointError: x.distcp fails its checksum (corrupted)"]  # told before it raised
+    monkeypatch.undo()
+    parts: dict = {}
+    assert inplace.load(fresh, fresh_opt, path, KEY, checked, None, parts, peers("ok")) is not None
+    assert "read_s" in parts and _same(_state(fresh, fresh_opt), _state(model, opt))

@@ -20,7 +20,7 @@ import logging
 import math
 import random
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -230,7 +230,7 @@ def _numpy() -> Any:
 
 
 def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True,
-         parts: dict[str, Any] | None = None) -> dict[str, Any]:
+         parts: dict[str, Any] | None = None, gather: Callable[[str], Sequence[Any]] | None = None) -> dict[str, Any]:
     """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document.
 
     DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
@@ -238,7 +238,8 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     on the descriptor DCP then reads, but for a file that is still the inode the node's daemon hashed when it
     verified the snapshot (:mod:`ckpt_service.seal`).  Where this rank's sharding is the one that saved the
     snapshot (FSDP1), its own boxes are read straight into its live tensors (:mod:`ckpt_service.inplace`: no
-    state-dict round trip, no collective; ``parts["inplace"]`` has its parts).  Else one pass over the files:
+    state-dict round trip, no collective; ``parts["inplace"]`` has its parts; ``gather``, one round of the job's
+    control plane, makes every rank take the same way: in place everywhere or nowhere).  Else one pass over the files:
     the extra state is read with the tensors (first, on its own, only for a snapshot whose model state lacks some
     of the model's keys).
     ``verified=False`` (test-only: the negative control of the corruption test, with
@@ -269,7 +270,7 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
 
     if checked is not None:  # this rank's own boxes straight into its live tensors, where the sharding is the same
         fast: dict[str, Any] = {}
-        extra = inplace.load(model, optimizer, path, key, checked, sealed, fast)
+        extra = inplace.load(model, optimizer, path, key, checked, sealed, fast, gather)
         parts["inplace"] = fast
         if extra is not None:
             return json.loads(extra["json"])
