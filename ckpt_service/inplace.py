@@ -86,8 +86,20 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tupl
             _read_into(opened[name], dst, at, name)
         t0 = _lap(parts, "read_s", t0)
     _put_small(model, optimizer, small)
+    _drop_foreign_state(model, optimizer)
     _lap(parts, "put_s", t0)
     return small["extra"]
+
+
+def _drop_foreign_state(model: Any, optimizer: Any) -> None:
+    """No optimizer state for a parameter none of whose elements this rank holds, as after ``set_state_dict``
+    (FSDP1 loads no state for it) and as in the run that saved the snapshot (such a parameter never gets a
+    gradient here, so the optimizer never made state for it).  :func:`ckpt_service.compat.init_optim_state` made
+    state for every parameter: the replay check's fingerprint and the final digest count it."""
+    for fp in compat.fsdp1_flat_params(model):
+        for p, info, _shape in compat.flat_param_parts(fp) or ():
+            if not info.in_shard:
+                optimizer.state.pop(p, None)
 
 
 def _prepare(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tuple[dict[str, Any], bytes],
@@ -169,9 +181,13 @@ def _reads(plan: Plan, metadata: Any) -> list[Read] | None:
                 return None
             out.append((b.src, info.relative_path, int(info.offset), int(info.length)))
     small = _small_keys(plan)
+    # a parameter this rank holds no element of gets no optimizer state here (as set_state_dict gives it none):
+    # the node's other ranks' scalars of it (AdamW's step) are theirs
+    foreign = {e.key[1] for e in plan.entries if e.key[0] == "model" and not any(math.prod(b.sizes) for b in e.boxes)}
     for fqn, item in metadata.state_dict_metadata.items():
         if fqn.startswith(("model.", "optim.state.")) and isinstance(item, TensorStorageMetadata) and \
-                fqn not in keys and fqn not in small:
+                fqn not in keys and fqn not in small and \
+                not (fqn.startswith("optim.state.") and fqn[len("optim.state."):].rpartition(".")[0] in foreign):
             return None
     return out
 
