@@ -93,8 +93,9 @@ def can_place_items() -> bool:
 # ------------------------------------------------------------------ capture
 
 
-def fsdp1_flat_params(model) -> list:
-    """Every FSDP1 ``FlatParameter`` under ``model`` (each unit's handle), in module order; [] when none."""
+def _fsdp1_handles(model) -> list[tuple[Any, Any]]:
+    """``(handle, flat parameter)`` of every FSDP1 unit under ``model`` (``_handle``), in module order, each flat
+    parameter once; [] when none."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
@@ -105,8 +106,13 @@ def fsdp1_flat_params(model) -> list:
         fp = getattr(handle, "flat_param", None)
         if fp is not None and id(fp) not in seen:
             seen.add(id(fp))
-            out.append(fp)
+            out.append((handle, fp))
     return out
+
+
+def fsdp1_flat_params(model) -> list:
+    """Every FSDP1 ``FlatParameter`` under ``model`` (each unit's handle), in module order; [] when none."""
+    return [fp for _handle, fp in _fsdp1_handles(model)]
 
 
 def flat_param_parts(fp) -> list[tuple[Any, Any, Any]] | None:
@@ -129,17 +135,8 @@ def fsdp1_flat_layouts(model) -> list[tuple[Any, int, list[tuple[Any, list[int],
     The layout is FSDP's own unflattening (``_numels_with_padding``, ``_is_padding_mask``, ``_shapes``, the
     handle's ``rank``): where forward finds each parameter in the unsharded flat parameter, not the per-rank shard
     info (``_shard_param_infos``) the capture plan reads."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        return []
-    out, seen = [], set()
-    for unit in FSDP.fsdp_modules(model):
-        handle = getattr(unit, "_handle", None)
-        fp = getattr(handle, "flat_param", None)
-        if fp is None or id(fp) in seen:
-            continue
-        seen.add(id(fp))
+    out = []
+    for handle, fp in _fsdp1_handles(model):
         params = getattr(fp, "_params", None)
         layout: list[tuple[Any, list[int], int]] | None = None
         if params is not None:

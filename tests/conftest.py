@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -114,3 +115,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("dev-cluster watchdog")
         for line in restarts:
             terminalreporter.write_line(line)
+
+
+def stage_half(daemon, slot, step: int, local_rank: int, t) -> dict:
+    """Stage ``t`` (a [4, 8] float32 tensor) as local rank ``local_rank``'s half (rows ``4 * local_rank``..) of an
+    [8, 8] weight at ``step`` into ``slot`` and hand it to ``daemon`` as a rank does; the daemon's reply."""
+    from ckpt_service import staging
+    from ckpt_service.capture import Box, Entry, Plan
+
+    plan = Plan([Entry(("model", "w"), [8, 8], t.dtype, [Box([4 * local_rank, 0], [4, 8], t)])], {"lr": 0.1},
+                "test")
+    nbytes = plan.layout()
+    slot.ensure(staging.slot_bytes(nbytes))
+    token = staging.new_token()
+    staging.clear_stamp(slot.buf, nbytes)
+    plan.copy_into(slot.buf)
+    staging.write_stamp(slot.buf, nbytes, step, token)
+    meta = {"job_id": "t", "config_digest": None, "config": None, "world_size": 2, "layout": [1, 2],
+            "extra_json": json.dumps({"run": {"step": step}, "ranks": {}}), "capture": None}
+    desc = staging.write_descriptor(daemon.stage_root, step, local_rank, {
+        "step": step, "rank": local_rank, "local_rank": local_rank, "meta": meta, "slot": slot.path,
+        "slot_ino": slot.ino, "nbytes": nbytes, "stamp": {"at": nbytes, "token": token},
+        "entries": plan.describe(), "plain": plan.plain, "source": plan.source})
+    return daemon.handle({"op": "staged", "step": step, "local_rank": local_rank, "nranks": 2, "path": desc})

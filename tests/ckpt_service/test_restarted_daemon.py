@@ -7,7 +7,6 @@ them; ``drain_and_close`` joins its threads, so the assertions read a settled st
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -16,8 +15,8 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist DCP save
 
 from ckpt_service import staging  # noqa: E402
-from ckpt_service.capture import Box, Entry, Plan  # noqa: E402
 from ckpt_service.daemon import Daemon, DaemonOptions  # noqa: E402
+from tests.conftest import stage_half  # noqa: E402
 from ckpt_service.index import scan  # noqa: E402
 
 DEADLINE_S = 60.0
@@ -25,22 +24,7 @@ DEADLINE_S = 60.0
 
 def _stage(daemon: Daemon, slot: staging.Slot, step: int, local_rank: int) -> dict:
     """Stage rank ``local_rank``'s half of ``step`` (rows 4*local_rank..) and hand it over; the daemon's reply."""
-    t = torch.full((4, 8), float(step + local_rank))
-    plan = Plan([Entry(("model", "w"), [8, 8], t.dtype, [Box([4 * local_rank, 0], [4, 8], t)])], {"lr": 0.1},
-                "test")
-    nbytes = plan.layout()
-    slot.ensure(staging.slot_bytes(nbytes))
-    token = staging.new_token()
-    staging.clear_stamp(slot.buf, nbytes)
-    plan.copy_into(slot.buf)
-    staging.write_stamp(slot.buf, nbytes, step, token)
-    meta = {"job_id": "t", "config_digest": None, "config": None, "world_size": 2, "layout": [1, 2],
-            "extra_json": json.dumps({"run": {"step": step}, "ranks": {}}), "capture": None}
-    desc = staging.write_descriptor(daemon.stage_root, step, local_rank, {
-        "step": step, "rank": local_rank, "local_rank": local_rank, "meta": meta, "slot": slot.path,
-        "slot_ino": slot.ino, "nbytes": nbytes, "stamp": {"at": nbytes, "token": token},
-        "entries": plan.describe(), "plain": plan.plain, "source": plan.source})
-    return daemon.handle({"op": "staged", "step": step, "local_rank": local_rank, "nranks": 2, "path": desc})
+    return stage_half(daemon, slot, step, local_rank, torch.full((4, 8), float(step + local_rank)))
 
 
 def test_a_snapshot_short_of_ranks_is_let_go_once_a_newer_one_is_complete(tmp_path):

@@ -9,7 +9,6 @@ joins its threads, so the assertions read a settled state: no sleeps.  Hashing i
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -20,8 +19,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 from ckpt_service import seal, staging, verified  # noqa: E402
 from ckpt_service.auth import load_key  # noqa: E402
-from ckpt_service.capture import Box, Entry, Plan  # noqa: E402
 from ckpt_service.daemon import Daemon, DaemonOptions  # noqa: E402
+from tests.conftest import stage_half  # noqa: E402
 from ckpt_service.index import record_state, scan  # noqa: E402
 from ckpt_service.layout import step_dirname  # noqa: E402
 from ckpt_service.verify import check_checksums  # noqa: E402
@@ -32,22 +31,8 @@ STEP = 6
 
 def _stage(daemon: Daemon, slot: staging.Slot, local_rank: int) -> dict:
     """Stage local rank ``local_rank``'s half of a [8, 8] weight for :data:`STEP` and hand it over."""
-    t = torch.arange(32, dtype=torch.float32).reshape(4, 8) + 100 * local_rank
-    plan = Plan([Entry(("model", "w"), [8, 8], t.dtype, [Box([4 * local_rank, 0], [4, 8], t)])], {"lr": 0.1},
-                "test")
-    nbytes = plan.layout()
-    slot.ensure(staging.slot_bytes(nbytes))
-    token = staging.new_token()
-    staging.clear_stamp(slot.buf, nbytes)
-    plan.copy_into(slot.buf)
-    staging.write_stamp(slot.buf, nbytes, STEP, token)
-    meta = {"job_id": "t", "config_digest": None, "config": None, "world_size": 2, "layout": [1, 2],
-            "extra_json": json.dumps({"run": {"step": STEP}, "ranks": {}}), "capture": None}
-    desc = staging.write_descriptor(daemon.stage_root, STEP, local_rank, {
-        "step": STEP, "rank": local_rank, "local_rank": local_rank, "meta": meta, "slot": slot.path,
-        "slot_ino": slot.ino, "nbytes": nbytes, "stamp": {"at": nbytes, "token": token},
-        "entries": plan.describe(), "plain": plan.plain, "source": plan.source})
-    return daemon.handle({"op": "staged", "step": STEP, "local_rank": local_rank, "nranks": 2, "path": desc})
+    return stage_half(daemon, slot, STEP, local_rank, torch.arange(32, dtype=torch.float32).reshape(4, 8) +
+                      100 * local_rank)
 
 
 @pytest.fixture(scope="module")
