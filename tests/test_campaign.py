@@ -61,8 +61,8 @@ def test_eight_faults_of_a_fixed_seed_each_end_bitwise_with_nothing_left_or_lost
         assert not os.path.exists(r["run_dir"])  # a passed run's directory is removed (nothing kept)
     l2 = [r for r in res["runs"] if r["kind"] == "kill_rank"]
     assert l2 and all(r["restarts"] >= 1 and r["time_back_s"] is not None for r in l2), l2
-    repairs = [r for r in res["runs"] if r["kind"].startswith("link_")]
-    assert repairs and all(r["restarts"] == 0 for r in repairs), repairs
+    # the L1 link faults (0 restarts) are make bench's campaign and tests/e2e/test_l1_repair.py's, not this sample's
+    assert not [r for r in res["runs"] if r["kind"].startswith("link_")]
     squat = [r for r in res["runs"] if r["kind"] == "squat_ports"]
     assert squat and all(r["store_ports"] for r in squat), squat  # the derived port each start took
     table = load_script("campaign").markdown(res)
