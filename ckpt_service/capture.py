@@ -235,17 +235,23 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
 def module_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of ``model``'s persistent buffers under ``get_state_dict``'s names (FSDP wrapper prefixes removed),
     in the model's order; non-persistent ones left out, as ``state_dict()`` leaves them out."""
+    return {fqn: _host_copy(buf) for fqn, buf in live_buffers(model)}
+
+
+def live_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(get_state_dict's name, the buffer itself)`` of every persistent buffer of ``model``, in the model's order
+    (every name ``state_dict()`` gives)."""
     names = _BUFFER_FQNS.get(model)
     if names is None:  # a buffer's name never changes: resolved once per model
         names = _BUFFER_FQNS[model] = {}
-    out: dict[str, torch.Tensor] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):  # every name state_dict() gives
+    out: list[tuple[str, torch.Tensor]] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
         for attr, buf in persistent_buffers(mod):
             full = f"{mod_name}.{attr}" if mod_name else attr
             fqn = names.get(full)
             if fqn is None:
                 fqn = names[full] = canonical_fqn(model, full)
-            out[fqn] = _host_copy(buf)
+            out.append((fqn, buf))
     return out
 
 

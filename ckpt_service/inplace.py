@@ -37,8 +37,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from accelpact_slurm.core.errors import CheckpointError
+from accelpact_slurm.core.events import lap
 from ckpt_service import compat
-from ckpt_service.capture import Plan, fsdp1_plan
+from ckpt_service.capture import Plan, fsdp1_plan, live_buffers
 from ckpt_service.verified import VerifiedReader, open_checked, reading_ahead, unpickle_metadata
 
 #: A box read into the live tensor ``dst`` from ``nbytes`` at ``at`` of the data file ``name``.
@@ -84,10 +85,10 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None, checked: tupl
         t0 = time.monotonic()
         for name, at, dst in sorted(located, key=lambda x: (x[0], x[1])):
             _read_into(opened[name], dst, at, name)
-        t0 = _lap(parts, "read_s", t0)
+        t0 = lap(parts, "read_s", t0)
     _put_small(model, optimizer, small)
     _drop_foreign_state(model, optimizer)
-    _lap(parts, "put_s", t0)
+    lap(parts, "put_s", t0)
     return small["extra"]
 
 
@@ -133,27 +134,21 @@ def _prepare(model: Any, optimizer: Any, path: str, key: bytes | None, checked: 
         opened[name] = fd
     for name in names:  # the kernel reads every file ahead (all at once) while this rank does the rest
         stack.enter_context(reading_ahead(opened[name], int(manifest["files"][name]["size"])))
-    t0 = _lap(parts, "open_s", t0)
+    t0 = lap(parts, "open_s", t0)
     located: list[tuple[str, int, torch.Tensor]] = []
     for dst, name, offset, length in reads:
         at = _payload(opened[name], offset, length, dst)
         if at is None:
             return None
         located.append((name, at, dst))
-    t0 = _lap(parts, "plan_s", t0)
+    t0 = lap(parts, "plan_s", t0)
     groups = [list(g["params"]) for g in plan.plain["optim"]["param_groups"]]
     small: dict[str, Any] = {"model": plan.plain["model"], "optim": plan.plain["optim"], "extra": {"json": ""}}
     dcp.load(small, storage_reader=VerifiedReader(path, key, checked, sealed, opened), no_dist=True)
     if [g.get("params") if isinstance(g, dict) else None for g in small["optim"]["param_groups"]] != groups:
         return None  # other parameter groups: the general load says what differs
-    _lap(parts, "small_s", t0)
+    lap(parts, "small_s", t0)
     return located, small, opened
-
-
-def _lap(parts: dict[str, Any], name: str, since: float) -> float:
-    now = time.monotonic()
-    parts[name] = round(now - since, 4)
-    return now
 
 
 def _reads(plan: Plan, metadata: Any) -> list[Read] | None:
@@ -286,11 +281,9 @@ def _put_small(model: Any, optimizer: Any, small: dict[str, Any]) -> None:
     params = {compat.canonical_fqn(model, n): p for n, p in model.named_parameters()}
     with torch.no_grad():
         buffers = small["model"]
-        for mod_name, mod in model.named_modules(remove_duplicate=False):
-            for attr, buf in compat.persistent_buffers(mod):
-                fqn = compat.canonical_fqn(model, f"{mod_name}.{attr}" if mod_name else attr)
-                if fqn in buffers:
-                    buf.copy_(buffers[fqn])
+        for fqn, buf in live_buffers(model):
+            if fqn in buffers:
+                buf.copy_(buffers[fqn])
         for fqn, per in small["optim"]["state"].items():
             state = optimizer.state[params[fqn]]
             for k, v in per.items():

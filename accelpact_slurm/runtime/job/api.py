@@ -419,10 +419,8 @@ class Run:
         verified = self._checked
         self.job._faults.kill_node_at("restore", snapshot_step(path), self.job._rt.node)
         parts: dict[str, Any] = {}
-        control = self.job._rt.control
         doc = appstate.load(self._model, self._optimizer, path, load_key(self.job.run_dir) if verified else None,
-                            verified=verified, parts=parts,
-                            gather=lambda word: control.all_gather("reload-inplace", word))
+                            verified=verified, parts=parts, control=self.job._rt.control)
         run = doc["run"]
         self.step, self.epoch = int(run["step"]), int(run["epoch"])
         self.losses = [None if x is None else float(x) for x in run["losses"]]

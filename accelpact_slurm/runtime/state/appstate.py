@@ -20,11 +20,12 @@ import logging
 import math
 import random
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
 from accelpact_slurm.core.errors import CheckpointError, UsageError
+from accelpact_slurm.core.events import lap
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime.state.buffers import buffer_items
 from ckpt_service import inplace, seal
@@ -230,7 +231,7 @@ def _numpy() -> Any:
 
 
 def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, verified: bool = True,
-         parts: dict[str, Any] | None = None, gather: Callable[[str], Sequence[Any]] | None = None) -> dict[str, Any]:
+         parts: dict[str, Any] | None = None, control: Any = None) -> dict[str, Any]:
     """Collective: restore model and optimizer from the DCP directory ``path``; return the extra document.
 
     DCP reads through :func:`ckpt_service.verified.VerifiedReader`: the manifest authenticated under the
@@ -238,8 +239,8 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     on the descriptor DCP then reads, but for a file that is still the inode the node's daemon hashed when it
     verified the snapshot (:mod:`ckpt_service.seal`).  Where this rank's sharding is the one that saved the
     snapshot (FSDP1), its own boxes are read straight into its live tensors (:mod:`ckpt_service.inplace`: no
-    state-dict round trip, no collective; ``parts["inplace"]`` has its parts; ``gather``, one round of the job's
-    control plane, makes every rank take the same way: in place everywhere or nowhere).  Else one pass over the files:
+    state-dict round trip, no collective; ``parts["inplace"]`` has its parts; with the job's ``control`` plane, one
+    round of it makes every rank take the same way: in place everywhere or nowhere).  Else one pass over the files:
     the extra state is read with the tensors (first, on its own, only for a snapshot whose model state lacks some
     of the model's keys).
     ``verified=False`` (test-only: the negative control of the corruption test, with
@@ -254,7 +255,7 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
     t0 = time.monotonic()
     checked = verified_metadata_bytes(path, key) if verified else None  # .metadata read once, for both loads
     sealed = seal.read(path, key, checked[0]) if checked is not None else None
-    t0 = _lap(parts, "metadata_s", t0)
+    t0 = lap(parts, "metadata_s", t0)
 
     def reader() -> Any:
         return VerifiedReader(path, key, checked, sealed) if verified else dcp.FileSystemReader(path)
@@ -270,6 +271,7 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
 
     if checked is not None:  # this rank's own boxes straight into its live tensors, where the sharding is the same
         fast: dict[str, Any] = {}
+        gather = None if control is None else lambda word: control.all_gather("reload-inplace", word)
         extra = inplace.load(model, optimizer, path, key, checked, sealed, fast, gather)
         parts["inplace"] = fast
         if extra is not None:
@@ -277,29 +279,22 @@ def load(model: Any, optimizer: Any, path: str, key: bytes | None = None, *, ver
         t0 = time.monotonic()
     with quiet_state_dict_calls():  # torch's deprecation noise on a group pair's ShardedTensors, on every rank
         msd, osd = get_state_dict(model, optimizer)
-        t0 = _lap(parts, "state_dict_s", t0)
+        t0 = lap(parts, "state_dict_s", t0)
         saved = _saved_keys(path, checked, verified)
         ex: dict[str, Any] = {EXTRA: {"json": ""}}
         kept: dict[str, Any] = {}
         if any(f"model.{k}" not in saved for k in msd):  # the extra state first: it may hold what the model lacks
             run(ex)
             kept = _buffers_from_ranks(model, msd, saved, json.loads(ex[EXTRA]["json"]), path)
-            t0 = _lap(parts, "extra_s", t0)
+            t0 = lap(parts, "extra_s", t0)
         sd = {"model": {k: v for k, v in msd.items() if k not in kept}, "optim": osd}
         run(sd if ex[EXTRA]["json"] else {**sd, **ex})  # one pass over the files, the extra state with the tensors
         doc = json.loads(ex[EXTRA]["json"])
-        t0 = _lap(parts, "read_s", t0)
+        t0 = lap(parts, "read_s", t0)
         sd["model"].update(kept)  # as they are: every rank's own copy is put in place after this load
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        _lap(parts, "set_state_dict_s", t0)
+        lap(parts, "set_state_dict_s", t0)
     return doc
-
-
-def _lap(parts: dict[str, Any], name: str, since: float) -> float:
-    """Record the seconds since ``since`` as ``parts[name]``; return now."""
-    now = time.monotonic()
-    parts[name] = round(parts.get(name, 0.0) + now - since, 4)
-    return now
 
 
 def _saved_keys(path: str, checked: Any, verified: bool) -> set[str]:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
 from accelpact_slurm.core.errors import EXIT_NO_REQUEUE, CheckpointError, FailStop
+from accelpact_slurm.core.events import lap
 from accelpact_slurm.core.rank import RankContext
 from accelpact_slurm.runtime.state import loadfit
 from ckpt_service.index import common_step, dir_size, newest_verified, publish_index, record_state, scan
@@ -265,7 +266,7 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
     parts: dict[str, Any] = {}
     t0 = time.monotonic()
     offers = control.all_gather("reload-offer", dict(offer), timeout_s=timeout_s)
-    _add(parts, "offer_round_s", t0)
+    lap(parts, "offer_round_s", t0)
     hosts = [str(o.get("host")) if isinstance(o, Mapping) else f"rank {r}" for r, o in enumerate(offers)]
     offers = [offer if r == rank else (o if isinstance(o, Mapping) else {}) for r, o in enumerate(offers)]
     for r, o in enumerate(offers):
@@ -300,7 +301,7 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                     res = list(io.share(step, str(path)))[:2] if path is not None else \
                         [False, "this rank's copy does not resolve inside the run's directories"]
                 answer = control.all_gather("reload-copy", res, timeout_s=timeout_s)[src]
-                _add(parts, "copy_round_s", t0)
+                lap(parts, "copy_round_s", t0)
                 ok, why = (bool(answer[0]), str(answer[1])) if isinstance(answer, list) and len(answer) >= 2 \
                     else (False, f"no answer from {hosts[src]}")
                 if not ok:
@@ -323,10 +324,10 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
                 if checker[copies[rank]] == rank and copies[rank] not in passed:
                     res = [*io.check(path), copies[rank]] if path is not None else \
                         [False, "the copy does not resolve inside the run's directories", copies[rank]]
-                    _add(parts, "check_s", t0)
+                    lap(parts, "check_s", t0)
                     parts["check"] = res[1]
                 ok, why, bad = agree(control.all_gather("reload-check", res, timeout_s=timeout_s), hosts)
-                _add(parts, "check_round_s", t0)
+                lap(parts, "check_round_s", t0)
                 failed = {c for _r, c, _why in bad}
                 passed |= {str(c) for c in copies if c not in failed}
                 if not ok:
@@ -366,11 +367,6 @@ def reload(rank: int, offer: Mapping[str, Any], control: Any, io: ReloadIO, *, c
         out.stop = loadfit.no_snapshot_line({s: u[0] for s, u in unloadable.items()},
                                             any(u[2] for u in unloadable.values()))
     return out
-
-
-def _add(parts: dict[str, Any], name: str, since: float) -> None:
-    """Add the seconds since ``since`` (``time.monotonic()``) to ``parts[name]``."""
-    parts[name] = round(parts.get(name, 0.0) + time.monotonic() - since, 4)
 
 
 def _copy_id(where: str | None, host: str) -> str | None:
