@@ -58,12 +58,15 @@ demo: $(STAMP)
 # make test runs the suite in two pytest processes side by side (every test once): the side lane takes the Slurm
 # lane (mostly waiting on Slurm's scheduling and requeues), then SIDE_FILES; the main lane everything else. The side
 # lane's output follows the main lane's; make test fails when either fails. Then make test-releases.
+# ACCELPACT_CKPTD_IDLE=0: the lanes' jobs share the 2 cores, where a daemon's SCHED_IDLE writers would run only when
+# both lanes idle (docs/checkpoints.md); make test-releases runs alone, at the default.
 SIDE_FILES := tests/e2e/test_examples.py tests/e2e/test_bn_models.py tests/e2e/test_l2_reload_e2e.py tests/test_campaign.py
 SIDE_LOG   := runs/test/side-lane.log
 
 test: $(STAMP)
 	@mkdir -p $(dir $(SIDE_LOG))
-	@export ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1}; start=$$(date +%s); \
+	@export ACCELPACT_REQUIRE_SLURM=$${ACCELPACT_REQUIRE_SLURM:-1} ACCELPACT_CKPTD_IDLE=$${ACCELPACT_CKPTD_IDLE:-0}; \
+	start=$$(date +%s); \
 	( $(PY) -m pytest tests --ignore=$(EARNED_TEST) -m slurm --durations=15 -p no:cacheprovider $(PYTEST_ARGS); a=$$?; \
 	  $(PY) -m pytest $(SIDE_FILES) -m "not slurm" --durations=15 -p no:cacheprovider $(PYTEST_ARGS); b=$$?; \
 	  test $$a -eq 0 -a $$b -eq 0 ) > $(SIDE_LOG) 2>&1 & side=$$!; \

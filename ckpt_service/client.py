@@ -126,8 +126,14 @@ class SnapshotClient:
         self.snapshot(step)
         faults_mod.exit_after_verified(self, step, self.faults)
 
-    def snapshot(self, step: int) -> bool:
-        """Collective: stage this rank's state at committed step ``step``; False when it was skipped."""
+    def snapshot(self, step: int, slot_wait_s: float | None = None) -> bool:
+        """Collective: stage this rank's state at committed step ``step``; False when it was skipped.
+
+        ``slot_wait_s``: a snapshot asked for (the job's end, ``run.save()``, a requeue) waits up to this long for
+        the daemon to release a slot, a silent daemon included, instead of skipping at ``timeouts.control_s``: on a
+        loaded node a daemon at its niceness may still be writing the two snapshots before (every rank passes the
+        same value, and the exchange waits as long).
+        """
         from ckpt_service.capture import plan_for
 
         rt, cfg = self.rt, self.cfg
@@ -136,7 +142,7 @@ class SnapshotClient:
         self.join_handover()
         if self._prefault is not None:
             self._prefault.join()  # the slots it makes ready are this snapshot's
-        slot, busy_why = self._free_slot(cfg.timeouts.control_s)
+        slot, busy_why = self._free_slot(cfg.timeouts.control_s, patient_s=slot_wait_s)
         parts["wait_slot"] = time.monotonic() - t0
         # every rank takes part in the exchange, even one whose slot is busy: all decide alike
         t = time.monotonic()
@@ -153,7 +159,9 @@ class SnapshotClient:
             if rt.rank == 0:
                 mine["proven"] = sorted(proof_cache.proven(self.run_dir))
         t = time.monotonic()
-        extras = rt.control.all_gather("ckpt-extra", mine)
+        # a rank may still be waiting for its slot (up to control_s, or slot_wait_s): the round allows for it
+        extras = rt.control.all_gather("ckpt-extra", mine,
+                                       timeout_s=cfg.timeouts.control_s + (slot_wait_s or cfg.timeouts.control_s))
         parts["extra"] = time.monotonic() - t
         resumed = self._episodes(step, extras) if rt.rank == 0 else []
         if not all(r["slot_ok"] for r in extras):
@@ -318,14 +326,29 @@ class SnapshotClient:
         """Wait for the last snapshot's hand-over (bounded by its own request's timeouts)."""
         self._idle.wait()
 
-    def _free_slot(self, timeout_s: float) -> tuple[int | None, str | None]:
+    def _free_slot(self, timeout_s: float, patient_s: float | None = None) -> tuple[int | None, str | None]:
         """``(slot, None)``: a slot the daemon no longer reads; ``(None, why)`` when none is free now.
 
         Prefers reusing a released slot (its pages are already touched) over creating the second one,
         so a daemon that keeps up costs one slot; waits (bounded by ``timeout_s``) only when both are busy
         and the daemon answers.  A slot is free only when the daemon said so (or is gone for sure): a
         daemon that does not answer may still read it (one stopped with SIGSTOP resumes where it was).
+        ``patient_s``: ask again, a silent daemon included, until that many seconds have passed.
         """
+        if not patient_s:
+            return self._free_slot_now(timeout_s)
+        deadline = time.monotonic() + patient_s
+        while True:
+            left = deadline - time.monotonic()
+            t = time.monotonic()
+            slot, why = self._free_slot_now(max(left, 0.0))
+            if slot is not None or left <= 0:
+                return slot, why
+            if time.monotonic() - t < PROBE_S:  # refused at once (no daemon listening yet): ask again shortly
+                time.sleep(min(PROBE_S, max(deadline - time.monotonic(), 0.0)))
+
+    def _free_slot_now(self, timeout_s: float) -> tuple[int | None, str | None]:
+        """One pass of :meth:`_free_slot`."""
         used = sorted((s for s in range(SLOTS) if self._slot_step[s] is not None), key=lambda s: self._slot_step[s])
         unused = [s for s in range(SLOTS) if self._slot_step[s] is None]
         silent: str | None = None
@@ -465,7 +488,7 @@ class SnapshotClient:
         or ``None`` and why there is none (the snapshot skipped, not handed over, no daemon, not settled in time).
         Every rank takes part in the snapshot's exchange even when its own node cannot take it.
         """
-        if step not in self.taken and not self.snapshot(step):
+        if step not in self.taken and not self.snapshot(step, slot_wait_s=timeout_s):
             return None, f"snapshot {step} skipped (no free staging slot: the warning event says why)"
         self.join_handover()
         if self.last_error and self.last_error.startswith(f"snapshot {step}:"):

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from accelpact_slurm.core import settings
 from accelpact_slurm.core.errors import CheckpointError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
 from accelpact_slurm.core.faults import NO_FAULTS, TestFaults
@@ -60,6 +61,7 @@ LOCK_RETRY_S = 1.0
 #:
 #: The writer yields too: a rank's next snapshot waits for its slot at most ``timeouts.control_s`` and is
 #: skipped (an event, training goes on) when the writer could not finish by then.
+#: ``ACCELPACT_CKPTD_IDLE=0`` (:mod:`accelpact_slurm.core.settings`) keeps them at the daemon's niceness.
 BACKGROUND = {"ckptd-writer": "idle", "ckptd-verifier": "idle", "ckptd-tier": "idle", "ckptd-deleter": "idle"}
 
 
@@ -347,7 +349,8 @@ class Daemon:
     # ------------------------------------------------------------------ workers
 
     def _worker(self, q: queue.Queue, fn: Callable[[Any], None]) -> None:
-        lower_priority(BACKGROUND.get(threading.current_thread().name, 0))
+        how = BACKGROUND.get(threading.current_thread().name, 0)
+        lower_priority(how if how != "idle" or settings.ckptd_idle() else 0)
         while True:
             item = q.get()
             if item is _SENTINEL:

@@ -68,6 +68,16 @@ def store_thread(environ: Mapping[str, str] | None = None) -> bool:
 
 #: ``0`` starts the embedded default's ranks as plain subprocesses instead of forking them from one zygote.
 ZYGOTE = "ACCELPACT_ZYGOTE"
+#: ``0``: the checkpoint daemon's worker threads run at the daemon's niceness instead of ``SCHED_IDLE``.  For a
+#: machine shared with other busy work (``make test`` runs two lanes of jobs side by side on 2 cores): there an idle
+#: thread runs only when the whole machine is idle, not when this job's ranks wait, and a job's end waits minutes
+#: for its final snapshot.
+CKPTD_IDLE = "ACCELPACT_CKPTD_IDLE"
+
+
+def ckptd_idle(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(CKPTD_IDLE, "1") != "0"
 
 
 def zygote(environ: Mapping[str, str] | None = None) -> bool:

@@ -119,6 +119,29 @@ def test_background_threads_lower_only_their_own_priority():
     assert set(BACKGROUND) == {"ckptd-writer", "ckptd-verifier", "ckptd-tier", "ckptd-deleter"}
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("setting, policy", [(None, "SCHED_IDLE"), ("0", "SCHED_OTHER")])
+def test_the_daemons_writer_runs_idle_unless_the_setting_says_otherwise(monkeypatch, setting, policy):
+    """ACCELPACT_CKPTD_IDLE=0 (a machine shared with other busy work) keeps the worker threads off SCHED_IDLE."""
+    import queue
+
+    from ckpt_service import daemon
+
+    if setting is None:
+        monkeypatch.delenv("ACCELPACT_CKPTD_IDLE", raising=False)
+    else:
+        monkeypatch.setenv("ACCELPACT_CKPTD_IDLE", setting)
+    q: queue.Queue = queue.Queue()
+    seen = []
+    q.put(1)
+    q.put(daemon._SENTINEL)
+    th = threading.Thread(target=daemon.Daemon._worker, args=(None, q, lambda _: seen.append(os.sched_getscheduler(0))),
+                          name="ckptd-writer")
+    th.start()
+    th.join(timeout=10)
+    assert seen == [getattr(os, policy)]
+
+
 def test_no_write_thread_computes_torch_saves_crc(tmp_path, monkeypatch):
     """torch keeps its CRC-32 option per thread: DCP's second write thread had it on (about 0.7 CPU-s per GiB for
     a check the manifest's digest makes anyway).  Every write is made with it off, on every thread.  Negative

@@ -175,13 +175,19 @@ def operator_tools_read(run_dir: Path) -> None:
     assert job["state"] == "COMPLETED" and job["frontier"]["step"] == STEPS
     assert job["l1"]["count"] == 4 and set(job["l1"]["last"]["phases"]) >= {"discard", "replace_all", "validate_all"}
     assert job["restarts"] == 0 and job["l2"]["count"] == 0
-    proc = run_cli(["accelpact_slurm.cli.cadence", "--events", str(run_dir), "--json", "--restart-cost-s", "30"])
-    # Seconds of one run are too little observed time to recommend from (the rate bound leaves more than 1% of
-    # goodput at stake): the tool refuses, exit 2, saying how much it needs, and still reports what it measured.
+    # The checkpoint age a repair saves is given (50 updates): taken from this run's own short interval it is about
+    # one update, an L1 repair then saves nothing, and the decision would rest on the restart rate the four repairs
+    # imply without L1 (four in seconds: enough evidence), or on the rate with L1 (none seen), by a hair.
+    proc = run_cli(["accelpact_slurm.cli.cadence", "--events", str(run_dir), "--json", "--restart-cost-s", "30",
+                    "--age-steps", "50"])
+    # With L1 on, seconds of one run without a restart are too little observed time to recommend from (the rate
+    # bound leaves more than 1% of goodput at stake): the tool refuses, exit 2, saying how much it needs, and still
+    # reports what it measured.
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["recommendation"]["every_steps"] is None and doc["write"] is None
     assert "not enough observed time" in doc["recommendation"]["evidence"]["reason"]
+    assert doc["delta_t"]["saved_per_event_s"] > 0
     costs = doc["costs"]
     # Not given on the command line: measured from this run's events (snapshot blocking time, step time).
     for name in ("checkpoint_cost_s", "step_time_s"):
