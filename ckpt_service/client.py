@@ -50,6 +50,9 @@ SLOTS = 2
 #: for at most :data:`PROBE_S`.
 ANSWER_S = 5.0
 PROBE_S = 1.0
+#: Said with a daemon that did not answer in time.
+STARVED = ("; the daemon is stopped, stuck or starved of CPU (on a machine shared with other busy work, "
+           "ACCELPACT_CKPTD_IDLE=0 keeps its workers from starving it: docs/checkpoints.md)")
 
 #: Every client of this process, for :func:`join_handovers`.
 _CLIENTS: "weakref.WeakSet[SnapshotClient]" = weakref.WeakSet()
@@ -306,8 +309,8 @@ class SnapshotClient:
                                "local_rank": self.rt.local_rank, "nranks": self.rt.layout.ranks_per_node,
                                "path": path}, self._answer_timeout())
             except Exception as exc:  # noqa: BLE001 - never fatal to training
-                self.last_error = f"snapshot {step}: {exc}"
-                log.warning("snapshot %d not handed to the daemon: %s", step, exc)
+                self.last_error = f"snapshot {step}: {exc}" + (STARVED if isinstance(exc, DaemonSilent) else "")
+                log.warning("snapshot %d not handed to the daemon: %s", step, self.last_error)
             finally:
                 # drop the plan (views of the live tensors) here, not when the thread ends: a tensor freed by a
                 # daemon thread while the interpreter shuts down aborts the process
@@ -386,7 +389,7 @@ class SnapshotClient:
                 return True, None
             if self._silent_since is None:
                 self._silent_since = time.monotonic()
-            return False, f"not answering for {time.monotonic() - self._silent_since:.1f} s ({exc})"
+            return False, f"not answering for {time.monotonic() - self._silent_since:.1f} s ({exc}){STARVED}"
         return bool(reply.get("released")), None
 
     def _answer_timeout(self) -> float:
