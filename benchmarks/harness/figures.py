@@ -242,6 +242,12 @@ def readme_lines(results: dict[str, tuple[dict[str, Any], str]], gpu: dict[str, 
                    f"floor of the rank's own bytes (goal 1.5x: {'met' if gl.get('blocking_vs_floor', {}).get('pass') else 'not met'}), "
                    f"and the updates between snapshots run at {_x(between)} the no-snapshot update (goal 1.1x: "
                    f"{'met' if gl.get('background', {}).get('pass') else 'not met'}).")
+    if "scale" in R:
+        from benchmarks.parts.scale import readme_bullet as scale_bullet
+
+        bullet = scale_bullet(R["scale"])
+        if bullet:
+            out.append(bullet)
     if "shared" in R:
         out.append(f"- **Shared tier** (`shared`): uploading every snapshot costs the updates "
                    f"{_x(_rows(R['shared'])[0] if _rows(R['shared']) else None)}.")
@@ -371,6 +377,11 @@ def goal_lines(results: dict[str, tuple[dict[str, Any], str]], results_dir: Path
 
         for goal, verdict, why in goal_rows(R["launch"]):
             line("launch", goal, verdict, why)
+    if "scale" in R:
+        from benchmarks.parts.scale import goal_rows as scale_goals
+
+        for goal, verdict, why in scale_goals(R["scale"]):
+            line("scale", goal, verdict, why)
     if "recovery" in R:
         for part, goal, verdict, why in recovery_goals(R["recovery"]):
             line(part, goal, verdict, why)

@@ -97,23 +97,28 @@ PARTS = {p.name: p for p in (
          ("--trials", "3")),
     Part("launch", "<!-- launch-bench -->", 720, "The torchrun drop-in: changed lines and per-update cost",
          ("--trials", "5")),
+    # The decoder at 185M (2 trials) and 298M parameters (1 trial), three jobs of 20 updates per trial; the one part
+    # whose jobs fill most of the machine's memory (the 298M job's state, its staging in /dev/shm and its copies).
+    Part("scale", "<!-- scale-bench -->", 3600, "Snapshots at the size people train: first snapshots, memory, reload"),
     # 50 runs of 14-27 s each here (tests/test_campaign.py's sample: 143-266 s for ten), one per kind in turn
     Part("campaign", "<!-- campaign-bench -->", 2100, "Fault campaign: one fault per run, every run checked",
          ("--runs", "50", "--seed", "7")),
 )}
 # Cheap and certain first; the checkpoint benchmark (the longest, the one that may run out of memory) after them;
-# the fault campaign last.
+# the jobs at the size people train after every other part's; the fault campaign last.
 RUN_ORDER = ["status", "repair", "guard", "store", "control", "launch", "paper", "peers", "l1backward", "ckpt",
-             "shared", "restore", "recovery", "nodeloss", "campaign"]
+             "shared", "restore", "recovery", "nodeloss", "scale", "campaign"]
 #: The README's bullets, in this order.
 README_ORDER = ["store", "recovery", "nodeloss", "l1backward", "repair", "paper", "guard", "launch", "peers", "ckpt",
-                "shared", "restore", "status", "control", "campaign"]
+                "scale", "shared", "restore", "status", "control", "campaign"]
 #: The goals table, in this order.
-GOALS_ORDER = ["repair", "store", "launch", "l1backward", "ckpt", "recovery", "control", "status", "campaign"]
+GOALS_ORDER = ["repair", "store", "launch", "l1backward", "ckpt", "scale", "recovery", "control", "status",
+               "campaign"]
 #: Parts whose block also shows another part's result: the peers' table of every system on every fault class
 #: takes the recovery part's trials too (its newest raw result on this machine, when there is one).
 RELATED = {"peers": ("recovery",)}
-TOTAL_BUDGET_S = 4950  # a cap, not the usual time (~55 min): the parts' 47.5 min budget and the campaign's 35
+# a cap, not the usual time: the parts' 47.5 min budget, the scale part's 60 and the campaign's 35
+TOTAL_BUDGET_S = 8550
 KILL_GRACE_S = 45
 MIN_START_S = 60  # a part is skipped when less time than this is left
 
@@ -354,7 +359,8 @@ def render(summaries: Path = S.SUMMARIES) -> str:
         + (f", commit `{r['commit']}`" if r.get("commit") else "")
         + (f", `{' '.join(r['args'])}`" if r.get("args") else "") + ")" for n, r in runs.items())
     how = ("`make bench` runs every benchmark below on this machine, one part after the other (about 55 minutes: the "
-           "parts about 35, the fault campaign's 50 runs about 20), writes each part's raw result outside git "
+           "parts about 35, the fault campaign's 50 runs about 20; the scale part's jobs at 185M and 298M parameters "
+           "up to an hour more, its deadline), writes each part's raw result outside git "
            "(`runs/bench/<date>/<part>.json`, or under `$ACCELPACT_BENCH_RAW`) and its summary (the figures below, "
            "each with its spread and sample count) to `benchmarks/summaries/<date>/<part>.json`, and regenerates "
            "this file from the committed summaries alone. `make bench BENCH_ARGS=\"--parts store,control\"` runs "
