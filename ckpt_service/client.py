@@ -132,10 +132,10 @@ class SnapshotClient:
     def snapshot(self, step: int, slot_wait_s: float | None = None) -> bool:
         """Collective: stage this rank's state at committed step ``step``; False when it was skipped.
 
-        ``slot_wait_s``: a snapshot asked for (the job's end, ``run.save()``, a requeue) waits up to this long for
-        the daemon to release a slot, a silent daemon included, instead of skipping at ``timeouts.control_s``: on a
-        loaded node a daemon at its niceness may still be writing the two snapshots before (every rank passes the
-        same value, and the exchange waits as long).
+        ``slot_wait_s``: a snapshot asked for (the job's end, ``run.save()``) waits up to this long for the daemon
+        to release a slot, while it answers that it still writes, instead of skipping at ``timeouts.control_s``: on
+        a loaded node the daemon may still be writing the two snapshots before (every rank passes the same value,
+        and the exchange waits as long).  A silent daemon is not waited for.
         """
         from ckpt_service.capture import plan_for
 
@@ -336,19 +336,17 @@ class SnapshotClient:
         so a daemon that keeps up costs one slot; waits (bounded by ``timeout_s``) only when both are busy
         and the daemon answers.  A slot is free only when the daemon said so (or is gone for sure): a
         daemon that does not answer may still read it (one stopped with SIGSTOP resumes where it was).
-        ``patient_s``: ask again, a silent daemon included, until that many seconds have passed.
+        ``patient_s``: while the daemon answers that it still writes, ask again until that many seconds have
+        passed.  A silent daemon is not waited for (stopped, or the node's daemon a healed node left behind).
         """
         if not patient_s:
             return self._free_slot_now(timeout_s)
         deadline = time.monotonic() + patient_s
         while True:
             left = deadline - time.monotonic()
-            t = time.monotonic()
             slot, why = self._free_slot_now(max(left, 0.0))
-            if slot is not None or left <= 0:
+            if slot is not None or left <= 0 or self._silent_since is not None:
                 return slot, why
-            if time.monotonic() - t < PROBE_S:  # refused at once (no daemon listening yet): ask again shortly
-                time.sleep(min(PROBE_S, max(deadline - time.monotonic(), 0.0)))
 
     def _free_slot_now(self, timeout_s: float) -> tuple[int | None, str | None]:
         """One pass of :meth:`_free_slot`."""
