@@ -11,7 +11,7 @@
 #   make test-releases  the torch-internals tests on every supported torch release
 #   make campaign  inject one fault per run into the decoder job, every run checked (scripts/campaign.py;
 #               CAMPAIGN_ARGS="--seed 7"); writes runs/campaign-<date>.json and its table (outside git)
-#   make bench  run every benchmark here (about 55 min: the parts ~35, the fault campaign's 50 runs ~20), commit-
+#   make bench  run every benchmark here (about 100 min: the parts ~35, scale ~45, the campaign's 50 runs ~20), commit-
 #               ready summaries in benchmarks/summaries/<date>/, raw results in runs/bench/ (outside git), and
 #               regenerate docs/benchmarks.md and the README's figures from the summaries (BENCH_ARGS="--parts a,b";
 #               the parts are benchmarks/parts/<part>.py, listed in benchmarks/harness/run.py: e.g. --parts

@@ -358,9 +358,9 @@ def render(summaries: Path = S.SUMMARIES) -> str:
         f"{n} {r.get('status')} ({r.get('wall_s', 0):.0f} s"
         + (f", commit `{r['commit']}`" if r.get("commit") else "")
         + (f", `{' '.join(r['args'])}`" if r.get("args") else "") + ")" for n, r in runs.items())
-    how = ("`make bench` runs every benchmark below on this machine, one part after the other (about 55 minutes: the "
-           "parts about 35, the fault campaign's 50 runs about 20; the scale part's jobs at 185M and 298M parameters "
-           "up to an hour more, its deadline), writes each part's raw result outside git "
+    how = ("`make bench` runs every benchmark below on this machine, one part after the other (about 100 minutes: the "
+           "parts about 35, the scale part's jobs at 185M and 298M parameters about 45, the fault campaign's 50 runs "
+           "about 20), writes each part's raw result outside git "
            "(`runs/bench/<date>/<part>.json`, or under `$ACCELPACT_BENCH_RAW`) and its summary (the figures below, "
            "each with its spread and sample count) to `benchmarks/summaries/<date>/<part>.json`, and regenerates "
            "this file from the committed summaries alone. `make bench BENCH_ARGS=\"--parts store,control\"` runs "
