@@ -310,9 +310,12 @@ start_slurmctld() {
   rm -f -- "$CTLD_PIDFILE"
   slurmctld >>"$LOGS/slurmctld.start.log" 2>&1 9>&- ||
     fail_with_log "slurmctld did not start" "$LOGS/slurmctld.start.log" "$LOGS/slurmctld.log"
-  local deadline=$((SECONDS + TIMEOUT)) answering
+  local deadline=$((SECONDS + TIMEOUT)) answering written
   while :; do
-    ctld_pid >/dev/null || ! [[ -e $CTLD_PIDFILE ]] ||
+    # A pid file that names no process running slurmctld: it exited. One that exists but holds no pid yet is being
+    # written (the daemon creates it, then writes its pid): not an exit.
+    written="$(tr -dc '0-9' 2>/dev/null <"$CTLD_PIDFILE")" || written=""
+    ctld_pid >/dev/null || [[ -z $written ]] ||
       fail_with_log "slurmctld exited during its start" "$LOGS/slurmctld.start.log" "$LOGS/slurmctld.log"
     # Ask the controller that answers which state it keeps: another cluster's slurmctld on our port would answer
     # a plain ping just as well.
