@@ -59,8 +59,9 @@ LOCK_RETRY_S = 1.0
 #:   keeps the core for its time slice instead, and ranks in lock step all wait for the one delayed;
 #: - an int: that niceness, at least.
 #:
-#: The writer yields too: a rank's next snapshot waits for its slot at most ``timeouts.control_s`` and is
-#: skipped (an event, training goes on) when the writer could not finish by then.
+#: The writer yields too: a rank's next due snapshot waits for its slot at most ``timeouts.control_s`` and is
+#: skipped (an event, training goes on) when the writer could not finish by then; one asked for (the job's end,
+#: ``run.save()``) waits up to ``timeouts.startup_s`` while the daemon answers.
 #: ``ACCELPACT_CKPTD_IDLE=0`` (:mod:`accelpact_slurm.core.settings`) keeps them at the daemon's niceness.
 BACKGROUND = {"ckptd-writer": "idle", "ckptd-verifier": "idle", "ckptd-tier": "idle", "ckptd-deleter": "idle"}
 
