@@ -181,8 +181,9 @@ _FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.We
 _BUFFER_FQNS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
 
 
-def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan | None:
-    """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such."""
+def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Plan | None:
+    """Plan from FSDP1's flat parameters (``use_orig_params=True``); ``None`` when the model is not such.
+    ``optimizer`` None: the model's part alone (what a reload's fit check compares with a snapshot)."""
     flats = [flat_param_parts(fp) for fp in fsdp1_flat_params(model)]
     if not flats or any(parts is None for parts in flats) or not _fast_path_fits(model):
         return None
@@ -210,7 +211,7 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
                 return None  # not the sharded view FSDP leaves between updates: use the generic path
             cuts = range_boxes(shape, start, end)
             entries.append(_entry(("model", fqn), shape, p.dtype, cuts, local.reshape(-1), start))
-            st = optimizer.state.get(p, {})
+            st = optimizer.state.get(p, {}) if optimizer is not None else {}
             per: dict[str, Any] = {}
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == local.numel() and v.dim() <= 1:
@@ -222,7 +223,7 @@ def fsdp1_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Plan
                     per[k] = v
             optim_state[fqn] = per
     groups = []
-    for g in optimizer.param_groups:
+    for g in optimizer.param_groups if optimizer is not None else ():
         d = {k: v for k, v in g.items() if k != "params"}
         d["params"] = [fqn_of[id(p)] for p in g["params"] if id(p) in fqn_of]
         groups.append(d)

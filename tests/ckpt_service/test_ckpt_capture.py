@@ -2,6 +2,10 @@
 ``get_state_dict`` holds (same keys, same values, same plain state), on a real 2 x 2 HSDP world over Gloo; and so
 must the capture proof's FSDP1 reference, which finds the same values by FSDP's unflattening layout instead.
 
+The job's final digest and a reload's fit check read the same plan (no state dict, no copy of the optimizer's
+shards): the digest must name the state exactly as the digest of ``get_state_dict``'s tensors did, and the fit check
+must see the names, shapes and dtypes the model's state dict has.
+
 One spawned group of 4 ranks checks both FSDP1 wirings (2-D device mesh and the group pair); the box
 arithmetic is checked exhaustively on small shapes in one process.
 """
@@ -82,9 +86,10 @@ class Block(torch.nn.Module):
         super().__init__()
         self.up = torch.nn.Linear(width, 3 * width)
         self.down = torch.nn.Linear(3 * width, width)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, width))  # a persistent buffer: plain in every plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
+        return x + self.down(torch.relu(self.up(x))) * self.gain
 
 
 class Net(torch.nn.Module):
@@ -116,6 +121,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
     from ckpt_service.capture import fsdp1_plan, state_dict_plan
     from ckpt_service.proof import fsdp1_reference, planned, prove
+    from accelpact_slurm.runtime.state.digest import state_digests
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
@@ -193,6 +199,19 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             for other in (live, planned(ref)):
                 ok, why = prove(planned(fast), other, gather)
                 assert not ok and "differs from the live" in why, why
+            # the final digest from the plan's views names the state as the digest of get_state_dict's tensors did
+            box.src = box.src.flip(0)  # the live view again
+            rt = _DigestRt(rank, shard)
+            got_digest = state_digests(rt, model, opt, {}, _NoBuffers(), 2, 0)
+            want_digest = _state_dict_digest(rt, model, opt, 2, 0)
+            # a reload's fit check reads the model's names, shapes and dtypes from the same plan: as the state dict's
+            from accelpact_slurm.runtime.state import loadfit
+
+            assert loadfit.expected(model) == loadfit.expected_from_state_dict(model)
+            same: list = [None] * world  # rank 0 compares; every rank learns it (and leaves together)
+            dist.all_gather_object(same, got_digest == want_digest)
+            assert all(same), f"the plan's digest differs from get_state_dict's: {got_digest} != {want_digest}"
+            assert (got_digest[0] is not None) == (rank == 0)
             result.append(f"{wiring}: {len(keys)} tensors match")
     except BaseException as exc:  # reported to the test through the result file
         result.append(f"FAIL {type(exc).__name__}: {exc}")
@@ -203,6 +222,71 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         # Leave without Gloo's teardown: with groups replaced mid-run it can abort the process at exit
         # ("terminate called without an active exception") after every result is written.
         os._exit(0)
+
+
+class _NoBuffers:
+    def digest_items(self) -> list:
+        return []
+
+
+class _DigestRt:
+    """What the digest reads of the job's runtime: rank, node, node layout, shard group, the control round."""
+
+    def __init__(self, rank: int, shard) -> None:
+        import types
+
+        import torch.distributed as dist
+
+        self.rank, self.node, self.shard_group = rank, rank // 2, shard
+        self.layout = types.SimpleNamespace(ranks_per_node=2)
+
+        def all_gather(_tag, value):
+            out: list = [None] * dist.get_world_size()
+            dist.all_gather_object(out, value)
+            return out
+
+        self.control = types.SimpleNamespace(all_gather=all_gather)
+
+
+def _state_dict_digest(rt, model, optimizer, step, epoch):
+    """The final digest as it was computed from ``get_state_dict`` (the reference the plan's digest must equal)."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from accelpact_slurm.runtime.state.digest import _update_tensor, rank_fingerprint
+    from ckpt_service.capture import _local_chunks
+
+    msd, osd = get_state_dict(model, optimizer)
+    ranks = rt.control.all_gather("digest-rank", rank_fingerprint({}, _NoBuffers()))
+    h = hashlib.sha256() if rt.rank == 0 else None
+    items = [(f"param:{n}", msd[n]) for n in sorted(msd)]
+    items += [(f"optim:{f}:{k}", osd["state"][f][k]) for f in sorted(osd["state"]) for k in sorted(osd["state"][f])]
+    for name, value in items:
+        chunks = _local_chunks(value)
+        if chunks is None:
+            if h is not None:
+                _update_tensor(h, name, value)
+            continue
+        if rt.node != 0:
+            continue
+        mine = [(list(o), t.detach().contiguous()) for o, t in chunks if t.numel()]
+        got: list = [None] * 2 if rt.rank == 0 else None
+        dist.gather_object(mine, got, dst=0, group=rt.shard_group)
+        if h is not None:
+            full = torch.empty(tuple(value.shape), dtype=value.dtype)
+            for part in got:
+                for offsets, t in part:
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))].copy_(t)
+            _update_tensor(h, name, full)
+    if h is None:
+        return None, None
+    h.update(f"frontier:{step};epoch:{epoch}".encode())
+    model_digest = h.hexdigest()
+    for r, fp in enumerate(ranks):
+        h.update(f"rank:{r}:{fp['rng']}:{fp['state']}".encode())
+    return h.hexdigest(), model_digest
 
 
 @pytest.mark.slow

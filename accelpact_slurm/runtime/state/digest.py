@@ -7,9 +7,11 @@ every rank's RNG states and every rank's persistent buffers (batch-norm running 
 that end in the same training state print the same digest, whatever happened on the way (repairs, restarts) and whatever the wrapping (FSDP1 on the mesh or
 the group pair, FSDP2): it hashes each full tensor, not the shards.
 
-No process ever holds the whole model: the sharded state dict is walked tensor by tensor; for each
-one, the ranks of node 0 (which together hold a complete copy) send their chunks to rank 0, which
-assembles that one tensor, hashes it and drops it before the next.
+No process ever holds the whole model, and no rank copies its own state: the tensors come from the snapshot's
+capture plan (:func:`ckpt_service.capture.plan_for`: views of the live shards; FSDP1 builds no state dict), walked
+tensor by tensor; for each one, the ranks of node 0 (which together hold a complete copy) send their boxes to rank
+0, which assembles that one tensor, hashes it and drops it before the next.  (A state dict of FSDP1's optimizer
+copies every shard: at the job's end that was the job's memory peak.)
 
 Who calls: every rank, at the end of the job (node 0's ranks take part in one gather per tensor);
 rank 0 gets the digest, the others ``None``.
@@ -22,12 +24,11 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
+import torch.distributed as dist
 
 from accelpact_slurm.core.torch_warnings import quiet_state_dict_calls
 from accelpact_slurm.runtime.state import appstate
-from ckpt_service.capture import _local_chunks
-import torch.distributed as dist
+from ckpt_service.capture import Plan, plan_for
 
 if TYPE_CHECKING:
     from accelpact_slurm.runtime.job.topology import Runtime
@@ -66,36 +67,88 @@ def state_digests(rt: Runtime, model: Any, optimizer: Any, statefuls: dict[str, 
     nothing per rank: it names the same training state on any allocation (the number of nodes and of
     ranks per node changes the per-rank RNG and data loader states, not the model).
     """
-    msd, osd = get_state_dict(model, optimizer)  # sharded: DTensor / ShardedTensor, nothing gathered
+    plan = plan_for(model, optimizer)  # views of the live shards (FSDP1: no collective, no copy)
     ranks = rt.control.all_gather("digest-rank", rank_fingerprint(statefuls, forward))
-    on_node0 = rt.node == 0
+    if rt.node != 0:
+        return None, None
+    tensors, plain = _named(plan)
+    # Node 0's ranks together hold every tensor; a rank holds no optimizer state for a parameter wholly on its
+    # node peer, so the names are the node's union, in one order every rank of it computes alike.
+    meta: list[Any] = [None] * rt.layout.ranks_per_node
+    dist.all_gather_object(meta, ({n: (s, str(d)) for n, (s, d, _b) in tensors.items()}, sorted(plain)),
+                           group=rt.shard_group)
+    shapes: dict[tuple[str, ...], tuple[list[int], str]] = {}
+    owner: dict[tuple[str, ...], int] = {}  # a plain value's first holder on the node
+    for i, (their_tensors, their_plain) in enumerate(meta):
+        for n, sd in their_tensors.items():
+            shapes.setdefault(n, sd)
+        for n in their_plain:
+            owner.setdefault(tuple(n), i)
+    # rank 0 hashes the plain values (the same on every rank that has one); one it lacks comes from its first holder
+    me = dist.get_rank(rt.shard_group)
+    lent: list[Any] = [None] * rt.layout.ranks_per_node if rt.rank == 0 else None
+    dist.gather_object({n: plain[n] for n, i in owner.items() if i == me and i != 0}, lent, dst=0,
+                       group=rt.shard_group)
+    values = dict(plain)
+    for part in lent or ():
+        values.update(part)
     h = hashlib.sha256() if rt.rank == 0 else None
-    items = [(f"param:{n}", msd[n]) for n in sorted(msd)]
-    items += [(f"optim:{f}:{k}", osd["state"][f][k]) for f in sorted(osd["state"]) for k in sorted(osd["state"][f])]
-    for name, value in items:
-        chunks = _local_chunks(value)
-        if chunks is None:  # a plain value (a step counter): the same on every rank
+    for name in sorted(set(shapes) | set(owner), key=_order):
+        label = _label(name)
+        if name not in shapes:  # a plain value (a step counter, a buffer)
             if h is not None:
-                _update_tensor(h, name, value)
+                _update_tensor(h, label, values[name])
             continue
-        if not on_node0:
-            continue
-        mine = [(list(o), t.detach().to("cpu").contiguous()) for o, t in chunks if t.numel()]
+        boxes = tensors[name][2] if name in tensors else []
+        mine = [(offsets, t.detach().to("cpu").contiguous()) for offsets, t in boxes]
         got: list[Any] = [None] * rt.layout.ranks_per_node if rt.rank == 0 else None
         dist.gather_object(mine, got, dst=0, group=rt.shard_group)
         if h is not None:
-            full = torch.empty(tuple(value.shape), dtype=value.dtype)
+            shape, dtype = shapes[name]
+            full = torch.empty(tuple(shape), dtype=getattr(torch, dtype.removeprefix("torch.")))
             for part in got:
                 for offsets, t in part:
                     full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))].copy_(t)
-            _update_tensor(h, name, full)
+            _update_tensor(h, label, full)
             del full
     if h is None:
         return None, None
     h.update(f"frontier:{step};epoch:{epoch}".encode())
-    model = h.hexdigest()
+    model_digest = h.hexdigest()
     for r, fp in enumerate(ranks):
         h.update(f"rank:{r}:{fp['rng']}:{fp['state']}".encode())
         if "buffers" in fp:
             h.update(f"rank:{r}:buffers:{fp['buffers']}".encode())
-    return h.hexdigest(), model
+    return h.hexdigest(), model_digest
+
+
+def _named(plan: Plan) -> tuple[dict[tuple[str, ...], tuple[list[int], torch.dtype, list[tuple[list[int], torch.Tensor]]]],
+                                dict[tuple[str, ...], Any]]:
+    """The plan's tensors (``name: (shape, dtype, [(offsets, this rank's box)])``) and plain values, named
+    ``("param", fqn)`` or ``("optim", fqn, key)`` as the state dict names them."""
+    tensors = {}
+    for e in plan.entries:
+        boxes = [(list(b.offsets), b.src.reshape(b.sizes)) for b in e.boxes if b.src is not None and b.src.numel()]
+        tensors[_name(e.key)] = (list(e.shape), e.dtype, boxes)
+    plain: dict[tuple[str, ...], Any] = {("param", fqn): v for fqn, v in plan.plain.get("model", {}).items()}
+    for fqn, per in plan.plain.get("optim", {}).get("state", {}).items():
+        for k, v in per.items():
+            plain[("optim", fqn, k)] = v
+    return tensors, plain
+
+
+def _name(key: tuple[str, ...]) -> tuple[str, ...]:
+    if key[0] == "model" and len(key) == 2:
+        return ("param", key[1])
+    if key[:2] == ("optim", "state") and len(key) == 4:
+        return ("optim", key[2], key[3])
+    raise ValueError(f"{'.'.join(key)}: a sharded tensor where the state dict has none")
+
+
+def _order(name: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
+    """Every parameter and buffer by name, then the optimizer's state by parameter and key."""
+    return (0 if name[0] == "param" else 1, name[1:])
+
+
+def _label(name: tuple[str, ...]) -> str:
+    return f"param:{name[1]}" if name[0] == "param" else f"optim:{name[1]}:{name[2]}"
