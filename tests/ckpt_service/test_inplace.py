@@ -187,3 +187,69 @@ def test_the_ranks_take_one_way_in_place_everywhere_or_nowhere(world, tmp_path, 
     parts: dict = {}
     assert inplace.load(fresh, fresh_opt, path, KEY, checked, None, parts, peers("ok")) is not None
     assert "read_s" in parts and _same(_state(fresh, fresh_opt), _state(model, opt))
+
+
+class _NeedsMore(torch.optim.SGD):
+    """An optimizer whose constructor wants more than its param groups: the stand-in cannot be built."""
+
+    def __init__(self, params, scale, **kw) -> None:
+        super().__init__(params, **kw)
+        self.scale = scale
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: _NeedsMore(ps, 2.0, lr=0.1, momentum=0.9),
+], ids=["adamw", "adamw-amsgrad", "sgd-momentum", "own-constructor"])
+def test_the_reloads_unwritten_optimizer_state_is_shaped_as_the_real_init_makes_it(make):
+    """The reload in place makes the optimizer's state without a step over the model: the same keys in the same
+    order, shapes, dtypes and scalars as ``init_optim_state`` (what the general load and the fingerprints see)."""
+    from ckpt_service import compat
+
+    def params():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(0)),
+              torch.nn.Parameter(torch.randn(5, dtype=torch.float64))]
+        ps.append(torch.nn.Parameter(torch.randn(2), requires_grad=False))
+        return ps
+
+    real_ps, ours_ps = params(), params()
+    real, ours = make(real_ps), make(ours_ps)
+    compat.init_optim_state(real)
+    inplace.unwritten_optim_state(ours)
+    assert len(ours.state) == len(real.state) == 3
+    for p, q in zip(real_ps, ours_ps):
+        a, b = real.state.get(p, {}), ours.state.get(q, {})
+        assert list(a) == list(b)
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert (a[k].shape, a[k].dtype, a[k].device) == (b[k].shape, b[k].dtype, b[k].device), k
+                if a[k].dim() == 0:
+                    assert torch.equal(a[k], b[k]), k
+            else:
+                assert a[k] == b[k], k
+    assert all(torch.equal(p, q) for p, q in zip(real_ps, ours_ps))  # the parameters untouched
+    before = dict(ours.state)
+    inplace.unwritten_optim_state(ours)  # state already there: nothing made
+    assert dict(ours.state) == before
+
+
+def test_a_fresh_optimizer_keeps_no_state_when_the_reload_in_place_declines(world, tmp_path, monkeypatch):
+    """The general load then makes the optimizer's state itself (``get_state_dict`` makes none where some exists):
+    the unwritten state the fast path made must not stay.  Negative control: the same decline on an optimizer that
+    had state keeps it."""
+    model, opt = _fsdp(seed=1, steps=2)
+    path = _snapshot(tmp_path, model, opt)
+    from ckpt_service.verified import verified_metadata_bytes
+
+    checked = verified_metadata_bytes(path, KEY)
+    monkeypatch.setattr(inplace, "_payload", lambda *a: None)
+    fresh, fresh_opt = _fsdp(seed=2, steps=0)
+    assert inplace.load(fresh, fresh_opt, path, KEY, checked, None) is None
+    assert not fresh_opt.state
+    used, used_opt = _fsdp(seed=2, steps=1)
+    before = _state(used, used_opt)
+    assert inplace.load(used, used_opt, path, KEY, checked, None) is None
+    assert used_opt.state and _same(_state(used, used_opt), before)
