@@ -31,6 +31,7 @@ TORCH_RELEASES ?= 2.14.1 2.15.0
 # the uninterrupted run) and the shipped envelope's keys earned again by accelpact-qualify trials.
 EARNED_TEST := tests/e2e/test_envelope_earned.py
 RELEASE_TESTS := tests/repair tests/runtime tests/ckpt_service/test_ckpt_capture.py tests/ckpt_service/test_compat.py \
+                 tests/ckpt_service/test_inplace.py \
                  tests/e2e/test_examples.py \
                  $(EARNED_TEST)
 # The examples' mixed-precision variants and their negative controls run on the pinned release only (the same

@@ -64,6 +64,38 @@ def test_memory_peak_and_steady_per_parameter():
     assert m["steady"] == 12 * GB and m["steady_n"] == 4 and m["n"] == 10
 
 
+def test_what_snapshots_add_to_the_peak_of_training_alone():
+    """The peak inside the snapshot windows (and the job's end) against the peak outside them, over the samples that
+    saw every process: the training's own swing is not counted as the snapshots'."""
+    samples = [_sample(t, 5 * GB + (3 * P if t == 2 else 0), 1 * GB) for t in range(10)]  # training peaks at t=2
+    samples[6] = _sample(6, 5 * GB + 4 * P, 1 * GB)  # a snapshot 1 MB per node higher still
+    samples[8] = _sample(8, 9 * GB, 1 * GB, ranks=1)  # a start coming up: not every process, left out
+    m = sr.memory_figures(samples, P, [[5.5, 6.5], [8.0, 9.0]])
+    assert (m["snap_n"], m["train_n"]) == (2, 7)
+    assert m["snap_peak"] == 12 * GB + 8 * P and m["train_peak"] == 12 * GB + 6 * P and m["snap_excess_pp"] == 2.0
+    m = sr.memory_figures(samples, P, [[1.5, 2.5]])  # a window over the training's own peak
+    assert m["snap_excess_pp"] == -2.0
+    assert "snap_excess_pp" not in sr.memory_figures(samples, P)
+
+
+def test_snapshot_windows_from_blocking_to_the_last_daemons_word():
+    from benchmarks.parts import scale_runs
+
+    t0 = 1000.0
+    events = [{"event": "job_start", "ts": 1000.0, "rank": 0},
+              {"event": "snapshot", "rank": 0, "step": 5, "ts": 1011.0, "blocking_s": 1.0},
+              {"event": "checkpoint", "step": 5, "state": "committed", "ts": 1013.0, "node": 0},
+              {"event": "checkpoint", "step": 5, "state": "verified", "ts": 1014.0, "node": 0},
+              {"event": "checkpoint", "step": 5, "state": "verified", "ts": 1015.0, "node": 1},
+              {"event": "snapshot", "rank": 0, "step": 10, "ts": 1020.0, "blocking_s": 0.5},
+              {"event": "snapshot", "rank": 0, "step": 12, "ts": 1022.0, "skipped": True},
+              {"event": "job_start", "ts": 1025.0, "rank": 0},  # step 10 never verified: its start ended
+              {"event": "snapshot", "rank": 0, "step": 15, "ts": 1030.0, "blocking_s": 0.5},
+              {"event": "checkpoint", "step": 15, "state": "verified", "ts": 1031.0, "node": 1},
+              {"event": "job_end", "ts": 1040.0, "rank": 0}]
+    assert scale_runs.snapshot_windows(events, t0) == [[10.0, 15.0], [19.5, 20.0], [29.5, 31.0], [29.5, 40.0]]
+
+
 def test_the_summary_rows_goals_and_section():
     res = sr.summarize(_result())
     s = res["summary"]["S"]

@@ -75,9 +75,14 @@ def complete(samples: list[dict[str, Any]]) -> list[bool]:
                                              for n in s["nodes"].values()) for s in samples]
 
 
-def memory_figures(samples: list[dict[str, Any]], params: int) -> dict[str, Any]:
+def memory_figures(samples: list[dict[str, Any]], params: int,
+                   windows: list[list[float]] | None = None) -> dict[str, Any]:
     """Peak (over every sample) and steady level (the median over the samples of the run's second half that saw
-    every process) of the job's and of each node's memory (:func:`node_bytes`), bytes and bytes per parameter."""
+    every process) of the job's and of each node's memory (:func:`node_bytes`), bytes and bytes per parameter.
+
+    ``windows`` (``[[from, to]]``, the samples' time base: every snapshot from its blocking to its last daemon's
+    word, and the job's end): the peak inside them against the peak outside them, over the samples that saw every
+    process (``snap_excess_pp``: what snapshots and the final digest add to the peak of training alone)."""
     if not samples or not params:
         return {"n": 0}
     t_lo, t_hi = samples[0]["t"], samples[-1]["t"]
@@ -94,6 +99,14 @@ def memory_figures(samples: list[dict[str, Any]], params: int) -> dict[str, Any]
                            "shm_peak": max(sum(int(n.get("shm", 0)) for n in s["nodes"].values()) for s in samples),
                            "peak_pp": peak / params, "steady_pp": steady / params,
                            "excess_pp": (peak - steady) / params, "nodes": {}}
+    if windows:
+        inside = [any(a <= s["t"] <= b for a, b in windows) for s in samples]
+        full = complete(samples)
+        snap = [job_bytes(s) for s, i, ok in zip(samples, inside, full) if i and ok]
+        train = [job_bytes(s) for s, i, ok in zip(samples, inside, full) if not i and ok]
+        if snap and train:
+            out.update(snap_peak=max(snap), train_peak=max(train), snap_n=len(snap), train_n=len(train),
+                       snap_excess_pp=(max(snap) - max(train)) / params)
     for node in sorted({k for s in samples for k in s["nodes"]}):
         p = max(node_bytes(s["nodes"][node]) for s in samples if node in s["nodes"])
         st = h.med(node_bytes(s["nodes"][node]) for s in late if node in s["nodes"]) or 0
@@ -105,7 +118,7 @@ def memory_figures(samples: list[dict[str, Any]], params: int) -> dict[str, Any]
 def run_figures(run: dict[str, Any], params: int, ref_digest: str | None) -> dict[str, Any]:
     """One run's figures (module docstring)."""
     out: dict[str, Any] = {**snapshot_figures(run.get("snapshots") or []),
-                           "memory": memory_figures(run.get("samples") or [], params),
+                           "memory": memory_figures(run.get("samples") or [], params, run.get("windows")),
                            "step_s": h.med(run.get("step_s") or [])}
     load, plain = run.get("load") or {}, run.get("plain_read") or {}
     out["load_s"], out["plain_s"], out["load_bytes"] = load.get("load_s"), plain.get("read_s"), plain.get("bytes")
@@ -144,6 +157,7 @@ def size_figures(res: dict[str, Any], size: str) -> dict[str, Any]:
         "first_restart_s": h.spread(f["first_restart_s"] for _r, f in restarted),
         "regular_s": h.spread(f["regular_s"] for _r, f in figs),
         "excess_pp": h.spread(m["excess_pp"] for m in mem),
+        "snap_excess_pp": h.spread(m["snap_excess_pp"] for m in mem if "snap_excess_pp" in m),
         "peak_pp": h.spread(m["peak_pp"] for m in mem), "steady_pp": h.spread(m["steady_pp"] for m in mem),
         "node_excess_pp": h.spread(n["excess_pp"] for m in mem for n in m["nodes"].values()),
         "peak_gib": h.spread(m["peak"] / GIB for m in mem),
@@ -196,6 +210,13 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                           unit="B/param", note=f"peak {h.fmt(s['peak_pp']['median'])} B/param, steady "
                                                f"{h.fmt(s['steady_pp']['median'])} B/param; goal ≤ {MEM_GOAL:g} "
                                                "B/param in every run"))
+        if s.get("snap_excess_pp", {}).get("n"):
+            rows.append(h.row(f"{lab}: memory at its peak during snapshots and the final digest, above its peak "
+                              "while only training", "the same run's peak outside every snapshot (from training "
+                              "blocked to the last daemon's verdict) and outside the job's end",
+                              s["snap_excess_pp"], unit="B/param",
+                              note="what the snapshots add to the job's own peak (training alone swings between "
+                                   "its peak and its steady level within each update); ≤ 0 adds nothing"))
         rows.append(h.row(f"{lab}: the restart's reload rate (`restart_load.load_s`)",
                           "a plain sequential read of the same files right after the job", s["load"],
                           note=f"{h.fmt(s['load_s']['median'])} s vs {h.fmt(s['plain_s']['median'])} s for "
@@ -303,20 +324,25 @@ def markdown(res: dict[str, Any]) -> str:
          "of the same run's other snapshots. **Memory**: every 0.2 s, the `RssAnon` of each node's ranks and daemon "
          "(from `/proc/<pid>/status`, the pids from the run's `process` events) plus the bytes its staging holds in "
          "`/dev/shm` (mapped by the rank and the daemon, counted once); the peak and the steady level (the median "
-         "over the run's second half), per parameter of the model. **Reload**: `restart_load.load_s` (rank 0, the "
+         "over the run's second half), per parameter of the model; and the peak inside the snapshots' windows (from "
+         "training blocked to the last daemon's verdict, and the job's end with its final digest) against the peak "
+         "outside them, over the samples that saw every process: what snapshots add to the job's own peak. "
+         "**Reload**: `restart_load.load_s` (rank 0, the "
          "offer rounds, the re-check of the checksums and the load) against one sequential read, 8 MiB at a time, "
          "of the same step's files on every node, right after the job in the benchmark's process (the files "
          "hard-linked when the reload began, so that retention cannot remove them): the ratio of the two rates, "
          "plain seconds over reload seconds."),
         "",
-        "| size | first snapshot / regular | restart's first / regular | peak − steady, B/param | peak, B/param | "
-        "steady, B/param | reload / plain read rate | bitwise equal | per update, s | runs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | first snapshot / regular | restart's first / regular | peak − steady, B/param | snapshots' peak − "
+        "training's peak, B/param | peak, B/param | steady, B/param | reload / plain read rate | bitwise equal | "
+        "per update, s | runs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, s in sm.items():
         b = s["bitwise"]
         lines.append(f"| {_label(res, size)} | {h.fmt_spread(s['first_job'])} | {h.fmt_spread(s['first_restart'])} | "
-                     f"{h.fmt_spread(s['excess_pp'])} | {h.fmt_spread(s['peak_pp'])} | {h.fmt_spread(s['steady_pp'])} "
+                     f"{h.fmt_spread(s['excess_pp'])} | {h.fmt_spread(s.get('snap_excess_pp') or {})} | "
+                     f"{h.fmt_spread(s['peak_pp'])} | {h.fmt_spread(s['steady_pp'])} "
                      f"| {h.fmt_spread(s['load'])} | {_bitwise(b)} | {h.fmt_spread(s['step_s'])} | "
                      f"{s['runs']}" + (f" ({s['failed']} failed)" if s["failed"] else "") + " |")
     lines += ["", ("Medians (min–max) over the runs. Each run, in seconds and GiB (the job's memory; blocking "

@@ -386,6 +386,40 @@ def analyse(run_dir: Path, job_id: str, kind: str, code: int | None, watch: Watc
         error = "; ".join(watch.problems) or "the reloaded step's files were not held"
     out["error"] = error
     out["peak_at"] = peak_at(events, watch)
+    out["windows"] = snapshot_windows(events, watch.t0_wall)
+    return out
+
+
+#: A daemon's last word on a snapshot (``checkpoint`` event states).
+ENDED = ("verified", "rejected", "failed")
+
+
+def snapshot_windows(events: list[dict[str, Any]], t0_wall: float) -> list[list[float]]:
+    """``[[from, to]]`` in the memory samples' time base (seconds after the watch began): each snapshot of rank 0,
+    from the moment its training blocked for it (the event's time less ``blocking_s``) until every node's daemon
+    said its last word on that step (verified, rejected, failed) or the start ended; and the job's end, from its
+    last snapshot's start until ``job_end`` (the final digest).  Outside them the ranks only train."""
+    last_word: dict[Any, float] = {}
+    for e in events:
+        if e.get("event") == "checkpoint" and e.get("state") in ENDED and isinstance(e.get("ts"), (int, float)):
+            last_word[e.get("step")] = max(last_word.get(e.get("step"), 0.0), float(e["ts"]))
+    ends = sorted(float(e["ts"]) for e in events if e.get("event") in ("job_start", "job_end")
+                  and isinstance(e.get("ts"), (int, float)))
+    out: list[list[float]] = []
+    for e in events:
+        if e.get("event") != "snapshot" or e.get("rank") != 0 or e.get("skipped") \
+                or not isinstance(e.get("ts"), (int, float)):
+            continue
+        begin = float(e["ts"]) - float(e.get("blocking_s") or 0.0)
+        end = max(last_word.get(e.get("step"), 0.0), float(e["ts"]))
+        later = [t for t in ends if t > begin]
+        if later and end > later[0]:  # the start ended first (or a later start took the same step again)
+            end = later[0]
+        out.append([round(begin - t0_wall, 3), round(end - t0_wall, 3)])
+    job_end = next((float(e["ts"]) for e in events if e.get("event") == "job_end"
+                    and isinstance(e.get("ts"), (int, float))), None)
+    if job_end is not None and out:
+        out.append([out[-1][0], round(job_end - t0_wall, 3)])
     return out
 
 
