@@ -146,7 +146,7 @@ def _prepare(model: Any, optimizer: Any, path: str, key: bytes | None, checked: 
         stack.enter_context(reading_ahead(opened[name], int(manifest["files"][name]["size"])))
     t0 = lap(parts, "open_s", t0)
     located: list[tuple[str, int, torch.Tensor]] = []
-    for dst, name, offset, length in reads:
+    for dst, name, offset, length in sorted(reads, key=lambda r: (r[1], r[2])):  # each file front to back
         at = _payload(opened[name], offset, length, dst)
         if at is None:
             return None
