@@ -1,7 +1,7 @@
 """Every process of one (emulated) node, from a run's event log: what a test SIGKILLs to lose exactly one node.
 
 Each process of a job writes one ``process`` event at its start (``accelpact_slurm/core/events.py``): its role
-(``rank``, ``store``, ``daemon``, ``spare``; the launcher and its zygote sit on no node), pid and node index.
+(``rank``, ``store``, ``store-standby``, ``daemon``, ``spare``; the launcher and its zygote sit on no node), pid and node index.
 """
 
 from __future__ import annotations

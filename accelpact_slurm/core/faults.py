@@ -59,8 +59,9 @@ HEAL_FAULT = "ACCELPACT_TEST_HEAL_FAULT"
 #: ``skip_transfer``: no shard is sent (the spare keeps its fresh weights); ``skip_packet``: the spare never applies
 #: the dead rank's per-rank packet; ``tamper_manifest``: the source changes its manifest after signing it;
 #: ``skip_vote_packet``: every rank hands its per-rank packet at each commit only, none at the vote (a rank lost
-#: in the optimizer step leaves no packet of the update the survivors commit).
-HEAL_FAULTS = ("skip_transfer", "skip_packet", "tamper_manifest", "skip_vote_packet")
+#: in the optimizer step leaves no packet of the update the survivors commit); ``no_standby``: the job's store gets
+#: no standby (node 0's loss takes the store with it).
+HEAL_FAULTS = ("skip_transfer", "skip_packet", "tamper_manifest", "skip_vote_packet", "no_standby")
 
 
 @dataclass(frozen=True)

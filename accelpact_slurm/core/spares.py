@@ -191,11 +191,18 @@ def free_spare_nodes(store: SpareStore, *, nodes: int, ranks_per_node: int, spar
     return out
 
 
+#: Where node 1's first rank says its standby of the job's store serves (JSON: host, port, link, pid), in a job with
+#: spare nodes: a client goes over to it once the store (beside rank 0) is gone.
+STANDBY_KEY = "store/standby"
+
+
 def decide_heal(dead_ranks: Iterable[int], *, nodes: int, ranks_per_node: int, free_nodes: list[int],
                 frontier: int, generation: int) -> tuple[Assignment | None, str]:
     """Whether a loss is one a spare heals, and with which record (pure): ``(Assignment, why)`` when the dead ranks
-    are exactly one whole training node other than node 0 (whose launcher hosts the job's store) and a spare node
-    is free (the lowest), else ``(None, why)`` naming the reason (the caller then fails stop to L2 as before).
+    are exactly one whole training node and a spare node is free (the lowest), else ``(None, why)`` naming the
+    reason (the caller then fails stop to L2 as before).  Node 0's loss takes the job's store with it: its standby
+    on node 1 serves on (:func:`accelpact_slurm.runtime.job.topology.mirror_store`), and without one the lead's
+    store calls fail, which is L2 too.
 
     Who calls: the lead of the survivors, with the detector's dead ranks, :func:`free_spare_nodes`, the committed
     frontier and the generation the heal's groups will be built at; then :func:`assign_spare`.
@@ -210,9 +217,8 @@ def decide_heal(dead_ranks: Iterable[int], *, nodes: int, ranks_per_node: int, f
     whole = list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
     if dead != whole:
         return None, f"the dead ranks {dead} are part of node {node} ({whole}): only a whole node is healed"
-    if not 0 < node < nodes:
-        return None, (f"node {node} is lost: node 0 hosts the job's store, so its loss is not healed"
-                      if node == 0 else f"node {node} is no training node")
+    if not 0 <= node < nodes:
+        return None, f"node {node} is no training node"
     if not free_nodes:
         return None, "no spare node is free (none configured, none warm yet, or every one used)"
     spare = min(free_nodes)

@@ -253,7 +253,8 @@ def launch_local(
         # a daemon killed mid-job is started again at once (bounded): else its node takes no snapshot until the end
         code = _supervise(ranks, cfg.timeouts.shutdown_s, out, stopped, lost_grace_s=lost_rank_grace(cfg.timeouts),
                           tick=lambda: restart_exited(daemons, run_dir, job_id, restart_count),
-                          taken=TakenPlaces(run_dir, restart_count, spares) if spares else None)
+                          taken=TakenPlaces(run_dir, restart_count, spares) if spares else None,
+                          echo=(label, drop))
         record_undecided_end(run_dir, job_id, restart_count, code, [rp.proc.returncode for rp in ranks],
                              {rp.rank: rp.log_path for rp in ranks})
         return code
@@ -349,7 +350,7 @@ def lost_rank_grace(timeouts: Any) -> float:
 
 def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped: list[bool] | None = None,
                lost_grace_s: float | None = None, tick: Callable[[], None] | None = None,
-               taken: Callable[[], dict[int, Any]] | None = None) -> int:
+               taken: Callable[[], dict[int, Any]] | None = None, echo: tuple[str, str] = ("", "")) -> int:
     """Wait for the ranks; stop the others once one failed or the launcher got a signal.  ``tick``: called at
     every poll while every rank runs (the daemons' restarts), never once the ranks are being stopped.
     ``taken``: the spare processes handed a rank's place so far, by rank (:class:`.spares.TakenPlaces`): a rank
@@ -376,7 +377,7 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
             if taken is not None and stop["signal"] is None and time.monotonic() >= next_look:
                 next_look = time.monotonic() + TAKEN_LOOK_S  # the event log's new lines, a few times a second
                 lost = [r for r, c in failed if c < 0] + [r for r, c in enumerate(codes) if c is None]
-                healed = _take_places(ranks, lost, taken(), out)
+                healed = _take_places(ranks, lost, taken(), out, label=echo[0], drop=echo[1])
                 if healed:
                     failed = [(r, c) for r, c in failed if r not in healed]
                     if not failed and deadline is not None and not stopping:
@@ -423,10 +424,12 @@ def _supervise(ranks: list[RankProcess], shutdown_s: float, out: TextIO, stopped
     return combine_exit_codes([rp.proc.returncode for rp in ranks])
 
 
-def _take_places(ranks: list[RankProcess], lost: list[int], spares: dict[int, Any], out: TextIO) -> list[int]:
+def _take_places(ranks: list[RankProcess], lost: list[int], spares: dict[int, Any], out: TextIO, *,
+                 label: str = "", drop: str = "") -> list[int]:
     """Put the spare that took a lost rank's place where the rank was (its exit is the rank's from now on); the
     ranks so replaced.  A rank whose place was taken while its process still runs (a node that hangs: named gone
-    by its silence) is killed first, so that it can never come back beside the spare in its place."""
+    by its silence) is killed first, so that it can never come back beside the spare in its place.  In rank 0's
+    place the spare's log is echoed from then on, as rank 0's was (``label``, ``drop``)."""
     done = []
     for r in lost:
         sp = spares.get(r)
@@ -438,8 +441,16 @@ def _take_places(ranks: list[RankProcess], lost: list[int], spares: dict[int, An
                   file=out, flush=True)
         print(f"[accelpact] rank {r} was lost with its node; spare {sp.node}/{sp.local_rank} (pid {sp.proc.pid}) "
               f"takes its place (log {sp.log_path})", file=out, flush=True)
-        ranks[r] = RankProcess(r, sp.proc, sp.log_path)
+        old, ranks[r] = ranks[r], RankProcess(r, sp.proc, sp.log_path)
+        if r == 0:  # rank 0's lines (progress, the heal, the job's end) come from the spare's log now
+            if old.done is not None:
+                old.done.set()
+            ranks[r].done = threading.Event()
+            ranks[r].pump = threading.Thread(target=_follow, name="echo-rank-0", daemon=True,
+                                             args=(sp.log_path, out, ranks[r].done, label, drop, sp.log_start))
         done.append(r)
+    if 0 in done:  # after this call's own lines
+        ranks[0].pump.start()  # type: ignore[union-attr]
     return done
 
 

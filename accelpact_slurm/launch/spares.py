@@ -45,6 +45,7 @@ class SpareProcess:
     local_rank: int
     proc: Any  # subprocess.Popen, or a zygote's Forked (the same interface)
     log_path: str
+    log_start: int = 0  # the log's size when this start's process began (earlier starts' lines are before it)
 
 
 def start_local_spares(config_path: str, cfg: JobConfig, run_dir: str, job_args: Sequence[str],
@@ -69,7 +70,8 @@ def start_local_spares(config_path: str, cfg: JobConfig, run_dir: str, job_args:
                 args = spare_args(config_path, run_dir, job_args, job_id=job_id, step="0", restart=restart,
                                   node=node, local_rank=local, hostname=spare_hostname(node))
                 log_path = os.path.join(logs, f"spare-{node}-{local}.log")
-                spares.append(SpareProcess(node, local, _spawn(args, env, log_path, zygote), log_path))
+                start = os.path.getsize(log_path) if os.path.isfile(log_path) else 0
+                spares.append(SpareProcess(node, local, _spawn(args, env, log_path, zygote), log_path, start))
     except OSError:
         stop_spares(spares, 0.0)
         raise

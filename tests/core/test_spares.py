@@ -138,7 +138,8 @@ def test_negative_controls_decide_heal_refuses_what_a_spare_cannot_heal():
     assert decide_heal([], free_nodes=[3], **kw) == (None, "no rank is dead")
     assert "span nodes" in decide_heal([2, 4], free_nodes=[3], **kw)[1]
     assert "only a whole node" in decide_heal([2], free_nodes=[3], **kw)[1]
-    assert "node 0 hosts the job's store" in decide_heal([0, 1], free_nodes=[3], **kw)[1]
+    assert "no training node" in decide_heal([6, 7], free_nodes=[3], **kw)[1]
+    assert decide_heal([0, 1], free_nodes=[3], **kw)[0].dead_node == 0  # node 0 too: the store has a standby
     assert "no spare node is free" in decide_heal([4, 5], free_nodes=[], **kw)[1]
     assert decide_heal([4, 5], free_nodes=[3], **kw)[0] is not None
 

@@ -86,6 +86,28 @@ def encode(n: int, pid: int, state: LocalState, mem: dict[str, Any] | None = Non
                        "d": dict(state.done), "stop": state.stop, "mem": mem}, separators=(",", ":"))
 
 
+#: Who marks a rank dead when its every connection to the job's store closed (the store's witness).
+STORE_WITNESS = "the job's store"
+
+
+def witness_key(rank: int) -> bytes:
+    return record_key(rank).encode()
+
+
+def witnessed_death(raw: bytes | None) -> bytes | None:
+    """The store's witness (pure): a rank's record once every connection of that rank to the store has closed,
+    marked ``dead`` as a node peer's pidfd marks it, unless it said it stopped or finished (or is marked already);
+    None to leave it.  A process that ends closes its connections; one that hangs, or a link that is cut without a
+    reset, keeps them, and its heartbeat tells.  So a node lost whole is named within milliseconds, with no node
+    peer left to witness it."""
+    rec = decode(raw)
+    if rec is None or rec.get("stop") or rec.get("dead"):
+        return None
+    rec["dead"] = {"by": STORE_WITNESS, "how": "every connection of its process to the job's store closed"}
+    rec["n"] = int(rec.get("n") or 0) + 1
+    return json.dumps(rec, separators=(",", ":")).encode()
+
+
 def decode(raw: bytes | str | None) -> dict[str, Any] | None:
     """A record, or None for anything that is not one (a missing key, a torn or foreign value)."""
     if not raw:
@@ -429,7 +451,8 @@ def _member_gone(r: int, s: Seen, now: float, heartbeat_s: float,
     if rec.get("dead"):
         how = rec["dead"].get("how", "its process ended") if isinstance(rec["dead"], dict) else "its process ended"
         by = rec["dead"].get("by") if isinstance(rec["dead"], dict) else None
-        return Verdict(DEAD, r, f"{describe(r)} died: {how}" + (f" (seen by rank {by})" if by is not None else ""),
+        seen_by = f" (seen by rank {by})" if isinstance(by, int) else f" (seen by {by})" if by else ""
+        return Verdict(DEAD, r, f"{describe(r)} died: {how}{seen_by}",
                        cause="out-of-memory" if isinstance(rec["dead"], dict) and rec["dead"].get("oom") else None)
     stop = rec.get("stop")
     if isinstance(stop, dict) and stop.get("cause") == "completed":

@@ -214,6 +214,8 @@ def _run_rank(cfg: JobConfig, ctx: SlurmContext, run_dir: str, environ: Mapping[
     if lead and rt.store_server is not None:  # the job's store: a process beside rank 0 (a thread of it: its pid)
         events.emit("process", role="store", pid=getattr(rt.store_server, "pid", os.getpid()), hostname=hostname,
                     thread=not hasattr(rt.store_server, "pid"))
+    if rt.standby_server is not None:  # the store's standby: a process beside node 1's first rank
+        events.emit("process", role="store-standby", pid=rt.standby_server.pid, hostname=hostname)
 
     def announce(cfg: JobConfig) -> None:
         """Rank 0: the job's start, with the effective config (in script mode: once the script's values are in)."""

@@ -174,7 +174,7 @@ class SurvivorHeal:
         job.events.emit("heal", **outcome.event(), spare_node=assignment.spare_node, ranks=list(assignment.ranks),
                         step=step, discarded=discarded, gone=where,
                         **({"packets": self.packets} if rt.rank == min(alive) else {}))
-        if job.is_lead:
+        if rt.rank == min(alive):  # rank 0 may be the one lost
             moved = outcome.transfer.as_dict().get("tensor_bytes", 0) if outcome.transfer is not None else 0
             print(f"[accelpact] heal: node {plan.dead_node} lost in update {step} ({where}); spare node "
                   f"{assignment.spare_node} takes ranks {list(assignment.ranks)} at update {frontier} (generation "
@@ -195,7 +195,10 @@ class SurvivorHeal:
         store, key = rt.data_store, decision_key(generation)
         nodes, rpn, spares = rt.layout.num_nodes, rt.layout.ranks_per_node, cfg.topology.spare_nodes
         if rt.rank == min(alive):
-            free = free_spare_nodes(store, nodes=nodes, ranks_per_node=rpn, spare_count=spares)
+            try:
+                free = free_spare_nodes(store, nodes=nodes, ranks_per_node=rpn, spare_count=spares)
+            except Exception as exc:  # noqa: BLE001 - node 0 took the store with it, and it had no standby
+                return None, f"the job's store is gone: {type(exc).__name__}: {exc}"
             assignment, why = decide_heal(dead, nodes=nodes, ranks_per_node=rpn, free_nodes=free,
                                           frontier=frontier, generation=generation)
             if assignment is not None:  # every dead rank's per-rank state at the frontier known, or no heal
@@ -232,7 +235,10 @@ class SurvivorHeal:
 
     def _refused(self, stop: FailStop, why: str) -> tuple[bool, str]:
         log.warning("rank %d: %s; failing stop", self.run.job.rank, why)
-        if self.run.job.is_lead:
+        rt = self.run.job._rt
+        alive = [r for r in range(rt.layout.world_size) if r not in rt.detector.gone()] \
+            if rt.detector is not None else [0]
+        if rt.rank == min(alive, default=0):  # the survivors' lead (rank 0 may be the one lost)
             self.run.job.events.emit("heal_refused", reason=why, stop=stop.reason[:300])
         return False, why
 

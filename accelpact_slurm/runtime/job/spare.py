@@ -38,7 +38,7 @@ from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.core.errors import EXIT_OK, EXIT_USAGE, CheckpointError
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog
-from accelpact_slurm.core.spares import Assignment, assign_key, is_end, ready_key, spare_id
+from accelpact_slurm.core.spares import STANDBY_KEY, Assignment, assign_key, is_end, ready_key, spare_id
 from accelpact_slurm.runtime.job.entry import check_dependencies
 from ckpt_service.auth import load_or_create_key
 
@@ -120,8 +120,8 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
             from accelpact_slurm.runtime.job.spare_place import take_place
 
             # the spare trains on as the dead rank to the job's end, or stops as a rank does
-            def connect(timeout_s: float) -> Any:
-                return JobStore(host, ports, key, bind_to, world + sid, timedelta(seconds=timeout_s))
+            def connect(timeout_s: float) -> Any:  # the store, or its standby once the store is gone
+                return store.sibling(timedelta(seconds=timeout_s))
 
             return take_place(assignment, cfg, store=store, connect=connect, key=key, run_dir=run_dir,
                               job_file=job_file, job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,
@@ -144,6 +144,10 @@ def _park(store: Any, events: EventLog, *, sid: int, node: int, local_rank: int,
 
     key = assign_key(node)
     while not stop:
+        if getattr(store, "standby", True) is None and store.check([STANDBY_KEY]):
+            # the store's standby (node 1's first rank says where, once up): the spare parks on through node 0's loss
+            doc = json.loads(store.get(STANDBY_KEY))
+            store.set_standby(doc["host"], [int(doc["port"])])
         try:
             store.wait([key], timedelta(seconds=park_wait_s))
         except dist.DistStoreError:  # the deadline passed with nothing for us: re-arm

@@ -116,6 +116,8 @@ def spare_runtime(cfg: JobConfig, ctx: SlurmContext, plan: heal.HealPlan, groups
     layout = Layout(plan.nodes, plan.ranks_per_node)
     control = ControlPlane(connect(max(cfg.timeouts.control_s, 1.0)), rank, layout.world_size,
                            cfg.timeouts.control_s, generation=plan.generation)
+    if getattr(store, "standby", None) is not None or getattr(store, "failed_over", False):
+        control.standby_rank = plan.ranks_per_node  # node 1's first rank hosts the store's standby
     rt = Runtime(ctx=ctx, layout=layout, rank=rank, node=plan.dead_node, local_rank=plan.local_of(rank),
                  data_store=store, control=control, shard_group=groups.shard, replicate_group=groups.replicate,
                  mesh=heal.spare_mesh(plan, groups), collective_timeout_s=cfg.timeouts.collective_s,

@@ -11,6 +11,7 @@ never issues a collective on the default group.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -24,10 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.runtime.transport.control import ControlPlane
-from accelpact_slurm.runtime.transport.store import JobStore, binding as store_binding, host_store, \
-    host_store_process, port_candidates
+from accelpact_slurm.runtime.transport.store import JobStore, binding as store_binding, host_standby_process, \
+    host_store, host_store_process, port_candidates
 from accelpact_slurm.runtime.job.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
 from accelpact_slurm.core.errors import ConfigError, SlurmEnvError
+from accelpact_slurm.core.faults import HEAL_FAULT
+from accelpact_slurm.core.spares import STANDBY_KEY
 from accelpact_slurm.slurm.env import SlurmContext
 from accelpact_slurm.repair.torch_compat import set_group_timeout
 from accelpact_slurm.runtime.detection.wiring import start_detector
@@ -91,6 +94,8 @@ class Runtime:
     store_server: Any = None
     #: A further client of the job's store, for a thread of its own (``store_client(timeout)``).
     store_client: Any = None
+    #: Node 1's first rank, in a job with spare nodes: the store's standby it hosts (:func:`mirror_store`).
+    standby_server: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -179,6 +184,13 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     data_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)
     control_store = JobStore(host, ports, key, bind_to, ctx.rank, startup)
     log.info("rendezvous at %s:%d (the job's store), world %d", host, data_store.port, layout.world_size)
+    standby_server = None
+    if cfg.topology.spare_nodes > 0 and layout.num_nodes > 1 and environ.get(HEAL_FAULT) != "no_standby":
+        # node 0's loss is healed too: the store has a standby
+        here = host if settings.emulated(environ) or len(ctx.nodelist) < 2 else ctx.nodelist[1]
+        standby_server = mirror_store(ctx.rank, layout, data_store, [data_store, control_store], server, host=here,
+                                      key=key, bind_to=bind_to, timeout=startup, on_warning=on_warning,
+                                      reached_from_other_hosts=others)
     # No device_id: a bound world group would turn every members-only group build into a world-wide split.
     # The world's Gloo pairs connect within its timeout: startup_s, not collective_s (on a loaded node the ranks
     # may come up seconds apart); its collectives then get the collective timeout, as the mesh's groups do.
@@ -187,6 +199,8 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
         world_size=layout.world_size, timeout=startup,
     )
     control = ControlPlane(control_store, ctx.rank, layout.world_size, cfg.timeouts.control_s)
+    if standby_server is not None or control_store.standby is not None:
+        control.standby_rank = layout.ranks_per_node
     node, local = layout.node_of(ctx.rank), layout.local_of(ctx.rank)
     # One 2-D mesh; its groups are also the explicit (shard, replicate) pair the job hands out.
     mesh = init_device_mesh("cuda" if hw.is_cuda else "cpu", (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=MESH_DIMS)
@@ -199,8 +213,29 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
         ctx=ctx, layout=layout, rank=ctx.rank, node=node, local_rank=local, data_store=data_store,
         control=control, shard_group=shard_pg, replicate_group=rep_pg, mesh=mesh,
         collective_timeout_s=cfg.timeouts.collective_s, hardware=hw, store_server=server,
-        store_client=lambda timeout: JobStore(host, [data_store.port], key, bind_to, ctx.rank, timeout),
+        store_client=data_store.sibling, standby_server=standby_server,
     )
 
     rt.detector = start_detector(rt, cfg.timeouts, detect=detect)
     return rt
+
+
+def mirror_store(rank: int, layout: Layout, store: JobStore, clients: list[JobStore], server: Any, *, host: str,
+                 key: bytes, bind_to: str, timeout: timedelta, on_warning: Callable[[str], None] | None = None,
+                 reached_from_other_hosts: bool = False) -> Any:
+    """Give the job's store a standby on node 1, so that losing node 0 (and the store beside rank 0) is a node loss
+    like any other: node 1's first rank hosts the standby (returned: its handle, None elsewhere) and says where;
+    rank 0's store forwards every write to it from then on; every rank's ``clients`` go over to it if the store is
+    gone (:mod:`..transport.store_server`).  Collective: every rank calls it, within ``timeout``."""
+    proc = None
+    if rank == layout.ranks_per_node:
+        proc, link = host_standby_process(host, key, bind_to, on_warning,
+                                          reached_from_other_hosts=reached_from_other_hosts)
+        store.set(STANDBY_KEY, json.dumps({"host": host, "port": proc.port, "link": link, "pid": proc.pid}))
+    store.wait([STANDBY_KEY], timeout)
+    doc = json.loads(store.get(STANDBY_KEY))
+    if rank == 0 and server is not None:
+        server.mirror_to(doc["host"], [int(doc["link"])], timeout.total_seconds())
+    for client in clients:
+        client.set_standby(doc["host"], [int(doc["port"])])
+    return proc

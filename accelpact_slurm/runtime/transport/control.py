@@ -79,6 +79,9 @@ class ControlPlane:
         #: The rank's fault detector (:class:`~accelpact_slurm.runtime.detection.collectives.Detector`): None waits
         #: blind.
         self.watch: Any = None
+        #: The rank that hosts the store's standby (node 1's first rank), in a job whose store has one: once the
+        #: store (beside rank 0) is gone, the standby's host is the one that leaves last.
+        self.standby_rank: int | None = None
         self.set_generation(generation)
 
     def position(self) -> tuple[int, dict[str, int]]:
@@ -326,14 +329,22 @@ class ControlPlane:
         """Announce that this rank is leaving; the store's host (rank 0) waits, up to ``timeout_s``, for the others
         (all but ``gone``: ranks known dead or hung).
 
-        Rank 0's process hosts the store: if it exited first, a peer still reading the last agreement would fail.
-        Returns the ranks that did not announce themselves in time (rank 0 only; they are probably dead).
+        Rank 0's process hosts the store: if it exited first, a peer still reading the last agreement would fail
+        (once the store went over to its standby, the standby's host waits instead).
+        Returns the ranks that did not announce themselves in time (the store's host only; they are probably dead).
         """
         self._store.set(f"leave/{name}/{self.rank}", "1")
-        if self.rank != 0:
+        if self.rank != self.store_host():
             return []
         waiting = {r: f"leave/{name}/{r}" for r in range(self.world_size) if r not in set(gone)}
         return sorted(self._poll(waiting, timeout_s))
+
+    def store_host(self) -> int:
+        """The rank whose process hosts the store this rank talks to: rank 0, or the standby's host once gone
+        over to it."""
+        if self.standby_rank is not None and getattr(self._base, "failed_over", False):
+            return self.standby_rank
+        return 0
 
     def post(self, name: str) -> None:
         """Raise the flag ``name`` in this generation's store, once, for any rank to see (:meth:`wait_posted`)."""

@@ -12,6 +12,11 @@ id; two keys never share a sequence), after the launcher's explicit port if any.
 the rendezvous address only; every other rank tries them in order until one answers with the run's key, within
 ``startup_s``.
 
+In a job with spare nodes the store has a standby on node 1 (:func:`host_standby_process`,
+:func:`accelpact_slurm.runtime.job.topology.mirror_store`): every write is on it before the store answers, and a
+client whose connection to the store breaks sends its request again to the standby (:meth:`JobStore.set_standby`),
+which serves once the store is gone.
+
 Who calls: :func:`accelpact_slurm.runtime.job.topology.init_runtime` (rank 0 hosts; every rank connects, one client for
 the data plane, one for the control plane) and the liveness thread (its own client).  Torch only for the ``Store``
 base class.
@@ -32,7 +37,9 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from accelpact_slurm.core.errors import ControlPlaneError
+from accelpact_slurm.runtime.detection import liveness as lv
 from accelpact_slurm.runtime.transport import store_wire as w
+from accelpact_slurm.runtime.transport.store_dial import HELLO_S, NotOurs, handshake as _handshake, recv_exact as _recv_exact
 from accelpact_slurm.runtime.transport.store_host import StoreProcess, spawn
 from accelpact_slurm.runtime.transport.store_server import StoreServer, listen
 
@@ -41,11 +48,12 @@ log = logging.getLogger(__name__)
 #: Derived ports lie below Linux's default ephemeral range (32768-60999), where outgoing connections take theirs.
 PORT_LOW, PORT_HIGH = 20000, 32768
 CANDIDATES = 16
-#: A client waits this long for a server's hello and proof before it tries the next port.
-HELLO_S = 5.0
 #: How long past a call's own deadline a client waits for the store's answer (the store answers a wait that runs
 #: out itself; this covers a store host whose process is slow to get to it).
 ANSWER_MARGIN_S = 15.0
+#: How long a client whose store is gone tries its standby: it serves within milliseconds of the store's end (its link
+#: closes); one that does not answer by then is gone too (a start that ended: its spares must still see their stop).
+FAILOVER_S = 3.0
 #: What torch's "no timeout" (a zero timeout) becomes: the longest wait the wire carries (49 days).
 NO_TIMEOUT_S = 0xFFFFFFFF / 1000.0 - ANSWER_MARGIN_S
 
@@ -80,7 +88,7 @@ def host_store(host: str, candidates: Sequence[int], key: bytes, bind_to: str,
     if taken:
         log.warning("store: port(s) %s on %s were taken (by another program or user); serving on %d",
                     taken, host, sock.getsockname()[1])
-    return StoreServer(sock, key, bind_to, on_warning=on_warning).start()
+    return StoreServer(sock, key, bind_to, on_warning=on_warning, witness=(lv.witness_key, lv.witnessed_death)).start()
 
 
 def host_store_process(host: str, candidates: Sequence[int], key: bytes, bind_to: str,
@@ -95,8 +103,23 @@ def host_store_process(host: str, candidates: Sequence[int], key: bytes, bind_to
     return spawn(sock, key, bind_to, on_warning)
 
 
-class NotOurs(ConnectionError):
-    """The port answered, but not with the run's key: another program or another user's server."""
+def standby_ports(key: bytes, job_id: str) -> tuple[list[int], list[int]]:
+    """The standby's ports (pure): where the store's link reaches it, and where it serves clients once the store is
+    gone (both derived as :func:`port_candidates` are, apart from the store's own)."""
+    link = port_candidates(key, f"{job_id}/standby-link")
+    return link, port_candidates(key, f"{job_id}/standby")
+
+
+def host_standby_process(host: str, key: bytes, bind_to: str, on_warning: Callable[[str], None] | None = None, *,
+                         reached_from_other_hosts: bool = False) -> tuple[StoreProcess, int]:
+    """The store's standby beside this rank, in a process of its own that lives exactly as long as this rank: it
+    takes the store's writes over its link, and serves the job's clients once the store is gone
+    (:mod:`.store_server`).  Returns the process (its ``port``: where clients reach it then) and its link's port."""
+    link_ports, client_ports = standby_ports(key, bind_to)
+    link, _ = listen(host, link_ports, reached_from_other_hosts=reached_from_other_hosts)
+    serve, _ = listen(host, client_ports, reached_from_other_hosts=reached_from_other_hosts, backlog=0)
+    link_port = int(link.getsockname()[1])
+    return spawn(link, key, bind_to, on_warning, standby_of=serve), link_port
 
 
 class JobStore(dist.Store):
@@ -117,9 +140,52 @@ class JobStore(dist.Store):
         self.set_timeout(timeout)
         self._lock = threading.Lock()
         self.host, self.rank = host, rank
+        self._key, self._bind_to = key, bind_to
         self.port, self._sock, self._sealer = self._connect(host, list(candidates), key, bind_to, rank,
                                                             timeout.total_seconds())
         self._sock_timeout: float | None = None
+        #: The standby that takes the store's place if its host dies (:meth:`set_standby`), and whether this
+        #: client went over to it.
+        self.standby: tuple[str, list[int]] | None = None
+        self.failed_over = False
+
+    def sibling(self, timeout: timedelta, rank: int | None = None) -> "JobStore":
+        """Another client of the store this one talks to now (its standby, once gone over), with the same standby:
+        for a thread of its own.  ``rank``: the rank it names (default this one's)."""
+        rank = self.rank if rank is None else rank
+        try:
+            other = JobStore(self.host, [self.port], self._key, self._bind_to, rank, timeout)
+        except dist.DistNetworkError:
+            if self.standby is None or self.failed_over:
+                raise
+            other = JobStore(self.standby[0], self.standby[1], self._key, self._bind_to, rank, timeout)
+            other.failed_over = True
+        if self.standby is not None and not self.failed_over and not other.failed_over:
+            other.set_standby(*self.standby)
+        other.failed_over = other.failed_over or self.failed_over
+        return other
+
+    def set_standby(self, host: str, ports: Sequence[int]) -> None:
+        """Where the store's standby serves once the store's host is gone (:mod:`.store_server`, mirrored): a
+        request that loses its connection is sent again there, once, instead of failing."""
+        self.standby = (host, [int(p) for p in ports])
+
+    def _fail_over(self, lost: OSError) -> bool:
+        """The connection to the store broke: connect to its standby (it listens only once the store is gone, so a
+        live store's client never gets in), within :data:`FAILOVER_S`.  True when connected."""
+        if self.standby is None or self.failed_over:
+            return False
+        host, ports = self.standby
+        log.warning("rank %d lost the job's store at %s:%d (%s); going over to its standby at %s", self.rank,
+                    self.host, self.port, lost, host)
+        try:
+            self.port, self._sock, self._sealer = self._connect(host, ports, self._key, self._bind_to, self.rank,
+                                                                FAILOVER_S)
+        except dist.DistNetworkError as exc:
+            log.warning("rank %d: the store's standby did not answer: %s", self.rank, exc)
+            return False
+        self.host, self.failed_over, self._sock_timeout = host, True, None
+        return True
 
     # ------------------------------------------------------------------ connecting
 
@@ -165,30 +231,35 @@ class JobStore(dist.Store):
         if wait_s <= 0:  # torch's kNoTimeout (zero): wait without a deadline, as TCPStore does
             wait_s = NO_TIMEOUT_S
         with self._lock:
-            if self._sock is None:
-                raise dist.DistNetworkError(f"the job's store connection of rank {self.rank} is closed")
-            try:
-                if wait_s != self._sock_timeout:  # a syscall or two: only when the deadline changes
-                    self._sock.settimeout(wait_s + ANSWER_MARGIN_S)
-                    self._sock_timeout = wait_s
-                self._sock.sendall(self._sealer.seal(w.request(op, int(wait_s * 1000), items)))
-                if meanwhile is not None:
-                    try:
-                        meanwhile()
-                    except Exception as exc:  # noqa: BLE001 - raised once the answer is in
-                        failed = exc
-                head = _recv_exact(self._sock, w.LEN_SIZE)
-                n = w.frame_length(head)
-                if n > w.MAX_FRAME:
-                    raise ConnectionError(f"the job's store sent a frame of {n} bytes")
-                payload = self._sealer.open(_recv_exact(self._sock, n))
-            except OSError as exc:
-                self._close_locked()
-                raise dist.DistNetworkError(f"lost the job's store at {self.host}:{self.port}: "
-                                            f"{type(exc).__name__}: {exc}") from exc
-            except BaseException:  # interrupted between a request and its answer: the next call would read this
-                self._close_locked()  # one's answer (a signal's exception, say), so the connection ends here
-                raise
+            while True:
+                if self._sock is None:
+                    raise dist.DistNetworkError(f"the job's store connection of rank {self.rank} is closed")
+                try:
+                    if wait_s != self._sock_timeout:  # a syscall or two: only when the deadline changes
+                        self._sock.settimeout(wait_s + ANSWER_MARGIN_S)
+                        self._sock_timeout = wait_s
+                    self._sock.sendall(self._sealer.seal(w.request(op, int(wait_s * 1000), items)))
+                    if meanwhile is not None:
+                        once, meanwhile = meanwhile, None  # not again if the request is sent again
+                        try:
+                            once()
+                        except Exception as exc:  # noqa: BLE001 - raised once the answer is in
+                            failed = exc
+                    head = _recv_exact(self._sock, w.LEN_SIZE)
+                    n = w.frame_length(head)
+                    if n > w.MAX_FRAME:
+                        raise ConnectionError(f"the job's store sent a frame of {n} bytes")
+                    payload = self._sealer.open(_recv_exact(self._sock, n))
+                    break
+                except OSError as exc:
+                    self._close_locked()
+                    if not isinstance(exc, socket.timeout) and self._fail_over(exc):
+                        continue  # the same request, to the standby (an add carries its token: counted once)
+                    raise dist.DistNetworkError(f"lost the job's store at {self.host}:{self.port}: "
+                                                f"{type(exc).__name__}: {exc}") from exc
+                except BaseException:  # interrupted between a request and its answer: the next call would read
+                    self._close_locked()  # this one's answer (a signal's exception, say): the connection ends here
+                    raise
             if payload is None:
                 self._close_locked()
                 raise dist.DistNetworkError(f"an answer of the job's store at {self.host}:{self.port} failed its "
@@ -237,7 +308,8 @@ class JobStore(dist.Store):
         self._call(w.MULTI_SET, items)
 
     def add(self, key: str, value: int) -> int:
-        return int(self._call(w.ADD, [_b(key), str(int(value)).encode()])[0])
+        # A token of its own: sent again to a standby that already applied it, it is not counted twice.
+        return int(self._call(w.ADD, [_b(key), str(int(value)).encode(), secrets.token_bytes(12)])[0])
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return self._call(w.CAS, [_b(key), _b(expected), _b(desired)])[0]
@@ -267,69 +339,3 @@ class JobStore(dist.Store):
 
 def _b(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionResetError("the store closed the connection")
-        got += k
-    return bytes(buf)
-
-
-def _handshake(host: str, port: int, key: bytes, bind_to: str, rank: int,
-               budget_s: float) -> tuple[socket.socket, w.Sealer]:
-    """The job's store at ``host:port``, authenticated; each of the host's addresses is tried in turn.
-
-    Raises :class:`NotOurs` when every address that answered proved not to be the job's store (wrong magic, a
-    refused proof, a wrong proof), and ``OSError`` for what may pass (refused: not up yet; closed or silent before
-    its hello: turned away while the store was busy).
-    """
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    not_ours: NotOurs | None = None
-    transient: OSError | None = None
-    for family, kind, proto, _name, addr in infos:
-        try:
-            return _handshake_at(family, kind, proto, addr, key, bind_to, rank, budget_s)
-        except NotOurs as exc:
-            not_ours = exc
-        except OSError as exc:
-            transient = exc
-    if transient is not None or not_ours is None:
-        raise transient or ConnectionError(f"{host}:{port} has no address")
-    raise not_ours
-
-
-def _handshake_at(family: int, kind: int, proto: int, addr: tuple, key: bytes, bind_to: str, rank: int,
-                  budget_s: float) -> tuple[socket.socket, w.Sealer]:
-    where = f"{addr[0]}:{addr[1]}"
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.settimeout(min(max(budget_s, 0.5), HELLO_S))
-        sock.connect(addr)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            hello = _recv_exact(sock, w.HELLO_SIZE)
-        except socket.timeout as exc:  # maybe queued behind a flood: try again later, not "not ours"
-            raise ConnectionError(f"{where} sent no hello within {sock.gettimeout():g} s") from exc
-        if not hello.startswith(w.MAGIC):
-            raise NotOurs(f"{where} is not a store of this project")
-        ns = hello[len(w.MAGIC):]
-        nc = secrets.token_bytes(w.NONCE)
-        server = w.endpoint(sock.getpeername())
-        sock.sendall(w.client_hello(key, bind_to, ns, nc, rank, server))
-        try:
-            proof = _recv_exact(sock, w.MAC)
-        except (ConnectionResetError, socket.timeout) as exc:  # our proof was refused: another job's, start's or
-            raise NotOurs(f"{where} refused the handshake (not this job's store)") from exc  # key's, or a relay
-        if not hmac.compare_digest(proof, w.server_proof(key, bind_to, ns, nc, rank, server)):
-            raise NotOurs(f"{where} does not hold the run's key")
-        sock.settimeout(None)
-        return sock, w.Sealer(w.session_key(key, bind_to, ns, nc, server), b"c", b"s")
-    except BaseException:
-        sock.close()
-        raise

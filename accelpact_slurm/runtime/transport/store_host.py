@@ -8,7 +8,12 @@ build and heartbeat of every rank went through it.  In its own process the same
 four ranks the difference is within the jobs' own spread (``make bench`` part ``store``); ``ACCELPACT_STORE_THREAD=1``
 serves from a thread as before.
 
-Lifetime: exactly rank 0's.  Rank 0 binds the listening socket (early clients wait in its backlog), hands it over,
+A job with spare nodes has a second one, the store's **standby**, beside node 1's first rank (``spawn(...,
+standby_of=...)``): it takes the store's writes over a link and serves the job's clients once the store is gone
+(:mod:`.store_server`).  Rank 0 tells its store where the standby is with a line on the pipe (``mirror HOST
+PORTS SECONDS``).
+
+Lifetime: exactly rank 0's (the standby's: its rank's).  Rank 0 binds the listening socket (early clients wait in its backlog), hands it over,
 and keeps the write end of a pipe that is the server's standard input: however rank 0 ends (``SIGKILL`` included)
 the pipe closes and the server exits at once; ``PR_SET_PDEATHSIG`` kills it too if the spawning thread ends first.
 So a round waiting on the store fails at once when rank 0 goes.  The run's key goes over the pipe, never on the
@@ -32,6 +37,7 @@ import threading
 from typing import Callable
 
 from accelpact_slurm.core import settings
+from accelpact_slurm.runtime.detection import liveness as lv
 from accelpact_slurm.runtime.transport.store_server import StoreServer
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,12 @@ class StoreProcess:
             else:
                 log.warning("store: %s", line)
 
+    def mirror_to(self, host: str, ports: list[int], deadline_s: float) -> None:
+        """Have the store forward every write to its standby at ``host`` (:meth:`.StoreServer.mirror_to`)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"mirror {host} {','.join(map(str, ports))} {deadline_s:g}\n".encode())
+        self.proc.stdin.flush()
+
     def close(self, timeout_s: float = CLOSE_S) -> None:
         """End the server: close its pipe (it leaves at once), kill it after ``timeout_s``."""
         try:
@@ -93,23 +105,31 @@ class StoreProcess:
 
 
 def spawn(sock: socket.socket, key: bytes, binding: str, on_warning: Callable[[str], None] | None = None,
-          python: str | None = None) -> StoreProcess:
+          python: str | None = None, standby_of: socket.socket | None = None) -> StoreProcess:
     """Serve the job's store on the listening ``sock`` from a new process; ``sock`` is closed here (the server holds
     the only copy).  Returns once the process is started (clients that connect before it accepts wait in the
-    socket's backlog)."""
-    address = sock.getsockname()
+    socket's backlog).
+
+    ``standby_of``: the process is the store's standby (:class:`~.store_server.StoreServer`): ``sock`` admits the
+    store's link only, and ``standby_of`` (bound, not listening; closed here too) is where it serves the job's
+    clients once the store is gone.  The returned handle's address is then ``standby_of``'s."""
+    address = (standby_of or sock).getsockname()
     fd = sock.fileno()
+    fds = (fd,) if standby_of is None else (fd, standby_of.fileno())
     # The server imports the same code as this rank: the package's own root first on its path.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     # PR_SET_PDEATHSIG fires when the *thread* that started the process ends: asked for only from the main thread.
     tie = "tie" if threading.current_thread() is threading.main_thread() else "pipe"
-    proc = subprocess.Popen(
-        [python or sys.executable, "-m", "accelpact_slurm.runtime.transport.store_host", str(fd), binding, tie],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), close_fds=True, env=env,
-    )
+    argv = [python or sys.executable, "-m", "accelpact_slurm.runtime.transport.store_host", str(fd), binding, tie]
+    if standby_of is not None:
+        argv.append(str(standby_of.fileno()))
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, close_fds=True,
+                            env=env)
     sock.close()
+    if standby_of is not None:
+        standby_of.close()
     assert proc.stdin is not None
     try:
         proc.stdin.write(key.hex().encode() + b"\n")
@@ -137,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     stays open for as long as rank 0 lives."""
     args = sys.argv[1:] if argv is None else argv
     fd, binding, tie = int(args[0]), args[1], args[2] if len(args) > 2 else "pipe"
+    standby_fd = int(args[3]) if len(args) > 3 else None
     parent = os.getppid()
     if tie == "tie":
         _die_with_parent(parent)
@@ -152,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(msg.replace("\n", " ") + "\n")
         sys.stdout.flush()
 
-    server = StoreServer(socket.socket(fileno=fd), key, binding, on_warning=warn).start()
-    while stdin.read(1 << 16):  # EOF: rank 0 closed the pipe or ended
-        pass
+    standby_of = socket.socket(fileno=standby_fd) if standby_fd is not None else None
+    server = StoreServer(socket.socket(fileno=fd), key, binding, on_warning=warn, standby_of=standby_of,
+                         witness=(lv.witness_key, lv.witnessed_death)).start()
+    for line in iter(stdin.readline, b""):  # EOF: the rank closed the pipe or ended
+        words = line.decode(errors="replace").split()
+        if len(words) == 4 and words[0] == "mirror":
+            server.mirror_to(words[1], [int(p) for p in words[2].split(",")], float(words[3]))
     server.close()
     os._exit(0)
 

@@ -11,6 +11,16 @@ The server listens on the rendezvous address only (unless it resolves to loopbac
 reach it: :func:`listen`), on the first port of the job's
 candidates (:func:`accelpact_slurm.runtime.transport.store.port_candidates`) it can bind: a squatted port is skipped.
 
+A store and its standby (a job with spare nodes, so that node 0's loss is healed like any other): the store links to
+the standby as a client of rank :data:`REPLICA_RANK` (:meth:`StoreServer.mirror_to`), first sends it every key it
+holds, then holds each write, forwards the writes of each loop round in one batch, and applies and answers them in
+order once the standby answered: nothing a client read here is missing there.  The standby (``standby_of``: its
+serving socket, bound but not listening, so that every client is refused while the store lives) admits that one
+link and nobody else; when the link closes, the store is gone and the standby listens and serves.  A standby that
+does not answer within :data:`MIRROR_S` is dropped (reported; :data:`MIRRORED_KEY` deleted) and the store goes on
+alone.  An ``add`` may carry a token: one sent again (by a client gone over to the standby) is answered from the
+tokens kept, not counted twice.
+
 Who calls: :func:`accelpact_slurm.runtime.transport.store.host_store` on rank 0; :meth:`StoreServer.close` at the rank's
 end (the process's exit ends the thread too: it is a daemon thread).
 """
@@ -28,20 +38,32 @@ import selectors
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 from accelpact_slurm.runtime.transport import store_wire as w
+from accelpact_slurm.runtime.transport.store_dial import handshake, recv_exact
 
 log = logging.getLogger(__name__)
 
 PENDING_CAP = 64
 HANDSHAKE_S = 5.0
 WARN_EVERY_S = 10.0
+#: The rank a store's link to its standby names in its handshake (no client has it).
+REPLICA_RANK = -2
+#: How long the store waits for its standby's answer to the writes it forwarded, before it goes on without one.
+MIRROR_S = 10.0
+#: The requests that change the keys: forwarded to the standby before they are applied.
+WRITES = frozenset({w.SET, w.MULTI_SET, w.SET_GET, w.ADD, w.CAS, w.DELETE})
+#: Set while the store has a standby that holds every key (a client waits on it; deleted when the standby is lost).
+MIRRORED_KEY = b"store/mirrored"
+#: How many add tokens a store remembers (an add sent again after a failover is answered from here).
+ADDS_KEPT = 4096
 
 
 class _Conn:
     __slots__ = ("sock", "peer", "authed", "inbuf", "outbuf", "ns", "deadline", "sealer", "rank", "parked",
-                 "writing", "here", "who")
+                 "writing", "here", "who", "held")
 
     def __init__(self, sock: socket.socket, peer: tuple) -> None:
         self.sock, self.peer = sock, peer
@@ -56,6 +78,7 @@ class _Conn:
         self.writing = False  # registered for EVENT_WRITE (an answer did not fit the socket's buffer at once)
         self.here = w.endpoint(sock.getsockname())  # the address the peer dialled, as this end sees it
         self.who: str | None = None  # the peer in words (its user), looked up while its socket surely exists
+        self.held = False  # a write of it waits for the standby's answer (nothing after it is served before)
 
 
 class _Wait:
@@ -66,13 +89,33 @@ class _Wait:
         self.next = 0  # keys[:next] were there when last looked at (keys are never taken back but by a delete)
 
 
+#: A store's witness of clients that left (``StoreServer(witness=...)``): the key of a rank's record, and the record
+#: rewritten once every connection of that rank closed (None: leave it).
+Witness = tuple[Callable[[int], bytes], Callable[[bytes | None], bytes | None]]
+
+
 class StoreServer:
     """Serve the job's keys to authenticated clients (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, key: bytes, binding: str, *, pending_cap: int = PENDING_CAP,
                  handshake_s: float = HANDSHAKE_S, warn_every_s: float = WARN_EVERY_S,
-                 on_warning: Callable[[str], None] | None = None) -> None:
+                 on_warning: Callable[[str], None] | None = None, standby_of: socket.socket | None = None,
+                 witness: Witness | None = None) -> None:
         self._listen = sock
+        # Who left: the open connections of each client rank; when a rank's last one closes, ``witness`` may
+        # rewrite one key of it (a rank's heartbeat record marked dead: its process ended, no node peer needed).
+        self._witness = witness
+        self._open: dict[int, int] = {}
+        # A standby (``standby_of``: the socket it serves clients on, bound, not listening yet): ``sock`` admits
+        # the store's link only; once that link was up and is gone, the store is gone and this one serves.
+        self._client_sock = standby_of
+        self._linked = False
+        self.promoted = standby_of is None
+        # A store with a standby: its link, and the writes waiting for the standby's answer (in order).
+        self._mirror: tuple[socket.socket, w.Sealer] | None = None
+        self._mirror_new: tuple[socket.socket, w.Sealer] | None = None
+        self._held: list[tuple[_Conn, int, int, list[bytes]]] = []
+        self._adds: OrderedDict[bytes, bytes] = OrderedDict()
         self._listen.setblocking(False)
         self._key, self._binding = key, binding
         self.pending_cap, self.handshake_s, self.warn_every_s = pending_cap, handshake_s, warn_every_s
@@ -150,6 +193,8 @@ class StoreServer:
                 pass
 
     def _step(self) -> None:
+        if self._mirror_new is not None:
+            self._adopt_mirror()
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             self._sel.register(self._listen, selectors.EVENT_READ, None)
@@ -167,6 +212,7 @@ class StoreServer:
                     self._read(conn)
                 if mask & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns:
                     self._flush(conn)
+        self._release()
         self._expire()
         self._maybe_warn()
 
@@ -246,6 +292,13 @@ class StoreServer:
                 self._drop(conn)
                 return
             nc, conn.rank = got
+            if (conn.rank == REPLICA_RANK) == self.promoted or (conn.rank == REPLICA_RANK and self._linked):
+                self._drop(conn)  # a standby's one link before it serves; a client only of a serving store
+                return
+            if conn.rank == REPLICA_RANK:
+                self._linked = True
+            elif conn.rank >= 0:
+                self._open[conn.rank] = self._open.get(conn.rank, 0) + 1
             del conn.inbuf[:w.CLIENT_HELLO_SIZE]
             conn.outbuf += w.server_proof(self._key, self._binding, conn.ns, nc, conn.rank, conn.here)
             conn.sealer = w.Sealer(w.session_key(self._key, self._binding, conn.ns, nc, conn.here), b"s", b"c")
@@ -255,7 +308,8 @@ class StoreServer:
         self._serve(conn)
 
     def _serve(self, conn: _Conn) -> None:
-        while conn.parked is None and len(conn.inbuf) >= w.LEN_SIZE and conn.sock.fileno() in self._conns:
+        while (conn.parked is None and not conn.held and len(conn.inbuf) >= w.LEN_SIZE
+               and conn.sock.fileno() in self._conns):
             n = w.frame_length(bytes(conn.inbuf[:w.LEN_SIZE]))
             if n > w.MAX_FRAME:
                 log.warning("store: rank %d sent a frame of %d bytes; closing its connection", conn.rank, n)
@@ -277,9 +331,147 @@ class StoreServer:
             except (ValueError, IndexError) as exc:
                 self._reply(conn, w.ERROR, [str(exc).encode()])
 
+    # ------------------------------------------------------------------ the standby
+
+    def mirror_to(self, host: str, ports: list[int], deadline_s: float) -> threading.Thread:
+        """Forward every write to the standby at ``host`` (first of ``ports`` that answers with the run's key),
+        connected from a thread within ``deadline_s``; from then on a write is applied, and answered, only once the
+        standby has it, so whatever a client saw here the standby holds.  Without an answer from the standby within
+        :data:`MIRROR_S` the store goes on alone (reported)."""
+
+        def link() -> None:
+            deadline = time.monotonic() + deadline_s
+            last: BaseException | None = None
+            while time.monotonic() < deadline and not self._stop:
+                for port in ports:
+                    try:
+                        self._mirror_new = handshake(host, port, self._key, self._binding, REPLICA_RANK,
+                                                     max(0.5, deadline - time.monotonic()))
+                        self._wake_w.send(b"m")
+                        return
+                    except OSError as exc:
+                        last = exc
+                threading.Event().wait(0.05)
+            self._report(f"the store's standby at {host} did not answer within {deadline_s:g} s ({last}); "
+                         f"the store has no standby")
+
+        t = threading.Thread(target=link, name="accelpact-store-mirror", daemon=True)
+        t.start()
+        return t
+
+    @property
+    def mirrored(self) -> bool:
+        return self._mirror is not None
+
+    def _adopt_mirror(self) -> None:
+        """The link is up: the standby gets every key held now (in one frame each up to a bound), then every write."""
+        link, self._mirror_new = self._mirror_new, None
+        assert link is not None
+        self._mirror = link
+        batch: list[bytes] = []
+        size = 0
+        for k, v in self._data.items():
+            batch += [k, v]
+            size += len(k) + len(v) + 8
+            if size > w.MAX_FRAME // 4:
+                self._forward([(w.MULTI_SET, batch)])
+                batch, size = [], 0
+        if batch and self._mirror is not None:
+            self._forward([(w.MULTI_SET, batch)])
+        if self._mirror is not None and self._forward([(w.SET, [MIRRORED_KEY, b"1"])]):
+            self._data[MIRRORED_KEY] = b"1"
+            self._wake([MIRRORED_KEY])
+            log.info("store: the standby holds %d keys and gets every write from now on", len(self._data))
+
+    def _forward(self, writes: list[tuple[int, list[bytes]]]) -> bool:
+        """Send ``writes`` to the standby and read its answers; on any failure the store goes on without it."""
+        if self._mirror is None:
+            return False
+        sock, sealer = self._mirror
+        try:
+            sock.settimeout(MIRROR_S)
+            sock.sendall(b"".join(sealer.seal(w.request(op, 0, items)) for op, items in writes))
+            for _ in writes:
+                n = w.frame_length(recv_exact(sock, w.LEN_SIZE))
+                if n > w.MAX_FRAME or sealer.open(recv_exact(sock, n)) is None:
+                    raise ConnectionError("a bad answer")
+            return True
+        except (OSError, ValueError) as exc:
+            self._mirror = None
+            self._data.pop(MIRRORED_KEY, None)
+            try:
+                sock.close()
+            except OSError:
+                pass
+            self._report(f"the store lost its standby ({type(exc).__name__}: {exc}); it goes on without one")
+            return False
+
+    def _release(self) -> None:
+        """The writes held this round: forwarded to the standby in one batch, then applied and answered in order
+        (and what their connections sent after them served), until none is held."""
+        while self._held:
+            held, self._held = self._held, []
+            self._forward([(w.SET, items[:2]) if op == w.SET_GET else (op, items) for _c, op, _t, items in held])
+            for conn, op, timeout_ms, items in held:
+                conn.held = False
+                try:  # applied even if its client left meanwhile: the standby has it
+                    self._handle(conn, op, timeout_ms, items, forwarded=True)
+                except (ValueError, IndexError) as exc:
+                    self._reply(conn, w.ERROR, [str(exc).encode()])
+                if conn.sock.fileno() in self._conns:
+                    self._serve(conn)
+
+    def _left(self, rank: int) -> None:
+        """Every connection of client ``rank`` closed: the witness's write, if it has one (forwarded first, as a
+        client's write is)."""
+        if self._witness is None:
+            return
+        key_of, rewrite = self._witness
+        key = key_of(rank)
+        try:
+            value = rewrite(self._data.get(key))
+        except Exception:  # noqa: BLE001 - a witness that fails leaves the key as it is
+            log.debug("store: the witness of rank %d failed", rank, exc_info=True)
+            return
+        if value is None:
+            return
+        if self._mirror is not None:
+            self._forward([(w.SET, [key, value])])
+        self._data[key] = value
+        self._wake([key])
+
+    def _promote(self) -> None:
+        """The standby's link is gone, so is the store: serve its clients on the socket kept for it."""
+        self.promoted = True
+        assert self._client_sock is not None
+        try:
+            self._sel.unregister(self._listen)
+        except (KeyError, ValueError, OSError):
+            pass
+        self._listen.close()
+        self._client_sock.listen(1024)
+        self._client_sock.setblocking(False)
+        self._listen = self._client_sock
+        self._accept_paused_until = 0.0
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._report(f"the store is gone; its standby serves the job's {len(self._data)} keys on port "
+                     f"{self._listen.getsockname()[1]}")
+
+    def _report(self, msg: str) -> None:
+        log.warning("store: %s", msg)
+        if self._on_warning is not None:
+            try:
+                self._on_warning(msg)
+            except Exception:  # noqa: BLE001 - a report must not stop the server
+                log.debug("the store's warning callback failed", exc_info=True)
+
     # ------------------------------------------------------------------ operations
 
-    def _handle(self, conn: _Conn, op: int, timeout_ms: int, items: list[bytes]) -> None:
+    def _handle(self, conn: _Conn, op: int, timeout_ms: int, items: list[bytes], *, forwarded: bool = False) -> None:
+        if op in WRITES and self._mirror is not None and not forwarded:
+            conn.held = True  # applied once the standby has it (:meth:`_release`)
+            self._held.append((conn, op, timeout_ms, items))
+            return
         d = self._data
         if op == w.SET:
             d[items[0]] = items[1]
@@ -316,8 +508,16 @@ class StoreServer:
                     heapq.heapify(self._deadlines)
                 self._file(wt)
         elif op == w.ADD:
+            token = items[2] if len(items) > 2 else None
+            if token is not None and token in self._adds:  # sent again after a failover: counted already
+                self._reply(conn, w.OK, [self._adds[token]])
+                return
             value = int(d.get(items[0], b"0")) + int(items[1])
             d[items[0]] = str(value).encode()
+            if token is not None:
+                self._adds[token] = d[items[0]]
+                if len(self._adds) > ADDS_KEPT:
+                    self._adds.popitem(last=False)
             self._reply(conn, w.OK, [d[items[0]]])
             self._wake(items[:1])
         elif op == w.CAS:
@@ -407,6 +607,13 @@ class StoreServer:
             pass
 
     def _drop(self, conn: _Conn) -> None:
+        if conn.authed and conn.rank == REPLICA_RANK and not self.promoted and not self._stop:
+            self._promote()
+        if conn.authed and conn.rank >= 0 and conn.sock.fileno() in self._conns:
+            left = self._open.get(conn.rank, 0) - 1
+            self._open[conn.rank] = left
+            if left <= 0 and not self._stop:
+                self._left(conn.rank)
         fd = conn.sock.fileno()
         self._conns.pop(fd, None)
         self._pending.pop(fd, None)
@@ -457,9 +664,10 @@ class StoreServer:
                 log.debug("the store's warning callback failed", exc_info=True)
 
 
-def listen(host: str, candidates: Iterable[int], *, reached_from_other_hosts: bool = False
+def listen(host: str, candidates: Iterable[int], *, reached_from_other_hosts: bool = False, backlog: int = 1024
            ) -> tuple[socket.socket, list[int]]:
-    """A listening socket on ``host`` at the first candidate port free to bind; the ports found taken beside it.
+    """A listening socket on ``host`` at the first candidate port free to bind; the ports found taken beside it
+    (``backlog`` 0: bound only, listening later: a standby's port, which refuses every client until it serves).
 
     ``reached_from_other_hosts``: ranks on other hosts connect.  A host name that resolves to a loopback address
     here (Debian's ``127.0.1.1 <hostname>`` line in ``/etc/hosts``) could not be reached from them: the server then
@@ -485,7 +693,8 @@ def listen(host: str, candidates: Iterable[int], *, reached_from_other_hosts: bo
                 taken.append(port)
                 continue
             raise
-        sock.listen(1024)
+        if backlog:
+            sock.listen(backlog)
         return sock, taken
     raise OSError(errno.EADDRINUSE, f"every candidate port on {host} is taken: {taken}")
 
