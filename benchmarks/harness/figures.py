@@ -133,13 +133,14 @@ def readme_lines(results: dict[str, tuple[dict[str, Any], str]], gpu: dict[str, 
 
         ps = phases_of(R["nodeloss"])
         each = "; ".join(f"{p['phase']}: {h.fmt_spread(p['heal_back'])} s against {h.fmt_spread(p['l2_back'])} s "
-                         f"({h.fmt(p['speedup'].get('median'))}x), bitwise {p['heal_bitwise']}/{p['heal_runs']}"
-                         for p in ps)
-        out.append(f"- **Node loss, a spare's heal against L2** (`nodeloss`, node 1's ranks killed in update K, "
+                         f"({h.fmt(p['speedup'].get('median'))}x), bitwise {p['heal_bitwise']}/{p['heal_runs']}, "
+                         f"noticed after {h.fmt(p['noticed'].get('median'))} s, the heal itself "
+                         f"{h.fmt(p['parts']['total'].get('median'))} s" for p in ps)
+        out.append(f"- **Node loss, a spare's heal against L2** (`nodeloss`, one node's ranks killed in update K, "
                    f"{R['nodeloss'].get('trials')} trials per phase in ABBA pairs, the tiny decoder, heartbeat_s "
                    f"{R['nodeloss'].get('heartbeat')} s): from the loss to update K committed, {each}; the heal "
-                   f"restarts nothing, L2 once. Most of either is the silence that names a lost node (heartbeat_s); "
-                   f"the heal's own part is about 1 s here, nearly all of it the spare building its model.")
+                   f"restarts nothing, L2 once. Most of the heal itself is the spare building its model after it "
+                   f"was assigned.")
     if "launch" in R:
         from benchmarks.parts.launch import readme_bullet
 

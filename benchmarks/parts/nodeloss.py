@@ -2,10 +2,11 @@
 
 The decoder example on the embedded default (2 nodes x 2 ranks, a snapshot every 3 updates), each update paced to
 ``--pace`` seconds so that the runs' clocks are comparable; every rank of node 1 SIGKILLs itself at a fault point
-(``ACCELPACT_TEST_KILL_NODE``: at update K's vote, as its forward begins, as its backward begins).  Each trial runs
-the job twice, in ABBA order: with one spare node (the heal: no restart) and without (today's path: fail stop,
-relaunch, reload the newest verified snapshot, replay).  Both use the same ``timeouts.heartbeat_s`` (a node lost
-whole has no witness on it: it is named gone by its silence).
+(``ACCELPACT_TEST_KILL_NODE``: at update K's vote, as its forward begins, as its backward begins), or every rank of
+node 0 at the vote (phase ``node0-vote``: rank 0's node, whose job store goes with it; its standby serves on).
+Each trial runs the job twice, in ABBA order: with one spare node (the heal: no restart) and without (today's
+path: fail stop, relaunch, reload the newest verified snapshot, replay).  Both use the same ``timeouts.heartbeat_s`` (a node lost
+whole is named gone by the job's store, which sees its processes' connections close, or else by its silence).
 
 Measured per run, from the product's own records: the moment of the loss (the dead ranks' log line, its
 ``time.time()``), the moment update K commits (rank 0's ``step`` event), the restarts, every part of the heal (the
@@ -14,7 +15,8 @@ transfer's rate, and whether the job ended in the uninterrupted run's ``final_st
 
 Usage::
 
-    .venv/bin/python -m benchmarks.parts.nodeloss [--trials 5] [--phases vote,forward,backward] --json RAW.json
+    .venv/bin/python -m benchmarks.parts.nodeloss [--trials 5] [--phases vote,forward,backward,node0-vote] \
+        --json RAW.json
     .venv/bin/python -m benchmarks.parts.nodeloss --render RAW.json     (the section only)
 """
 
@@ -74,7 +76,7 @@ def killed_at(run_dir: Path) -> float | None:
 
 
 def one_run(where: Path, name: str, job: Path, kill: str, steps: int, pace_s: float) -> dict[str, Any]:
-    """One job with the fault ``kill`` (``PHASE:K:1``): what it took from the loss to update K committed."""
+    """One job with the fault ``kill`` (``PHASE:K:NODE``): what it took from the loss to update K committed."""
     run_dir = where / name
     env = h.bench_environ({"ACCELPACT_TEST_KILL_NODE": kill, "ACCELPACT_TEST_PACE": str(pace_s)})
     proc = subprocess.run([sys.executable, "-m", "accelpact_slurm.cli.run", str(job), "--run-dir", str(run_dir),
@@ -87,7 +89,8 @@ def one_run(where: Path, name: str, job: Path, kill: str, steps: int, pace_s: fl
     events = events_of(run_dir)
     t0 = killed_at(run_dir)
     back = [e["ts"] for e in events if e.get("event") == "step" and e.get("step") == step and t0 and e["ts"] > t0]
-    heals = [e for e in events if e.get("event") == "heal" and e.get("rank") == 0]
+    sources = [e for e in events if e.get("event") == "heal" and e.get("role") == "source"]
+    heals = [min(sources, key=lambda e: e.get("rank", 0))] if sources else []  # the lowest survivor's
     heal = heals[0] if heals else None
     transfer = (heal or {}).get("transfer") or {}
     return {**rec, "digest": summary.get("final_state_digest"), "restarts": summary.get("restart_count"),
@@ -105,7 +108,8 @@ def measure(args: argparse.Namespace, where: Path) -> dict[str, Any]:
     for phase in args.phases:
         for t in range(args.trials):
             k = 4 + t % 3  # the update the node dies in (its vote, forward or backward)
-            kill = f"{phase}:{k}:1"
+            node, point = (0, phase[len("node0-"):]) if phase.startswith("node0-") else (1, phase)
+            kill = f"{point}:{k}:{node}"
             for mode in st.abba(t, "heal", "l2"):
                 job = heal_job if mode == "heal" else l2_job
                 r = one_run(where, f"{phase}-{t}-{mode}", job, kill, args.steps, args.pace)
@@ -148,8 +152,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [MARK, "## Node loss: a spare's heal against L2", "",
              f"Written by `benchmarks/parts/nodeloss.py` on {res.get('date')} (raw data: `{res.get('json')}`): the "
              f"decoder example, 2 nodes x 2 ranks, a snapshot every 3 updates, updates paced to {res.get('pace')} s, "
-             f"`timeouts.heartbeat_s` {res.get('heartbeat')} s; node 1's ranks SIGKILL themselves in update K "
-             f"(4-6); {res.get('trials')} trials per phase, each the heal (one spare node) and L2 (none) in ABBA "
+             f"`timeouts.heartbeat_s` {res.get('heartbeat')} s; node 1's ranks (phase node0-vote: node 0's, and "
+             f"the job's store with them) SIGKILL themselves in update K (4-6); {res.get('trials')} trials per phase, each the heal (one spare node) and L2 (none) in ABBA "
              "order. Time back: from the loss to update K committed.", "",
              "| phase | heal: time back, median (min–max) | L2: time back | L2 / heal | heal bitwise | restarts "
              "(heal / L2) | loss noticed after | heal's parts (median s) | bytes streamed | rate MB/s |",
@@ -168,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     h.output_args(ap, None, "where the result goes (default runs/bench/<date>/nodeloss.json)")
     ap.add_argument("--trials", type=int, default=5, help="trials per phase, each a heal and an L2 run (default 5)")
-    ap.add_argument("--phases", default="vote,forward,backward",
-                    type=lambda s: [p for p in s.split(",") if p], help="fault points (default vote,forward,backward)")
+    ap.add_argument("--phases", default="vote,forward,backward,node0-vote",
+                    type=lambda s: [p for p in s.split(",") if p], help="fault points (default vote,forward,backward,node0-vote: node 0 at the vote)")
     ap.add_argument("--steps", type=int, default=8, help="updates per run (default 8)")
     ap.add_argument("--pace", type=float, default=0.2, help="seconds each update is paced to (default 0.2)")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="timeouts.heartbeat_s of both (default 2)")
@@ -177,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(markdown(h.read_result(args.render)))
         return 0
-    bad = [p for p in args.phases if p not in ("vote", "forward", "backward")]
+    bad = [p for p in args.phases if p not in ("vote", "forward", "backward", "node0-vote")]
     if bad or args.trials < 1:
-        ap.error(f"--phases {','.join(args.phases)} / --trials {args.trials}: phases vote, forward, backward; "
-                 f"at least one trial")
+        ap.error(f"--phases {','.join(args.phases)} / --trials {args.trials}: phases vote, forward, backward, "
+                 f"node0-vote; at least one trial")
     raw = h.out_path(args.json or f"runs/bench/{h.today()}/nodeloss.json")
     raw.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="nodeloss-") as tmp:

@@ -142,9 +142,11 @@ def test_a_users_collective_failing_on_a_lost_node_is_named_as_such(runs):
 
 def test_the_capture_proofs_rounds_name_a_lost_node_from_the_heartbeats(runs):
     """The capture proof runs on the control plane (no torch collective): its survivors wait in its round of the job
-    and name the lost node from the heartbeats."""
+    and name the lost node from the heartbeat records, which the job's store marked dead once the node's processes'
+    connections closed (not after their silence: no node peer of theirs is left to witness it)."""
     mine = [e for e in of(runs["proof"], "fail_stop", restart=0) if e.get("rank") in (0, 1)]
-    assert mine and all("'ckpt-proof" in e["reason"] and e["cause"] == "hung-rank" for e in mine), mine
+    assert mine and all("'ckpt-proof" in e["reason"] and e["cause"] == "dead-rank" for e in mine), mine
+    assert all("seen by the job's store" in e["reason"] for e in mine), mine
 
 
 def test_negative_control_without_the_check_a_lost_node_is_called_a_bug_and_never_requeued(runs):

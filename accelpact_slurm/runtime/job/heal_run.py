@@ -118,6 +118,8 @@ class SurvivorHeal:
         self.key = key
         #: The lead: how it resolved each dead rank's per-rank packet at the last heal (for its ``heal`` event).
         self.packets: dict[str, str] = {}
+        #: The survivors' lead at the last heal (the lowest surviving rank): it writes the job-level events.
+        self.lead = 0
 
     @staticmethod
     def covers(exc: BaseException) -> bool:
@@ -152,6 +154,7 @@ class SurvivorHeal:
         t0 = time.monotonic()
         dead, where = gone_ranks(rt.detector, layout.world_size, layout.ranks_per_node)
         alive = [r for r in range(layout.world_size) if r not in dead]
+        self.lead = min(alive, default=0)  # the survivors' lead (rank 0 may be the one lost)
         detect_s = time.monotonic() - t0
         if not dead or rt.rank not in alive:
             return self._refused(stop, f"no heal: {where}")
@@ -235,10 +238,7 @@ class SurvivorHeal:
 
     def _refused(self, stop: FailStop, why: str) -> tuple[bool, str]:
         log.warning("rank %d: %s; failing stop", self.run.job.rank, why)
-        rt = self.run.job._rt
-        alive = [r for r in range(rt.layout.world_size) if r not in rt.detector.gone()] \
-            if rt.detector is not None else [0]
-        if rt.rank == min(alive, default=0):  # the survivors' lead (rank 0 may be the one lost)
+        if self.run.job.rank == self.lead:
             self.run.job.events.emit("heal_refused", reason=why, stop=stop.reason[:300])
         return False, why
 

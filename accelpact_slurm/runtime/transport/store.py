@@ -39,7 +39,8 @@ import torch.distributed as dist
 from accelpact_slurm.core.errors import ControlPlaneError
 from accelpact_slurm.runtime.detection import liveness as lv
 from accelpact_slurm.runtime.transport import store_wire as w
-from accelpact_slurm.runtime.transport.store_dial import HELLO_S, NotOurs, handshake as _handshake, recv_exact as _recv_exact
+from accelpact_slurm.runtime.transport.store_dial import HELLO_S, NotOurs
+from accelpact_slurm.runtime.transport.store_dial import handshake as _handshake, recv_exact as _recv_exact
 from accelpact_slurm.runtime.transport.store_host import StoreProcess, spawn
 from accelpact_slurm.runtime.transport.store_server import StoreServer, listen
 
