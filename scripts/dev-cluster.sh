@@ -3,14 +3,15 @@
 #
 # Usage: scripts/dev-cluster.sh start|stop|status [--state-dir DIR]
 #
-# Two emulated nodes, node1 and node2 (one `slurmd -N nodeK` each, 4 CPUs each, both on 127.0.0.1), in one
-# default partition `debug`. Everything the cluster writes (config, pid files, logs, spool, controller state,
+# Three emulated nodes, node1 to node3 (one `slurmd -N nodeK` each, 4 CPUs each, all on 127.0.0.1): node1 and
+# node2 in the default partition `debug`, all three in partition `wide` (a job that loses a node and is requeued
+# without it has a third to go to). Everything the cluster writes (config, pid files, logs, spool, controller state,
 # job completion log) lives in the state dir: --state-dir DIR, else $ACCELPACT_DEV_CLUSTER_DIR, else
 # /tmp/accelpact-dev-cluster. Clients find the cluster through SLURM_CONF=<state dir>/slurm.conf; the same file
 # is also installed as /etc/slurm/slurm.conf so that plain `sbatch` works for every user of the machine.
 #
 #   start   install slurm-wlm + munge if slurmctld is missing, write the config, start munged, slurmctld and
-#           the slurmds, and wait (with a deadline) until both nodes have registered and are idle (or busy with
+#           the slurmds, and wait (with a deadline) until every node has registered and are idle (or busy with
 #           jobs a restarted controller recovered). Idempotent: when everything is already up with the same config
 #           it only reports; a daemon that died is started again; when the config changed it restarts the cluster.
 #   stop    cancel every job, wait (with a deadline) for them to leave, then end the daemons this script
@@ -22,8 +23,8 @@
 set -euo pipefail
 
 readonly PROG="dev-cluster"
-readonly NODES=(node1 node2)
-readonly NODE_PORTS="17001-17002"
+readonly NODES=(node1 node2 node3)
+readonly NODE_PORTS="17001-17003"
 readonly NODE_CPUS=4
 readonly NODE_MEM_MB=4000
 readonly CTLD_PORT=6817
@@ -229,8 +230,9 @@ JobAcctGatherType=jobacct_gather/none
 # No slurmdbd: 'sacct -c' reads this completion log (one line per run of a job).
 JobCompType=jobcomp/filetxt
 JobCompLoc=$JOBCOMP
-NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$NODE_PORTS] CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN
+NodeName=node[1-3] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$NODE_PORTS] CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+PartitionName=wide Nodes=node[1-3] MaxTime=INFINITE State=UP
 EOF
 }
 

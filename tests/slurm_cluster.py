@@ -46,7 +46,8 @@ START_TIMEOUT_S = 300.0
 #: Seconds between two looks of the :class:`Watchdog` at the daemons' pid files.
 WATCH_S = 1.0
 #: The daemons the watchdog keeps up: (process name, pid file under the state dir's ``run/``).
-WATCHED = (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd-node1.pid"), ("slurmd", "slurmd-node2.pid"))
+WATCHED = (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd-node1.pid"), ("slurmd", "slurmd-node2.pid"),
+           ("slurmd", "slurmd-node3.pid"))
 
 #: States a job does not leave by itself. With ``--requeue``, NODE_FAIL and PREEMPTED jobs go back to PENDING
 #: instead, so a waiter never sees them as final there.

@@ -181,6 +181,8 @@ def render_job(j: dict[str, Any]) -> str:
             line("no heal", f"start {r['restart']}: {r['reason']}")
     l2 = j["l2"]
     line("L2 restarts", str(l2["count"]))
+    if l2.get("excluded"):
+        line("excluded", f"{', '.join(l2['excluded'])} (lost whole; the requeue keeps the job off them)")
     for text in _l2_lines(l2)[-_L2_SHOWN:]:
         line("", "  " + text)
     snaps = j["snapshots"]

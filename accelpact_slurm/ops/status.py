@@ -255,7 +255,9 @@ def collect(run_dir: str, *, now: float, job_id: str | None = None, slurm: dict[
                "recent": ev["repairs"][-RECENT:], "phases": ev["phases"], "faults": ev["faults"]},
         "last_stop": None if ev["last_stop"] is None else {**ev["last_stop"], "line": stop_line(ev["last_stop"])},
         "l2": {"count": ev["max_restart"], "fail_stops": ev["fail_stops"][-RECENT:],
-               "requeues": ev["requeues"][-RECENT:], "restart_loads": ev["restart_loads"][-RECENT:]},
+               "requeues": ev["requeues"][-RECENT:], "restart_loads": ev["restart_loads"][-RECENT:],
+               # nodes lost whole that a requeue excluded (Slurm never runs the job there again)
+               "excluded": sorted({h for r in ev["requeues"] for h in r.get("excluded") or []})},
         "snapshots": {"nodes": nodes, "newest_verified": best, "newest_verified_reason": best_reason,
                       "counts": _count_states(all_snaps), "shared": shared,
                       "restart": {"step": restart_step, "source": restart_from, "reason": restart_why},
@@ -369,7 +371,8 @@ def _scan(path: str, bad: list[BadLine]) -> dict[str, Any]:
             if rec.get("decision") is not None:
                 decision = _decision(rec, None)
         elif kind == "requeue":
-            requeues.append({"ts": ts, "restart": restart, "reason": rec.get("reason"), "by": rec.get("by")})
+            requeues.append({"ts": ts, "restart": restart, "reason": rec.get("reason"), "by": rec.get("by"),
+                             **({"excluded": rec["excluded"]} if isinstance(rec.get("excluded"), list) else {})})
         elif kind == "restart_load":
             restart_loads.setdefault(restart, {"ts": ts, "restart": restart, "step": rec.get("step"),
                                                "reason": rec.get("reason"), "skipped": rec.get("skipped")})

@@ -15,9 +15,10 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from accelpact_slurm.core.events import EVENTS_FILE, EventLog, read_events
+from accelpact_slurm.slurm.hostlist import expand_hostlist
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +108,27 @@ def controller_job_state(job_id: str, environ: Mapping[str, str]) -> str | None:
 
 
 def request_requeue(job_id: str, reason: str, events: EventLog | None, environ: Mapping[str, str],
-                    emulated: bool, after_sigterm: bool = False) -> bool:
+                    emulated: bool, after_sigterm: bool = False, exclude: Sequence[str] = ()) -> bool:
     """Ask Slurm to requeue ``job_id`` (``scontrol requeue``); on the embedded default the launcher does it.
 
     ``after_sigterm``: the stop was asked for by a SIGTERM: first ask the controller whether the job still
     runs (:func:`requeue_after_sigterm`); when Slurm is ending it already, record why and ask nothing.
+    ``exclude``: hosts of nodes lost whole: the requeued job never runs there again (:func:`requeue_excluding`;
+    Slurm may not have noticed them yet: it takes ~25 s at best, minutes with its defaults).
     Returns True when the request was accepted (or left to the launcher).
     """
     if emulated:
         if events is not None:
-            events.emit("requeue", reason=reason, by="launcher")
+            events.emit("requeue", reason=reason, by="launcher", **({"excluded": list(exclude)} if exclude else {}))
         return True
+    if exclude:
+        ok, detail, excluded = requeue_excluding(job_id, exclude, environ)
+        if events is not None:
+            events.emit("requeue", reason=reason, by="scontrol", accepted=ok, detail=detail or None,
+                        excluded=excluded)
+        if not ok:
+            log.error("the requeue of %s excluding %s failed: %s", job_id, ",".join(exclude), detail)
+        return ok
     if after_sigterm:
         go, why = requeue_after_sigterm(controller_job_state(job_id, environ))
         if not go:
@@ -137,6 +148,48 @@ def request_requeue(job_id: str, reason: str, events: EventLog | None, environ: 
     if not ok:
         log.error("scontrol requeue %s failed: %s", job_id, detail)
     return ok
+
+
+def _scontrol(args: list[str], environ: Mapping[str, str]) -> tuple[bool, str, str]:
+    try:
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
+                              env=dict(environ))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, "", f"scontrol {' '.join(args)}: {exc}"
+    return proc.returncode == 0, proc.stdout, proc.stderr.strip()
+
+
+def excluded_nodes(show_job: str) -> list[str]:
+    """The hosts in ``ExcNodeList=`` of ``scontrol show job -o``'s line, expanded (pure)."""
+    for word in show_job.split():
+        if word.startswith("ExcNodeList="):
+            value = word.split("=", 1)[1]
+            return [] if value in ("", "(null)") else expand_hostlist(value)
+    return []
+
+
+def requeue_excluding(job_id: str, hosts: Sequence[str], environ: Mapping[str, str]) -> tuple[bool, str, list[str]]:
+    """Requeue ``job_id`` so that it never runs on ``hosts`` again: ``scontrol requeuehold`` (a running job's
+    ``ExcNodeList`` cannot be changed), then ``ExcNodeList`` = what it was plus ``hosts``, then ``scontrol release``,
+    which is always asked once the hold was accepted (else the job would wait held for good).  Returns
+    ``(requeued, what went wrong, the job's excluded hosts)``."""
+    ok, _out, err = _scontrol(["requeuehold", job_id], environ)
+    if not ok:
+        return False, err, []
+    problems = []
+    try:
+        shown, out, err = _scontrol(["show", "job", "-o", job_id], environ)
+        excluded = sorted(set(excluded_nodes(out) if shown else []) | set(hosts))
+        updated, _out, err2 = _scontrol(["update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"],
+                                        environ)
+        if not updated:
+            problems.append(f"ExcNodeList not set ({err2}): the job may run on {','.join(hosts)} again")
+            excluded = excluded_nodes(out) if shown else []
+    finally:
+        released, _out, err3 = _scontrol(["release", job_id], environ)
+        if not released:
+            problems.append(f"the held requeue was not released ({err3}): run 'scontrol release {job_id}'")
+    return released, "; ".join(problems), excluded
 
 
 def step_outcome(events: Iterable[dict], restart: int) -> int | None:

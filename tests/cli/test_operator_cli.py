@@ -64,7 +64,7 @@ def test_status_json_schema_is_stable(capsys):
     (job,) = doc["jobs"]
     assert set(job) == STATUS_JOB_KEYS
     assert set(job["l1"]) == {"count", "last", "recent", "phases", "faults"}
-    assert set(job["l2"]) == {"count", "fail_stops", "requeues", "restart_loads"}
+    assert set(job["l2"]) == {"count", "fail_stops", "requeues", "restart_loads", "excluded"}
     assert set(job["snapshots"]) == {"nodes", "newest_verified", "newest_verified_reason", "counts", "shared",
                                      "restart", "newest_common"}
     snaps = job["snapshots"]

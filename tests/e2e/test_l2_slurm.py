@@ -301,6 +301,33 @@ def _a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes(slu
     assert summary["final_state_digest"] == ref["final_state_digest"]
 
 
+def _a_node_lost_whole_is_excluded_on_the_requeue(slurm_cluster: Cluster, tmp_path: Path):
+    """Both ranks of the job's second node SIGKILL themselves at update 6's vote (no spare: L2).  The job's store
+    sees their connections close and marks them dead; the survivors name the node lost whole; rank 0 requeues the
+    job excluding that node's host (held, its ``ExcNodeList`` widened, released), and the next start runs on the
+    partition's other two nodes and completes in the uninterrupted run's state.  Negative control: without the
+    exclusion, ``ExcNodeList`` stays empty and Slurm may put the job on the lost node again
+    (tests/slurm/test_requeue_exclude.py: the plain update of a running job is refused)."""
+    config = job_file(tmp_path, "job", steps=10, every=4)
+    ref = reference(tmp_path, job_file(tmp_path, "ref", steps=10, every=0))
+    job_id, run_dir, env = sbatch(slurm_cluster, tmp_path, config, "--partition=wide",
+                                  extra_env={"ACCELPACT_TEST_KILL_NODE": "vote:6:1:0"})
+    state, events, summary, info = finish(job_id, run_dir, env, tmp_path)
+    assert state == "COMPLETED", info
+    hosts = {e["restart"]: e["hostnames"] for e in events if e["event"] == "job_start"}
+    lost = hosts[0][1]
+    stops = [e for e in events if e["event"] == "fail_stop" and e["restart"] == 0 and e.get("rank") in (0, 1)]
+    assert stops and all(e.get("lost_nodes") == [1] for e in stops), stops
+    requeues = [e for e in events if e["event"] == "requeue" and e["restart"] == 0]
+    assert requeues and requeues[0]["by"] == "scontrol" and requeues[0]["accepted"], requeues
+    assert lost in requeues[0]["excluded"], requeues
+    assert lost in info.get("ExcNodeList", ""), info
+    assert lost not in hosts[1] and len(hosts[1]) == 2, hosts
+    assert summary["restart_count"] == 1 and summary["final_state_digest"] == ref["final_state_digest"]
+    status = run_cli(["accelpact_slurm.cli.status", str(run_dir)], timeout=60)
+    assert f"{lost} (lost whole; the requeue keeps the job off them)" in status.stdout, status.stdout
+
+
 def buggy_job(tmp_path: Path, steps: int) -> Path:
     path = job_file(tmp_path, "buggy", steps=steps, every=0)
     text = "\n".join(f"entry: {REPO}/tests/data/buggy_train.py:main" if line.startswith("entry:") else line
@@ -397,6 +424,7 @@ SCENARIOS = {
     "a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes":
         _a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes,
     "boundary_fault_is_repaired_in_process_without_requeue": _boundary_fault_is_repaired_in_process_without_requeue,
+    "a_node_lost_whole_is_excluded_on_the_requeue": _a_node_lost_whole_is_excluded_on_the_requeue,
     "a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it": _a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it,
     "a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued":
         _a_job_file_error_stops_with_2_names_the_field_and_is_not_requeued,
@@ -461,6 +489,10 @@ def test_a_node_directory_lost_between_requeue_and_restart_resumes_from_the_surv
 
 def test_a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes(outcomes):
     outcome(outcomes, "a_crashed_rank_is_named_by_the_survivors_requeued_and_the_job_completes")
+
+
+def test_a_node_lost_whole_is_excluded_on_the_requeue(outcomes):
+    outcome(outcomes, "a_node_lost_whole_is_excluded_on_the_requeue")
 
 
 def test_a_bug_stops_the_job_at_once_and_slurm_does_not_requeue_it(outcomes):

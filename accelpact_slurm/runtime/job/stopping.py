@@ -115,7 +115,11 @@ def fail_stop(stop: FailStop, events: EventLog, out: TextIO, lead: bool, control
     if lead:
         print(f"[accelpact] {line}", file=out, flush=True)
         if stop.exit_code == EXIT_REQUEUE and slurm is not None:
+            gone = info.get("gone")
+            lost = gone.get("nodes") or [] if isinstance(gone, dict) else []  # nodes lost whole: not again
+            hosts = [slurm.nodelist[n] for n in lost if isinstance(n, int) and 0 <= n < len(slurm.nodelist)]
             request_requeue(slurm.job_id, stop.reason, events, environ or os.environ, settings.emulated(environ),
+                            exclude=hosts,
                             after_sigterm=bool(info.get("after_sigterm")))
         if control is not None:
             try:
