@@ -115,6 +115,9 @@ def look(detector: Any, world_size: int, *, adopt: bool = True,
         return None
     timeouts = detector.timeouts
     others = [r for r in range(world_size) if r != detector.rank]
+    # Every rank that looks writes its record at each look (one small write per LOOK_S, only while it looks): the
+    # other survivors, looking at the same moment, see its counter move at once instead of at its next interval.
+    publisher = getattr(detector, "publisher", None)
     since = clock()
     baseline: dict[int, bytes | None] | None = None
     end = since + float(timeouts.heartbeat_s) + SLACK_INTERVALS * float(timeouts.heartbeat_interval_s)
@@ -131,6 +134,8 @@ def look(detector: Any, world_size: int, *, adopt: bool = True,
         if verdict is not None:
             log.info("the other ranks: %s (%.2f s to tell)", verdict.kind, clock() - since)
             return verdict
+        if publisher is not None:
+            publisher.publish()
         threading.Event().wait(LOOK_S)
 
 
