@@ -61,7 +61,8 @@ demo: $(STAMP)
 # lane's output follows the main lane's; make test fails when either fails. Then make test-releases.
 # ACCELPACT_CKPTD_IDLE=0: the lanes' jobs share the 2 cores, where a daemon's SCHED_IDLE writers would run only when
 # both lanes idle (docs/checkpoints.md); make test-releases runs alone, at the default.
-SIDE_FILES := tests/e2e/test_examples.py tests/e2e/test_bn_models.py tests/e2e/test_l2_reload_e2e.py tests/test_campaign.py
+SIDE_FILES := tests/e2e/test_examples.py tests/e2e/test_bn_models.py tests/e2e/test_l2_reload_e2e.py tests/test_campaign.py \
+              tests/e2e/test_heal_local.py
 SIDE_LOG   := runs/test/side-lane.log
 
 test: $(STAMP)
