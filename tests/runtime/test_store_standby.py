@@ -201,3 +201,72 @@ def test_the_store_witnesses_a_rank_whose_every_connection_closed(tmp_path, said
             holder.wait(timeout=30)
         watcher.close()
         server.close()
+
+
+_PRESENT = """
+import os, sys, time
+from datetime import timedelta
+from accelpact_slurm.runtime.detection import liveness as lv
+from accelpact_slurm.runtime.transport.store import JobStore
+from accelpact_slurm.runtime.transport.store_dial import handshake
+from accelpact_slurm.runtime.transport.store_server import presence_rank
+key, bind, port, link, rank = bytes.fromhex(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+a = JobStore("127.0.0.1", [port], key, bind, rank, timedelta(seconds=10))
+here = handshake("127.0.0.1", link, key, bind, presence_rank(rank), 10.0)
+a.set(lv.record_key(rank), lv.encode(1, os.getpid(), lv.LocalState(update=3, phase="vote")))
+a.set("ready/%d" % rank, "1")
+time.sleep(600)
+"""
+
+
+def test_the_standby_witnesses_the_ranks_that_end_with_the_store(tmp_path):
+    """Node 0 lost whole: rank 1 (a process with a connection to the store and a presence at the standby) and the
+    store are SIGKILLed together; once the standby serves, rank 1's record is marked dead by it (the store, its
+    other witness, ended with it).  Negative control: rank 3's old process, ended after a spare took its place (a
+    client named rank 3 that writes its record), is not marked; once the spare ends too, it is."""
+    import subprocess
+    import sys
+
+    from accelpact_slurm.runtime.detection import liveness as lv
+    from tests.conftest import REPO
+
+    key, bind, primary, standby, _ = _pair("706")
+    link = standby_ports(key, bind)[0][0]
+    watcher = _client(key, bind, 0, primary, standby)
+    script = tmp_path / "present.py"
+    script.write_text(_PRESENT)
+    holders = {r: subprocess.Popen([sys.executable, str(script), key.hex(), bind, str(primary.port), str(link),
+                                    str(r)], env={**os.environ, "PYTHONPATH": REPO}) for r in (1, 3)}
+    try:
+        _wait_linked(watcher)
+        watcher.wait(["ready/1", "ready/3"], timedelta(seconds=60))
+        os.kill(holders[3].pid, signal.SIGSTOP)  # rank 3's presence ends later, after a spare wrote its record
+        os.kill(primary.pid, signal.SIGKILL)
+        os.kill(holders[1].pid, signal.SIGKILL)
+        holders[1].wait(timeout=30)
+        primary.proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not (lv.decode(watcher.get(lv.record_key(1))) or {}).get("dead"):
+            assert time.monotonic() < deadline, watcher.get(lv.record_key(1))
+            threading.Event().wait(0.02)
+        assert lv.decode(watcher.get(lv.record_key(1)))["dead"]["by"] == lv.STORE_WITNESS
+        # rank 3: its place taken (a spare's client, named rank 3, writes its record), then its old process ends
+        spare = JobStore(HOST, [standby.port], key, bind, 3, timedelta(seconds=10))
+        spare.set(lv.record_key(3), lv.encode(7, 4242, lv.LocalState(update=5, phase="forward")))
+        os.kill(holders[3].pid, signal.SIGKILL)
+        holders[3].wait(timeout=30)
+        watcher.set("after", "1")  # a round trip after the close was served
+        assert not lv.decode(watcher.get(lv.record_key(3))).get("dead")
+        spare.close()  # the spare ends too: now rank 3 is gone
+        deadline = time.monotonic() + 10
+        while not (lv.decode(watcher.get(lv.record_key(3))) or {}).get("dead"):
+            assert time.monotonic() < deadline, watcher.get(lv.record_key(3))
+            threading.Event().wait(0.02)
+    finally:
+        for p in holders.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        watcher.close()
+        primary.close()
+        standby.close()

@@ -120,8 +120,9 @@ def _warm_join_park(cfg: JobConfig, run_dir: str, events: EventLog, environ: Map
             from accelpact_slurm.runtime.job.spare_place import take_place
 
             # the spare trains on as the dead rank to the job's end, or stops as a rank does
-            def connect(timeout_s: float) -> Any:  # the store, or its standby once the store is gone
-                return store.sibling(timedelta(seconds=timeout_s))
+            def connect(timeout_s: float) -> Any:  # the store, or its standby once the store is gone; named as the
+                # rank whose place it takes (the store's witness counts that rank's connections)
+                return store.sibling(timedelta(seconds=timeout_s), rank=assignment.ranks[local_rank])
 
             return take_place(assignment, cfg, store=store, connect=connect, key=key, run_dir=run_dir,
                               job_file=job_file, job_id=job_id, restart=restart, local_rank=local_rank, sid=sid,

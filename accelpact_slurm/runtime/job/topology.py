@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from accelpact_slurm.core import settings
 from accelpact_slurm.core.config import JobConfig
 from accelpact_slurm.runtime.transport.control import ControlPlane
+from accelpact_slurm.runtime.transport.store_dial import handshake
+from accelpact_slurm.runtime.transport.store_server import presence_rank
 from accelpact_slurm.runtime.transport.store import JobStore, binding as store_binding, host_standby_process, \
     host_store, host_store_process, port_candidates
 from accelpact_slurm.runtime.job.hardware import Hardware, nccl_environment, nccl_abort_hangs, select
@@ -220,13 +222,18 @@ def init_runtime(ctx: SlurmContext, cfg: JobConfig, environ: Mapping[str, str] |
     return rt
 
 
+#: This process's presence connection at the store's standby (:func:`mirror_store`), kept open until it ends.
+_PRESENCE: list[Any] = []
+
+
 def mirror_store(rank: int, layout: Layout, store: JobStore, clients: list[JobStore], server: Any, *, host: str,
                  key: bytes, bind_to: str, timeout: timedelta, on_warning: Callable[[str], None] | None = None,
                  reached_from_other_hosts: bool = False) -> Any:
     """Give the job's store a standby on node 1, so that losing node 0 (and the store beside rank 0) is a node loss
     like any other: node 1's first rank hosts the standby (returned: its handle, None elsewhere) and says where;
     rank 0's store forwards every write to it from then on; every rank's ``clients`` go over to it if the store is
-    gone (:mod:`..transport.store_server`).  Collective: every rank calls it, within ``timeout``."""
+    gone (:mod:`..transport.store_server`); every other rank holds a presence connection to it, so that the ranks
+    that end with the store (node 0's) are witnessed there too.  Collective: every rank calls it, within ``timeout``."""
     proc = None
     if rank == layout.ranks_per_node:
         proc, link = host_standby_process(host, key, bind_to, on_warning,
@@ -238,4 +245,12 @@ def mirror_store(rank: int, layout: Layout, store: JobStore, clients: list[JobSt
         server.mirror_to(doc["host"], [int(doc["link"])], timeout.total_seconds())
     for client in clients:
         client.set_standby(doc["host"], [int(doc["port"])])
+    if proc is None:  # this rank's presence at the standby: it sees this rank end even if the store ends with it
+        try:
+            presence, _sealer = handshake(doc["host"], int(doc["link"]), key, bind_to, presence_rank(rank),
+                                          timeout.total_seconds())
+            _PRESENCE.append(presence)  # held open for the process's life, never read
+        except OSError as exc:
+            log.warning("rank %d: no presence at the store's standby (%s): its end is seen by its silence there",
+                        rank, exc)
     return proc

@@ -51,6 +51,14 @@ HANDSHAKE_S = 5.0
 WARN_EVERY_S = 10.0
 #: The rank a store's link to its standby names in its handshake (no client has it).
 REPLICA_RANK = -2
+#: A rank's presence at the standby (``PRESENCE_BASE - rank`` in its handshake): a connection it only holds open,
+#: so that the standby witnesses the rank's end even when the store, which would have, ends with it (node 0).
+PRESENCE_BASE = -3
+
+
+def presence_rank(rank: int) -> int:
+    """The number a presence connection of ``rank`` names in its handshake (:data:`PRESENCE_BASE`)."""
+    return PRESENCE_BASE - rank
 #: How long the store waits for its standby's answer to the writes it forwarded, before it goes on without one.
 MIRROR_S = 10.0
 #: The requests that change the keys: forwarded to the standby before they are applied.
@@ -109,6 +117,11 @@ class StoreServer:
         # A standby (``standby_of``: the socket it serves clients on, bound, not listening yet): ``sock`` admits
         # the store's link only; once that link was up and is gone, the store is gone and this one serves.
         self._client_sock = standby_of
+        self._standby = standby_of is not None
+        # Presence connections by rank, and the ranks whose presence ended before this standby served (their
+        # departure is witnessed once it serves: the store's own witness may have ended with the store).
+        self._present: dict[int, int] = {}
+        self._gone_early: dict[int, bytes | None] = {}  # rank -> its record then
         self._linked = False
         self.promoted = standby_of is None
         # A store with a standby: its link, and the writes waiting for the standby's answer (in order).
@@ -292,13 +305,22 @@ class StoreServer:
                 self._drop(conn)
                 return
             nc, conn.rank = got
-            if (conn.rank == REPLICA_RANK) == self.promoted or (conn.rank == REPLICA_RANK and self._linked):
-                self._drop(conn)  # a standby's one link before it serves; a client only of a serving store
+            if conn.rank <= PRESENCE_BASE:  # a rank's presence: only a standby takes it
+                admit = self._standby
+            elif conn.rank == REPLICA_RANK:  # a standby's one link, before it serves
+                admit = not self.promoted and not self._linked
+            else:  # a client only of a serving store
+                admit = self.promoted
+            if not admit:
+                self._drop(conn)
                 return
             if conn.rank == REPLICA_RANK:
                 self._linked = True
             elif conn.rank >= 0:
                 self._open[conn.rank] = self._open.get(conn.rank, 0) + 1
+            else:
+                present = PRESENCE_BASE - conn.rank
+                self._present[present] = self._present.get(present, 0) + 1
             del conn.inbuf[:w.CLIENT_HELLO_SIZE]
             conn.outbuf += w.server_proof(self._key, self._binding, conn.ns, nc, conn.rank, conn.here)
             conn.sealer = w.Sealer(w.session_key(self._key, self._binding, conn.ns, nc, conn.here), b"s", b"c")
@@ -308,6 +330,9 @@ class StoreServer:
         self._serve(conn)
 
     def _serve(self, conn: _Conn) -> None:
+        if conn.rank <= PRESENCE_BASE and conn.inbuf:  # a presence connection asks nothing
+            self._drop(conn)
+            return
         while (conn.parked is None and not conn.held and len(conn.inbuf) >= w.LEN_SIZE
                and conn.sock.fileno() in self._conns):
             n = w.frame_length(bytes(conn.inbuf[:w.LEN_SIZE]))
@@ -456,6 +481,11 @@ class StoreServer:
         self._sel.register(self._listen, selectors.EVENT_READ, None)
         self._report(f"the store is gone; its standby serves the job's {len(self._data)} keys on port "
                      f"{self._listen.getsockname()[1]}")
+        for rank, then in sorted(self._gone_early.items()):  # ended before the store, or with it: witnessed here,
+            if self._witness is not None and self._data.get(self._witness[0](rank)) == then \
+                    and self._present.get(rank, 0) <= 0:  # unless its place was taken since (a spare's heartbeat
+                self._left(rank)  # changed the record)
+        self._gone_early.clear()
 
     def _report(self, msg: str) -> None:
         log.warning("store: %s", msg)
@@ -612,8 +642,17 @@ class StoreServer:
         if conn.authed and conn.rank >= 0 and conn.sock.fileno() in self._conns:
             left = self._open.get(conn.rank, 0) - 1
             self._open[conn.rank] = left
-            if left <= 0 and not self._stop:
+            if left <= 0 and self._present.get(conn.rank, 0) <= 0 and not self._stop:
                 self._left(conn.rank)
+        if conn.authed and conn.rank <= PRESENCE_BASE and conn.sock.fileno() in self._conns:
+            rank = PRESENCE_BASE - conn.rank
+            self._present[rank] = self._present.get(rank, 0) - 1
+            if self._present[rank] <= 0 and not self._stop:
+                if self.promoted:
+                    if self._open.get(rank, 0) <= 0:  # no process of that rank left here (a spare in its place
+                        self._left(rank)  # names the rank too)
+                elif self._witness is not None:
+                    self._gone_early[rank] = self._data.get(self._witness[0](rank))
         fd = conn.sock.fileno()
         self._conns.pop(fd, None)
         self._pending.pop(fd, None)
