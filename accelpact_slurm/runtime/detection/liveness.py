@@ -365,8 +365,9 @@ class Publisher:
         key = record_key(rank)
         try:
             cur = decode(self._store.get(key)) if self._store.check([key]) else None
-            if cur is not None and (cur.get("stop") or cur.get("dead")):
-                return  # it left on purpose (a fail-stop, the job's end): not a death
+            by_store = isinstance((cur or {}).get("dead"), dict) and cur["dead"].get("by") == STORE_WITNESS
+            if cur is not None and (cur.get("stop") or (cur.get("dead") and not by_store)):
+                return  # it left on purpose (a fail-stop, the job's end): not a death; or a peer saw it first
             cur = cur or {}
             ended = oom.after_death(cur)  # the OOM killer's doing: a restart meets the same limit at the same place
             how = oom.describe(ended) if ended else how

@@ -65,6 +65,9 @@ MIRROR_S = 10.0
 WRITES = frozenset({w.SET, w.MULTI_SET, w.SET_GET, w.ADD, w.CAS, w.DELETE})
 #: Set while the store has a standby that holds every key (a client waits on it; deleted when the standby is lost).
 MIRRORED_KEY = b"store/mirrored"
+#: How long the store's witness waits after a rank's last connection closed before it marks the rank dead: a node peer
+#: of the rank (its pidfd) marks it first, with what only a node peer can see (the OOM killer's doing).
+WITNESS_GRACE_S = 0.25
 #: How many add tokens a store remembers (an add sent again after a failover is answered from here).
 ADDS_KEPT = 4096
 
@@ -114,6 +117,7 @@ class StoreServer:
         # rewrite one key of it (a rank's heartbeat record marked dead: its process ended, no node peer needed).
         self._witness = witness
         self._open: dict[int, int] = {}
+        self._leaving: list[tuple[float, int]] = []  # (when, rank): witness writes waiting out their grace
         # A standby (``standby_of``: the socket it serves clients on, bound, not listening yet): ``sock`` admits
         # the store's link only; once that link was up and is gone, the store is gone and this one serves.
         self._client_sock = standby_of
@@ -236,6 +240,8 @@ class StoreServer:
             soonest = min(soonest, next(iter(self._pending.values())).deadline)  # the oldest expires first
         if self._accept_paused_until:
             soonest = min(soonest, self._accept_paused_until)
+        if self._leaving:
+            soonest = min(soonest, min(t for t, _r in self._leaving))
         heap = self._deadlines
         while heap and heap[0][2] not in self._waits:
             heapq.heappop(heap)
@@ -447,8 +453,23 @@ class StoreServer:
                     self._serve(conn)
 
     def _left(self, rank: int) -> None:
-        """Every connection of client ``rank`` closed: the witness's write, if it has one (forwarded first, as a
-        client's write is)."""
+        """Every connection of client ``rank`` closed: the witness's write, :data:`WITNESS_GRACE_S` later (a node
+        peer of the rank, which sees more, such as the OOM killer's doing, marks it first)."""
+        if self._witness is not None:
+            self._leaving.append((time.monotonic() + WITNESS_GRACE_S, rank))
+
+    def _witness_due(self) -> None:
+        now = time.monotonic()
+        due = [r for t, r in self._leaving if t <= now]
+        if not due:
+            return
+        self._leaving = [(t, r) for t, r in self._leaving if t > now]
+        for rank in due:  # still gone (a spare in its place names the rank: it is then not gone)
+            if self._open.get(rank, 0) <= 0 and self._present.get(rank, 0) <= 0:
+                self._left_now(rank)
+
+    def _left_now(self, rank: int) -> None:
+        """The witness's write for ``rank`` (forwarded first, as a client's write is)."""
         if self._witness is None:
             return
         key_of, rewrite = self._witness
@@ -669,6 +690,7 @@ class StoreServer:
             pass
 
     def _expire(self) -> None:
+        self._witness_due()
         now = time.monotonic()
         heap = self._deadlines
         while heap and (heap[0][2] not in self._waits or heap[0][0] <= now):
